@@ -1,0 +1,195 @@
+"""The `rampserve` command."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+app = typer.Typer(help="rampserve: serve models with managed early exits.", no_args_is_help=True)
+bench_app = typer.Typer(help="Benchmarks: print a table and write JSON.", no_args_is_help=True)
+zoo_app = typer.Typer(help="The bundled model zoo.", no_args_is_help=True)
+app.add_typer(bench_app, name="bench")
+app.add_typer(zoo_app, name="zoo")
+console = Console()
+
+DEFAULT_MODEL = "resnet18-fmnist"
+
+
+def _write_json(data: dict, path: Path | None) -> None:
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(data, indent=2))
+        console.print(f"wrote {path}")
+
+
+@app.command()
+def prepare(
+    model: Annotated[str, typer.Argument(help="zoo name, a .onnx file, or module:factory for a torch module")],
+    out: Annotated[Path, typer.Option(help="bundle directory to write")],
+    workload: Annotated[Optional[str], typer.Option(help="stream whose bootstrap part trains the ramps")] = None,
+    ramp_kind: Annotated[str, typer.Option(help="linear (default) or deep")] = "linear",
+    bootstrap: Annotated[int, typer.Option(help="bootstrap inputs to train ramps on, at most")] = 8000,
+    small: Annotated[bool, typer.Option(help="the zoo's tiny test variant")] = False,
+) -> None:
+    """Find the model's sites, train a ramp at each, profile it, and write a bundle."""
+    from rampserve.runtime.bundle import save_bundle
+    from rampserve.runtime.prepare import PrepareConfig
+    from rampserve.runtime.prepare import prepare as run_prepare
+    from rampserve.runtime.sources import ModelSource
+
+    try:
+        source = ModelSource.parse(model, small=small)
+        prepared = run_prepare(source, PrepareConfig(workload=workload, ramp_kind=ramp_kind, bootstrap_items=bootstrap))
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    save_bundle(prepared, out)
+    console.print(f"prepared {model}: {len(prepared.sites)} sites, bundle at {out}")
+
+
+def inspect_bundle(bundle: Path) -> dict:
+    from rampserve.runtime.bundle import read_manifest
+
+    manifest = read_manifest(bundle)
+    profile = manifest["profile"]
+    sizes = profile["batch_sizes"] if profile else []
+
+    def at(series: list[float], batch: int) -> float | None:
+        return series[sizes.index(batch)] if batch in sizes else None
+
+    sites = []
+    for site in manifest["sites"]:
+        name = site["name"]
+        ramp = site["ramp"]
+        sites.append({
+            "name": name,
+            "scope": site["scope"],
+            "op_kind": site["op_kind"],
+            "activation_shape": site["activation_shape"],
+            "ramp_kind": ramp["kind"],
+            "ramp_reduce": ramp["reduce"],
+            "ramp_parameters": _ramp_parameters(ramp),
+            "val_accuracy": site["val_accuracy"],
+            "stage_ms": {str(b): at(profile["segment_ms"][name], b) for b in (1, 16)} if profile else None,
+            "ramp_ms": {str(b): at(profile["ramp_ms"][name], b) for b in (1, 16)} if profile else None,
+        })
+    meta = manifest["meta"]
+    return {
+        "bundle": str(bundle),
+        "source": meta["source"],
+        "backend": manifest["backend"],
+        "workload": meta["workload"],
+        "sites": sites,
+        "final_stage_ms": {str(b): at(profile["segment_ms"]["output"], b) for b in (1, 16)} if profile else None,
+        "whole_model_ms": {str(b): at(profile["full_ms"], b) for b in (1, 16)} if profile else None,
+        "oracle_val": meta["oracle_val"],
+        "training": {k: meta["training"][k] for k in ("num_train", "num_val", "collect_seconds", "train_seconds")},
+    }
+
+
+def _ramp_parameters(ramp: dict) -> int:
+    from rampserve.ramps.kinds import Ramp, RampSpec
+
+    return Ramp(RampSpec.from_json(ramp)).num_parameters()
+
+
+def _fmt(value: float | None, spec: str = ".3f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def print_inspection(report: dict) -> None:
+    table = Table(title=f"{report['source']['ref']} ({report['backend']}): sites and ramps")
+    for col in ("site", "scope", "ramp", "params", "val acc", "stage ms b1", "ramp ms b1", "stage ms b16",
+                "ramp ms b16", "oracle exits"):
+        table.add_column(col, justify="left" if col in ("site", "scope", "ramp") else "right")
+    counts = report["oracle_val"]["exit_counts"]
+    for s in report["sites"]:
+        table.add_row(s["name"], s["scope"], f"{s['ramp_kind']}/{s['ramp_reduce']}", str(s["ramp_parameters"]),
+                      _fmt(s["val_accuracy"]), _fmt(s["stage_ms"]["1"]), _fmt(s["ramp_ms"]["1"]),
+                      _fmt(s["stage_ms"]["16"]), _fmt(s["ramp_ms"]["16"]), str(counts[s["name"]]))
+    table.add_row("(final stage)", "", "", "", "", _fmt(report["final_stage_ms"]["1"]), "",
+                  _fmt(report["final_stage_ms"]["16"]), "", str(counts["none"]))
+    console.print(table)
+    oracle = report["oracle_val"]
+    console.print(
+        f"whole model: {_fmt(report['whole_model_ms']['1'])} ms at batch 1, "
+        f"{_fmt(report['whole_model_ms']['16'])} ms at batch 16. "
+        f"Oracle on {oracle['inputs']} validation inputs: mean latency savings {oracle['mean_savings']:.1%}, "
+        f"median {oracle['median_savings']:.1%} (batch 1)."
+    )
+
+
+@app.command()
+def inspect(
+    bundle: Annotated[Path, typer.Argument(help="a bundle written by `rampserve prepare`")],
+    as_json: Annotated[bool, typer.Option("--json", help="print JSON instead of a table")] = False,
+) -> None:
+    """Sites, ramps, their accuracy against the original model, latencies, and the oracle's exits."""
+    from rampserve.runtime.bundle import BundleError
+
+    try:
+        report = inspect_bundle(bundle)
+    except BundleError as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(code=2) from exc
+    if as_json:
+        print(json.dumps(report, indent=2))
+    else:
+        print_inspection(report)
+
+
+@app.command()
+def demo(
+    model: Annotated[str, typer.Option(help="zoo model to prepare")] = DEFAULT_MODEL,
+    small: Annotated[bool, typer.Option(help="the zoo's tiny variant (quick)")] = False,
+) -> None:
+    """Prepare the default model (training what is missing) and show what its ramps could save."""
+    from rampserve.paths import bundles_dir
+    from rampserve.runtime.bundle import BundleError, read_manifest, save_bundle
+    from rampserve.runtime.prepare import prepare as run_prepare
+    from rampserve.runtime.sources import ModelSource
+
+    bundle = bundles_dir() / (model + ("-small" if small else ""))
+    try:
+        read_manifest(bundle)
+        console.print(f"using the prepared bundle at {bundle}")
+    except BundleError:
+        console.print(f"preparing {model}: training the model if needed, then its ramps")
+        save_bundle(run_prepare(ModelSource.parse(model, small=small)), bundle)
+    print_inspection(inspect_bundle(bundle))
+
+
+@bench_app.command("staging")
+def bench_staging(
+    json_out: Annotated[Optional[Path], typer.Option("--json", help="write the results here")] = None,
+    model: Annotated[str, typer.Option(help="zoo model")] = DEFAULT_MODEL,
+    rounds: Annotated[int, typer.Option(help="interleaved rounds at batch 1 (fewer at larger batches)")] = 200,
+    small: Annotated[bool, typer.Option(help="the zoo's tiny variant")] = False,
+) -> None:
+    """Staged execution (no active ramp) against the whole model, torch and ONNX, batch 1 and 16."""
+    from rampserve.bench.staging import run_staging_bench
+
+    result = run_staging_bench(model, rounds=rounds, small=small)
+    table = Table(title=f"staged / whole-model time, {model} (medians of interleaved runs)")
+    for col in ("backend", "batch", "cuts", "whole ms", "staged ms", "ratio"):
+        table.add_column(col, justify="right")
+    for case in result["cases"] + result["all_sites_cases"]:
+        table.add_row(case["backend"], str(case["batch_size"]), case["cuts"], f"{case['whole_ms']:.3f}",
+                      f"{case['staged_ms']:.3f}", f"{case['ratio']:.3f}")
+    console.print(table)
+    _write_json(result, json_out)
+
+
+@zoo_app.command("train")
+def zoo_train(
+    names: Annotated[Optional[list[str]], typer.Argument(help="zoo models (default: all)")] = None,
+    small: Annotated[bool, typer.Option(help="the tiny test variants")] = False,
+) -> None:
+    """Train zoo models that are not cached yet."""
+    from rampserve.zoo.train import train_zoo
+
+    console.print_json(json.dumps(train_zoo(names or None, small=small)))

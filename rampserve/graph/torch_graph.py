@@ -1,0 +1,173 @@
+"""torch.fx front end: trace a module, describe it as a `Dataflow`, and split it into stages at sites.
+
+Stages are fx GraphModules that run exactly the original nodes in the original order, so running all stages
+gives bit-for-bit the original model's output on the same inputs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import fx, nn
+
+from rampserve.graph.sites import Dataflow, Op, SiteCandidate, SitePolicy, find_sites
+
+_CONTRACTIONS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.Linear)
+_CONTRACTION_FUNCTIONS = {torch.matmul, torch.bmm, torch.mm, torch.conv2d, torch.nn.functional.linear,
+                          torch.nn.functional.conv2d, torch.einsum}
+
+
+class _LeafTracer(fx.Tracer):
+    """Keeps a model's own leaf types (declared as `rampserve_leaf_types`) whole, e.g. a Hugging Face encoder
+    layer whose internals fx cannot trace."""
+
+    def __init__(self, leaf_types: tuple[type, ...]) -> None:
+        super().__init__()
+        self.leaf_types = leaf_types
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        return isinstance(m, self.leaf_types) or super().is_leaf_module(m, module_qualified_name)
+
+
+def trace(module: nn.Module) -> fx.GraphModule:
+    leaf_types = tuple(getattr(module, "rampserve_leaf_types", ()))
+    tracer = _LeafTracer(leaf_types)
+    try:
+        graph = tracer.trace(module)
+    except Exception as exc:  # fx raises many types; the user needs to know which model and why
+        raise ValueError(
+            f"torch.fx could not trace {type(module).__name__}: {exc}. Models with data-dependent control "
+            "flow need an adapter whose hard-to-trace parts are listed in `rampserve_leaf_types`."
+        ) from exc
+    return fx.GraphModule(tracer.root, graph, type(module).__name__)
+
+
+def _is_heavy(gm: fx.GraphModule, node: fx.Node) -> bool:
+    if node.op == "call_module":
+        sub = gm.get_submodule(str(node.target))
+        return any(isinstance(m, _CONTRACTIONS) for m in sub.modules()) or any(
+            p.ndim >= 2 for m in sub.modules() if not isinstance(m, nn.Embedding)
+            for p in m.parameters(recurse=False)
+        )
+    return node.op == "call_function" and node.target in _CONTRACTION_FUNCTIONS
+
+
+def _scope(node: fx.Node) -> str:
+    if node.op == "call_module":
+        return str(node.target)
+    stack = node.meta.get("nn_module_stack") or {}
+    if stack:
+        path = list(stack.values())[-1]
+        return path[0] if isinstance(path, tuple) else str(path)
+    return ""
+
+
+def _node_inputs(node: fx.Node) -> tuple[str, ...]:
+    return tuple(n.name for n in node.all_input_nodes if n.op != "get_attr")
+
+
+def dataflow(gm: fx.GraphModule) -> Dataflow:
+    nodes = list(gm.graph.nodes)
+    placeholders = [n.name for n in nodes if n.op == "placeholder"]
+    (output,) = [n for n in nodes if n.op == "output"]
+    ops = tuple(
+        Op(
+            name=n.name,
+            kind=str(n.target.__name__ if callable(n.target) else n.target)
+            if n.op != "call_module" else type(gm.get_submodule(str(n.target))).__name__,
+            inputs=_node_inputs(n),
+            outputs=(n.name,),
+            scope=_scope(n),
+            heavy=_is_heavy(gm, n),
+        )
+        for n in nodes
+        if n.op in ("call_module", "call_function", "call_method")
+    )
+    return Dataflow(inputs=tuple(placeholders), ops=ops, outputs=_node_inputs(output))
+
+
+Stage = Callable[..., torch.Tensor]
+
+
+class TorchSplitModel:
+    """A traced torch module with its sites, able to build stage modules for any subset of sites."""
+
+    def __init__(self, module: nn.Module, policy: SitePolicy | None = None) -> None:
+        self.module = module.eval()
+        self.graph_module = trace(module)
+        self.dataflow = dataflow(self.graph_module)
+        self.sites: list[SiteCandidate] = find_sites(self.dataflow, policy)
+        self.input_names = list(self.dataflow.inputs)
+        self._stages: dict[tuple[str, ...], list[Stage]] = {}
+
+    def full(self, feeds: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.module(*(feeds[name] for name in self.input_names))
+
+    def build(self, cuts: Sequence[str]) -> list[Stage]:
+        """Stage callables `stage(activation, side_inputs)` cut at the given site values.
+
+        With no cuts the single stage is the original module itself, so a model without active ramps runs
+        exactly as it would without rampserve.
+        """
+        key = tuple(cuts)
+        if key not in self._stages:
+            self._stages[key] = self._build(key)
+        return self._stages[key]
+
+    def _build(self, cuts: tuple[str, ...]) -> list[Stage]:
+        by_value = {s.value: s for s in self.sites}
+        unknown = [c for c in cuts if c not in by_value]
+        if unknown:
+            raise ValueError(f"cuts {unknown} are not sites of this model; sites: {list(by_value)}")
+        if not cuts:
+            side = self.input_names[1:]
+            return [lambda x, side_inputs: self.module(x, *(side_inputs[n] for n in side))]
+        ordered = sorted(cuts, key=lambda c: by_value[c].index)
+        boundaries = [self.input_names[0], *ordered, None]
+        return [
+            _StageModule(self.graph_module, self.input_names, start, stop)
+            for start, stop in zip(boundaries, boundaries[1:])
+        ]
+
+
+class _StageModule:
+    """The nodes strictly after value `start` up to and including value `stop` (None: the model output)."""
+
+    def __init__(self, gm: fx.GraphModule, input_names: list[str], start: str, stop: str | None) -> None:
+        nodes = list(gm.graph.nodes)
+        index = {n.name: i for i, n in enumerate(nodes)}
+        by_name = {n.name: n for n in nodes}
+        output_node = nodes[-1]
+        last = index[stop] if stop is not None else len(nodes) - 1
+        in_range = {n for n in nodes[index[start] + 1: last + 1] if n.op != "placeholder"}
+        # Anything else the range reads (side values, weights) is recomputed or fetched in this stage.
+        needed: set[str] = set()
+        frontier = [a for n in in_range for a in n.all_input_nodes]
+        while frontier:
+            node = frontier.pop()
+            if node.name in needed or node.name == start or node in in_range:
+                continue
+            needed.add(node.name)
+            frontier.extend(node.all_input_nodes)
+        side_names = [n for n in input_names[1:] if n in needed]
+        self.side_names = side_names
+
+        graph = fx.Graph()
+        env: dict[fx.Node, fx.Node] = {by_name[start]: graph.placeholder(start)}
+        for name in side_names:
+            env[by_name[name]] = graph.placeholder(name)
+        for node in nodes:
+            if node.op in ("placeholder", "output") or node in env:
+                continue
+            if node.name in needed or node in in_range:
+                env[node] = graph.node_copy(node, lambda n: env[n])
+        result = env[by_name[stop]] if stop is not None else None
+        if result is None:
+            graph.output(fx.map_arg(output_node.args[0], lambda n: env[n]))
+        else:
+            graph.output(result)
+        self.module = fx.GraphModule(gm, graph, f"stage_{start}")
+
+    def __call__(self, activation: torch.Tensor, side_inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.module(activation, *(side_inputs[n] for n in self.side_names))

@@ -1,0 +1,179 @@
+"""Training ramps against the frozen model (Apparate §3.1, §4).
+
+The model runs once over the bootstrap data; each site's activation is reduced (the ramp's parameter-free
+first step) and kept. Every head is then fit to the original model's own labels from those features, with
+exiting disabled, so a ramp never depends on which other ramps exist. Each ramp draws all its randomness
+(initialisation, shuffling, dropout) from a seed derived from the run's seed and its site name alone:
+training one ramp by itself gives the same weights as training it among all the others.
+"""
+
+from __future__ import annotations
+
+import time
+import zlib
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+import torch
+from torch import nn
+from torch.nn import functional as F
+from tqdm.auto import tqdm
+
+from rampserve.ramps.kinds import Ramp, RampSpec, reduce_activation
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    seed: int = 0
+    val_fraction: float = 0.1
+    batch_size: int = 128
+    lr: float = 2e-3
+    weight_decay: float = 1e-4
+    max_epochs: int = 40
+    patience: int = 4  # epochs without a better validation loss before a ramp stops
+
+
+@dataclass(frozen=True)
+class RampResult:
+    site: str
+    epochs: int
+    best_epoch: int
+    val_accuracy: float  # agreement with the original model's label on held-out bootstrap data
+    val_loss: float
+
+
+@dataclass
+class TrainReport:
+    ramps: dict[str, RampResult]
+    num_train: int
+    num_val: int
+    collect_seconds: float
+    train_seconds: float
+    val_indices: list[int] = field(repr=False)
+
+    def to_json(self) -> dict:
+        data = asdict(self)
+        data.pop("val_indices")
+        return data
+
+
+@dataclass
+class Features:
+    """Reduced activations per site, the original model's labels, and the inputs' order."""
+
+    by_site: dict[str, torch.Tensor]
+    targets: torch.Tensor  # the original model's top label per input
+    seconds: float
+
+
+def collect_features(batches: Iterable[tuple[dict[str, torch.Tensor], torch.Tensor]],
+                     specs: dict[str, RampSpec]) -> Features:
+    """Reduce and keep every site's activation from (activations by site, final logits) batches."""
+    start = time.perf_counter()
+    parts: dict[str, list[torch.Tensor]] = {site: [] for site in specs}
+    targets: list[torch.Tensor] = []
+    with torch.no_grad():
+        for activations, logits in batches:
+            for site, spec in specs.items():
+                parts[site].append(reduce_activation(activations[site], spec.reduce).float().contiguous())
+            targets.append(logits.argmax(dim=1))
+    if not targets:
+        raise ValueError("no bootstrap data: ramps need at least one batch to train on")
+    return Features(
+        by_site={site: torch.cat(chunks) for site, chunks in parts.items()},
+        targets=torch.cat(targets),
+        seconds=time.perf_counter() - start,
+    )
+
+
+def ramp_seed(seed: int, site: str) -> int:
+    return (seed * 1_000_003 + zlib.crc32(site.encode())) % (2**31 - 1)
+
+
+def split_indices(n: int, config: TrainConfig) -> tuple[np.ndarray, np.ndarray]:
+    order = np.random.default_rng(config.seed).permutation(n)
+    n_val = max(1, int(round(n * config.val_fraction)))
+    if n - n_val < 1:
+        raise ValueError(f"{n} bootstrap inputs are too few to split into training and validation")
+    return np.sort(order[n_val:]), np.sort(order[:n_val])
+
+
+class _RampTrainer:
+    """One ramp's optimiser, early stopping and best weights."""
+
+    def __init__(self, site: str, spec: RampSpec, config: TrainConfig) -> None:
+        self.site = site
+        self.config = config
+        self.seed = ramp_seed(config.seed, site)
+        torch.manual_seed(self.seed)
+        self.ramp = Ramp(spec)
+        self.optimizer = torch.optim.AdamW(self.ramp.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+        self.best_loss = float("inf")
+        self.best_state = {k: v.clone() for k, v in self.ramp.state_dict().items()}
+        self.best_epoch = 0
+        self.best_accuracy = 0.0
+        self.epochs = 0
+
+    @property
+    def done(self) -> bool:
+        return self.epochs >= self.config.max_epochs or self.epochs - self.best_epoch >= self.config.patience
+
+    def epoch(self, x_train: torch.Tensor, y_train: torch.Tensor, x_val: torch.Tensor, y_val: torch.Tensor) -> None:
+        # Re-seeding per (ramp, epoch) keeps this ramp's randomness independent of the other ramps' training.
+        torch.manual_seed(self.seed + 7919 * (self.epochs + 1))
+        head = self.ramp.head
+        head.train()
+        order = torch.randperm(len(x_train))
+        for start in range(0, len(order), self.config.batch_size):
+            idx = order[start:start + self.config.batch_size]
+            loss = F.cross_entropy(head(x_train[idx]), y_train[idx])
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            self.optimizer.step()
+        self.epochs += 1
+        head.eval()
+        with torch.no_grad():
+            logits = head(x_val)
+            val_loss = float(F.cross_entropy(logits, y_val))
+            accuracy = float((logits.argmax(dim=1) == y_val).float().mean())
+        if val_loss < self.best_loss:
+            self.best_loss, self.best_epoch, self.best_accuracy = val_loss, self.epochs, accuracy
+            self.best_state = {k: v.clone() for k, v in self.ramp.state_dict().items()}
+
+    def result(self) -> tuple[Ramp, RampResult]:
+        self.ramp.load_state_dict(self.best_state)
+        self.ramp.eval()
+        return self.ramp, RampResult(self.site, self.epochs, self.best_epoch, self.best_accuracy, self.best_loss)
+
+
+def train_ramps(features: Features, specs: dict[str, RampSpec], config: TrainConfig = TrainConfig(),
+                progress: bool = True) -> tuple[dict[str, nn.Module], TrainReport]:
+    """Train every ramp in `specs` at once (one pass over epochs, each ramp stepping on its own)."""
+    start = time.perf_counter()
+    train_idx, val_idx = split_indices(len(features.targets), config)
+    t_idx, v_idx = torch.from_numpy(train_idx), torch.from_numpy(val_idx)
+    y_train, y_val = features.targets[t_idx], features.targets[v_idx]
+    trainers = [_RampTrainer(site, spec, config) for site, spec in specs.items()]
+    split = {site: (x[t_idx], x[v_idx]) for site, x in features.by_site.items() if site in specs}
+    with tqdm(total=config.max_epochs, desc="training ramps", unit="epoch", disable=not progress) as bar:
+        while not all(t.done for t in trainers):
+            for trainer in trainers:
+                if not trainer.done:
+                    x_train, x_val = split[trainer.site]
+                    trainer.epoch(x_train, y_train, x_val, y_val)
+            bar.update(1)
+            bar.set_postfix(active=sum(not t.done for t in trainers))
+    ramps: dict[str, nn.Module] = {}
+    results: dict[str, RampResult] = {}
+    for trainer in trainers:
+        ramps[trainer.site], results[trainer.site] = trainer.result()
+    report = TrainReport(
+        ramps=results,
+        num_train=len(train_idx),
+        num_val=len(val_idx),
+        collect_seconds=features.seconds,
+        train_seconds=time.perf_counter() - start,
+        val_indices=val_idx.tolist(),
+    )
+    return ramps, report

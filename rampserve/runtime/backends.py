@@ -1,0 +1,110 @@
+"""The two ways a model's stages run: torch modules (fx stages) or ONNX Runtime sessions (sub-graphs).
+
+Both split models expose the same surface (`sites`, `input_names`, `full`, `build`); this module only adds
+what differs: how arrays cross into and out of each backend.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+import torch
+from torch import nn
+
+from rampserve.graph.sites import SiteCandidate, SitePolicy
+
+
+class SplitModel(Protocol):
+    sites: list[SiteCandidate]
+    input_names: list[str]
+
+    def full(self, feeds: dict) -> object: ...
+
+    def build(self, cuts: Sequence[str]) -> list[Callable]: ...
+
+
+class Backend:
+    """A split model plus conversions between numpy feeds and the backend's native arrays."""
+
+    kind: str
+    split: SplitModel
+
+    def native(self, array: np.ndarray) -> object:
+        raise NotImplementedError
+
+    def to_tensor(self, value: object) -> torch.Tensor:
+        raise NotImplementedError
+
+    def native_feeds(self, feeds: dict[str, np.ndarray]) -> dict[str, object]:
+        missing = [n for n in self.split.input_names if n not in feeds]
+        if missing:
+            raise ValueError(f"missing model inputs {missing}; the model takes {self.split.input_names}")
+        return {name: self.native(feeds[name]) for name in self.split.input_names}
+
+    @property
+    def sites(self) -> list[SiteCandidate]:
+        return self.split.sites
+
+    def ordered_cuts(self, cuts: Sequence[str]) -> tuple[str, ...]:
+        order = {s.value: s.index for s in self.sites}
+        unknown = [c for c in cuts if c not in order]
+        if unknown:
+            raise ValueError(f"{unknown} are not sites of this model; sites: {list(order)}")
+        return tuple(sorted(set(cuts), key=order.__getitem__))
+
+    def stage_outputs(self, feeds: dict[str, np.ndarray], cuts: Sequence[str]) -> Iterator[tuple[str | None, object]]:
+        """Run stage by stage, cut only at `cuts`; yield (site, activation) after each cut and (None, output)
+        at the end. The caller acts between stages (a ramp, an early release) before asking for the next."""
+        cuts = self.ordered_cuts(cuts)
+        native = self.native_feeds(feeds)
+        primary, *side_names = self.input_names
+        side = {n: native[n] for n in side_names}
+        activation = native[primary]
+        for cut, stage in zip((*cuts, None), self.split.build(cuts)):
+            activation = stage(activation, side)
+            yield cut, activation
+
+    def site_activations(self, feed_batches: Iterable[dict[str, np.ndarray]], cuts: Sequence[str]
+                         ) -> Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]:
+        """(activation at each cut, final output) per batch, for training ramps and building caches."""
+        with torch.inference_mode():
+            for feeds in feed_batches:
+                found = {cut: self.to_tensor(act) for cut, act in self.stage_outputs(feeds, cuts)}
+                output = found.pop(None)
+                yield found, output
+
+
+class TorchBackend(Backend):
+    kind = "torch"
+
+    def __init__(self, module: nn.Module, policy: SitePolicy | None = None) -> None:
+        from rampserve.graph.torch_graph import TorchSplitModel
+
+        self.module = module.eval()
+        self.split = TorchSplitModel(self.module, policy)
+
+    def native(self, array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(array))
+
+    def to_tensor(self, value: object) -> torch.Tensor:
+        assert isinstance(value, torch.Tensor)
+        return value
+
+
+class OnnxBackend(Backend):
+    kind = "onnx"
+
+    def __init__(self, path: Path, policy: SitePolicy | None = None) -> None:
+        from rampserve.graph.onnx_graph import OnnxSplitModel
+
+        self.path = Path(path)
+        self.split = OnnxSplitModel(self.path, policy)
+
+    def native(self, array: np.ndarray) -> np.ndarray:
+        return np.ascontiguousarray(array)
+
+    def to_tensor(self, value: object) -> torch.Tensor:
+        return torch.from_numpy(np.asarray(value))

@@ -1,0 +1,152 @@
+"""Prepared-model bundles on disk: a JSON manifest, the model's weights (safetensors) or graph (ONNX), and
+the ramps' weights (safetensors). Loading never unpickles anything, and checks every file's digest."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+import safetensors.torch
+from torch import nn
+
+from rampserve import __version__
+from rampserve.ramps.kinds import Ramp
+from rampserve.runtime.backends import OnnxBackend, TorchBackend
+from rampserve.runtime.prepared import PreparedModel, SiteInfo
+from rampserve.runtime.profile import LatencyProfile
+from rampserve.runtime.sources import ModelSource, build_architecture
+
+FORMAT = "rampserve-bundle"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+RAMPS_FILE = "ramps.safetensors"
+TORCH_WEIGHTS = "model.safetensors"
+ONNX_FILE = "model.onnx"
+
+
+class BundleError(ValueError):
+    """A bundle that is missing, corrupt, or made for something this rampserve cannot load."""
+
+
+def _digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def save_bundle(model: PreparedModel, out_dir: Path) -> Path:
+    """Write atomically: a half-written bundle never sits at `out_dir`."""
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".bundle-", dir=out_dir.parent))
+    try:
+        backend = model.backend
+        if isinstance(backend, TorchBackend):
+            state = {k: v.contiguous() for k, v in backend.module.state_dict().items()}
+            safetensors.torch.save_file(state, tmp / TORCH_WEIGHTS)
+            model_file = TORCH_WEIGHTS
+        else:
+            assert isinstance(backend, OnnxBackend)
+            shutil.copyfile(backend.path, tmp / ONNX_FILE)
+            model_file = ONNX_FILE
+        ramp_state = {f"{site}/{k}": v.contiguous() for site, ramp in model.ramps.items()
+                      for k, v in ramp.state_dict().items()}
+        safetensors.torch.save_file(ramp_state, tmp / RAMPS_FILE)
+        manifest = {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "rampserve_version": __version__,
+            "backend": backend.kind,
+            "input_names": backend.input_names,
+            "sites": [s.to_json() for s in model.sites],
+            "profile": model.profile.to_json() if model.profile else None,
+            "error_score": model.error_score,
+            "meta": model.meta,
+            "files": {name: _digest(tmp / name) for name in (model_file, RAMPS_FILE)},
+        }
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        tmp.rename(out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def read_manifest(bundle_dir: Path) -> dict:
+    path = Path(bundle_dir) / MANIFEST
+    if not path.is_file():
+        raise BundleError(f"{bundle_dir} is not a rampserve bundle: {MANIFEST} is missing")
+    try:
+        manifest = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise BundleError(f"{path} is corrupt: not valid JSON ({exc})") from exc
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise BundleError(f"{path} is not a rampserve bundle manifest (format {manifest.get('format')!r})"
+                          if isinstance(manifest, dict) else f"{path} is not a rampserve bundle manifest")
+    version = manifest.get("format_version")
+    if version != FORMAT_VERSION:
+        raise BundleError(f"{bundle_dir} has bundle format {version}; this rampserve reads format "
+                          f"{FORMAT_VERSION}: prepare the model again")
+    for name, expected in manifest.get("files", {}).items():
+        file = Path(bundle_dir) / name
+        if not file.is_file():
+            raise BundleError(f"{bundle_dir} is incomplete: {name} is missing")
+        if _digest(file) != expected:
+            raise BundleError(f"{bundle_dir}/{name} is corrupt: its sha256 does not match the manifest")
+    return manifest
+
+
+def _load_state(module: nn.Module, path: Path, what: str) -> None:
+    state = safetensors.torch.load_file(path)
+    try:
+        module.load_state_dict(state, strict=True)
+    except RuntimeError as exc:
+        raise BundleError(f"{path} does not fit {what}: {exc}") from exc
+
+
+def load_bundle(bundle_dir: Path) -> PreparedModel:
+    bundle_dir = Path(bundle_dir)
+    manifest = read_manifest(bundle_dir)
+    try:
+        sites = [SiteInfo.from_json(s) for s in manifest["sites"]]
+        source = ModelSource.from_json(manifest["meta"]["source"])
+        backend_kind = manifest["backend"]
+    except (KeyError, TypeError, ValueError) as exc:
+        raise BundleError(f"{bundle_dir}/{MANIFEST} is incomplete: {exc!r}") from exc
+    # The manifest's sites, whatever policy chose them, as long as they are still cut values of the model.
+    names = {s.name for s in sites}
+    policy = lambda graph, candidates: [c for c in candidates if c.value in names]  # noqa: E731
+    if backend_kind == "torch":
+        module = build_architecture(source)
+        _load_state(module, bundle_dir / TORCH_WEIGHTS, f"the architecture of {source.ref}")
+        backend = TorchBackend(module, policy)
+    elif backend_kind == "onnx":
+        backend = OnnxBackend(bundle_dir / ONNX_FILE, policy)
+    else:
+        raise BundleError(f"{bundle_dir}: unknown backend {backend_kind!r} (known: torch, onnx)")
+    found = {s.value for s in backend.sites}
+    missing = [s.name for s in sites if s.name not in found]
+    if missing:
+        raise BundleError(f"{bundle_dir}: sites {missing} are not sites of the model it holds; "
+                          "was it prepared with a different model or rampserve version?")
+    ramps: dict[str, Ramp] = {}
+    ramp_state = safetensors.torch.load_file(bundle_dir / RAMPS_FILE)
+    for site in sites:
+        ramp = Ramp(site.ramp)
+        prefix = f"{site.name}/"
+        state = {k[len(prefix):]: v for k, v in ramp_state.items() if k.startswith(prefix)}
+        try:
+            ramp.load_state_dict(state, strict=True)
+        except RuntimeError as exc:
+            raise BundleError(f"{bundle_dir}: the ramp at {site.name} does not match its spec: {exc}") from exc
+        ramps[site.name] = ramp.eval()
+    profile = LatencyProfile.from_json(manifest["profile"]) if manifest.get("profile") else None
+    return PreparedModel(backend=backend, sites=sites, ramps=ramps, profile=profile, meta=manifest["meta"],
+                         error_score=manifest.get("error_score", "max_prob"))

@@ -1,0 +1,153 @@
+"""Preparing a model: find its sites, train a ramp at each on bootstrap data, and profile it."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+import torch
+
+from rampserve.graph.sites import SitePolicy
+from rampserve.ramps.kinds import spec_for
+from rampserve.ramps.oracle import NO_EXIT, earliest_correct_exit, exit_latency
+from rampserve.ramps.train import TrainConfig, collect_features, train_ramps
+from rampserve.runtime.backends import Backend, OnnxBackend, TorchBackend
+from rampserve.runtime.prepared import PreparedModel, SiteInfo
+from rampserve.runtime.profile import DEFAULT_BATCH_SIZES, LatencyProfile, measure_profile
+from rampserve.runtime.sources import ModelSource, load_trained
+from rampserve.workloads.streams import get_stream
+
+Encoder = Callable[[object], dict[str, np.ndarray]]
+
+
+@dataclass(frozen=True)
+class PrepareConfig:
+    workload: str | None = None  # stream whose bootstrap part trains the ramps; default from the zoo entry
+    ramp_kind: str = "linear"
+    bootstrap_items: int = 8000  # at most this many bootstrap inputs (distinct ones, for text)
+    batch_size: int = 64
+    error_score: str = "max_prob"
+    profile_batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES
+    profile_repeats: int = 7
+    train: TrainConfig = field(default_factory=TrainConfig)
+    progress: bool = True
+
+
+def encoder_for(task: str) -> Encoder:
+    if task == "image":
+        from rampserve.workloads.fashion_mnist import to_model_input
+
+        return lambda pixels: {"image": to_model_input(pixels)}
+    if task == "text":
+        from rampserve.zoo.minilm import encode_texts
+
+        return encode_texts
+    raise ValueError(f"no input encoder for task {task!r} (known: image, text)")
+
+
+def default_workload(source: ModelSource) -> str:
+    if source.kind == "zoo":
+        from rampserve.zoo.registry import get_entry
+
+        return "rt-drift" if get_entry(source.ref, small=source.small).task == "text" else "fmnist-drift"
+    raise ValueError(f"a {source.kind} model needs a workload to train its ramps on (e.g. fmnist-drift)")
+
+
+def make_backend(source: ModelSource, policy: SitePolicy | None = None) -> Backend:
+    if source.kind == "onnx":
+        from pathlib import Path
+
+        return OnnxBackend(Path(source.ref), policy)
+    return TorchBackend(load_trained(source), policy)
+
+
+def feeds_for(backend: Backend, encoder: Encoder, items: object) -> dict[str, np.ndarray]:
+    """Encoded inputs named after the model's own inputs (matched by position)."""
+    arrays = list(encoder(items).values())
+    if len(arrays) != len(backend.input_names):
+        raise ValueError(f"the workload gives {len(arrays)} inputs but the model takes {backend.input_names}")
+    return dict(zip(backend.input_names, arrays))
+
+
+def bootstrap_items(workload: str, limit: int) -> list | np.ndarray:
+    stream = get_stream(workload)
+    start = stream.bootstrap.start
+    stop = min(stream.bootstrap.stop, start + limit)
+    items = stream.items(start, stop)
+    if isinstance(items, list):  # repeated texts add nothing but weight: keep each once
+        items = list(dict.fromkeys(items))
+    return items
+
+
+def _batches(items, size: int) -> Iterator:
+    for start in range(0, len(items), size):
+        yield items[start:start + size]
+
+
+def oracle_summary(ramp_labels: np.ndarray, final: np.ndarray, sites: list[str],
+                   profile: LatencyProfile) -> dict:
+    """Exit distribution and latency savings at batch size 1 if every input left at its earliest correct ramp."""
+    exits = earliest_correct_exit(ramp_labels, final)
+    full = profile.full(1)
+    latency = exit_latency(exits, profile.reach(1), full)
+    counts = {site: int((exits == i).sum()) for i, site in enumerate(sites)}
+    counts["none"] = int((exits == NO_EXIT).sum())
+    return {
+        "inputs": int(len(final)),
+        "exit_counts": counts,
+        "mean_savings": float(1.0 - latency.mean() / full),
+        "median_savings": float(1.0 - np.median(latency) / full),
+    }
+
+
+def prepare(source: ModelSource, config: PrepareConfig = PrepareConfig(),
+            policy: SitePolicy | None = None) -> PreparedModel:
+    backend = make_backend(source, policy)
+    if not backend.sites:
+        raise ValueError(f"{source.ref} has no sites where a ramp could go")
+    workload = config.workload or default_workload(source)
+    task = get_stream(workload).task
+    encoder = encoder_for(task)
+    items = bootstrap_items(workload, config.bootstrap_items)
+    sample = feeds_for(backend, encoder, items[:2])
+
+    site_names = [s.value for s in backend.sites]
+    probe_acts, probe_logits = next(backend.site_activations([sample], site_names))
+    num_classes = int(probe_logits.shape[1])
+    specs = {name: spec_for(config.ramp_kind, tuple(act.shape[1:]), num_classes) for name, act in probe_acts.items()}
+
+    features = collect_features(
+        backend.site_activations(
+            (feeds_for(backend, encoder, chunk) for chunk in _batches(items, config.batch_size)), site_names),
+        specs,
+    )
+    ramps, report = train_ramps(features, specs, config.train, progress=config.progress)
+    sites = [
+        SiteInfo(s.value, s.index, s.kind, s.scope, tuple(probe_acts[s.value].shape[1:]), specs[s.value],
+                 report.ramps[s.value].val_accuracy)
+        for s in backend.sites
+    ]
+    model = PreparedModel(backend=backend, sites=sites, ramps=ramps, error_score=config.error_score)
+
+    def sample_feeds(batch_size: int) -> dict[str, np.ndarray]:
+        chosen = list(itertools.islice(itertools.cycle(range(len(items))), batch_size))
+        return feeds_for(backend, encoder, [items[i] for i in chosen] if isinstance(items, list) else items[chosen])
+
+    model.profile = measure_profile(model, sample_feeds, config.profile_batch_sizes, config.profile_repeats,
+                                    progress=config.progress)
+    val = torch.tensor(report.val_indices)
+    with torch.no_grad():
+        ramp_labels = np.stack(
+            [ramps[s].head(features.by_site[s][val]).argmax(dim=1).numpy() for s in model.site_names], axis=1)
+    model.meta = {
+        "source": source.to_json(),
+        "workload": workload,
+        "task": task,
+        "num_classes": num_classes,
+        "ramp_kind": config.ramp_kind,
+        "training": {**report.to_json(), "config": asdict(config.train)},
+        "oracle_val": oracle_summary(ramp_labels, features.targets[val].numpy(), model.site_names, model.profile),
+    }
+    return model

@@ -1,0 +1,83 @@
+"""A prepared model: the user's model split at its sites, a ramp per site, and a latency profile."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from rampserve.ramps.kinds import Ramp, RampSpec
+from rampserve.ramps.scores import top_label_and_error
+from rampserve.runtime.backends import Backend
+from rampserve.runtime.profile import LatencyProfile
+
+# Called after each active ramp with the site's name, every input's top label and error score.
+RampCallback = Callable[[str, np.ndarray, np.ndarray], None]
+
+
+@dataclass(frozen=True)
+class SiteInfo:
+    name: str  # the cut value in the model's graph
+    index: int  # position in the graph's op order
+    op_kind: str
+    scope: str
+    activation_shape: tuple[int, ...]  # per input
+    ramp: RampSpec
+    val_accuracy: float | None = None  # ramp's agreement with the original model on held-out bootstrap data
+
+    def to_json(self) -> dict:
+        return {
+            "name": self.name,
+            "index": self.index,
+            "op_kind": self.op_kind,
+            "scope": self.scope,
+            "activation_shape": list(self.activation_shape),
+            "ramp": self.ramp.to_json(),
+            "val_accuracy": self.val_accuracy,
+        }
+
+    @classmethod
+    def from_json(cls, data: dict) -> SiteInfo:
+        return cls(
+            name=str(data["name"]),
+            index=int(data["index"]),
+            op_kind=str(data["op_kind"]),
+            scope=str(data["scope"]),
+            activation_shape=tuple(int(d) for d in data["activation_shape"]),
+            ramp=RampSpec.from_json(data["ramp"]),
+            val_accuracy=None if data.get("val_accuracy") is None else float(data["val_accuracy"]),
+        )
+
+
+@dataclass
+class PreparedModel:
+    backend: Backend
+    sites: list[SiteInfo]
+    ramps: dict[str, Ramp]
+    profile: LatencyProfile | None = None
+    meta: dict = field(default_factory=dict)  # source, encoder, training report, oracle statistics
+    error_score: str = "max_prob"
+
+    @property
+    def site_names(self) -> list[str]:
+        return [s.name for s in self.sites]
+
+    @property
+    def num_classes(self) -> int:
+        return self.sites[0].ramp.num_classes if self.sites else int(self.meta["num_classes"])
+
+    def run(self, feeds: dict[str, np.ndarray], active: Sequence[str] = (),
+            on_ramp: RampCallback | None = None) -> np.ndarray:
+        """Run stage by stage, cut only at the active ramps' sites; after each, report every input's top label
+        and error score to `on_ramp`. Returns the original model's output (logits)."""
+        with torch.inference_mode():
+            for cut, activation in self.backend.stage_outputs(feeds, active):
+                if cut is None:
+                    return self.backend.to_tensor(activation).numpy()
+                logits = self.ramps[cut](self.backend.to_tensor(activation))
+                labels, errors = top_label_and_error(logits.numpy(), self.error_score)
+                if on_ramp is not None:
+                    on_ramp(cut, labels, errors)
+        raise AssertionError("the last stage always yields the output")

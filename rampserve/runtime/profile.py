@@ -1,0 +1,110 @@
+"""Latency profile of a prepared model, measured on the serving machine.
+
+Per batch size: the whole model in one piece, every segment between consecutive sites, and every ramp.
+The controller and simulator read savings and overheads from it instead of timing anything themselves.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
+
+
+@dataclass(frozen=True)
+class LatencyProfile:
+    batch_sizes: tuple[int, ...]
+    sites: tuple[str, ...]  # in model order
+    full_ms: tuple[float, ...]  # whole model, per batch size
+    segment_ms: dict[str, tuple[float, ...]]  # segment ending at each site, and "output" for the last one
+    ramp_ms: dict[str, tuple[float, ...]]
+
+    def _column(self, batch_size: int) -> int:
+        """The profiled batch size at or above `batch_size` (the largest when beyond)."""
+        return min(bisect.bisect_left(self.batch_sizes, batch_size), len(self.batch_sizes) - 1)
+
+    def full(self, batch_size: int) -> float:
+        return self.full_ms[self._column(batch_size)]
+
+    def ramp(self, site: str, batch_size: int) -> float:
+        return self.ramp_ms[site][self._column(batch_size)]
+
+    def reach(self, batch_size: int) -> np.ndarray:
+        """Time from the start of the model to each site, in site order, scaled so that reaching the output
+        costs the whole model's time (segments measured apart add up to a little more than one piece)."""
+        col = self._column(batch_size)
+        segments = np.array([self.segment_ms[s][col] for s in (*self.sites, "output")])
+        scale = self.full_ms[col] / segments.sum() if segments.sum() > 0 else 1.0
+        return np.cumsum(segments)[:-1] * scale
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> LatencyProfile:
+        return cls(
+            batch_sizes=tuple(int(b) for b in data["batch_sizes"]),
+            sites=tuple(data["sites"]),
+            full_ms=tuple(float(v) for v in data["full_ms"]),
+            segment_ms={k: tuple(float(x) for x in v) for k, v in data["segment_ms"].items()},
+            ramp_ms={k: tuple(float(x) for x in v) for k, v in data["ramp_ms"].items()},
+        )
+
+
+def _timed(fn: Callable[[], object]) -> tuple[object, float]:
+    start = time.perf_counter()
+    out = fn()
+    return out, (time.perf_counter() - start) * 1000.0
+
+
+def measure_profile(model, sample_feeds: Callable[[int], dict[str, np.ndarray]],
+                    batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES, repeats: int = 7,
+                    progress: bool = True) -> LatencyProfile:
+    """Median times over `repeats` interleaved runs of the whole model and of the split model.
+
+    `model` is a `PreparedModel`; `sample_feeds(b)` gives real inputs of batch size b.
+    """
+    backend = model.backend
+    sites = [s.name for s in model.sites]
+    stages = backend.split.build(tuple(sites))
+    full_stage = backend.split.build(())[0]
+    primary, side_names = backend.input_names[0], backend.input_names[1:]
+    full: list[float] = []
+    segment: dict[str, list[float]] = {s: [] for s in (*sites, "output")}
+    ramp: dict[str, list[float]] = {s: [] for s in sites}
+    for batch_size in tqdm(batch_sizes, desc="profiling latency", unit="batch size", disable=not progress):
+        feeds = backend.native_feeds(sample_feeds(batch_size))
+        side = {n: feeds[n] for n in side_names}
+        runs: dict[str, list[float]] = {k: [] for k in ("full", *segment, *(f"ramp:{s}" for s in sites))}
+        with torch.inference_mode():
+            for rep in range(repeats + 2):  # two warm-up runs, discarded
+                _, t_full = _timed(lambda: full_stage(feeds[primary], side))
+                timings = {"full": t_full}
+                activation = feeds[primary]
+                for name, stage in zip((*sites, "output"), stages):
+                    activation, timings[name] = _timed(lambda: stage(activation, side))
+                    if name != "output":
+                        tensor = backend.to_tensor(activation)
+                        _, timings[f"ramp:{name}"] = _timed(lambda: model.ramps[name](tensor))
+                if rep >= 2:
+                    for key, value in timings.items():
+                        runs[key].append(value)
+        full.append(float(np.median(runs["full"])))
+        for name in segment:
+            segment[name].append(float(np.median(runs[name])))
+        for name in sites:
+            ramp[name].append(float(np.median(runs[f"ramp:{name}"])))
+    return LatencyProfile(
+        batch_sizes=tuple(batch_sizes),
+        sites=tuple(sites),
+        full_ms=tuple(full),
+        segment_ms={k: tuple(v) for k, v in segment.items()},
+        ramp_ms={k: tuple(v) for k, v in ramp.items()},
+    )

@@ -1,0 +1,71 @@
+"""Where a served model comes from: a zoo name, a `module:factory` that builds a torch module, or an ONNX file."""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from torch import nn
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    kind: str  # "zoo", "factory" or "onnx"
+    ref: str  # zoo name, "package.module:function", or path of the .onnx file
+    small: bool = False  # the zoo's tiny variant, for tests
+
+    @classmethod
+    def parse(cls, text: str, small: bool = False) -> ModelSource:
+        if text.endswith(".onnx"):
+            if not Path(text).is_file():
+                raise ValueError(f"ONNX file {text} does not exist")
+            return cls("onnx", str(Path(text).resolve()))
+        if ":" in text:
+            return cls("factory", text)
+        from rampserve.zoo.registry import zoo_names
+
+        if text not in zoo_names():
+            raise ValueError(f"unknown model {text!r}: give a zoo name ({', '.join(zoo_names())}), "
+                             "a path ending in .onnx, or module:factory")
+        return cls("zoo", text, small)
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> ModelSource:
+        return cls(kind=str(data["kind"]), ref=str(data["ref"]), small=bool(data.get("small", False)))
+
+
+def _factory(ref: str):
+    module_name, _, attr = ref.partition(":")
+    try:
+        return getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"cannot import model factory {ref!r}: {exc}") from exc
+
+
+def build_architecture(source: ModelSource) -> nn.Module:
+    """The model's architecture, to receive weights from a bundle."""
+    if source.kind == "zoo":
+        from rampserve.zoo.registry import get_entry
+
+        return get_entry(source.ref, small=source.small).build()
+    if source.kind == "factory":
+        return _factory(source.ref)()
+    raise ValueError(f"a {source.kind} source has no torch architecture")
+
+
+def load_trained(source: ModelSource) -> nn.Module:
+    """The user's model with its own weights (zoo models are trained and cached on first use)."""
+    if source.kind == "zoo":
+        from rampserve.zoo.registry import load_trained as load_zoo
+
+        return load_zoo(source.ref, small=source.small)
+    if source.kind == "factory":
+        module = _factory(source.ref)()
+        if not isinstance(module, nn.Module):
+            raise ValueError(f"{source.ref} returned {type(module).__name__}, not a torch.nn.Module")
+        return module.eval()
+    raise ValueError(f"a {source.kind} source is not a torch module")

@@ -1,0 +1,6 @@
+#!/usr/bin/env bash
+# Set up what the tests need (idempotent), then run them.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+exec .venv/bin/python -m pytest -q "$@"
