@@ -46,3 +46,13 @@ def load_rotten_tomatoes() -> RottenTomatoes:
         labels=(frame["category"] == "fresh").to_numpy(dtype=np.int64),
         movies=tuple(frame["movie_name"].astype(str)),
     )
+
+
+def rt_movie_split(seed: int = 0) -> dict[str, np.ndarray]:
+    """Row indices of disjoint movie groups: "train" 60% of movies, "test" 10%, "stream" the remaining 30%."""
+    corpus = load_rotten_tomatoes()
+    names, movie_of_row = np.unique(np.asarray(corpus.movies), return_inverse=True)
+    order = np.random.Generator(np.random.PCG64(seed)).permutation(len(names))
+    n_train, n_test = int(0.6 * len(names)), int(0.1 * len(names))
+    groups = {"train": order[:n_train], "test": order[n_train:n_train + n_test], "stream": order[n_train + n_test:]}
+    return {key: np.flatnonzero(np.isin(movie_of_row, movies)) for key, movies in groups.items()}
