@@ -1,0 +1,287 @@
+"""ONNX front end: describe an ONNX model as a `Dataflow`, and run it in stages split at sites.
+
+Stages are sub-graphs of the original graph, each in its own onnxruntime session, so a third-party model
+needs no Python source to get exit ramps: only its ONNX file.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+
+from rampserve.graph.sites import Dataflow, Op, SiteCandidate, SitePolicy, find_sites
+
+if TYPE_CHECKING:
+    import torch
+
+Stage = Callable[[np.ndarray, Mapping[str, np.ndarray]], np.ndarray]
+
+# Contractions. They count as heavy (a "layer") only when an operand is a constant, i.e. learned weights:
+# attention's activation-by-activation MatMuls belong to a layer whose weighted projections already count,
+# and counting them would make one attention layer look like three layers to the site policy.
+_CONTRACTIONS = frozenset({
+    "Conv", "ConvInteger", "ConvTranspose", "DeformConv", "QLinearConv",
+    "Gemm", "MatMul", "MatMulInteger", "QLinearMatMul", "Einsum",
+    "LSTM", "GRU", "RNN",
+    "Attention", "FusedConv", "FusedGemm", "FusedMatMul", "MatMulNBits",  # onnxruntime's com.microsoft ops
+})
+# Ops that produce a fresh value on every run even from constant inputs, so their outputs are not constants.
+_RANDOM = frozenset({
+    "RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike", "Multinomial", "Bernoulli",
+})
+
+_MODULE_PATH = re.compile(r"\w+(?:\.\w+)*")
+
+
+def scope_from_node_name(name: str) -> str:
+    """The dotted module path of a node named by `torch.onnx.export(..., dynamo=False)`, or "" when unknown.
+
+    The exporter names a node by its module call stack, one component per module, ending with the op:
+    "/layer1/layer1.0/conv1/Conv". Each component is the module's qualified name from its last non-numeric
+    atom on, so a container's child repeats the container's path ("layer1" then "layer1.0", "seq.0" then
+    "seq.0.1") while any other child is its attribute name ("conv1"). Joining accordingly gives the module's
+    qualified name, "layer1.0.conv1". A container that is indexed but never called (a ModuleDict, a
+    ModuleList) has no component of its own; a ModuleList's index survives in its child's ("lst.0.0") but a
+    ModuleDict's attribute name is lost. A module called twice gets "_1" on its second call's component
+    ("layer1.0.relu_1"), kept as is: a module may really be named so.
+    """
+    parts = name.split("/")
+    if len(parts) < 2 or parts[0] != "":
+        return ""
+    path: list[str] = []
+    for component in parts[1:-1]:
+        if not _MODULE_PATH.fullmatch(component):
+            return ""
+        if path and component.startswith(path[-1] + "."):
+            path[-1] = component
+        else:
+            path.append(component)
+    return ".".join(path)
+
+
+def _subgraph_references(node: onnx.NodeProto) -> list[str]:
+    """Outer-scope values read inside a node's sub-graphs (If/Loop/Scan bodies): hidden inputs of the node."""
+    refs: list[str] = []
+    for attr in node.attribute:
+        bodies = [attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs)
+        for body in bodies:
+            local = {v.name for v in body.input} | {t.name for t in body.initializer} | {""}
+            for inner in body.node:
+                refs.extend(v for v in (*inner.input, *_subgraph_references(inner)) if v not in local)
+                local.update(inner.output)
+    return refs
+
+
+def _node_inputs(node: onnx.NodeProto) -> list[str]:
+    """Every value a node reads, hidden sub-graph reads included, once each and without absent optionals."""
+    return list(dict.fromkeys(v for v in (*node.input, *_subgraph_references(node)) if v))
+
+
+def _real_inputs(graph: onnx.GraphProto) -> list[str]:
+    # Older exporters also list initializers as graph inputs (to allow overriding them); those are weights.
+    weights = {t.name for t in graph.initializer}
+    return [v.name for v in graph.input if v.name not in weights]
+
+
+def _topological_order(graph: onnx.GraphProto) -> list[int]:
+    """Node indices in an order where each node reads only values already available; the identity when the
+    graph is sorted, as the ONNX spec requires but not every producer ensures."""
+    available = {*_real_inputs(graph), *(t.name for t in graph.initializer)}
+    reads = [_node_inputs(node) for node in graph.node]
+    pending, order = list(range(len(graph.node))), []
+    while pending:
+        blocked = []
+        for index in pending:
+            if all(v in available for v in reads[index]):
+                order.append(index)
+                available.update(graph.node[index].output)
+            else:
+                blocked.append(index)
+        if len(blocked) == len(pending):
+            node = graph.node[blocked[0]]
+            missing = [v for v in reads[blocked[0]] if v not in available]
+            raise ValueError(f"ONNX node {node.name or node.op_type!r} reads {missing}, which nothing produces")
+        pending = blocked
+    return order
+
+
+def _sorted_model(model: onnx.ModelProto) -> onnx.ModelProto:
+    order = _topological_order(model.graph)
+    if order == sorted(order):
+        return model
+    ordered = onnx.ModelProto()
+    ordered.CopyFrom(model)
+    del ordered.graph.node[:]
+    ordered.graph.node.extend(model.graph.node[i] for i in order)
+    return ordered
+
+
+def onnx_dataflow(model: onnx.ModelProto) -> Dataflow:
+    """The model's graph as a `Dataflow`. The primary input is the first graph input that is not a weight.
+
+    Constants are not data values: initializers, Constant nodes, and nodes computing only from constants
+    (the exporter leaves shape arithmetic such as a Pad's pads unfolded) are left out, ops and inputs alike.
+    """
+    graph = model.graph
+    constants = {t.name for t in graph.initializer}
+    ops = []
+    for index in _topological_order(graph):
+        node = graph.node[index]
+        reads = _node_inputs(node)
+        if node.op_type not in _RANDOM and all(v in constants for v in reads):
+            constants.update(node.output)
+            continue
+        ops.append(
+            Op(
+                name=node.name or f"{node.op_type}_{index}",
+                kind=node.op_type,
+                inputs=tuple(v for v in reads if v not in constants),
+                outputs=tuple(v for v in node.output if v),
+                scope=scope_from_node_name(node.name),
+                heavy=node.op_type in _CONTRACTIONS and any(v in constants for v in reads),
+            )
+        )
+    return Dataflow(inputs=tuple(_real_inputs(graph)), ops=tuple(ops), outputs=tuple(v.name for v in graph.output))
+
+
+@dataclass(frozen=True)
+class _Runner:
+    """One session that maps the data value `input_name` (plus the side inputs it reads) to `output_name`."""
+
+    session: ort.InferenceSession
+    input_name: str
+    side_names: tuple[str, ...]
+    output_name: str
+
+    def __call__(self, x: np.ndarray, side: Mapping[str, np.ndarray]) -> np.ndarray:
+        missing = [name for name in self.side_names if name not in side]
+        if missing:
+            raise KeyError(f"this stage reads side inputs {missing}, which were not given")
+        feeds = {self.input_name: x, **{name: side[name] for name in self.side_names}}
+        return self.session.run([self.output_name], feeds)[0]
+
+
+class OnnxSplitModel:
+    """An ONNX model with its sites, runnable whole or as a chain of stages cut at chosen sites."""
+
+    def __init__(self, model: onnx.ModelProto | str | Path, policy: SitePolicy | None = None) -> None:
+        loaded = model if isinstance(model, onnx.ModelProto) else onnx.load(str(model))
+        # Shape inference gives every cut value a type, which a stage needs to declare it as an input/output.
+        self._model = onnx.shape_inference.infer_shapes(_sorted_model(loaded))
+        graph = self._model.graph
+        if len(graph.output) != 1:
+            raise ValueError(f"staged execution needs a model with one output, not {len(graph.output)}")
+        self.dataflow = onnx_dataflow(self._model)
+        self.sites: list[SiteCandidate] = find_sites(self.dataflow, policy)
+        self.input_names: list[str] = list(self.dataflow.inputs)
+        self.output_name: str = graph.output[0].name
+        self._types = {v.name: v for v in (*graph.input, *graph.value_info, *graph.output)}
+        self._producer = {v: index for index, node in enumerate(graph.node) for v in node.output if v}
+        self._initializers = {t.name: t for t in graph.initializer}
+        self._options = ort.SessionOptions()
+        self._runners: dict[tuple[str, str], _Runner] = {}
+        self._lock = threading.Lock()
+
+    def full(self, feeds: Mapping[str, np.ndarray]) -> np.ndarray:
+        """The model's output from all its inputs, by one session over the whole graph."""
+        primary = self.input_names[0]
+        return self._runner(primary, self.output_name)(feeds[primary], feeds)
+
+    def build(self, cuts: Sequence[str]) -> list[Stage]:
+        """One callable per stage, cutting at the given site values (in any order); `()` gives one stage."""
+        position = {site.value: site.index for site in self.sites}
+        strays = [cut for cut in cuts if cut not in position]
+        if strays:
+            raise ValueError(
+                f"cuts {strays} are not sites of this model; the {len(self.sites)} sites are "
+                f"{[site.value for site in self.sites]}"
+            )
+        if len(set(cuts)) != len(cuts):
+            raise ValueError(f"cuts {list(cuts)} name a site more than once")
+        bounds = [self.input_names[0], *sorted(cuts, key=position.__getitem__), self.output_name]
+        return [self._runner(start, stop) for start, stop in zip(bounds, bounds[1:])]
+
+    def _runner(self, start: str, stop: str) -> _Runner:
+        # Keyed by segment rather than by cut tuple: a segment's session is the same whatever the other cuts
+        # are, so cut tuples that share a segment share its session.
+        with self._lock:
+            runner = self._runners.get((start, stop))
+            if runner is None:
+                runner = self._runners[(start, stop)] = self._make_runner(start, stop)
+            return runner
+
+    def _make_runner(self, start: str, stop: str) -> _Runner:
+        if (start, stop) == (self.input_names[0], self.output_name):  # `full`, and the one stage of `build(())`
+            model, side = self._model, self.input_names[1:]
+        else:
+            model, side = self._segment(start, stop)
+        session = ort.InferenceSession(
+            model.SerializeToString(), self._options, providers=["CPUExecutionProvider"]
+        )
+        return _Runner(session, start, tuple(side), stop)
+
+    def _segment(self, start: str, stop: str) -> tuple[onnx.ModelProto, list[str]]:
+        """The sub-graph computing `stop` from `start` and side inputs, and which side inputs it reads.
+
+        Built here rather than by `onnx.utils.Extractor`, which misses values read inside If/Loop bodies.
+        Constants and side values are recomputed by every stage that needs them (they cost little, and a
+        site is defined as the only *data* value crossing the cut).
+        """
+        graph = self._model.graph
+        graph_inputs = set(self.input_names)
+        chosen: set[int] = set()
+        side_used: set[str] = set()
+        frontier, seen = [stop], {start}
+        while frontier:
+            value = frontier.pop()
+            if value in seen or value in self._initializers:
+                continue
+            seen.add(value)
+            if value in graph_inputs:
+                if value == self.input_names[0]:
+                    raise ValueError(f"{stop!r} depends on the primary input other than through {start!r}")
+                side_used.add(value)
+                continue
+            index = self._producer[value]
+            chosen.add(index)
+            frontier.extend(_node_inputs(graph.node[index]))
+        nodes = [graph.node[index] for index in sorted(chosen)]
+        weights = [self._initializers[v] for v in dict.fromkeys(v for n in nodes for v in _node_inputs(n))
+                   if v in self._initializers]
+        inputs = [start, *(v for v in self.input_names[1:] if v in side_used)]
+        for value in (*inputs, stop):
+            if value not in self._types:
+                raise ValueError(f"shape inference found no type for {value!r}, so no stage can carry it")
+        sub = onnx.helper.make_graph(
+            nodes, f"{graph.name}[{start}->{stop}]", [self._types[v] for v in inputs], [self._types[stop]],
+            initializer=weights,
+        )
+        model = onnx.helper.make_model(
+            sub, ir_version=self._model.ir_version, opset_imports=self._model.opset_import,
+            functions=self._model.functions,
+        )
+        return model, inputs[1:]
+
+
+def export_onnx(
+    module: torch.nn.Module, example: tuple[torch.Tensor, ...], input_names: Sequence[str], path: str | Path
+) -> Path:
+    """Export with the TorchScript exporter, whose node names carry module paths (see `scope_from_node_name`),
+    with a dynamic batch dimension on every input and on the output ("logits")."""
+    import torch  # here, so that serving an ONNX model does not import torch
+
+    path = Path(path)
+    dynamic = {name: {0: "batch"} for name in [*input_names, "logits"]}
+    torch.onnx.export(
+        module, example, str(path), dynamo=False, opset_version=17,
+        input_names=list(input_names), output_names=["logits"], dynamic_axes=dynamic,
+    )
+    return path
