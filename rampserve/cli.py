@@ -103,15 +103,15 @@ def _fmt(value: float | None, spec: str = ".3f") -> str:
 
 def print_inspection(report: dict) -> None:
     table = Table(title=f"{report['source']['ref']} ({report['backend']}): sites and ramps")
-    for col in ("site", "scope", "ramp", "params", "val acc", "stage ms b1", "ramp ms b1", "stage ms b16",
+    for col in ("site", "ramp", "params", "val acc", "stage ms b1", "ramp ms b1", "stage ms b16",
                 "ramp ms b16", "oracle exits"):
-        table.add_column(col, justify="left" if col in ("site", "scope", "ramp") else "right")
+        table.add_column(col, justify="left" if col in ("site", "ramp") else "right")
     counts = report["oracle_val"]["exit_counts"]
     for s in report["sites"]:
-        table.add_row(s["name"], s["scope"], f"{s['ramp_kind']}/{s['ramp_reduce']}", str(s["ramp_parameters"]),
+        table.add_row(s["name"], f"{s['ramp_kind']}/{s['ramp_reduce']}", str(s["ramp_parameters"]),
                       _fmt(s["val_accuracy"]), _fmt(s["stage_ms"]["1"]), _fmt(s["ramp_ms"]["1"]),
                       _fmt(s["stage_ms"]["16"]), _fmt(s["ramp_ms"]["16"]), str(counts[s["name"]]))
-    table.add_row("(final stage)", "", "", "", "", _fmt(report["final_stage_ms"]["1"]), "",
+    table.add_row("(final stage)", "", "", "", _fmt(report["final_stage_ms"]["1"]), "",
                   _fmt(report["final_stage_ms"]["16"]), "", str(counts["none"]))
     console.print(table)
     oracle = report["oracle_val"]

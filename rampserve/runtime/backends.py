@@ -48,6 +48,10 @@ class Backend:
     def sites(self) -> list[SiteCandidate]:
         return self.split.sites
 
+    @property
+    def input_names(self) -> list[str]:
+        return self.split.input_names
+
     def ordered_cuts(self, cuts: Sequence[str]) -> tuple[str, ...]:
         order = {s.value: s.index for s in self.sites}
         unknown = [c for c in cuts if c not in order]

@@ -1,0 +1,118 @@
+"""Bundles: round trip, and clear errors for corrupt or incompatible ones."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import safetensors.torch
+import torch
+from typer.testing import CliRunner
+
+from rampserve.cli import app
+from rampserve.runtime.bundle import BundleError, load_bundle, read_manifest
+
+
+def test_round_trip_keeps_sites_ramps_profile_and_outputs(resnet_prepared, resnet_bundle, fmnist_feeds) -> None:
+    loaded = load_bundle(resnet_bundle)
+    assert loaded.site_names == resnet_prepared.site_names
+    assert loaded.sites == resnet_prepared.sites
+    assert loaded.profile == resnet_prepared.profile
+    for site in loaded.site_names:
+        for (k, a), (_, b) in zip(loaded.ramps[site].state_dict().items(),
+                                  resnet_prepared.ramps[site].state_dict().items()):
+            assert torch.equal(a, b), f"{site}.{k}"
+    feeds = {loaded.backend.input_names[0]: fmnist_feeds}
+    seen: dict[str, list] = {"before": [], "after": []}
+    before = resnet_prepared.run(feeds, loaded.site_names, lambda s, l, e: seen["before"].append((s, l, e)))
+    after = loaded.run(feeds, loaded.site_names, lambda s, l, e: seen["after"].append((s, l, e)))
+    assert np.array_equal(before, after)
+    for (s1, l1, e1), (s2, l2, e2) in zip(seen["before"], seen["after"], strict=True):
+        assert s1 == s2 and np.array_equal(l1, l2) and np.array_equal(e1, e2)
+
+
+@pytest.fixture
+def bundle_copy(resnet_bundle, tmp_path) -> Path:
+    return Path(shutil.copytree(resnet_bundle, tmp_path / "copy"))
+
+
+def test_missing_manifest(bundle_copy) -> None:
+    (bundle_copy / "manifest.json").unlink()
+    with pytest.raises(BundleError, match="manifest.json is missing"):
+        load_bundle(bundle_copy)
+
+
+def test_manifest_that_is_not_json(bundle_copy) -> None:
+    (bundle_copy / "manifest.json").write_text("{not json")
+    with pytest.raises(BundleError, match="not valid JSON"):
+        load_bundle(bundle_copy)
+
+
+def test_newer_format_version(bundle_copy) -> None:
+    manifest = json.loads((bundle_copy / "manifest.json").read_text())
+    manifest["format_version"] = 99
+    (bundle_copy / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(BundleError, match="format 99"):
+        load_bundle(bundle_copy)
+
+
+def test_flipped_byte_in_weights(bundle_copy) -> None:
+    path = bundle_copy / "ramps.safetensors"
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(BundleError, match="ramps.safetensors is corrupt"):
+        load_bundle(bundle_copy)
+
+
+def test_missing_weights_file(bundle_copy) -> None:
+    (bundle_copy / "model.safetensors").unlink()
+    with pytest.raises(BundleError, match="model.safetensors is missing"):
+        load_bundle(bundle_copy)
+
+
+def test_weights_of_another_architecture(bundle_copy) -> None:
+    """Same format, consistent digests, but weights that do not fit the declared model."""
+    from rampserve.runtime.bundle import _digest
+
+    path = bundle_copy / "model.safetensors"
+    state = safetensors.torch.load_file(path)
+    first = next(iter(state))
+    state[first] = torch.zeros(3, 3)
+    safetensors.torch.save_file(state, path)
+    manifest = json.loads((bundle_copy / "manifest.json").read_text())
+    manifest["files"]["model.safetensors"] = _digest(path)
+    (bundle_copy / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(BundleError, match="does not fit"):
+        load_bundle(bundle_copy)
+
+
+def test_sites_that_the_model_does_not_have(bundle_copy) -> None:
+    manifest = json.loads((bundle_copy / "manifest.json").read_text())
+    manifest["sites"][0]["name"] = "no_such_node"
+    (bundle_copy / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(BundleError, match="not sites of the model"):
+        load_bundle(bundle_copy)
+
+
+def test_cli_inspect_json(resnet_bundle) -> None:
+    result = CliRunner().invoke(app, ["inspect", str(resnet_bundle), "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    manifest = read_manifest(resnet_bundle)
+    assert [s["name"] for s in report["sites"]] == [s["name"] for s in manifest["sites"]]
+    for site in report["sites"]:
+        assert 0.0 <= site["val_accuracy"] <= 1.0
+        assert site["stage_ms"]["1"] > 0 and site["ramp_ms"]["16"] > 0
+    counts = report["oracle_val"]["exit_counts"]
+    assert sum(counts.values()) == report["oracle_val"]["inputs"] == report["training"]["num_val"]
+
+
+def test_cli_inspect_reports_a_broken_bundle(bundle_copy) -> None:
+    (bundle_copy / "manifest.json").write_text("[]")
+    result = CliRunner().invoke(app, ["inspect", str(bundle_copy)])
+    assert result.exit_code == 2
+    assert "not a rampserve bundle" in result.output

@@ -1,0 +1,91 @@
+"""Prepared models: staged execution, ramp callbacks, sites on the zoo's architectures."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from rampserve.graph.sites import block_of
+from rampserve.graph.torch_graph import TorchSplitModel
+from rampserve.zoo.registry import get_entry
+
+
+def test_staged_output_equals_the_original_model_exactly(resnet_prepared, fmnist_feeds) -> None:
+    model = resnet_prepared
+    name = model.backend.input_names[0]
+
+    @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+    @given(st.sets(st.sampled_from(model.site_names)), st.integers(1, 16))
+    def check(active: set[str], batch: int) -> None:
+        out = model.run({name: fmnist_feeds[:batch]}, active=sorted(active))
+        reference = model.backend.module(torch.from_numpy(fmnist_feeds[:batch])).detach().numpy()
+        assert np.array_equal(out, reference)
+
+    check()
+
+
+def test_ramp_callback_sees_every_active_ramp_in_model_order(resnet_prepared, fmnist_feeds) -> None:
+    model = resnet_prepared
+    active = model.site_names[::2]
+    seen = []
+
+    def on_ramp(site: str, labels: np.ndarray, errors: np.ndarray) -> None:
+        seen.append(site)
+        assert labels.shape == errors.shape == (len(fmnist_feeds),)
+        assert np.all((errors >= 0) & (errors <= 1)) and np.all((labels >= 0) & (labels < 10))
+
+    model.run({model.backend.input_names[0]: fmnist_feeds}, active=list(reversed(active)), on_ramp=on_ramp)
+    assert seen == active
+
+
+def test_unknown_active_site_is_refused(resnet_prepared, fmnist_feeds) -> None:
+    with pytest.raises(ValueError, match="not sites"):
+        resnet_prepared.run({resnet_prepared.backend.input_names[0]: fmnist_feeds}, active=["nope"])
+
+
+def test_profile_covers_every_site_and_batch_size(resnet_prepared) -> None:
+    profile = resnet_prepared.profile
+    assert list(profile.sites) == resnet_prepared.site_names
+    assert set(profile.segment_ms) == {*profile.sites, "output"}
+    reach = profile.reach(1)
+    assert np.all(np.diff(reach) >= 0) and reach[-1] <= profile.full(1)
+
+
+def _split(name: str) -> TorchSplitModel:
+    return TorchSplitModel(get_entry(name, small=True).build().eval())
+
+
+def test_resnet_sites_lie_between_residual_blocks_only() -> None:
+    for name, blocks in (("resnet18-fmnist", 8), ("resnet50-fmnist", 16)):
+        split = _split(name)
+        ops = split.dataflow.ops
+        stem, *rest = split.sites
+        assert not stem.scope.startswith("layer")
+        # one site after each residual block but the last (only the classifier follows it)
+        assert len(rest) == blocks - 1
+        for site in rest:
+            nxt = ops[site.index + 1]
+            assert block_of(site.scope) != block_of(nxt.scope), f"{site.value} is inside a block"
+            assert block_of(site.scope).startswith("layer")
+
+
+def test_vgg_has_a_site_after_every_conv_layer() -> None:
+    for name in ("vgg11-fmnist", "vgg16-fmnist"):
+        split = _split(name)
+        convs = [i for i, op in enumerate(split.dataflow.ops) if op.kind == "Conv2d"]
+        assert len(split.sites) == len(convs)
+        # each conv is followed by exactly one site before the next conv
+        for conv, nxt in zip(convs, [*convs[1:], len(split.dataflow.ops)]):
+            assert sum(conv < s.index < nxt for s in split.sites) == 1
+
+
+def test_minilm_sites_lie_between_encoder_layers() -> None:
+    entry = get_entry("minilm-rt", small=True)
+    split = TorchSplitModel(entry.build().eval())
+    layers = [op for op in split.dataflow.ops if op.heavy and "layer" in op.scope]
+    assert len(split.sites) == len(layers) - 1
+    for site, layer in zip(split.sites, layers):
+        assert site.op_name == layer.name
