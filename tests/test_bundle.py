@@ -116,3 +116,27 @@ def test_cli_inspect_reports_a_broken_bundle(bundle_copy) -> None:
     result = CliRunner().invoke(app, ["inspect", str(bundle_copy)])
     assert result.exit_code == 2
     assert "not a rampserve bundle" in result.output
+
+
+def test_onnx_model_prepares_runs_staged_and_round_trips(small_prepare_config, fmnist_feeds, tmp_path) -> None:
+    """An ONNX file is a first-class source: its stages run on ONNX Runtime and match the whole graph."""
+    from dataclasses import replace
+
+    from rampserve.graph.onnx_graph import export_onnx
+    from rampserve.runtime.bundle import save_bundle
+    from rampserve.runtime.prepare import prepare
+    from rampserve.runtime.sources import ModelSource
+    from rampserve.zoo.registry import load_trained
+
+    module = load_trained("resnet18-fmnist", small=True)
+    path = export_onnx(module, (torch.from_numpy(fmnist_feeds[:2]),), ["image"], tmp_path / "r18.onnx")
+    model = prepare(ModelSource.parse(str(path)), replace(small_prepare_config, workload="fmnist-drift"))
+    assert model.backend.kind == "onnx" and len(model.sites) >= 4
+    feeds = {"image": fmnist_feeds}
+    whole = model.backend.split.full(feeds)
+    staged = model.run(feeds, active=model.site_names)
+    np.testing.assert_allclose(staged, whole, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(whole, module(torch.from_numpy(fmnist_feeds)).detach().numpy(), rtol=1e-4, atol=1e-4)
+    loaded = load_bundle(save_bundle(model, tmp_path / "bundle"))
+    assert loaded.backend.kind == "onnx" and loaded.site_names == model.site_names
+    np.testing.assert_array_equal(loaded.run(feeds, active=loaded.site_names), staged)

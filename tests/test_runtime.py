@@ -89,3 +89,22 @@ def test_minilm_sites_lie_between_encoder_layers() -> None:
     assert len(split.sites) == len(layers) - 1
     for site, layer in zip(split.sites, layers):
         assert site.op_name == layer.name
+
+
+def test_minilm_prepares_with_first_token_ramps_and_stages_exactly(small_prepare_config) -> None:
+    """A Hugging Face encoder with a side input (the attention mask) splits between layers, exactly."""
+    from dataclasses import replace
+
+    from rampserve.runtime.prepare import prepare
+    from rampserve.runtime.sources import ModelSource
+    from rampserve.workloads.streams import get_stream
+
+    config = replace(small_prepare_config, bootstrap_items=200, profile_batch_sizes=(1, 2), profile_repeats=1)
+    model = prepare(ModelSource("zoo", "minilm-rt", small=True), config)
+    assert all(s.ramp.reduce == "first_token" and s.activation_shape[-1] == 384 for s in model.sites)
+    stream = get_stream("rt-drift")
+    texts = stream.items(stream.evaluation.start, stream.evaluation.start + 6)
+    feeds = dict(zip(model.backend.input_names, get_entry("minilm-rt", small=True).encode(texts).values()))
+    reference = model.backend.module(*(torch.from_numpy(feeds[n]) for n in model.backend.input_names))
+    for active in ([], model.site_names, model.site_names[1:2]):
+        assert np.array_equal(model.run(feeds, active=active), reference.detach().numpy())
