@@ -34,17 +34,21 @@ def prepare(
     workload: Annotated[Optional[str], typer.Option(help="stream whose bootstrap part trains the ramps")] = None,
     ramp_kind: Annotated[str, typer.Option(help="linear (default) or deep")] = "linear",
     bootstrap: Annotated[int, typer.Option(help="bootstrap inputs to train ramps on, at most")] = 8000,
+    site_policy: Annotated[Optional[str], typer.Option(
+        help="module:function choosing sites among the cut values, (dataflow, candidates) -> candidates")] = None,
     small: Annotated[bool, typer.Option(help="the zoo's tiny test variant")] = False,
 ) -> None:
     """Find the model's sites, train a ramp at each, profile it, and write a bundle."""
     from rampserve.runtime.bundle import save_bundle
     from rampserve.runtime.prepare import PrepareConfig
     from rampserve.runtime.prepare import prepare as run_prepare
-    from rampserve.runtime.sources import ModelSource
+    from rampserve.runtime.sources import ModelSource, import_object
 
     try:
         source = ModelSource.parse(model, small=small)
-        prepared = run_prepare(source, PrepareConfig(workload=workload, ramp_kind=ramp_kind, bootstrap_items=bootstrap))
+        policy = import_object(site_policy) if site_policy else None
+        prepared = run_prepare(source, PrepareConfig(workload=workload, ramp_kind=ramp_kind, bootstrap_items=bootstrap),
+                               policy)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
     save_bundle(prepared, out)

@@ -140,3 +140,28 @@ def test_onnx_model_prepares_runs_staged_and_round_trips(small_prepare_config, f
     loaded = load_bundle(save_bundle(model, tmp_path / "bundle"))
     assert loaded.backend.kind == "onnx" and loaded.site_names == model.site_names
     np.testing.assert_array_equal(loaded.run(feeds, active=loaded.site_names), staged)
+
+
+def test_cli_prepares_a_user_factory_with_a_site_policy(tmp_path) -> None:
+    from rampserve.graph.sites import cut_values
+    from rampserve.graph.torch_graph import TorchSplitModel
+
+    out = tmp_path / "bundle"
+    result = CliRunner().invoke(app, [
+        "prepare", "model_factories:tiny_resnet", "--workload", "fmnist-drift", "--bootstrap", "300",
+        "--site-policy", "model_factories:every_other_cut", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    expected = [c.value for c in cut_values(TorchSplitModel(resnet_factory()).dataflow)][::2]
+    assert [s["name"] for s in read_manifest(out)["sites"]] == expected
+    assert load_bundle(out).site_names == expected
+
+
+def resnet_factory():
+    from model_factories import tiny_resnet
+
+    return tiny_resnet()
+
+
+def test_cli_prepare_rejects_an_unknown_model(tmp_path) -> None:
+    result = CliRunner().invoke(app, ["prepare", "no-such-model", "--out", str(tmp_path / "x")])
+    assert result.exit_code != 0 and "unknown model" in result.output

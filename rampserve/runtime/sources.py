@@ -38,12 +38,13 @@ class ModelSource:
         return cls(kind=str(data["kind"]), ref=str(data["ref"]), small=bool(data.get("small", False)))
 
 
-def _factory(ref: str):
+def import_object(ref: str):
+    """The object named by "package.module:attribute" (a model factory, a site policy)."""
     module_name, _, attr = ref.partition(":")
     try:
         return getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
-        raise ValueError(f"cannot import model factory {ref!r}: {exc}") from exc
+    except (ImportError, AttributeError, ValueError) as exc:
+        raise ValueError(f"cannot import {ref!r}: {exc}") from exc
 
 
 def build_architecture(source: ModelSource) -> nn.Module:
@@ -53,7 +54,7 @@ def build_architecture(source: ModelSource) -> nn.Module:
 
         return get_entry(source.ref, small=source.small).build()
     if source.kind == "factory":
-        return _factory(source.ref)()
+        return import_object(source.ref)()
     raise ValueError(f"a {source.kind} source has no torch architecture")
 
 
@@ -64,7 +65,7 @@ def load_trained(source: ModelSource) -> nn.Module:
 
         return load_zoo(source.ref, small=source.small)
     if source.kind == "factory":
-        module = _factory(source.ref)()
+        module = import_object(source.ref)()
         if not isinstance(module, nn.Module):
             raise ValueError(f"{source.ref} returned {type(module).__name__}, not a torch.nn.Module")
         return module.eval()
