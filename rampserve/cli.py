@@ -171,7 +171,7 @@ def demo(
 def bench_staging(
     json_out: Annotated[Optional[Path], typer.Option("--json", help="write the results here")] = None,
     model: Annotated[str, typer.Option(help="zoo model")] = DEFAULT_MODEL,
-    rounds: Annotated[int, typer.Option(help="interleaved rounds at batch 1 (fewer at larger batches)")] = 200,
+    rounds: Annotated[int, typer.Option(help="interleaved rounds per case")] = 200,
     small: Annotated[bool, typer.Option(help="the zoo's tiny variant")] = False,
 ) -> None:
     """Staged execution (no active ramp) against the whole model, torch and ONNX, batch 1 and 16."""

@@ -75,7 +75,7 @@ def run_staging_bench(model: str = "resnet18-fmnist", batch_sizes: tuple[int, ..
         for batch_size in batch_sizes:
             for backend in backends:
                 feeds = feeds_for(backend, encoder, items[:batch_size])
-                cases.extend(measure_backend(backend, feeds, rounds=max(40, rounds // batch_size)))
+                cases.extend(measure_backend(backend, feeds, rounds=rounds))
     return {
         "model": model,
         "cases": [asdict(c) for c in cases if c.cuts == "none"],

