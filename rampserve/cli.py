@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -15,7 +16,8 @@ bench_app = typer.Typer(help="Benchmarks: print a table and write JSON.", no_arg
 zoo_app = typer.Typer(help="The bundled model zoo.", no_args_is_help=True)
 app.add_typer(bench_app, name="bench")
 app.add_typer(zoo_app, name="zoo")
-console = Console()
+# Piped output (CI logs, `| tee`) gets a width that fits the tables instead of rich's default of 80.
+console = Console(width=None if sys.stdout.isatty() else 132)
 
 DEFAULT_MODEL = "resnet18-fmnist"
 

@@ -101,6 +101,11 @@ CNN_SMALL_WIDTH = 4
 CNN_SMALL_CONFIG = TrainConfig(epochs=1, batch_size=64, lr=4e-3, weight_decay=0.05, max_train=2000, max_test=1000)
 
 
+def _entry(name: str, task: str, num_classes: int, build: Callable[[], nn.Module], recipe: Recipe) -> ZooEntry:
+    return ZooEntry(name=name, task=task, num_classes=num_classes, input_names=recipe.input_names, build=build,
+                    encode=recipe.encode, train=partial(train_cached, recipe))
+
+
 def _register_cnn(name: str, arch: Callable[[int], nn.Module], width: int, config: TrainConfig) -> None:
     def factory(small: bool) -> ZooEntry:
         build = seeded(partial(arch, CNN_SMALL_WIDTH if small else width))
@@ -112,15 +117,7 @@ def _register_cnn(name: str, arch: Callable[[int], nn.Module], width: int, confi
             data=fashion_mnist_examples,
             config=CNN_SMALL_CONFIG if small else config,
         )
-        return ZooEntry(
-            name=name,
-            task="image",
-            num_classes=cnn.NUM_CLASSES,
-            input_names=IMAGE_INPUTS,
-            build=build,
-            encode=encode_images,
-            train=partial(train_cached, recipe),
-        )
+        return _entry(name, "image", cnn.NUM_CLASSES, build, recipe)
 
     register(name)(factory)
 
@@ -159,12 +156,4 @@ def _minilm_rt(small: bool) -> ZooEntry:
         data=rotten_tomatoes_examples,
         config=MINILM_SMALL_CONFIG if small else MINILM_CONFIG,
     )
-    return ZooEntry(
-        name="minilm-rt",
-        task="text",
-        num_classes=minilm.NUM_CLASSES,
-        input_names=TEXT_INPUTS,
-        build=build,
-        encode=encode_texts,
-        train=partial(train_cached, recipe),
-    )
+    return _entry("minilm-rt", "text", minilm.NUM_CLASSES, build, recipe)
