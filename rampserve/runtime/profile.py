@@ -58,9 +58,9 @@ class LatencyProfile:
         )
 
 
-def _timed(fn: Callable[[], object]) -> tuple[object, float]:
+def _timed(fn: Callable[..., object], *args: object) -> tuple[object, float]:
     start = time.perf_counter()
-    out = fn()
+    out = fn(*args)
     return out, (time.perf_counter() - start) * 1000.0
 
 
@@ -85,14 +85,14 @@ def measure_profile(model, sample_feeds: Callable[[int], dict[str, np.ndarray]],
         runs: dict[str, list[float]] = {k: [] for k in ("full", *segment, *(f"ramp:{s}" for s in sites))}
         with torch.inference_mode():
             for rep in range(repeats + 2):  # two warm-up runs, discarded
-                _, t_full = _timed(lambda: full_stage(feeds[primary], side))
+                _, t_full = _timed(full_stage, feeds[primary], side)
                 timings = {"full": t_full}
                 activation = feeds[primary]
                 for name, stage in zip((*sites, "output"), stages):
-                    activation, timings[name] = _timed(lambda: stage(activation, side))
+                    activation, timings[name] = _timed(stage, activation, side)
                     if name != "output":
                         tensor = backend.to_tensor(activation)
-                        _, timings[f"ramp:{name}"] = _timed(lambda: model.ramps[name](tensor))
+                        _, timings[f"ramp:{name}"] = _timed(model.ramps[name], tensor)
                 if rep >= 2:
                     for key, value in timings.items():
                         runs[key].append(value)

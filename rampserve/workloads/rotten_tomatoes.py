@@ -48,16 +48,6 @@ def load_rotten_tomatoes() -> RottenTomatoes:
     )
 
 
-def rt_movie_split(seed: int = 0) -> dict[str, np.ndarray]:
-    """Row indices of disjoint movie groups: "train" 60% of movies, "test" 10%, "stream" the remaining 30%."""
-    corpus = load_rotten_tomatoes()
-    names, movie_of_row = np.unique(np.asarray(corpus.movies), return_inverse=True)
-    order = np.random.Generator(np.random.PCG64(seed)).permutation(len(names))
-    n_train, n_test = int(0.6 * len(names)), int(0.1 * len(names))
-    groups = {"train": order[:n_train], "test": order[n_train:n_train + n_test], "stream": order[n_train + n_test:]}
-    return {key: np.flatnonzero(np.isin(movie_of_row, movies)) for key, movies in groups.items()}
-
-
 # Fractions of movies in each part of `rt_movie_split`; the stream gets the rest.
 MOVIE_SPLIT = {"train": 0.6, "test": 0.1}
 
