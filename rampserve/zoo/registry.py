@@ -129,7 +129,7 @@ _register_cnn("vgg16-fmnist", cnn.vgg16, 16, TrainConfig(epochs=2, batch_size=12
 
 
 # MiniLM on Rotten Tomatoes. The small variant keeps the first two pretrained layers and sees 256 snippets.
-MINILM_CONFIG = TrainConfig(epochs=2, batch_size=32, lr=5e-5, weight_decay=0.01, warmup=0.1)
+MINILM_CONFIG = TrainConfig(epochs=1, batch_size=32, lr=5e-5, weight_decay=0.01, warmup=0.1)
 MINILM_SMALL_CONFIG = TrainConfig(
     epochs=1, batch_size=32, lr=5e-5, weight_decay=0.01, warmup=0.1, max_train=256, max_test=256
 )
