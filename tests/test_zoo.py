@@ -121,6 +121,19 @@ def test_cache_is_reused_and_complete(home: Path, monkeypatch: pytest.MonkeyPatc
         assert torch.equal(model(x), again(x))
 
 
+def test_artifact_from_another_recipe_is_trained_again(home: Path) -> None:
+    import json
+
+    load_trained("resnet18-fmnist", small=True)
+    metrics_path = home / "zoo" / "resnet18-fmnist-small" / METRICS_FILE
+    metrics = json.loads(metrics_path.read_text())
+    metrics["hyperparameters"]["epochs"] += 1  # as if the recipe had changed since this artifact was made
+    metrics_path.write_text(json.dumps(metrics))
+    retrained = train_zoo(["resnet18-fmnist"], small=True)["resnet18-fmnist"]
+    assert retrained["hyperparameters"] == json.loads(metrics_path.read_text())["hyperparameters"]
+    assert retrained["hyperparameters"]["epochs"] == metrics["hyperparameters"]["epochs"] - 1
+
+
 def test_interrupted_training_leaves_no_artifact(home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     real_save = train_module.save_file
 

