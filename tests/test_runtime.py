@@ -108,3 +108,21 @@ def test_minilm_prepares_with_first_token_ramps_and_stages_exactly(small_prepare
     reference = model.backend.module(*(torch.from_numpy(feeds[n]) for n in model.backend.input_names))
     for active in ([], model.site_names, model.site_names[1:2]):
         assert np.array_equal(model.run(feeds, active=active), reference.detach().numpy())
+
+
+def test_deep_ramps_prepare_and_round_trip(small_prepare_config, fmnist_feeds, tmp_path) -> None:
+    from dataclasses import replace
+
+    from rampserve.runtime.bundle import load_bundle, save_bundle
+    from rampserve.runtime.prepare import prepare
+    from rampserve.runtime.sources import ModelSource
+
+    config = replace(small_prepare_config, ramp_kind="deep", bootstrap_items=400, profile_batch_sizes=(1, 2))
+    model = prepare(ModelSource("zoo", "resnet18-fmnist", small=True), config)
+    assert {s.ramp.kind for s in model.sites} == {"deep"}
+    assert all(s.ramp.reduce == "spatial_grid" for s in model.sites)
+    loaded = load_bundle(save_bundle(model, tmp_path / "deep"))
+    feeds = {model.backend.input_names[0]: fmnist_feeds}
+    seen = {}
+    loaded.run(feeds, loaded.site_names, lambda site, labels, errors: seen.setdefault(site, labels))
+    model.run(feeds, model.site_names, lambda site, labels, errors: np.testing.assert_array_equal(labels, seen[site]))
