@@ -101,8 +101,15 @@ CNN_SMALL_CONFIG = TrainConfig(epochs=1, batch_size=64, lr=4e-3, weight_decay=0.
 
 
 def _entry(name: str, task: str, num_classes: int, build: Callable[[], nn.Module], recipe: Recipe) -> ZooEntry:
-    return ZooEntry(name=name, task=task, num_classes=num_classes, input_names=recipe.input_names, build=build,
-                    encode=recipe.encode, train=partial(train_cached, recipe))
+    return ZooEntry(
+        name=name,
+        task=task,
+        num_classes=num_classes,
+        input_names=recipe.input_names,
+        build=build,
+        encode=recipe.encode,
+        train=partial(train_cached, recipe),
+    )
 
 
 def _register_cnn(name: str, arch: Callable[[int], nn.Module], width: int, config: TrainConfig) -> None:
