@@ -34,6 +34,7 @@ class Backend:
 
     def __init__(self, split: SplitModel) -> None:
         self.split = split
+        self._primary, *self._side_names = split.input_names
         self._plans: dict[tuple[str, ...], tuple[tuple[str, ...], list[Callable]]] = {}
 
     def native(self, array: np.ndarray) -> object:
@@ -43,10 +44,11 @@ class Backend:
         raise NotImplementedError
 
     def native_feeds(self, feeds: dict[str, np.ndarray]) -> dict[str, object]:
-        missing = [n for n in self.split.input_names if n not in feeds]
-        if missing:
-            raise ValueError(f"missing model inputs {missing}; the model takes {self.split.input_names}")
-        return {name: self.native(feeds[name]) for name in self.split.input_names}
+        try:
+            return {name: self.native(feeds[name]) for name in self.split.input_names}
+        except KeyError:
+            missing = [n for n in self.split.input_names if n not in feeds]
+            raise ValueError(f"missing model inputs {missing}; the model takes {self.split.input_names}") from None
 
     @property
     def sites(self) -> list[SiteCandidate]:
@@ -77,9 +79,8 @@ class Backend:
         at the end. The caller acts between stages (a ramp, an early release) before asking for the next."""
         ordered, stages = self.plan(cuts)
         native = self.native_feeds(feeds)
-        primary, *side_names = self.input_names
-        side = {n: native[n] for n in side_names}
-        activation = native[primary]
+        side = {n: native[n] for n in self._side_names}
+        activation = native[self._primary]
         for cut, stage in zip((*ordered, None), stages):
             activation = stage(activation, side)
             yield cut, activation
