@@ -74,7 +74,9 @@ def spec_for(kind: str, activation_shape: tuple[int, ...], num_classes: int, tok
 
 def build_head(spec: RampSpec) -> nn.Module:
     if spec.kind == "linear":
-        return nn.Sequential(nn.Flatten(), nn.Linear(_numel(spec.feature_shape), spec.num_classes))
+        # Reductions already give flat (N, features): a bare Linear avoids a container's call overhead,
+        # a sizeable share of a ramp's cost at batch 1.
+        return nn.Linear(_numel(spec.feature_shape), spec.num_classes)
     if spec.reduce == "spatial_grid":
         channels = spec.feature_shape[0]
         return nn.Sequential(
