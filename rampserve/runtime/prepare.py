@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -57,8 +58,6 @@ def default_workload(source: ModelSource) -> str:
 
 def make_backend(source: ModelSource, policy: SitePolicy | None = None) -> Backend:
     if source.kind == "onnx":
-        from pathlib import Path
-
         return OnnxBackend(Path(source.ref), policy)
     return TorchBackend(load_trained(source), policy)
 
