@@ -16,9 +16,8 @@ import torch
 
 from rampserve.bench.timing import interleaved_medians
 from rampserve.runtime.backends import Backend, OnnxBackend, TorchBackend
-from rampserve.runtime.prepare import bootstrap_items, default_workload, encoder_for, feeds_for
+from rampserve.runtime.prepare import bootstrap_inputs, default_workload, feeds_for
 from rampserve.runtime.sources import ModelSource, load_trained
-from rampserve.workloads.streams import get_stream
 
 
 @dataclass(frozen=True)
@@ -62,9 +61,8 @@ def run_staging_bench(model: str = "resnet18-fmnist", batch_sizes: tuple[int, ..
 
     source = ModelSource.parse(model, small=small)
     module = load_trained(source)
-    task = get_stream(default_workload(source)).task
-    encoder = encoder_for(task)
-    items = bootstrap_items(default_workload(source), max(batch_sizes))
+    bootstrap = bootstrap_inputs(default_workload(source), max(batch_sizes))
+    encoder, items = bootstrap.encoder, bootstrap.items
     torch_backend = TorchBackend(module)
     cases: list[StagingCase] = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -70,14 +70,22 @@ def feeds_for(backend: Backend, encoder: Encoder, items: object) -> dict[str, np
     return dict(zip(backend.input_names, arrays))
 
 
-def bootstrap_items(workload: str, limit: int) -> list | np.ndarray:
+@dataclass(frozen=True)
+class BootstrapInputs:
+    task: str
+    encoder: Encoder
+    items: list | np.ndarray
+
+
+def bootstrap_inputs(workload: str, limit: int) -> BootstrapInputs:
+    """The first `limit` bootstrap items of a workload stream, with the encoder its task needs."""
     stream = get_stream(workload)
     start = stream.bootstrap.start
     stop = min(stream.bootstrap.stop, start + limit)
     items = stream.items(start, stop)
     if isinstance(items, list):  # repeated texts add nothing but weight: keep each once
         items = list(dict.fromkeys(items))
-    return items
+    return BootstrapInputs(stream.task, encoder_for(stream.task), items)
 
 
 def _batches(items, size: int) -> Iterator:
@@ -107,9 +115,8 @@ def prepare(source: ModelSource, config: PrepareConfig = PrepareConfig(),
     if not backend.sites:
         raise ValueError(f"{source.ref} has no sites where a ramp could go")
     workload = config.workload or default_workload(source)
-    task = get_stream(workload).task
-    encoder = encoder_for(task)
-    items = bootstrap_items(workload, config.bootstrap_items)
+    bootstrap = bootstrap_inputs(workload, config.bootstrap_items)
+    encoder, items = bootstrap.encoder, bootstrap.items
     sample = feeds_for(backend, encoder, items[:2])
 
     site_names = [s.value for s in backend.sites]
@@ -143,7 +150,7 @@ def prepare(source: ModelSource, config: PrepareConfig = PrepareConfig(),
     model.meta = {
         "source": source.to_json(),
         "workload": workload,
-        "task": task,
+        "task": bootstrap.task,
         "num_classes": num_classes,
         "ramp_kind": config.ramp_kind,
         "training": {**report.to_json(), "config": asdict(config.train)},

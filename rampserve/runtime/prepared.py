@@ -64,10 +64,6 @@ class PreparedModel:
     def site_names(self) -> list[str]:
         return [s.name for s in self.sites]
 
-    @property
-    def num_classes(self) -> int:
-        return self.sites[0].ramp.num_classes if self.sites else int(self.meta["num_classes"])
-
     def run(self, feeds: dict[str, np.ndarray], active: Sequence[str] = (),
             on_ramp: RampCallback | None = None) -> np.ndarray:
         """Run stage by stage, cut only at the active ramps' sites; after each, report every input's top label

@@ -73,8 +73,8 @@ def measure_profile(model, sample_feeds: Callable[[int], dict[str, np.ndarray]],
     """
     backend = model.backend
     sites = [s.name for s in model.sites]
-    stages = backend.split.build(tuple(sites))
-    full_stage = backend.split.build(())[0]
+    _, stages = backend.plan(sites)
+    (full_stage,) = backend.plan(())[1]
     primary, side_names = backend.input_names[0], backend.input_names[1:]
     full: list[float] = []
     segment: dict[str, list[float]] = {s: [] for s in (*sites, "output")}
