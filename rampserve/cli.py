@@ -190,6 +190,95 @@ def bench_staging(
     _write_json(result, json_out)
 
 
+def _sim_table(report: dict) -> Table:
+    table = Table(title=f"{report['model']} on {report['workload']}, {report['trace']} trace, "
+                        f"{report['rate_rps']:.0f} rps, SLO {report['slo_ms']:.2f} ms, max batch {report['max_batch']}")
+    columns = ("system", "accuracy", "worst 1k", "p25 ms", "p50 ms", "p95 ms", "p99 ms", "p50 saved", "rps",
+               "exits", "oracle share")
+    for col in columns:
+        table.add_column(col, justify="right")
+    for name, s in report["systems"].items():
+        table.add_row(name, f"{s['accuracy']:.4f}", f"{s['worst_window_accuracy']:.3f}", f"{s['p25_ms']:.3f}",
+                      f"{s['p50_ms']:.3f}", f"{s['p95_ms']:.3f}", f"{s['p99_ms']:.3f}", f"{s['p50_savings']:+.1%}",
+                      f"{s['throughput_rps']:.0f}", f"{s['exit_share']:.1%}", _fmt(s.get("oracle_share"), ".2f"))
+    return table
+
+
+@bench_app.command("sim")
+def bench_sim(
+    model: Annotated[str, typer.Option(help="zoo model")] = DEFAULT_MODEL,
+    workload: Annotated[str, typer.Option(help="stream: fmnist-drift or rt-drift")] = "fmnist-drift",
+    trace: Annotated[str, typer.Option(help="arrivals: poisson, bursty or maf")] = "maf",
+    rate: Annotated[Optional[float], typer.Option(help="mean requests per second (default: 30% load at batch 1)")]
+    = None,
+    slo_ms: Annotated[Optional[float], typer.Option(help="SLO bounding the batch size (default 2x batch-1 latency)")]
+    = None,
+    accuracy_constraint: Annotated[float, typer.Option(help="allowed share of answers that differ")] = 0.01,
+    ramp_budget: Annotated[float, typer.Option(help="what ramps may add to a non-exiting input")] = 0.02,
+    window: Annotated[int, typer.Option(help="accuracy window that triggers tuning")] = 16,
+    length: Annotated[int, typer.Option(help="stream items, bootstrap included")] = 120_000,
+    json_out: Annotated[Optional[Path], typer.Option("--json", help="write the results here")] = None,
+    plots: Annotated[Optional[Path], typer.Option(help="write plots into this directory")] = None,
+    small: Annotated[bool, typer.Option(help="the zoo's tiny variant")] = False,
+) -> None:
+    """Replay a drifting stream through the trace simulator: vanilla, oracle, static baselines and rampserve."""
+    from rampserve.bench.sim import SimSettings, run_sim
+    from rampserve.control.controller import ControllerSettings
+
+    try:
+        settings = SimSettings(model=model, workload=workload, trace=trace, rate_rps=rate, slo_ms=slo_ms,
+                               length=length, small=small, controller=ControllerSettings(
+                                   accuracy_constraint=accuracy_constraint, ramp_budget=ramp_budget, window=window))
+        result = run_sim(settings, progress=lambda stage: console.print(f"[dim]simulating {stage}[/dim]"))
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    report = result.report
+    console.print(_sim_table(report))
+    rampserve = report["systems"]["rampserve"]
+    console.print(f"rampserve: threshold tuning {rampserve['tune_ms_mean']:.2f} ms mean over {rampserve['tunings']} "
+                  f"runs, ramp adjustment {rampserve['adjust_ms_mean']:.2f} ms mean over "
+                  f"{rampserve['adjustments']}, {rampserve['mean_active_ramps']:.2f} active ramps on average")
+    sweep = Table(title="accuracy window that triggers tuning")
+    for col in ("window", "accuracy", "worst 1k", "p50 saved", "tunings"):
+        sweep.add_column(col, justify="right")
+    for size, s in report["window_sweep"].items():
+        sweep.add_row(size, f"{s['accuracy']:.4f}", f"{s['worst_window_accuracy']:.3f}", f"{s['p50_savings']:+.1%}",
+                      str(s["tunings"]))
+    console.print(sweep)
+    _write_json(report, json_out)
+    if plots is not None:
+        from rampserve.bench.sim_plots import write_plots
+
+        for path in write_plots(result, plots):
+            console.print(f"wrote {path}")
+
+
+@bench_app.command("tuning")
+def bench_tuning(
+    model: Annotated[str, typer.Option(help="zoo model")] = DEFAULT_MODEL,
+    workload: Annotated[str, typer.Option(help="stream whose real ramp outputs are tuned on")] = "fmnist-drift",
+    windows: Annotated[int, typer.Option(help="windows of recent inputs per case")] = 20,
+    grid_step: Annotated[float, typer.Option(help="grid search resolution")] = 0.1,
+    json_out: Annotated[Optional[Path], typer.Option("--json", help="write the results here")] = None,
+    small: Annotated[bool, typer.Option(help="the zoo's tiny variant")] = False,
+) -> None:
+    """Greedy threshold tuning against exhaustive grid search: time and savings on real ramp records."""
+    from rampserve.bench.tuning import run_tuning_bench
+
+    result = run_tuning_bench(model, workload, windows=windows, grid_step=grid_step, small=small)
+    table = Table(title=f"threshold tuning on {model} / {workload}, target accuracy {result['target_accuracy']}")
+    for col in ("ramps", "greedy ms mean", "greedy ms max", "grid ms mean", "savings vs grid (mean)",
+                "(worst window)", "accuracy greedy/grid"):
+        table.add_column(col, justify="right")
+    for case in result["cases"]:
+        table.add_row(str(case["ramps"]), f"{case['greedy_ms_mean']:.2f}", f"{case['greedy_ms_max']:.2f}",
+                      f"{case['grid_ms_mean']:.1f}", f"{case['savings_share_of_grid_mean']:.1%}",
+                      f"{case['savings_share_of_grid_min']:.1%}",
+                      f"{case['greedy_accuracy_mean']:.4f}/{case['grid_accuracy_mean']:.4f}")
+    console.print(table)
+    _write_json(result, json_out)
+
+
 @zoo_app.command("train")
 def zoo_train(
     names: Annotated[Optional[list[str]], typer.Argument(help="zoo models (default: all)")] = None,

@@ -1,0 +1,162 @@
+"""The controller: feed it batch records, read its current configuration.
+
+Deterministic given its records (the decision times it measures are reported, never used to decide), and
+free of threads and I/O: the live server and the trace simulator both drive it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from rampserve.control.costs import CostModel
+from rampserve.control.monitor import AccuracyWindow, RampHistory
+from rampserve.control.ramps import adjust_ramps, initial_sites
+from rampserve.control.records import BatchRecord, Configuration
+from rampserve.control.thresholds import ExitData, tune_greedy
+from rampserve.runtime.profile import LatencyProfile
+
+
+@dataclass(frozen=True)
+class ControllerSettings:
+    accuracy_constraint: float = 0.01  # allowed share of answers that differ from the original model's
+    window: int = 16  # released answers whose accuracy triggers threshold tuning (Apparate: 16)
+    history: int = 512  # recent inputs of the active set that tuning evaluates
+    adjust_every: int = 128  # inputs between ramp adjustment rounds (Apparate: 128)
+    ramp_budget: float = 0.02  # what active ramps may add to a non-exiting input, share of the model's latency
+    budget_batch_size: int | None = None  # batch size the budget is judged at; None: the median one served
+    initial_step: float = 0.1
+    min_step: float = 0.01
+    threshold_tuning: bool = True
+    ramp_adjustment: bool = True
+    initial: tuple[str, ...] | None = None  # active ramps to start from; None: spread the budget evenly
+    # Threshold a ramp starts at when it becomes active (absent: 0, no exits until tuning raises it).
+    start_thresholds: dict[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.accuracy_constraint < 1.0:
+            raise ValueError(f"accuracy constraint must lie in [0, 1), got {self.accuracy_constraint}")
+        if self.history < self.adjust_every:
+            raise ValueError(f"history ({self.history}) must cover a ramp adjustment round ({self.adjust_every})")
+        if self.ramp_budget < 0:
+            raise ValueError(f"ramp budget must be >= 0, got {self.ramp_budget}")
+
+    @property
+    def target_accuracy(self) -> float:
+        return 1.0 - self.accuracy_constraint
+
+
+@dataclass(frozen=True)
+class Decision:
+    """A configuration change, when it happened (inputs observed so far) and why."""
+
+    configuration: Configuration
+    observed: int
+    reason: str
+    decision_ms: float
+
+    def to_json(self) -> dict:
+        return {**self.configuration.to_json(), "observed": self.observed, "reason": self.reason,
+                "decision_ms": self.decision_ms}
+
+
+@dataclass
+class DecisionTimes:
+    tune_ms: list[float] = field(default_factory=list)
+    adjust_ms: list[float] = field(default_factory=list)
+
+
+class Controller:
+    def __init__(self, profile: LatencyProfile, settings: ControllerSettings = ControllerSettings()) -> None:
+        self.settings = settings
+        self.costs = CostModel(profile)
+        batch = settings.budget_batch_size or 1
+        sites = settings.initial if settings.initial is not None else \
+            initial_sites(self.costs, settings.ramp_budget, batch)
+        unknown = [s for s in sites if s not in self.costs.position]
+        if unknown:
+            raise ValueError(f"{unknown} are not sites of this model; sites: {list(profile.sites)}")
+        first = Configuration(0, tuple(sites), tuple(settings.start_thresholds.get(s, 0.0) for s in sites))
+        self.window = AccuracyWindow(settings.window)
+        self.history = RampHistory(first.sites, settings.history)
+        self.decisions: list[Decision] = [Decision(first, 0, "initial: ramps spread over the budget", 0.0)]
+        self.times = DecisionTimes()
+        self.last_decision_ms = 0.0  # time the latest observe() spent deciding
+        self._since_adjust = 0
+
+    def configuration(self) -> Configuration:
+        return self.decisions[-1].configuration
+
+    def observe(self, record: BatchRecord) -> Configuration | None:
+        """Learn from one served batch; returns the new configuration when this record changed it."""
+        self.last_decision_ms = 0.0
+        current = self.configuration()
+        self.window.add(record.correct())
+        if record.sites != current.sites:
+            return None  # served by an active set already replaced: its rows fit no column of the history
+        self.history.add(record)
+        self._since_adjust += record.batch_size
+        settings = self.settings
+        if settings.threshold_tuning and self.window.accuracy < settings.target_accuracy:
+            return self._decide(self.times.tune_ms, self._retune, "window accuracy below the constraint")
+        if self._since_adjust >= settings.adjust_every:
+            self._since_adjust = 0
+            if settings.ramp_adjustment:
+                return self._decide(self.times.adjust_ms, self._adjust, "ramp adjustment")
+            if settings.threshold_tuning:
+                return self._decide(self.times.tune_ms, self._retune, "periodic retune")
+        return None
+
+    def _decide(self, timings: list[float], decide, reason: str) -> Configuration | None:
+        start = time.perf_counter()
+        change = decide()
+        elapsed = (time.perf_counter() - start) * 1000.0
+        timings.append(elapsed)
+        self.last_decision_ms = elapsed
+        if change is None:
+            return None
+        sites, thresholds, detail = change
+        current = self.configuration()
+        if sites == current.sites and tuple(thresholds) == current.thresholds:
+            return None
+        configuration = Configuration(current.version + 1, sites, tuple(float(t) for t in thresholds))
+        self.decisions.append(Decision(configuration, self.window.served, f"{reason}: {detail}", elapsed))
+        self.window.clear()
+        if sites != current.sites:
+            self.history = self.history.for_sites(sites)
+            self._since_adjust = 0
+        return configuration
+
+    def _exit_data(self) -> ExitData:
+        correct, errors, batch = self.history.latest()
+        return ExitData(correct, errors, self.costs.saved_ms(self.history.sites, batch))
+
+    def tuned_thresholds(self) -> np.ndarray:
+        if not self.history.sites or not self.history.size:
+            return np.zeros(len(self.history.sites))
+        return tune_greedy(self._exit_data(), self.settings.target_accuracy, self.settings.initial_step,
+                           self.settings.min_step).thresholds
+
+    def _retune(self) -> tuple[tuple[str, ...], np.ndarray, str]:
+        return self.history.sites, self.tuned_thresholds(), "thresholds retuned"
+
+    def budget_batch(self) -> int:
+        if self.settings.budget_batch_size is not None or not self.history.size:
+            return self.settings.budget_batch_size or 1
+        return int(np.median(self.history.latest()[2]))
+
+    def _adjust(self) -> tuple[tuple[str, ...], Sequence[float], str] | None:
+        current = self.configuration()
+        _, errors, batch = self.history.latest(self.settings.adjust_every)
+        adjustment = adjust_ramps(
+            self.costs, current.sites, np.array(current.thresholds), errors, batch, self.settings.ramp_budget,
+            self.budget_batch(), self.tuned_thresholds if self.settings.threshold_tuning else None,
+            self.settings.start_thresholds)
+        if adjustment is not None:
+            return adjustment.sites, adjustment.thresholds, adjustment.reason
+        # Tuning is triggered by accuracy drops only; without this, thresholds that could safely rise after
+        # the workload gets easier would stay where the last drop left them.
+        return self._retune() if self.settings.threshold_tuning else None

@@ -1,0 +1,93 @@
+"""The monitor: accuracy of released answers (sliding window and cumulative) and a bounded buffer of the
+deployed active set's recent ramp outputs, which tuning and ramp adjustment evaluate."""
+
+from __future__ import annotations
+
+from collections import deque
+
+import numpy as np
+
+from rampserve.control.records import BatchRecord
+
+
+class AccuracyWindow:
+    """Share of the last `size` released answers that equal the original model's, plus totals."""
+
+    def __init__(self, size: int) -> None:
+        if size < 1:
+            raise ValueError(f"accuracy window must hold at least one answer, got {size}")
+        self._recent: deque[bool] = deque(maxlen=size)
+        self.served = 0
+        self.correct = 0
+
+    def add(self, correct: np.ndarray) -> None:
+        self._recent.extend(bool(c) for c in correct)
+        self.served += len(correct)
+        self.correct += int(np.count_nonzero(correct))
+
+    def clear(self) -> None:
+        """Forget the window (not the totals): a new configuration is judged on its own answers."""
+        self._recent.clear()
+
+    @property
+    def full(self) -> bool:
+        return len(self._recent) == self._recent.maxlen
+
+    @property
+    def accuracy(self) -> float:
+        return sum(self._recent) / len(self._recent) if self._recent else 1.0
+
+    @property
+    def cumulative(self) -> float:
+        return self.correct / self.served if self.served else 1.0
+
+
+class RampHistory:
+    """The last `capacity` inputs served by one active set: per active ramp whether its top label was right
+    and its error score, and the batch size each input was served in. A ring buffer, so observing a batch
+    costs a copy of its rows and nothing else."""
+
+    def __init__(self, sites: tuple[str, ...], capacity: int) -> None:
+        self.sites = sites
+        self.capacity = capacity
+        r = len(sites)
+        self._correct = np.zeros((capacity, r), dtype=bool)
+        self._errors = np.zeros((capacity, r))
+        self._batch = np.zeros(capacity, dtype=np.int64)
+        self._next = 0
+        self.size = 0
+
+    def add(self, record: BatchRecord) -> None:
+        correct = record.labels == record.final[:, None]
+        rows = (self._next + np.arange(record.batch_size)) % self.capacity
+        if len(rows) > self.capacity:  # a batch bigger than the buffer keeps its newest rows
+            rows, correct = rows[-self.capacity:], correct[-self.capacity:]
+            errors = record.errors[-self.capacity:]
+        else:
+            errors = record.errors
+        self._correct[rows] = correct
+        self._errors[rows] = errors
+        self._batch[rows] = record.batch_size
+        self._next = int((rows[-1] + 1) % self.capacity)
+        self.size = min(self.capacity, self.size + len(rows))
+
+    def for_sites(self, sites: tuple[str, ...]) -> RampHistory:
+        """This history seen by another active set: kept ramps keep their columns, so tuning right after a
+        change still sees the recent past; a new ramp has no outputs for past inputs, which count as never
+        exiting there (an infinite error score) until it has its own."""
+        moved = RampHistory(sites, self.capacity)
+        old = {s: i for i, s in enumerate(self.sites)}
+        moved._errors[:] = np.inf
+        for column, site in enumerate(sites):
+            if site in old:
+                moved._correct[:, column] = self._correct[:, old[site]]
+                moved._errors[:, column] = self._errors[:, old[site]]
+        moved._batch[:] = self._batch
+        moved._next, moved.size = self._next, self.size
+        return moved
+
+    def latest(self, count: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(correct, errors, batch sizes) of the newest `count` inputs (all kept by default), oldest first."""
+        count = self.size if count is None else min(count, self.size)
+        rows = (self._next - count + np.arange(count)) % self.capacity
+        return self._correct[rows], self._errors[rows], self._batch[rows]

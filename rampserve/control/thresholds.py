@@ -1,0 +1,161 @@
+"""Threshold tuning (Apparate §3.2): evaluate any threshold vector over recorded ramp outputs, without
+inference, and search for the thresholds that save the most latency within the accuracy constraint."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from rampserve.control.records import NO_EXIT, first_exits
+
+# Thresholds are placed just above an observed error score so that input exits (errors must be below it).
+_ABOVE = 1e-9
+
+
+@dataclass(frozen=True)
+class ExitData:
+    """Recent inputs of one active set, as threshold tuning reads them."""
+
+    correct: np.ndarray  # (n, r) bool: ramp j's top label equals the final label
+    errors: np.ndarray  # (n, r) error scores
+    saved_ms: np.ndarray  # (n, r + 1) time saved against vanilla per exit ramp, last column: no exit
+
+    @property
+    def size(self) -> int:
+        return len(self.errors)
+
+    @property
+    def ramps(self) -> int:
+        return self.errors.shape[1]
+
+
+def evaluate(data: ExitData, thresholds: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Accuracy and mean saved time of threshold vectors (..., r): each input exits at the earliest ramp whose
+    error score is below its threshold, and is right when that ramp agrees with the final label."""
+    exits = first_exits(data.errors, thresholds)
+    column = np.where(exits == NO_EXIT, data.ramps, exits)
+    rows = np.arange(data.size)
+    right = np.concatenate([data.correct, np.ones((data.size, 1), dtype=bool)], axis=1)[rows, column]
+    return right.mean(axis=-1), data.saved_ms[rows, column].mean(axis=-1)
+
+
+@dataclass(frozen=True)
+class TuningResult:
+    thresholds: np.ndarray
+    accuracy: float
+    saved_ms: float  # mean per input over the tuning data
+    evaluations: int  # threshold vectors evaluated
+
+
+def tune_greedy(data: ExitData, target_accuracy: float, initial_step: float = 0.1,
+                min_step: float = 0.01) -> TuningResult:
+    """Apparate's hill climbing: from all-zero thresholds, each round tries raising every ramp's threshold by
+    its own step and keeps the single raise with the most added savings per unit of added accuracy loss
+    (doubling that ramp's step); a raise that breaks the constraint halves the step, and at the floor closes
+    the ramp. Stops when no ramp can rise.
+
+    Two refinements. A step that would move no input (it stays inside a gap between observed error scores) is
+    stretched to just above the next error score that can move one, so rounds are never spent on no-ops and a
+    threshold never rises past what the data supports. And before stopping, closed ramps are tried once more
+    with the smallest raise that moves an input (finer than the step floor): raises elsewhere may have taken
+    the inputs that made them fail, and the floor may have overshot a feasible boundary.
+
+    Each candidate raise only moves inputs that pass its ramp today, so a round is scored from per-input
+    differences over (n, r) arrays instead of re-evaluating every candidate vector from scratch.
+    """
+    n, r = data.size, data.ramps
+    thresholds = np.zeros(r)
+    step = np.full(r, initial_step)
+    open_ramps = np.ones(r, dtype=bool)
+    exit_column = np.full(n, r)  # column r: answered by the final layer
+    right_now = np.ones(n, dtype=np.int8)
+    saved_now = data.saved_ms[:, r].copy()
+    right_count = float(n)
+    saved_at_ramps = data.saved_ms[:, :r]
+    right_at_ramps = data.correct.astype(np.int8)
+    evaluations = 1
+    columns = np.arange(r)
+    retried = False
+    while True:
+        # Raising ramp j can only move inputs that pass it today without exiting, and their error scores at
+        # j are at or above its threshold already.
+        passing_errors = np.where(exit_column[:, None] > columns[None, :], data.errors, np.inf)
+        movable = passing_errors.min(axis=0)
+        open_ramps &= movable < np.inf
+        if not open_ramps.any():
+            closed = movable < np.inf
+            if retried or not closed.any():
+                break
+            open_ramps, retried = closed, True
+            step[closed] = 0.0  # the retry tries the smallest raise that moves an input
+            continue
+        stepped = thresholds + step
+        stretched = stepped <= movable
+        raised = np.minimum(np.where(stretched, movable + _ABOVE, stepped), 1.0)
+        moving = passing_errors < np.where(open_ramps, raised, 0.0)
+        gain = (moving * (saved_at_ramps - saved_now[:, None])).sum(axis=0) / n
+        right_delta = (moving * (right_at_ramps - right_now[:, None])).sum(axis=0)
+        accuracies = (right_count + right_delta) / n
+        evaluations += int(open_ramps.sum())
+        feasible = open_ramps & (accuracies >= target_accuracy)
+        # A stretched raise is already the smallest that moves anything: if it breaks the constraint, so
+        # would any smaller step.
+        failing = open_ramps & ~feasible
+        give_up = failing & (stretched | (step <= min_step))
+        open_ramps &= ~give_up
+        halve = failing & ~give_up
+        step[halve] = np.maximum(step[halve] / 2, min_step)
+        if not feasible.any():
+            continue
+        retried = False
+        loss = -right_delta / n
+        ratio = np.where(loss > 0, gain / np.where(loss > 0, loss, 1.0), np.inf)
+        # Best ratio first, then the larger gain (among raises that cost no accuracy, ratios tie at infinity).
+        order = np.lexsort((-gain, -ratio))
+        chosen = int(order[feasible[order]][0])
+        moved = moving[:, chosen]
+        thresholds[chosen] = raised[chosen]
+        step[chosen] = max(2 * step[chosen], min_step)
+        exit_column[moved] = chosen
+        right_now[moved] = right_at_ramps[moved, chosen]
+        saved_now[moved] = saved_at_ramps[moved, chosen]
+        right_count += float(right_delta[chosen])
+    return TuningResult(thresholds, right_count / n if n else 1.0, float(saved_now.mean()) if n else 0.0,
+                        evaluations)
+
+
+def tune_grid(data: ExitData, target_accuracy: float, grid_step: float = 0.05) -> TuningResult:
+    """The reference: the best threshold vector on a grid, found exactly by depth-first search over ramps in
+    model order. An input's exit is settled by the earlier ramps' thresholds, so the wrong answers of a prefix
+    only grow as it extends (prune once over the allowance), and the inputs still undecided can at best exit
+    at the next ramp (prune branches that cannot beat the best found)."""
+    n, r = data.size, data.ramps
+    grid = np.round(np.arange(0.0, 1.0 + grid_step / 2, grid_step), 10)
+    allowed_wrong = int(np.floor(n * (1.0 - target_accuracy) + 1e-9))
+    best = {"saved": -np.inf, "thresholds": np.zeros(r), "wrong": 0}
+    evaluations = 0
+    chosen = np.zeros(r)
+
+    def search(ramp: int, undecided: np.ndarray, wrong: int, saved: float) -> None:
+        nonlocal evaluations
+        if ramp == r:
+            total = saved + data.saved_ms[undecided, r].sum()
+            evaluations += 1
+            if total > best["saved"]:
+                best.update(saved=total, thresholds=chosen.copy(), wrong=wrong)
+            return
+        if saved + data.saved_ms[undecided, ramp].sum() <= best["saved"]:
+            return
+        for value in grid:
+            leaving = undecided & (data.errors[:, ramp] < value)
+            leaving_wrong = wrong + int((leaving & ~data.correct[:, ramp]).sum())
+            if leaving_wrong > allowed_wrong:
+                break
+            chosen[ramp] = value
+            search(ramp + 1, undecided & ~leaving, leaving_wrong, saved + data.saved_ms[leaving, ramp].sum())
+        chosen[ramp] = 0.0
+
+    search(0, np.ones(n, dtype=bool), 0, 0.0)
+    return TuningResult(best["thresholds"], 1.0 - best["wrong"] / n if n else 1.0,
+                        float(best["saved"] / n) if n else 0.0, evaluations)

@@ -1,0 +1,194 @@
+"""The controller: monitor, ramp utilities and adjustment, budget, determinism (pure logic, hand-made profiles)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rampserve.control.controller import Controller, ControllerSettings
+from rampserve.control.costs import CostModel
+from rampserve.control.monitor import AccuracyWindow, RampHistory
+from rampserve.control.ramps import adjust_ramps, evenly_spaced, fits_budget, initial_sites, ramp_utilities
+from rampserve.control.records import NO_EXIT, BatchRecord, Configuration
+from rampserve.runtime.profile import LatencyProfile
+
+SITES = tuple(f"s{i}" for i in range(8))
+
+
+def profile(ramp_ms: float = 0.01, sites: tuple[str, ...] = SITES, full_ms: float = 1.0) -> LatencyProfile:
+    """Equal segments; a ramp costs `ramp_ms` at batch 1 and half as much per input at batch 4."""
+    segment = full_ms / (len(sites) + 1)
+    return LatencyProfile(
+        batch_sizes=(1, 4), sites=sites, full_ms=(full_ms, 2 * full_ms),
+        segment_ms={s: (segment, 2 * segment) for s in (*sites, "output")},
+        ramp_ms={s: (ramp_ms, 2 * ramp_ms) for s in sites})
+
+
+def record(config: Configuration, labels: np.ndarray, errors: np.ndarray, final: np.ndarray) -> BatchRecord:
+    return BatchRecord(config.version, config.sites, labels, errors, final, config.exits(errors))
+
+
+def test_configuration_and_record_shapes_are_checked():
+    with pytest.raises(ValueError, match="2 sites but 1 thresholds"):
+        Configuration(0, ("a", "b"), (0.1,))
+    with pytest.raises(ValueError, match="do not fit"):
+        BatchRecord(0, ("a",), np.zeros((2, 2), int), np.zeros((2, 1)), np.zeros(2, int), np.zeros(2, int))
+
+
+def test_record_releases_the_exit_ramps_label_or_the_final_one():
+    config = Configuration(1, ("a", "b"), (0.2, 0.5))
+    rec = record(config, np.array([[1, 2], [3, 4], [5, 6]]), np.array([[0.1, 0.9], [0.9, 0.4], [0.9, 0.9]]),
+                 np.array([1, 0, 7]))
+    np.testing.assert_array_equal(rec.exits, [0, 1, NO_EXIT])
+    np.testing.assert_array_equal(rec.released(), [1, 4, 7])
+    np.testing.assert_array_equal(rec.correct(), [True, False, True])
+
+
+def test_accuracy_window_slides_and_keeps_totals():
+    window = AccuracyWindow(4)
+    window.add(np.array([False, True, True, True, True]))
+    assert window.accuracy == 1.0 and window.cumulative == 0.8
+    window.add(np.array([False]))
+    assert window.accuracy == 0.75
+    window.clear()
+    assert window.accuracy == 1.0 and window.served == 6
+
+
+def test_ramp_history_keeps_the_newest_rows_in_order():
+    history = RampHistory(("a",), capacity=5)
+    config = Configuration(0, ("a",), (0.0,))
+    for start in range(0, 12, 3):
+        errors = np.arange(start, start + 3, dtype=float)[:, None]
+        history.add(record(config, np.zeros((3, 1), int), errors, np.zeros(3, int)))
+    _, errors, batch = history.latest()
+    np.testing.assert_array_equal(errors[:, 0], [7, 8, 9, 10, 11])
+    assert history.latest(2)[1][:, 0].tolist() == [10, 11] and (batch == 3).all()
+
+
+def test_initial_deployment_spreads_the_most_ramps_the_budget_allows():
+    costs = CostModel(profile(ramp_ms=0.006))  # 0.6% each: three fit in 2%
+    sites = initial_sites(costs, 0.02, 1)
+    assert len(sites) == 3 and fits_budget(costs, sites, 0.02, 1)
+    assert sites == tuple(SITES[p] for p in evenly_spaced(8, 3)) == ("s2", "s4", "s5")
+    assert initial_sites(CostModel(profile(ramp_ms=0.05)), 0.02, 1) == ()
+
+
+def test_utilities_charge_ramps_only_to_inputs_that_pass_them():
+    costs = CostModel(profile(ramp_ms=0.01, full_ms=0.9))  # segments of 0.1 ms
+    sites = ("s1", "s5")
+    errors = np.array([[0.0, 0.9], [0.9, 0.0], [0.9, 0.9]])
+    utility, exits = ramp_utilities(costs, sites, np.array([0.5, 0.5]), errors, np.ones(3, dtype=np.int64))
+    assert exits.tolist() == [1, 1]
+    # s1: input 0 leaves at 0.2 + 0.01 ms (saves 0.69), inputs 1 and 2 pay its 0.01 ms
+    # s5: input 1 leaves at 0.6 + 0.02 ms (saves 0.28), input 2 pays its 0.01 ms
+    np.testing.assert_allclose(utility, [0.69 - 0.02, 0.28 - 0.01])
+
+
+def negative_late_ramp(late: str, late_exits: int) -> tuple[CostModel, tuple[str, ...], np.ndarray]:
+    """s1 exits a third of 60 inputs; `late` exits `late_exits` of the 40 that reach it and costs the rest."""
+    costs = CostModel(profile(ramp_ms=0.01, full_ms=0.9))  # segments of 0.1 ms
+    sites = ("s1", late)
+    errors = np.array([[0.0, 0.9], [0.9, 0.9], [0.9, 0.9]] * 20)
+    errors[1:1 + 3 * late_exits:3, 1] = 0.0
+    assert ramp_utilities(costs, sites, np.array([0.5, 0.5]), errors, np.ones(60, dtype=np.int64))[0][1] < 0
+    return costs, sites, errors
+
+
+def test_negative_ramp_is_replaced_by_a_trial_at_threshold_zero_in_the_middle_of_its_interval():
+    costs, sites, errors = negative_late_ramp("s7", late_exits=2)
+    adjustment = adjust_ramps(costs, sites, np.array([0.5, 0.5]), errors, np.ones(60, dtype=np.int64),
+                              budget=0.05, budget_batch=1, retune=None, start={})
+    # the interval from the last positive ramp s1 to the dropped s7 has its middle at s4; its exits are bounded
+    # by s7's two: 2 x 0.39 ms saved against 38 x 0.01 ms
+    assert adjustment.sites == ("s1", "s4") and adjustment.thresholds == (0.5, 0.0)
+
+
+def test_the_range_after_the_last_deactivation_is_explored_too():
+    costs, sites, errors = negative_late_ramp("s5", late_exits=1)
+    adjustment = adjust_ramps(costs, sites, np.array([0.5, 0.5]), errors, np.ones(60, dtype=np.int64),
+                              budget=0.05, budget_batch=1, retune=None, start={"s6": 0.2})
+    # (s5, end) has no deactivated ramp to bound it: every input reaching s6 might exit, which beats s3's bound
+    assert adjustment.sites == ("s1", "s6") and adjustment.thresholds == (0.5, 0.2)
+
+
+def test_all_positive_with_budget_left_adds_a_ramp_before_the_best_one():
+    costs = CostModel(profile(ramp_ms=0.01, full_ms=0.9))
+    errors = np.array([[0.0, 0.9], [0.9, 0.0], [0.9, 0.0], [0.9, 0.0]])  # s5 saves the most
+    adjustment = adjust_ramps(costs, ("s1", "s5"), np.array([0.5, 0.5]), errors, np.ones(4, dtype=np.int64),
+                              budget=0.05, budget_batch=1, retune=None, start={})
+    assert adjustment.sites == ("s1", "s4", "s5") and adjustment.thresholds == (0.5, 0.0, 0.5)
+    # without budget for a third ramp the weakest moves one site earlier instead
+    moved = adjust_ramps(costs, ("s1", "s5"), np.array([0.5, 0.5]), errors, np.ones(4, dtype=np.int64),
+                         budget=0.025, budget_batch=1, retune=None, start={})
+    assert moved.sites == ("s0", "s5") and moved.thresholds == (0.0, 0.5)
+
+
+def drive(controller: Controller, batches: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> list:
+    """Serve hand-made batches with whatever configuration the controller holds at each batch."""
+    for labels, errors, final in batches:
+        config = controller.configuration()
+        columns = [SITES.index(s) for s in config.sites]
+        controller.observe(record(config, labels[:, columns], errors[:, columns], final))
+    return [(d.configuration, d.observed, d.reason) for d in controller.decisions]
+
+
+def random_batches(seed: int, count: int, size: int = 4) -> list:
+    rng = np.random.default_rng(seed)
+    batches = []
+    for _ in range(count):
+        final = rng.integers(0, 3, size)
+        agree = rng.random((size, len(SITES))) < np.linspace(0.4, 0.99, len(SITES))
+        labels = np.where(agree, final[:, None], (final[:, None] + 1) % 3)
+        errors = np.where(agree, rng.random((size, len(SITES))) * 0.5, rng.random((size, len(SITES))))
+        batches.append((labels, errors, final))
+    return batches
+
+
+def test_controller_is_deterministic_given_its_records():
+    batches = random_batches(seed=1, count=300)
+    settings_ = ControllerSettings(ramp_budget=0.03)
+    first = drive(Controller(profile(ramp_ms=0.005), settings_), batches)
+    second = drive(Controller(profile(ramp_ms=0.005), settings_), batches)
+    assert first == second and len(first) > 3
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(0, 10_000), st.floats(0.001, 0.03), st.floats(0.0, 0.06), st.sampled_from([1, 4]))
+def test_ramp_adjustment_never_exceeds_the_budget(seed, ramp_ms, budget, batch):
+    controller = Controller(profile(ramp_ms=ramp_ms), ControllerSettings(ramp_budget=budget, history=128,
+                                                                         adjust_every=32, budget_batch_size=batch))
+    drive(controller, random_batches(seed, count=150, size=batch))
+    for decision in controller.decisions:
+        assert fits_budget(controller.costs, decision.configuration.sites, budget, batch)
+
+
+def test_an_accuracy_drop_triggers_retuning_that_lowers_the_guilty_threshold():
+    settings_ = ControllerSettings(initial=("s3",), window=16, ramp_adjustment=False,
+                                   start_thresholds={"s3": 0.9})
+    controller = Controller(profile(), settings_)
+    final = np.zeros(4, dtype=int)
+    confident_wrong = (np.ones((4, 8), int), np.full((4, 8), 0.3), final)  # s3 would exit and be wrong
+    confident_right = (np.zeros((4, 8), int), np.full((4, 8), 0.1), final)
+    drive(controller, [confident_right] * 4 + [confident_wrong])
+    tuned = controller.configuration()
+    assert tuned.version == 1 and "window accuracy" in controller.decisions[-1].reason
+    assert 0.1 < tuned.thresholds[0] <= 0.3  # right answers (error 0.1) still exit, wrong ones (0.3) no longer
+    assert len(controller.times.tune_ms) == 1 and controller.times.tune_ms[0] >= 0.0
+
+
+def test_records_of_a_replaced_active_set_are_not_learned_from():
+    controller = Controller(profile(), ControllerSettings(initial=("s3",)))
+    stale = Configuration(0, ("s1",), (0.0,))
+    controller.observe(record(stale, np.zeros((2, 1), int), np.zeros((2, 1)), np.zeros(2, int)))
+    assert controller.history.size == 0 and controller.window.served == 2
+
+
+def test_settings_are_validated():
+    with pytest.raises(ValueError, match="history"):
+        ControllerSettings(history=64, adjust_every=128)
+    with pytest.raises(ValueError, match="accuracy constraint"):
+        ControllerSettings(accuracy_constraint=1.5)
+    with pytest.raises(ValueError, match="not sites"):
+        Controller(profile(), ControllerSettings(initial=("nope",)))
