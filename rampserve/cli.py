@@ -149,6 +149,27 @@ def inspect(
 
 
 @app.command()
+def profile(
+    bundle: Annotated[Path, typer.Argument(help="a bundle written by `rampserve prepare`")],
+    repeats: Annotated[int, typer.Option(help="interleaved runs per measurement (medians are kept)")] = 7,
+) -> None:
+    """Measure a bundle's latency profile again on this machine (run it on a quiet machine: the controller
+    and the simulator take every ramp's cost from it)."""
+    from rampserve.runtime.bundle import BundleError, load_bundle, write_profile
+    from rampserve.runtime.prepare import PrepareConfig, reprofile
+
+    try:
+        model = load_bundle(bundle)
+    except BundleError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    measured = reprofile(model, PrepareConfig(profile_repeats=repeats))
+    write_profile(bundle, measured)
+    console.print(f"profiled {bundle}: whole model {measured.full(1):.3f} ms at batch 1, "
+                  f"ramps {min(measured.ramp_ms[s][0] for s in measured.sites):.3f}-"
+                  f"{max(measured.ramp_ms[s][0] for s in measured.sites):.3f} ms")
+
+
+@app.command()
 def demo(
     model: Annotated[str, typer.Option(help="zoo model to prepare")] = DEFAULT_MODEL,
     small: Annotated[bool, typer.Option(help="the zoo's tiny variant (quick)")] = False,

@@ -165,8 +165,8 @@ def test_ramp_adjustment_never_exceeds_the_budget(seed, ramp_ms, budget, batch):
 
 
 def test_an_accuracy_drop_triggers_retuning_that_lowers_the_guilty_threshold():
-    settings_ = ControllerSettings(initial=("s3",), window=16, ramp_adjustment=False,
-                                   start_thresholds={"s3": 0.9})
+    settings_ = ControllerSettings(initial=("s3",), window=16, ramp_adjustment=False, min_ramp_outputs=16,
+                                   start_thresholds={"s3": 0.9}, tuning_share=1.0)
     controller = Controller(profile(), settings_)
     final = np.zeros(4, dtype=int)
     confident_wrong = (np.ones((4, 8), int), np.full((4, 8), 0.3), final)  # s3 would exit and be wrong
@@ -176,6 +176,25 @@ def test_an_accuracy_drop_triggers_retuning_that_lowers_the_guilty_threshold():
     assert tuned.version == 1 and "window accuracy" in controller.decisions[-1].reason
     assert 0.1 < tuned.thresholds[0] <= 0.3  # right answers (error 0.1) still exit, wrong ones (0.3) no longer
     assert len(controller.times.tune_ms) == 1 and controller.times.tune_ms[0] >= 0.0
+
+
+def test_a_ramp_with_too_few_outputs_of_its_own_keeps_threshold_zero():
+    controller = Controller(profile(), ControllerSettings(initial=("s3",), min_ramp_outputs=64))
+    right = (np.zeros((4, 8), int), np.full((4, 8), 0.1), np.zeros(4, dtype=int))
+    drive(controller, [right] * 15)  # 60 outputs, every one right and confident
+    assert controller.tuned_thresholds().tolist() == [0.0]
+    drive(controller, [right])
+    assert controller.tuned_thresholds()[0] > 0.1
+
+
+def test_a_new_active_set_keeps_the_history_of_the_ramps_it_keeps():
+    history = RampHistory(("a", "b"), capacity=4)
+    config = Configuration(0, ("a", "b"), (0.0, 0.0))
+    history.add(record(config, np.array([[1, 2], [3, 4]]), np.array([[0.1, 0.2], [0.3, 0.4]]), np.array([1, 4])))
+    moved = history.for_sites(("b", "c"))
+    correct, errors, _ = moved.latest()
+    np.testing.assert_array_equal(errors, [[0.2, np.inf], [0.4, np.inf]])
+    np.testing.assert_array_equal(correct, [[False, False], [True, False]])
 
 
 def test_records_of_a_replaced_active_set_are_not_learned_from():

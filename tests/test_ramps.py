@@ -19,7 +19,7 @@ def features(n: int = 300, seed: int = 0) -> tuple[Features, dict]:
     g = torch.Generator().manual_seed(seed)
     targets = torch.randint(0, 4, (n,), generator=g)
     by_site = {
-        "a": torch.randn(n, 8, generator=g) + 3 * torch.nn.functional.one_hot(targets, 8).float(),
+        "a": torch.randn(n, 72, generator=g) + 3 * torch.nn.functional.one_hot(targets, 72).float(),
         "b": torch.randn(n, 6, 4, 4, generator=g),
         "c": torch.randn(n, 16, generator=g),
     }
@@ -32,8 +32,8 @@ def features(n: int = 300, seed: int = 0) -> tuple[Features, dict]:
 
 
 def test_specs_follow_the_activation_shape() -> None:
-    assert spec_for("linear", (32, 7, 7), 10).reduce == "spatial_mean"
-    assert spec_for("linear", (32, 7, 7), 10).feature_shape == (32,)
+    assert spec_for("linear", (32, 7, 7), 10).reduce == "grid_mean"
+    assert spec_for("linear", (32, 7, 7), 10).feature_shape == (32 * 9,)
     assert spec_for("linear", (12, 384), 2).reduce == "first_token"
     assert spec_for("deep", (32, 7, 7), 10).feature_shape == (32, 4, 4)
     with pytest.raises(ValueError, match="unknown ramp kind"):
@@ -85,6 +85,24 @@ def test_error_scores_are_in_unit_range_and_label_is_argmax(logits: np.ndarray, 
 
 @settings(max_examples=100, deadline=None)
 @given(logit_rows)
+def test_max_prob_error_is_one_minus_the_largest_softmax_probability(logits: np.ndarray) -> None:
+    shifted = np.exp(logits - logits.max(axis=1, keepdims=True))
+    reference = 1.0 - (shifted / shifted.sum(axis=1, keepdims=True)).max(axis=1)
+    np.testing.assert_allclose(top_label_and_error(logits)[1], reference, rtol=0, atol=1e-12)
+
+
+def test_ramp_evaluate_scores_its_own_logits() -> None:
+    ramp = Ramp(spec_for("linear", (8, 5, 5), 4)).eval()
+    activation = torch.randn(3, 8, 5, 5)
+    with torch.no_grad():
+        expected = top_label_and_error(ramp(activation).numpy())
+    labels, errors = ramp.evaluate(activation)
+    np.testing.assert_array_equal(labels, expected[0])
+    np.testing.assert_allclose(errors, expected[1])
+
+
+@settings(max_examples=100, deadline=None)
+@given(logit_rows)
 def test_sharper_logits_never_raise_the_error_score(logits: np.ndarray) -> None:
     _, soft = top_label_and_error(logits)
     _, sharp = top_label_and_error(logits * 2.0)
@@ -95,3 +113,17 @@ def test_oracle_exits_at_the_first_agreeing_ramp() -> None:
     ramp_labels = np.array([[1, 2, 2], [0, 0, 1], [3, 3, 3]])
     final = np.array([2, 0, 1])
     assert earliest_correct_exit(ramp_labels, final).tolist() == [1, 0, NO_EXIT]
+
+
+def test_linear_ramps_learn_the_same_whatever_the_scale_of_their_features() -> None:
+    """Linear heads train on standardised features, folded into their weights afterwards."""
+    feats, specs = features(n=600)
+    linear = {"a": specs["a"]}
+    config = TrainConfig(seed=1, max_epochs=10, patience=3)
+    ramps, _ = train_ramps(feats, linear, config, progress=False)
+    scaled = Features({"a": feats.by_site["a"] * 1000.0 + 500.0}, feats.targets, 0.0)
+    scaled_ramps, _ = train_ramps(scaled, linear, config, progress=False)
+    head, scaled_head = ramps["a"].head, scaled_ramps["a"].head
+    with torch.no_grad():
+        np.testing.assert_allclose(scaled_head(scaled.by_site["a"]).numpy(), head(feats.by_site["a"]).numpy(),
+                                   rtol=1e-3, atol=1e-3)

@@ -41,6 +41,20 @@ def test_ramp_callback_sees_every_active_ramp_in_model_order(resnet_prepared, fm
     assert seen == active
 
 
+def test_hooked_run_reports_the_activations_the_stages_compute(resnet_prepared, fmnist_feeds) -> None:
+    backend = resnet_prepared.backend
+    feeds = {backend.input_names[0]: fmnist_feeds}
+    cuts = resnet_prepared.site_names[1::3]
+    reported = []
+    with torch.inference_mode():
+        output = backend.run_hooked(feeds, cuts, lambda site, activation: reported.append((site, activation)))
+        staged = list(backend.stage_outputs(feeds, cuts))
+    assert [site for site, _ in reported] == cuts
+    for (site, activation), (cut, expected) in zip(reported, staged):
+        assert site == cut and torch.equal(activation, expected)
+    assert torch.equal(output, staged[-1][1])
+
+
 def test_unknown_active_site_is_refused(resnet_prepared, fmnist_feeds) -> None:
     with pytest.raises(ValueError, match="not sites"):
         resnet_prepared.run({resnet_prepared.backend.input_names[0]: fmnist_feeds}, active=["nope"])

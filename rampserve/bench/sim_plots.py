@@ -56,7 +56,8 @@ def write_plots(result: SimResult, out_dir: Path, window: int = 1000) -> list[Pa
         if not np.all(np.isnan(ys)):
             thr_ax.step(xs, ys, where="post", label=site, lw=0.8)
     thr_ax.set(ylabel="threshold")
-    thr_ax.legend(fontsize=7, ncol=4)
+    if thr_ax.get_lines():
+        thr_ax.legend(fontsize=7, ncol=4)
     ramps_ax.step([d.observed for d in decisions], [len(d.configuration.sites) for d in decisions], where="post")
     ramps_ax.set(xlabel="request", ylabel="active ramps")
     written.append(out_dir / "over_time.png")

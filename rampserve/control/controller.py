@@ -26,6 +26,12 @@ class ControllerSettings:
     window: int = 16  # released answers whose accuracy triggers threshold tuning (Apparate: 16)
     history: int = 512  # recent inputs of the active set that tuning evaluates
     adjust_every: int = 128  # inputs between ramp adjustment rounds (Apparate: 128)
+    # Outputs of its own a ramp needs before tuning may raise its threshold: a handful of lucky answers from a
+    # ramp just activated would otherwise license a threshold that the next inputs break.
+    min_ramp_outputs: int = 64
+    # Share of the allowed loss that tuning may spend on its history: thresholds fitted to exactly the
+    # constraint on past inputs lose more than that on the next ones (they are chosen to fit the past).
+    tuning_share: float = 0.5
     ramp_budget: float = 0.02  # what active ramps may add to a non-exiting input, share of the model's latency
     budget_batch_size: int | None = None  # batch size the budget is judged at; None: the median one served
     initial_step: float = 0.1
@@ -47,6 +53,10 @@ class ControllerSettings:
     @property
     def target_accuracy(self) -> float:
         return 1.0 - self.accuracy_constraint
+
+    @property
+    def tuning_target(self) -> float:
+        return 1.0 - self.accuracy_constraint * self.tuning_share
 
 
 @dataclass(frozen=True)
@@ -137,8 +147,10 @@ class Controller:
     def tuned_thresholds(self) -> np.ndarray:
         if not self.history.sites or not self.history.size:
             return np.zeros(len(self.history.sites))
-        return tune_greedy(self._exit_data(), self.settings.target_accuracy, self.settings.initial_step,
-                           self.settings.min_step).thresholds
+        data = self._exit_data()
+        frozen = np.isinf(data.errors).sum(axis=0) > data.size - self.settings.min_ramp_outputs
+        return tune_greedy(data, self.settings.tuning_target, self.settings.initial_step, self.settings.min_step,
+                           frozen).thresholds
 
     def _retune(self) -> tuple[tuple[str, ...], np.ndarray, str]:
         return self.history.sites, self.tuned_thresholds(), "thresholds retuned"

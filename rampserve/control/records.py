@@ -69,7 +69,7 @@ class BatchRecord:
         """The label each input was answered with."""
         if not self.sites:
             return self.final
-        at_ramp = np.take_along_axis(self.labels, np.clip(self.exits, 0, None)[:, None], axis=1)[:, 0]
+        at_ramp = self.labels[np.arange(len(self.exits)), self.exits]  # NO_EXIT picks the last column, unused
         return np.where(self.exits == NO_EXIT, self.final, at_ramp)
 
     def correct(self) -> np.ndarray:

@@ -49,7 +49,7 @@ class TuningResult:
 
 
 def tune_greedy(data: ExitData, target_accuracy: float, initial_step: float = 0.1,
-                min_step: float = 0.01) -> TuningResult:
+                min_step: float = 0.01, frozen: np.ndarray | None = None) -> TuningResult:
     """Apparate's hill climbing: from all-zero thresholds, each round tries raising every ramp's threshold by
     its own step and keeps the single raise with the most added savings per unit of added accuracy loss
     (doubling that ramp's step); a raise that breaks the constraint halves the step, and at the floor closes
@@ -63,11 +63,13 @@ def tune_greedy(data: ExitData, target_accuracy: float, initial_step: float = 0.
 
     Each candidate raise only moves inputs that pass its ramp today, so a round is scored from per-input
     differences over (n, r) arrays instead of re-evaluating every candidate vector from scratch.
+
+    `frozen` ramps keep threshold 0 (a ramp with too few outputs of its own to judge).
     """
     n, r = data.size, data.ramps
     thresholds = np.zeros(r)
     step = np.full(r, initial_step)
-    open_ramps = np.ones(r, dtype=bool)
+    open_ramps = np.ones(r, dtype=bool) if frozen is None else ~np.asarray(frozen, dtype=bool)
     exit_column = np.full(n, r)  # column r: answered by the final layer
     right_now = np.ones(n, dtype=np.int8)
     saved_now = data.saved_ms[:, r].copy()
@@ -84,7 +86,7 @@ def tune_greedy(data: ExitData, target_accuracy: float, initial_step: float = 0.
         movable = passing_errors.min(axis=0)
         open_ramps &= movable < np.inf
         if not open_ramps.any():
-            closed = movable < np.inf
+            closed = (movable < np.inf) if frozen is None else (movable < np.inf) & ~frozen
             if retried or not closed.any():
                 break
             open_ramps, retried = closed, True

@@ -100,6 +100,31 @@ class TorchSplitModel:
         self.sites: list[SiteCandidate] = find_sites(self.dataflow, policy)
         self.input_names = list(self.dataflow.inputs)
         self._stages: dict[tuple[str, ...], list[Stage]] = {}
+        self._hooked: dict[tuple[str, ...], fx.GraphModule] = {}
+
+    def hooked(self, cuts: Sequence[str]) -> fx.GraphModule:
+        """The whole model as one module that calls `hook(site, activation)` right after computing each cut
+        value; it takes the model's inputs followed by the hook. Reporting a site costs one Python call, where
+        running separate stages costs a module call per stage and, for encoders, recomputing in every stage
+        what the stage needs besides the activation (attention masks)."""
+        key = tuple(cuts)
+        if key not in self._hooked:
+            known = {s.value for s in self.sites}
+            unknown = [c for c in key if c not in known]
+            if unknown:
+                raise ValueError(f"cuts {unknown} are not sites of this model; sites: {sorted(known)}")
+            graph = fx.Graph()
+            copies: dict[fx.Node, fx.Node] = {}
+            graph.output(graph.graph_copy(self.graph_module.graph, copies))
+            by_name = {old.name: new for old, new in copies.items()}
+            last_input = [n for n in graph.nodes if n.op == "placeholder"][-1]
+            with graph.inserting_after(last_input):
+                hook = graph.placeholder("rampserve_hook")
+            for cut in key:
+                with graph.inserting_after(by_name[cut]):
+                    graph.call_function(_report, (hook, cut, by_name[cut]))
+            self._hooked[key] = fx.GraphModule(self.graph_module, graph, "hooked")
+        return self._hooked[key]
 
     def full(self, feeds: dict[str, torch.Tensor]) -> torch.Tensor:
         return self.module(*(feeds[name] for name in self.input_names))
@@ -129,6 +154,10 @@ class TorchSplitModel:
             _StageModule(self.graph_module, self.input_names, start, stop)
             for start, stop in zip(boundaries, boundaries[1:])
         ]
+
+
+def _report(hook: Callable[[str, torch.Tensor], None], site: str, value: torch.Tensor) -> None:
+    hook(site, value)
 
 
 class _StageModule:

@@ -8,19 +8,26 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+import numpy as np
 import torch
 from torch import nn
 from torch.nn import functional as F
 
+from rampserve.ramps.scores import top_label_and_error
+
 # Spatial size the deeper CNN head keeps before its convolutions: enough structure for a 3x3 conv, small
 # enough that the reduced activations of a bootstrap set fit in memory.
 DEEP_CNN_GRID = 4
+# Spatial size a linear CNN ramp pools to. A global mean throws away where things are: on resnet18-fmnist
+# under drift, a 3x3 grid lets the ramps after layers 2 and 3 answer 47-64% of inputs at 99% agreement with
+# the model, against 6-42% for the global mean, at nearly the same cost (one pooling, one small matmul).
+LINEAR_CNN_GRID = 3
 
 
 @dataclass(frozen=True)
 class RampSpec:
     kind: str  # "linear" (Apparate's default) or "deep"
-    reduce: str  # "spatial_mean", "spatial_grid", "first_token", "token_mean", "identity"
+    reduce: str  # "spatial_mean", "grid_mean", "spatial_grid", "first_token", "token_mean", "identity"
     feature_shape: tuple[int, ...]  # per-sample shape after `reduce`
     num_classes: int
 
@@ -45,6 +52,8 @@ def reduce_activation(activation: torch.Tensor, how: str) -> torch.Tensor:
         return activation.mean(dim=(2, 3))
     if how == "spatial_grid":
         return F.adaptive_avg_pool2d(activation, DEEP_CNN_GRID)
+    if how == "grid_mean":
+        return F.adaptive_avg_pool2d(activation, LINEAR_CNN_GRID).flatten(1)
     if how == "first_token":
         return activation[:, 0]
     if how == "token_mean":
@@ -63,7 +72,7 @@ def spec_for(kind: str, activation_shape: tuple[int, ...], num_classes: int, tok
         channels = activation_shape[0]
         if kind == "deep":
             return RampSpec(kind, "spatial_grid", (channels, DEEP_CNN_GRID, DEEP_CNN_GRID), num_classes)
-        return RampSpec(kind, "spatial_mean", (channels,), num_classes)
+        return RampSpec(kind, "grid_mean", (channels * LINEAR_CNN_GRID**2,), num_classes)
     if rank == 2:  # (tokens, hidden)
         return RampSpec(kind, token_reduce, (activation_shape[1],), num_classes)
     width = 1
@@ -108,7 +117,14 @@ class Ramp(nn.Module):
         self.head = build_head(spec)
 
     def forward(self, activation: torch.Tensor) -> torch.Tensor:
-        return self.head(reduce_activation(activation, self.spec.reduce))
+        reduced = reduce_activation(activation, self.spec.reduce)
+        if isinstance(self.head, nn.Linear):  # skips a module call: a sizeable share of a ramp at batch 1
+            return F.linear(reduced, self.head.weight, self.head.bias)
+        return self.head(reduced)
+
+    def evaluate(self, activation: torch.Tensor, score: str = "max_prob") -> tuple[np.ndarray, np.ndarray]:
+        """Top label and error score per input: what the serving path runs after each active ramp."""
+        return top_label_and_error(self.forward(activation).detach().numpy(), score)
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())

@@ -36,6 +36,7 @@ class Backend:
         self.split = split
         self._primary, *self._side_names = split.input_names
         self._plans: dict[tuple[str, ...], tuple[tuple[str, ...], list[Callable]]] = {}
+        self._ordered: dict[tuple[str, ...], tuple[str, ...]] = {}
 
     def native(self, array: np.ndarray) -> object:
         raise NotImplementedError
@@ -59,15 +60,19 @@ class Backend:
         return self.split.input_names
 
     def ordered_cuts(self, cuts: Sequence[str]) -> tuple[str, ...]:
-        order = {s.value: s.index for s in self.sites}
-        unknown = [c for c in cuts if c not in order]
-        if unknown:
-            raise ValueError(f"{unknown} are not sites of this model; sites: {list(order)}")
-        return tuple(sorted(set(cuts), key=order.__getitem__))
+        """`cuts` in model order, validated once per set: the serving path asks for the same few sets for
+        every batch, and checking them again costs tens of microseconds."""
+        key = tuple(cuts)
+        if key not in self._ordered:
+            order = {s.value: s.index for s in self.sites}
+            unknown = [c for c in key if c not in order]
+            if unknown:
+                raise ValueError(f"{unknown} are not sites of this model; sites: {list(order)}")
+            self._ordered[key] = tuple(sorted(set(key), key=order.__getitem__))
+        return self._ordered[key]
 
     def plan(self, cuts: Sequence[str]) -> tuple[tuple[str, ...], list[Callable]]:
-        """The ordered cuts and their stages, built once per set of cuts: on the serving path a configuration
-        is reused for many batches, and rebuilding even a cached plan costs tens of microseconds."""
+        """The ordered cuts and their stages, built once per set of cuts."""
         key = tuple(cuts)
         if key not in self._plans:
             ordered = self.ordered_cuts(key)
@@ -84,6 +89,16 @@ class Backend:
         for cut, stage in zip((*ordered, None), stages):
             activation = stage(activation, side)
             yield cut, activation
+
+    def run_hooked(self, feeds: dict[str, np.ndarray], cuts: Sequence[str],
+                   hook: Callable[[str, object], None]) -> object:
+        """Run the model, calling `hook(site, activation)` after each cut in model order; returns the output.
+        The serving path: backends that can report a site without splitting the model do so."""
+        for cut, activation in self.stage_outputs(feeds, cuts):
+            if cut is None:
+                return activation
+            hook(cut, activation)
+        raise AssertionError("the last stage always yields the output")
 
     def site_activations(self, feed_batches: Iterable[dict[str, np.ndarray]], cuts: Sequence[str]
                          ) -> Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]:
@@ -106,6 +121,14 @@ class TorchBackend(Backend):
 
     def native(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(array))
+
+    def run_hooked(self, feeds: dict[str, np.ndarray], cuts: Sequence[str],
+                   hook: Callable[[str, object], None]) -> object:
+        native = self.native_feeds(feeds)
+        inputs = [native[name] for name in self.input_names]
+        if not cuts:
+            return self.module(*inputs)
+        return self.split.hooked(self.ordered_cuts(cuts))(*inputs, hook)
 
     def to_tensor(self, value: object) -> torch.Tensor:
         assert isinstance(value, torch.Tensor)

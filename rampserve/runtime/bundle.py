@@ -79,6 +79,16 @@ def save_bundle(model: PreparedModel, out_dir: Path) -> Path:
     return out_dir
 
 
+def write_profile(bundle_dir: Path, profile: LatencyProfile) -> None:
+    """Replace a bundle's latency profile (the manifest is rewritten atomically; weights are untouched)."""
+    path = Path(bundle_dir) / MANIFEST
+    manifest = read_manifest(bundle_dir)
+    manifest["profile"] = profile.to_json()
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(manifest, indent=2))
+    tmp.replace(path)
+
+
 def read_manifest(bundle_dir: Path) -> dict:
     path = Path(bundle_dir) / MANIFEST
     if not path.is_file():

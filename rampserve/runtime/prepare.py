@@ -88,6 +88,25 @@ def bootstrap_inputs(workload: str, limit: int) -> BootstrapInputs:
     return BootstrapInputs(stream.task, encoder_for(stream.task), items)
 
 
+def sample_feeds(backend: Backend, inputs: BootstrapInputs) -> Callable[[int], dict[str, np.ndarray]]:
+    """Real inputs of any batch size for profiling, cycling through the bootstrap items."""
+    items = inputs.items
+
+    def feeds(batch_size: int) -> dict[str, np.ndarray]:
+        chosen = list(itertools.islice(itertools.cycle(range(len(items))), batch_size))
+        return feeds_for(backend, inputs.encoder, [items[i] for i in chosen] if isinstance(items, list)
+                         else items[chosen])
+
+    return feeds
+
+
+def reprofile(model: PreparedModel, config: PrepareConfig = PrepareConfig()) -> LatencyProfile:
+    """Measure a prepared model's latency profile again, on this machine, with its workload's inputs."""
+    inputs = bootstrap_inputs(model.meta["workload"], config.bootstrap_items)
+    return measure_profile(model, sample_feeds(model.backend, inputs), config.profile_batch_sizes,
+                           config.profile_repeats, progress=config.progress)
+
+
 def _batches(items, size: int) -> Iterator:
     for start in range(0, len(items), size):
         yield items[start:start + size]
@@ -137,12 +156,8 @@ def prepare(source: ModelSource, config: PrepareConfig = PrepareConfig(),
     ]
     model = PreparedModel(backend=backend, sites=sites, ramps=ramps, error_score=config.error_score)
 
-    def sample_feeds(batch_size: int) -> dict[str, np.ndarray]:
-        chosen = list(itertools.islice(itertools.cycle(range(len(items))), batch_size))
-        return feeds_for(backend, encoder, [items[i] for i in chosen] if isinstance(items, list) else items[chosen])
-
-    model.profile = measure_profile(model, sample_feeds, config.profile_batch_sizes, config.profile_repeats,
-                                    progress=config.progress)
+    model.profile = measure_profile(model, sample_feeds(backend, bootstrap), config.profile_batch_sizes,
+                                    config.profile_repeats, progress=config.progress)
     val = torch.tensor(report.val_indices)
     with torch.no_grad():
         ramp_labels = np.stack(

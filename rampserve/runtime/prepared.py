@@ -9,7 +9,6 @@ import numpy as np
 import torch
 
 from rampserve.ramps.kinds import Ramp, RampSpec
-from rampserve.ramps.scores import top_label_and_error
 from rampserve.runtime.backends import Backend
 from rampserve.runtime.profile import LatencyProfile
 
@@ -66,14 +65,12 @@ class PreparedModel:
 
     def run(self, feeds: dict[str, np.ndarray], active: Sequence[str] = (),
             on_ramp: RampCallback | None = None) -> np.ndarray:
-        """Run stage by stage, cut only at the active ramps' sites; after each, report every input's top label
-        and error score to `on_ramp`. Returns the original model's output (logits)."""
+        """Run the model, evaluating the active ramps as their sites are computed and reporting every input's
+        top label and error score to `on_ramp`. Returns the original model's output (logits)."""
+        def report(site: str, activation: object) -> None:
+            labels, errors = self.ramps[site].evaluate(self.backend.to_tensor(activation), self.error_score)
+            if on_ramp is not None:
+                on_ramp(site, labels, errors)
+
         with torch.inference_mode():
-            for cut, activation in self.backend.stage_outputs(feeds, active):
-                if cut is None:
-                    return self.backend.to_tensor(activation).numpy()
-                logits = self.ramps[cut](self.backend.to_tensor(activation))
-                labels, errors = top_label_and_error(logits.numpy(), self.error_score)
-                if on_ramp is not None:
-                    on_ramp(cut, labels, errors)
-        raise AssertionError("the last stage always yields the output")
+            return self.backend.to_tensor(self.backend.run_hooked(feeds, active, report)).numpy()

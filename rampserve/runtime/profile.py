@@ -24,6 +24,9 @@ class LatencyProfile:
     sites: tuple[str, ...]  # in model order
     full_ms: tuple[float, ...]  # whole model, per batch size
     segment_ms: dict[str, tuple[float, ...]]  # segment ending at each site, and "output" for the last one
+    # The whole cost of having a ramp active: its head, scoring its output (top label and error score), and
+    # its share of what reporting activations costs the serving path (a run reporting every site minus a
+    # plain run, spread over the sites).
     ramp_ms: dict[str, tuple[float, ...]]
 
     def _column(self, batch_size: int) -> int:
@@ -64,6 +67,10 @@ def _timed(fn: Callable[..., object], *args: object) -> tuple[object, float]:
     return out, (time.perf_counter() - start) * 1000.0
 
 
+def _ignore(_site: str, _activation: object) -> None:
+    pass
+
+
 def measure_profile(model, sample_feeds: Callable[[int], dict[str, np.ndarray]],
                     batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES, repeats: int = 7,
                     progress: bool = True) -> LatencyProfile:
@@ -80,27 +87,36 @@ def measure_profile(model, sample_feeds: Callable[[int], dict[str, np.ndarray]],
     segment: dict[str, list[float]] = {s: [] for s in (*sites, "output")}
     ramp: dict[str, list[float]] = {s: [] for s in sites}
     for batch_size in tqdm(batch_sizes, desc="profiling latency", unit="batch size", disable=not progress):
-        feeds = backend.native_feeds(sample_feeds(batch_size))
+        raw_feeds = sample_feeds(batch_size)
+        feeds = backend.native_feeds(raw_feeds)
         side = {n: feeds[n] for n in side_names}
-        runs: dict[str, list[float]] = {k: [] for k in ("full", *segment, *(f"ramp:{s}" for s in sites))}
+        runs: dict[str, list[float]] = {
+            k: [] for k in ("full", "whole", "hooked", *segment, *(f"ramp:{s}" for s in sites))}
         with torch.inference_mode():
             for rep in range(repeats + 2):  # two warm-up runs, discarded
                 _, t_full = _timed(full_stage, feeds[primary], side)
                 timings = {"full": t_full}
+                # What reporting every site costs the serving path, measured back to back with the plain run
+                # through the same entry point so that machine noise largely cancels in the difference.
+                _, timings["whole"] = _timed(backend.run_hooked, raw_feeds, (), _ignore)
+                _, timings["hooked"] = _timed(backend.run_hooked, raw_feeds, sites, _ignore)
                 activation = feeds[primary]
                 for name, stage in zip((*sites, "output"), stages):
                     activation, timings[name] = _timed(stage, activation, side)
                     if name != "output":
                         tensor = backend.to_tensor(activation)
-                        _, timings[f"ramp:{name}"] = _timed(model.ramps[name], tensor)
+                        _, timings[f"ramp:{name}"] = _timed(model.ramps[name].evaluate, tensor,
+                                                            model.error_score)
                 if rep >= 2:
                     for key, value in timings.items():
                         runs[key].append(value)
         full.append(float(np.median(runs["full"])))
         for name in segment:
             segment[name].append(float(np.median(runs[name])))
+        hooked_minus_whole = np.array(runs["hooked"]) - np.array(runs["whole"])
+        cut_ms = max(0.0, float(np.median(hooked_minus_whole))) / max(1, len(sites))
         for name in sites:
-            ramp[name].append(float(np.median(runs[f"ramp:{name}"])))
+            ramp[name].append(float(np.median(runs[f"ramp:{name}"])) + cut_ms)
     return LatencyProfile(
         batch_sizes=tuple(batch_sizes),
         sites=tuple(sites),
