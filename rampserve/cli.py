@@ -230,7 +230,7 @@ def bench_sim(
     model: Annotated[str, typer.Option(help="zoo model")] = DEFAULT_MODEL,
     workload: Annotated[str, typer.Option(help="stream: fmnist-drift or rt-drift")] = "fmnist-drift",
     trace: Annotated[str, typer.Option(help="arrivals: poisson, bursty or maf")] = "maf",
-    rate: Annotated[Optional[float], typer.Option(help="mean requests per second (default: 30% load at batch 1)")]
+    rate: Annotated[Optional[float], typer.Option(help="mean requests per second (default: 20% load at batch 1)")]
     = None,
     slo_ms: Annotated[Optional[float], typer.Option(help="SLO bounding the batch size (default 2x batch-1 latency)")]
     = None,

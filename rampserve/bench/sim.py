@@ -39,7 +39,7 @@ class SimSettings:
     workload: str = "fmnist-drift"
     trace: str = "maf"
     rate_rps: float | None = None  # default: `load` times what the model serves back to back at batch 1
-    load: float = 0.3
+    load: float = 0.2
     slo_ms: float | None = None  # default: twice the batch-1 latency (DESIGN §8)
     length: int = 120_000  # stream items, bootstrap included
     seed: int = 0

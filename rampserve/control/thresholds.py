@@ -57,9 +57,9 @@ def tune_greedy(data: ExitData, target_accuracy: float, initial_step: float = 0.
 
     Two refinements. A step that would move no input (it stays inside a gap between observed error scores) is
     stretched to just above the next error score that can move one, so rounds are never spent on no-ops and a
-    threshold never rises past what the data supports. And before stopping, closed ramps are tried once more
-    with the smallest raise that moves an input (finer than the step floor): raises elsewhere may have taken
-    the inputs that made them fail, and the floor may have overshot a feasible boundary.
+    threshold never rises past what the data supports. And before stopping, every ramp is raised as far as it
+    can go alone (finer than the step floor) while any can: raises elsewhere may have taken the inputs that
+    made it fail, and the floor may have stopped it short of its boundary.
 
     Each candidate raise only moves inputs that pass its ramp today, so a round is scored from per-input
     differences over (n, r) arrays instead of re-evaluating every candidate vector from scratch.
@@ -69,6 +69,7 @@ def tune_greedy(data: ExitData, target_accuracy: float, initial_step: float = 0.
     n, r = data.size, data.ramps
     thresholds = np.zeros(r)
     step = np.full(r, initial_step)
+    ceiling = np.full(r, np.inf)  # lowest threshold found to break the constraint, per ramp
     open_ramps = np.ones(r, dtype=bool) if frozen is None else ~np.asarray(frozen, dtype=bool)
     exit_column = np.full(n, r)  # column r: answered by the final layer
     right_now = np.ones(n, dtype=np.int8)
@@ -78,7 +79,6 @@ def tune_greedy(data: ExitData, target_accuracy: float, initial_step: float = 0.
     right_at_ramps = data.correct.astype(np.int8)
     evaluations = 1
     columns = np.arange(r)
-    retried = False
     while True:
         # Raising ramp j can only move inputs that pass it today without exiting, and their error scores at
         # j are at or above its threshold already.
@@ -86,15 +86,15 @@ def tune_greedy(data: ExitData, target_accuracy: float, initial_step: float = 0.
         movable = passing_errors.min(axis=0)
         open_ramps &= movable < np.inf
         if not open_ramps.any():
-            closed = (movable < np.inf) if frozen is None else (movable < np.inf) & ~frozen
-            if retried or not closed.any():
-                break
-            open_ramps, retried = closed, True
-            step[closed] = 0.0  # the retry tries the smallest raise that moves an input
-            continue
-        stepped = thresholds + step
+            break
+        # Below a known failure, bisect instead of stepping: doubling after every success and halving after
+        # every failure would otherwise creep towards the boundary one constant step at a time.
+        stepped = thresholds + np.minimum(step, (ceiling - thresholds) / 2)
         stretched = stepped <= movable
         raised = np.minimum(np.where(stretched, movable + _ABOVE, stepped), 1.0)
+        open_ramps &= raised < ceiling
+        if not open_ramps.any():
+            continue
         moving = passing_errors < np.where(open_ramps, raised, 0.0)
         gain = (moving * (saved_at_ramps - saved_now[:, None])).sum(axis=0) / n
         right_delta = (moving * (right_at_ramps - right_now[:, None])).sum(axis=0)
@@ -104,13 +104,13 @@ def tune_greedy(data: ExitData, target_accuracy: float, initial_step: float = 0.
         # A stretched raise is already the smallest that moves anything: if it breaks the constraint, so
         # would any smaller step.
         failing = open_ramps & ~feasible
-        give_up = failing & (stretched | (step <= min_step))
+        give_up = failing & (stretched | (raised - thresholds <= min_step))
         open_ramps &= ~give_up
         halve = failing & ~give_up
+        ceiling[halve] = raised[halve]
         step[halve] = np.maximum(step[halve] / 2, min_step)
         if not feasible.any():
             continue
-        retried = False
         loss = -right_delta / n
         ratio = np.where(loss > 0, gain / np.where(loss > 0, loss, 1.0), np.inf)
         # Best ratio first, then the larger gain (among raises that cost no accuracy, ratios tie at infinity).
@@ -123,6 +123,40 @@ def tune_greedy(data: ExitData, target_accuracy: float, initial_step: float = 0.
         right_now[moved] = right_at_ramps[moved, chosen]
         saved_now[moved] = saved_at_ramps[moved, chosen]
         right_count += float(right_delta[chosen])
+    # Finishing: the step floor may have stopped a ramp short of its boundary, and raises elsewhere may have
+    # taken the inputs that made it fail. Raise each ramp as far as it can go alone (a line search over its
+    # sorted error scores) and keep the best ratio, until no ramp can move.
+    tunable = np.ones(r, dtype=bool) if frozen is None else ~np.asarray(frozen, dtype=bool)
+    while True:
+        best: tuple[float, float, int, float] | None = None
+        for j in np.flatnonzero(tunable):
+            passing = exit_column > j
+            order = np.argsort(data.errors[passing, j], kind="stable")
+            errors = data.errors[passing, j][order]
+            if not len(errors):
+                continue
+            right_after = right_count + np.cumsum((right_at_ramps[passing, j] - right_now[passing])[order])
+            # A threshold just above errors[k] moves every input whose error is at most errors[k].
+            ends_tie = np.append(errors[1:] != errors[:-1], True)
+            feasible = np.flatnonzero((right_after / n >= target_accuracy) & ends_tie)
+            evaluations += 1
+            if not len(feasible):
+                continue
+            k = feasible[-1]
+            gain = float(np.cumsum((saved_at_ramps[passing, j] - saved_now[passing])[order])[k]) / n
+            loss = (right_count - float(right_after[k])) / n
+            candidate = (gain / loss if loss > 0 else np.inf, gain, int(j), min(float(errors[k]) + _ABOVE, 1.0))
+            if best is None or candidate[:2] > best[:2]:
+                best = candidate
+        if best is None:
+            break
+        _, _, chosen, threshold = best
+        moved = (exit_column > chosen) & (data.errors[:, chosen] < threshold)
+        thresholds[chosen] = threshold
+        exit_column[moved] = chosen
+        right_count += float((right_at_ramps[moved, chosen] - right_now[moved]).sum())
+        right_now[moved] = right_at_ramps[moved, chosen]
+        saved_now[moved] = saved_at_ramps[moved, chosen]
     return TuningResult(thresholds, right_count / n if n else 1.0, float(saved_now.mean()) if n else 0.0,
                         evaluations)
 
