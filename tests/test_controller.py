@@ -211,3 +211,18 @@ def test_settings_are_validated():
         ControllerSettings(accuracy_constraint=1.5)
     with pytest.raises(ValueError, match="not sites"):
         Controller(profile(), ControllerSettings(initial=("nope",)))
+
+
+def test_a_lone_ramp_that_pays_off_explores_the_next_site_and_returns_to_the_better_one():
+    costs = CostModel(profile(ramp_ms=0.01, full_ms=0.9))
+    errors = np.array([[0.0], [0.9]] * 10)  # s3 exits half the inputs: it pays off
+    one_ramp = dict(budget=0.015, budget_batch=1, retune=None, start={})
+    trial = adjust_ramps(costs, ("s3",), np.array([0.5]), errors, np.ones(20, dtype=np.int64), **one_ramp)
+    assert trial.sites == ("s4",) and trial.thresholds == (0.0,)
+    # s4 was measured earlier, tuned, and saved more per input than s3 does now: go back to it as it was
+    back = adjust_ramps(costs, ("s3",), np.array([0.5]), errors, np.ones(20, dtype=np.int64), **one_ramp,
+                        known={("s4",): (1.0, (0.3,))})
+    assert back.sites == ("s4",) and back.thresholds == (0.3,)
+    # a later site measured to save less is not probed again
+    assert adjust_ramps(costs, ("s3",), np.array([0.5]), errors, np.ones(20, dtype=np.int64), **one_ramp,
+                        known={("s4",): (0.01, (0.3,))}) is None

@@ -14,7 +14,7 @@ import numpy as np
 
 from rampserve.control.costs import CostModel
 from rampserve.control.monitor import AccuracyWindow, RampHistory
-from rampserve.control.ramps import adjust_ramps, initial_sites
+from rampserve.control.ramps import adjust_ramps, initial_sites, ramp_utilities
 from rampserve.control.records import BatchRecord, Configuration
 from rampserve.control.thresholds import ExitData, tune_greedy
 from rampserve.runtime.profile import LatencyProfile
@@ -96,6 +96,7 @@ class Controller:
         self.times = DecisionTimes()
         self.last_decision_ms = 0.0  # time the latest observe() spent deciding
         self._since_adjust = 0
+        self._measured: dict[tuple[str, ...], tuple[float, tuple[float, ...]]] = {}  # see ramps.Known
 
     def configuration(self) -> Configuration:
         return self.decisions[-1].configuration
@@ -163,10 +164,13 @@ class Controller:
     def _adjust(self) -> tuple[tuple[str, ...], Sequence[float], str] | None:
         current = self.configuration()
         _, errors, batch = self.history.latest(self.settings.adjust_every)
+        if current.sites and min(current.thresholds) > 0:  # every ramp tuned: a fair measurement
+            utility, _ = ramp_utilities(self.costs, current.sites, np.array(current.thresholds), errors, batch)
+            self._measured[current.sites] = (float(utility.sum()) / len(batch), current.thresholds)
         adjustment = adjust_ramps(
             self.costs, current.sites, np.array(current.thresholds), errors, batch, self.settings.ramp_budget,
             self.budget_batch(), self.tuned_thresholds if self.settings.threshold_tuning else None,
-            self.settings.start_thresholds)
+            self.settings.start_thresholds, self._measured)
         if adjustment is not None:
             return adjustment.sites, adjustment.thresholds, adjustment.reason
         # Tuning is triggered by accuracy drops only; without this, thresholds that could safely rise after

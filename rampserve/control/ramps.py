@@ -52,6 +52,10 @@ def ramp_utilities(costs: CostModel, sites: tuple[str, ...], thresholds: np.ndar
     return utility, exit_here.sum(axis=0)
 
 
+# A configuration's active sites -> (time saved per input, its tuned thresholds) when last measured.
+Known = Mapping[tuple[str, ...], tuple[float, tuple[float, ...]]]
+
+
 @dataclass(frozen=True)
 class Adjustment:
     sites: tuple[str, ...]
@@ -83,10 +87,13 @@ def _candidate_utility(costs: CostModel, site: str, exits_bound: int, reaching: 
 
 def adjust_ramps(costs: CostModel, sites: tuple[str, ...], thresholds: np.ndarray, errors: np.ndarray,
                  batch_sizes: np.ndarray, budget: float, budget_batch: int,
-                 retune: Callable[[], np.ndarray] | None, start: Mapping[str, float]) -> Adjustment | None:
+                 retune: Callable[[], np.ndarray] | None, start: Mapping[str, float],
+                 known: Known | None = None) -> Adjustment | None:
     """One round of ramp adjustment over the recent inputs of the active set `sites`. None: keep as is.
 
-    `start` gives the threshold a newly active ramp starts at (absent: 0, it exits nothing until tuned)."""
+    `start` gives the threshold a newly active ramp starts at (absent: 0, it exits nothing until tuned).
+    `known`: configurations measured before with every ramp tuned, and what they saved per input. Apparate's
+    probing never looks back; remembering lets a probe that did worse be undone and not be repeated."""
     if not sites:
         middle = costs.sites[evenly_spaced(len(costs.sites), 1)[0]] if costs.sites else None
         if middle is not None and fits_budget(costs, (middle,), budget, budget_batch):
@@ -100,10 +107,23 @@ def adjust_ramps(costs: CostModel, sites: tuple[str, ...], thresholds: np.ndarra
             if (tuned_utility >= 0).all():
                 return Adjustment(sites, tuple(float(t) for t in tuned), "retuned: every ramp now pays off")
             thresholds, utility, exit_counts = tuned, tuned_utility, tuned_exits
+    known = known or {}
+    value = float(utility.sum()) / max(1, len(errors))
     if (utility < 0).any():
-        return _replace_negative(costs, sites, thresholds, errors, batch_sizes, utility, exit_counts, budget,
-                                 budget_batch, start)
-    return _probe_earlier(costs, sites, thresholds, utility, budget, budget_batch, start)
+        return _return_to_better(costs, known, sites, max(value, 0.0), budget, budget_batch) or _replace_negative(
+            costs, sites, thresholds, errors, batch_sizes, utility, exit_counts, budget, budget_batch, start)
+    return _return_to_better(costs, known, sites, value, budget, budget_batch) or _probe(
+        costs, sites, thresholds, utility, budget, budget_batch, start, known)
+
+
+def _return_to_better(costs: CostModel, known: Known, sites: tuple[str, ...], value: float, budget: float,
+                      budget_batch: int) -> Adjustment | None:
+    better = [(saved, past, thresholds) for past, (saved, thresholds) in known.items()
+              if past != sites and saved > value and fits_budget(costs, past, budget, budget_batch)]
+    if not better:
+        return None
+    saved, past, thresholds = max(better)
+    return Adjustment(past, thresholds, f"back to {list(past)}, measured to save {saved:.3f} ms per input")
 
 
 def _replace_negative(costs: CostModel, sites: tuple[str, ...], thresholds: np.ndarray, errors: np.ndarray,
@@ -153,27 +173,30 @@ def _replace_negative(costs: CostModel, sites: tuple[str, ...], thresholds: np.n
     return Adjustment(kept_sites, kept_thresholds, reason)
 
 
-def _probe_earlier(costs: CostModel, sites: tuple[str, ...], thresholds: np.ndarray, utility: np.ndarray,
-                   budget: float, budget_batch: int, start: Mapping[str, float]) -> Adjustment | None:
+def _probe(costs: CostModel, sites: tuple[str, ...], thresholds: np.ndarray, utility: np.ndarray,
+           budget: float, budget_batch: int, start: Mapping[str, float], known: Known) -> Adjustment | None:
     """Every ramp pays off: with budget left, add a ramp just before the best one; otherwise move the
-    weakest ramp one site earlier, leaving the best untouched."""
+    weakest ramp one site earlier, leaving the best untouched. A lone ramp (the weakest is the best) trials
+    the next later site instead, or it would never learn whether another site pays more. Configurations
+    measured before are not probed again."""
     current = dict(zip(sites, (float(t) for t in thresholds)))
     best, weakest = int(np.argmax(utility)), int(np.argmin(utility))
+    probes: list[tuple[dict[str, float], str]] = []
     before_best = costs.position[sites[best]] - 1
     if before_best >= 0 and costs.sites[before_best] not in current:
         site = costs.sites[before_best]
-        if fits_budget(costs, (*sites, site), budget, budget_batch):
-            new_sites = ordered(costs, (*sites, site))
-            chosen = current | {site: start.get(site, 0.0)}
-            return Adjustment(new_sites, tuple(chosen[s] for s in new_sites), f"added {site} before {sites[best]}")
-    if weakest == best:
-        return None
-    earlier = costs.position[sites[weakest]] - 1
-    if earlier < 0 or costs.sites[earlier] in current:
-        return None
-    site = costs.sites[earlier]
-    moved = {s: t for s, t in current.items() if s != sites[weakest]} | {site: start.get(site, 0.0)}
-    if not fits_budget(costs, tuple(moved), budget, budget_batch):
-        return None
-    new_sites = ordered(costs, tuple(moved))
-    return Adjustment(new_sites, tuple(moved[s] for s in new_sites), f"moved {sites[weakest]} to {site}")
+        probes.append((current | {site: start.get(site, 0.0)}, f"added {site} before {sites[best]}"))
+    if weakest != best:
+        earlier = costs.position[sites[weakest]] - 1
+        if earlier >= 0 and costs.sites[earlier] not in current:
+            site = costs.sites[earlier]
+            kept = {s: t for s, t in current.items() if s != sites[weakest]}
+            probes.append((kept | {site: start.get(site, 0.0)}, f"moved {sites[weakest]} to {site}"))
+    elif len(sites) == 1 and costs.position[sites[0]] + 1 < len(costs.sites):
+        site = costs.sites[costs.position[sites[0]] + 1]
+        probes.append(({site: start.get(site, 0.0)}, f"moved the lone ramp {sites[0]} to the next site {site}"))
+    for chosen, reason in probes:
+        new_sites = ordered(costs, tuple(chosen))
+        if new_sites not in known and fits_budget(costs, new_sites, budget, budget_batch):
+            return Adjustment(new_sites, tuple(chosen[s] for s in new_sites), reason)
+    return None
