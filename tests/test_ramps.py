@@ -84,21 +84,67 @@ def test_error_scores_are_in_unit_range_and_label_is_argmax(logits: np.ndarray, 
 
 
 @settings(max_examples=100, deadline=None)
-@given(logit_rows)
-def test_max_prob_error_is_one_minus_the_largest_softmax_probability(logits: np.ndarray) -> None:
-    shifted = np.exp(logits - logits.max(axis=1, keepdims=True))
-    reference = 1.0 - (shifted / shifted.sum(axis=1, keepdims=True)).max(axis=1)
-    np.testing.assert_allclose(top_label_and_error(logits)[1], reference, rtol=0, atol=1e-12)
+@given(logit_rows, st.sampled_from([np.float64, np.float32]))
+def test_max_prob_error_is_one_minus_the_largest_softmax_probability(logits: np.ndarray, dtype: type) -> None:
+    logits = logits.astype(dtype)
+    wide = logits.astype(np.float64)
+    probs = np.exp(wide) / np.exp(wide).sum(axis=1, keepdims=True)  # the textbook softmax: |logits| <= 30
+    labels, errors = top_label_and_error(logits)
+    assert labels.dtype == np.int64 and errors.dtype == np.float64
+    np.testing.assert_array_equal(labels, wide.argmax(axis=1))
+    np.testing.assert_allclose(errors, 1.0 - probs.max(axis=1), rtol=0, atol=1e-12)
 
 
-def test_ramp_evaluate_scores_its_own_logits() -> None:
-    ramp = Ramp(spec_for("linear", (8, 5, 5), 4)).eval()
-    activation = torch.randn(3, 8, 5, 5)
+def _ramp(kind: str, shape: tuple[int, ...], classes: int, seed: int) -> Ramp:
+    torch.manual_seed(seed)
+    ramp = Ramp(spec_for(kind, shape, classes)).eval()
+    with torch.no_grad():  # trained heads are far from their initialisation's scale
+        for p in ramp.parameters():
+            p.mul_(4.0)
+    return ramp
+
+
+def _assert_scores_its_own_logits(ramp: Ramp, activation: torch.Tensor) -> None:
     with torch.no_grad():
-        expected = top_label_and_error(ramp(activation).numpy())
+        logits = ramp(activation).numpy()
     labels, errors = ramp.evaluate(activation)
-    np.testing.assert_array_equal(labels, expected[0])
-    np.testing.assert_allclose(errors, expected[1])
+    expected_labels, expected_errors = top_label_and_error(logits)
+    ranked = np.sort(logits, axis=1)
+    clear = ranked[:, -1] - ranked[:, -2] > 1e-4  # a near tie may go either way under float rounding
+    np.testing.assert_array_equal(labels[clear], expected_labels[clear])
+    np.testing.assert_allclose(errors, expected_errors, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize(("kind", "shape"), [
+    ("linear", (8, 5, 5)), ("linear", (16, 2, 2)), ("linear", (32, 7, 7)), ("linear", (12, 16)), ("deep", (8, 9, 9)),
+])
+@pytest.mark.parametrize("batch", [1, 16])
+def test_ramp_evaluate_scores_its_own_logits(kind: str, shape: tuple[int, ...], batch: int) -> None:
+    ramp = _ramp(kind, shape, 10, seed=batch)
+    for _ in range(2):  # the second call reuses what the first prepared
+        _assert_scores_its_own_logits(ramp, torch.randn(batch, *shape))
+
+
+def test_ramp_evaluate_follows_its_weights_and_shapes() -> None:
+    ramp = _ramp("linear", (8, 6, 6), 4, seed=0)
+    with torch.inference_mode():  # as the serving path calls it
+        _assert_scores_its_own_logits(ramp, torch.randn(5, 8, 6, 6))
+    ramp.load_state_dict(_ramp("linear", (8, 6, 6), 4, seed=1).state_dict())
+    _assert_scores_its_own_logits(ramp, torch.randn(5, 8, 6, 6))
+    with torch.no_grad():
+        ramp.head.bias.add_(3.0)
+    _assert_scores_its_own_logits(ramp, torch.randn(5, 8, 6, 6))
+    _assert_scores_its_own_logits(ramp, torch.randn(5, 8, 9, 9))  # same channels, larger map
+    assert ramp._folded is not None and ramp._folded.weight is not None
+
+
+def test_ramp_evaluate_reduces_first_where_folding_would_not_pay(monkeypatch) -> None:
+    from rampserve.ramps import kinds
+
+    monkeypatch.setattr(kinds, "FOLD_MAX_WEIGHTS", 4 * 8 * 6 * 6 - 1)
+    ramp = _ramp("linear", (8, 6, 6), 4, seed=0)
+    _assert_scores_its_own_logits(ramp, torch.randn(5, 8, 6, 6))
+    assert ramp._folded is not None and ramp._folded.weight is None
 
 
 @settings(max_examples=100, deadline=None)

@@ -7,6 +7,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from torch import nn
 
 from rampserve.graph.sites import block_of
 from rampserve.graph.torch_graph import TorchSplitModel
@@ -41,18 +42,46 @@ def test_ramp_callback_sees_every_active_ramp_in_model_order(resnet_prepared, fm
     assert seen == active
 
 
-def test_hooked_run_reports_the_activations_the_stages_compute(resnet_prepared, fmnist_feeds) -> None:
+@pytest.mark.parametrize("every", [1, 3])
+def test_hooked_run_reports_the_activations_the_stages_compute(resnet_prepared, fmnist_feeds, every: int) -> None:
     backend = resnet_prepared.backend
     feeds = {backend.input_names[0]: fmnist_feeds}
-    cuts = resnet_prepared.site_names[1::3]
+    cuts = resnet_prepared.site_names[::every]
     reported = []
     with torch.inference_mode():
-        output = backend.run_hooked(feeds, cuts, lambda site, activation: reported.append((site, activation)))
+        output = backend.run_hooked(feeds, cuts[::-1], lambda site, activation: reported.append((site, activation)))
         staged = list(backend.stage_outputs(feeds, cuts))
+        original = backend.module(torch.from_numpy(fmnist_feeds))
     assert [site for site, _ in reported] == cuts
-    for (site, activation), (cut, expected) in zip(reported, staged):
+    for (site, activation), (cut, expected) in zip(reported, staged[:-1], strict=True):
         assert site == cut and torch.equal(activation, expected)
-    assert torch.equal(output, staged[-1][1])
+    assert torch.equal(output, original) and torch.equal(output, staged[-1][1])
+
+
+class _Nested(nn.Module):
+    """Submodule paths that flatten to the same name ("a.b_c" and "a_b.c") and a parameter read directly."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Module()
+        self.a.b_c = nn.Linear(6, 6)
+        self.a_b = nn.Module()
+        self.a_b.c = nn.Linear(6, 6)
+        self.a.scale = nn.Parameter(torch.full((6,), 2.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.a_b.c(torch.relu(self.a.b_c(x)) * self.a.scale)
+
+
+def test_hooked_module_keeps_modules_whose_flat_names_collide_apart() -> None:
+    split = TorchSplitModel(_Nested(), policy=lambda graph, candidates: candidates)
+    cuts = [s.value for s in split.sites]
+    x = torch.randn(3, 6)
+    reported: list[str] = []
+    with torch.no_grad():
+        output = split.hooked(cuts)(x, lambda site, _activation: reported.append(site))
+        assert torch.equal(output, split.module(x))
+    assert reported == cuts and len(cuts) >= 2
 
 
 def test_unknown_active_site_is_refused(resnet_prepared, fmnist_feeds) -> None:

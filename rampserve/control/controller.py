@@ -149,7 +149,13 @@ class Controller:
         if not self.history.sites or not self.history.size:
             return np.zeros(len(self.history.sites))
         data = self._exit_data()
-        frozen = np.isinf(data.errors).sum(axis=0) > data.size - self.settings.min_ramp_outputs
+        complete = np.isfinite(data.errors).all(axis=1)
+        if complete.sum() >= self.settings.min_ramp_outputs:
+            # Judge every ramp on the inputs that saw all of them. Past inputs that never reached a new ramp
+            # would dilute its mistakes: 3 wrong exits in 64 look like 3 in 512, until every input reaches it.
+            data, frozen = data.rows(complete), None
+        else:
+            frozen = np.isinf(data.errors).sum(axis=0) > data.size - self.settings.min_ramp_outputs
         return tune_greedy(data, self.settings.tuning_target, self.settings.initial_step, self.settings.min_step,
                            frozen).thresholds
 

@@ -29,6 +29,9 @@ class ExitData:
     def ramps(self) -> int:
         return self.errors.shape[1]
 
+    def rows(self, mask: np.ndarray) -> ExitData:
+        return ExitData(self.correct[mask], self.errors[mask], self.saved_ms[mask])
+
 
 def evaluate(data: ExitData, thresholds: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Accuracy and mean saved time of threshold vectors (..., r): each input exits at the earliest ramp whose

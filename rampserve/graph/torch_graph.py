@@ -6,6 +6,7 @@ gives bit-for-bit the original model's output on the same inputs.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 
 import torch
@@ -106,7 +107,8 @@ class TorchSplitModel:
         """The whole model as one module that calls `hook(site, activation)` right after computing each cut
         value; it takes the model's inputs followed by the hook. Reporting a site costs one Python call, where
         running separate stages costs a module call per stage and, for encoders, recomputing in every stage
-        what the stage needs besides the activation (attention masks)."""
+        what the stage needs besides the activation (attention masks). Its submodules are top-level
+        attributes, which makes it no slower than the original module (see `_flatten_targets`)."""
         key = tuple(cuts)
         if key not in self._hooked:
             known = {s.value for s in self.sites}
@@ -123,7 +125,7 @@ class TorchSplitModel:
             for cut in key:
                 with graph.inserting_after(by_name[cut]):
                     graph.call_function(_report, (hook, cut, by_name[cut]))
-            self._hooked[key] = fx.GraphModule(self.graph_module, graph, "hooked")
+            self._hooked[key] = fx.GraphModule(_flatten_targets(graph, self.graph_module), graph, "hooked")
         return self._hooked[key]
 
     def full(self, feeds: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -158,6 +160,27 @@ class TorchSplitModel:
 
 def _report(hook: Callable[[str, torch.Tensor], None], site: str, value: torch.Tensor) -> None:
     hook(site, value)
+
+
+def _flatten_targets(graph: fx.Graph, root: nn.Module) -> dict[str, object]:
+    """Point `graph`'s module calls and attribute reads at top-level attributes, and return those attributes
+    (the original objects, shared). fx's generated code reaches a nested module through a chain of
+    nn.Module.__getattr__ calls, `getattr(self.layer1, "0").conv1(...)`, about 1 µs each: on resnet18-fmnist
+    that made a module with hooks 0.1 ms (4%) slower than the original at batch 1; flat, it is no slower."""
+    attrs: dict[str, object] = {}
+    flat: dict[str, str] = {}
+    for node in graph.nodes:
+        if node.op not in ("call_module", "get_attr"):
+            continue
+        target = str(node.target)
+        if target not in flat:
+            name = target.replace(".", "_")
+            while name in attrs:  # "a.b_c" and "a_b.c" must not share an attribute
+                name += "_"
+            flat[target] = name
+            attrs[name] = functools.reduce(getattr, target.split("."), root)
+        node.target = flat[target]
+    return attrs
 
 
 class _StageModule:

@@ -31,7 +31,6 @@ class Backend:
 
     kind: str
     split: SplitModel
-    reports_in_place = False  # whether run_hooked reports sites without splitting the model
 
     def __init__(self, split: SplitModel) -> None:
         self.split = split
@@ -113,7 +112,6 @@ class Backend:
 
 class TorchBackend(Backend):
     kind = "torch"
-    reports_in_place = True
 
     def __init__(self, module: nn.Module, policy: SitePolicy | None = None) -> None:
         from rampserve.graph.torch_graph import TorchSplitModel
