@@ -118,6 +118,18 @@ def test_cli_inspect_reports_a_broken_bundle(bundle_copy) -> None:
     assert "not a rampserve bundle" in result.output
 
 
+def test_cli_profile_measures_again_and_rewrites_only_the_profile(bundle_copy) -> None:
+    before = read_manifest(bundle_copy)
+    result = CliRunner().invoke(app, ["profile", str(bundle_copy), "--repeats", "1"])
+    assert result.exit_code == 0, result.output
+    after = read_manifest(bundle_copy)  # checks every file's digest against the rewritten manifest
+    assert {k: v for k, v in after.items() if k != "profile"} == {k: v for k, v in before.items() if k != "profile"}
+    assert after["profile"] != before["profile"]
+    profile = load_bundle(bundle_copy).profile
+    assert list(profile.sites) == [s["name"] for s in before["sites"]]
+    assert all(len(ms) == len(profile.batch_sizes) and min(ms) > 0 for ms in profile.ramp_ms.values())
+
+
 def test_onnx_model_prepares_runs_staged_and_round_trips(small_prepare_config, fmnist_feeds, tmp_path) -> None:
     """An ONNX file is a first-class source: its stages run on ONNX Runtime and match the whole graph."""
     from dataclasses import replace

@@ -226,3 +226,21 @@ def test_a_lone_ramp_that_pays_off_explores_the_next_site_and_returns_to_the_bet
     # a later site measured to save less is not probed again
     assert adjust_ramps(costs, ("s3",), np.array([0.5]), errors, np.ones(20, dtype=np.int64), **one_ramp,
                         known={("s4",): (0.01, (0.3,))}) is None
+
+
+def test_a_new_ramp_is_judged_on_the_inputs_that_reached_it():
+    """Past inputs never saw a ramp added later; counting them would dilute its mistakes."""
+    settings_ = ControllerSettings(initial=("s5", "s6"), history=512, min_ramp_outputs=64, tuning_share=1.0,
+                                   ramp_adjustment=False)
+    controller = Controller(profile(), settings_)
+    final = np.zeros(8, dtype=int)
+    before = RampHistory(("s6",), 512)  # 448 inputs served while s6 was the only ramp
+    for _ in range(56):
+        before.add(record(Configuration(0, ("s6",), (0.1,)), np.zeros((8, 1), int), np.full((8, 1), 0.01), final))
+    controller.history = before.for_sites(("s5", "s6"))
+    slip = np.zeros((8, 8), int)
+    slip[0, 5] = 1  # s5 is confidently wrong on 3 of its first 64 inputs
+    sure = (np.zeros((8, 8), int), np.full((8, 8), 0.01), final)
+    drive(controller, [(slip, np.full((8, 8), 0.01), final)] * 3 + [sure] * 5)
+    # 3 mistakes are 0.6% of the 512 inputs kept, but 4.7% of the 64 that reached s5
+    assert controller.tuned_thresholds().tolist() == [0.0, 0.1]  # s6 alone: always right
