@@ -153,16 +153,18 @@ def profile(
     bundle: Annotated[Path, typer.Argument(help="a bundle written by `rampserve prepare`")],
     repeats: Annotated[int, typer.Option(help="interleaved runs per measurement (medians are kept)")] = 7,
 ) -> None:
-    """Measure a bundle's latency profile again on this machine (run it on a quiet machine: the controller
-    and the simulator take every ramp's cost from it)."""
+    """Measure a bundle's latency profile again on this machine, at the batch sizes it was profiled at (run it
+    on a quiet machine: the controller and the simulator take every ramp's cost from it)."""
     from rampserve.runtime.bundle import BundleError, load_bundle, write_profile
     from rampserve.runtime.prepare import PrepareConfig, reprofile
+    from rampserve.runtime.profile import DEFAULT_BATCH_SIZES
 
     try:
         model = load_bundle(bundle)
     except BundleError as exc:
         raise typer.BadParameter(str(exc)) from exc
-    measured = reprofile(model, PrepareConfig(profile_repeats=repeats))
+    batch_sizes = model.profile.batch_sizes if model.profile else DEFAULT_BATCH_SIZES
+    measured = reprofile(model, PrepareConfig(profile_batch_sizes=batch_sizes, profile_repeats=repeats))
     write_profile(bundle, measured)
     console.print(f"profiled {bundle}: whole model {measured.full(1):.3f} ms at batch 1, "
                   f"ramps {min(measured.ramp_ms[s][0] for s in measured.sites):.3f}-"

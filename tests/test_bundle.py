@@ -127,6 +127,7 @@ def test_cli_profile_measures_again_and_rewrites_only_the_profile(bundle_copy) -
     assert after["profile"] != before["profile"]
     profile = load_bundle(bundle_copy).profile
     assert list(profile.sites) == [s["name"] for s in before["sites"]]
+    assert list(profile.batch_sizes) == before["profile"]["batch_sizes"]
     assert all(len(ms) == len(profile.batch_sizes) and min(ms) > 0 for ms in profile.ramp_ms.values())
 
 
