@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rampserve.control.records import NO_EXIT, first_exits
-from rampserve.control.thresholds import ExitData, evaluate, tune_greedy, tune_grid
+from rampserve.control.thresholds import MAX_THRESHOLD, ExitData, evaluate, tune_greedy, tune_grid
 
 
 def exit_data(correct, errors, saved_per_ramp) -> ExitData:
@@ -85,7 +85,7 @@ def test_greedy_keeps_the_constraint_and_stops_only_when_no_ramp_can_rise(data, 
     assert result.saved_ms == pytest.approx(saved)
     exits = first_exits(data.errors, result.thresholds)
     for ramp in range(data.ramps):
-        passing = (exits == NO_EXIT) | (exits > ramp)
+        passing = ((exits == NO_EXIT) | (exits > ramp)) & (data.errors[:, ramp] < MAX_THRESHOLD)
         if not passing.any():
             continue
         # the smallest raise that moves anything must break the constraint
@@ -103,6 +103,16 @@ def test_greedy_equals_grid_on_one_ramp_with_coarse_scores(n, seed, target):
     errors = rng.integers(0, 10, (n, 1)) / 10 + 0.05
     data = exit_data(rng.random((n, 1)) < 0.8, errors, [1.0, 0.0])
     assert tune_greedy(data, target).saved_ms == pytest.approx(tune_grid(data, target, 0.05).saved_ms)
+
+
+@pytest.mark.timeout(30)
+def test_greedy_stops_when_only_unexitable_scores_remain():
+    """An error score of 1 can exit at no threshold: a raise that moves nothing must close the ramp, not be
+    chosen again forever (found by hypothesis: scores are rounded, so 1.0 occurs)."""
+    data = exit_data([[True], [True], [False]], [[0.2], [1.0], [1.0]], [2.0, 0.0])
+    result = tune_greedy(data, 0.9)
+    assert result.thresholds[0] <= MAX_THRESHOLD and result.saved_ms == pytest.approx(2.0 / 3)
+    assert result.accuracy == 1.0
 
 
 def test_greedy_exits_everything_when_every_ramp_is_always_right():

@@ -11,6 +11,9 @@ from rampserve.control.records import NO_EXIT, first_exits
 
 # Thresholds are placed just above an observed error score so that input exits (errors must be below it).
 _ABOVE = 1e-9
+# Thresholds never exceed 1, so an input whose error score is 1 or more can exit at no ramp: treating it as
+# movable would let a raise that moves nothing be chosen again and again.
+MAX_THRESHOLD = 1.0
 
 
 @dataclass(frozen=True)
@@ -85,7 +88,8 @@ def tune_greedy(data: ExitData, target_accuracy: float, initial_step: float = 0.
     while True:
         # Raising ramp j can only move inputs that pass it today without exiting, and their error scores at
         # j are at or above its threshold already.
-        passing_errors = np.where(exit_column[:, None] > columns[None, :], data.errors, np.inf)
+        passing_errors = np.where((exit_column[:, None] > columns[None, :]) & (data.errors < MAX_THRESHOLD),
+                                  data.errors, np.inf)
         movable = passing_errors.min(axis=0)
         open_ramps &= movable < np.inf
         if not open_ramps.any():
@@ -94,7 +98,7 @@ def tune_greedy(data: ExitData, target_accuracy: float, initial_step: float = 0.
         # every failure would otherwise creep towards the boundary one constant step at a time.
         stepped = thresholds + np.minimum(step, (ceiling - thresholds) / 2)
         stretched = stepped <= movable
-        raised = np.minimum(np.where(stretched, movable + _ABOVE, stepped), 1.0)
+        raised = np.minimum(np.where(stretched, movable + _ABOVE, stepped), MAX_THRESHOLD)
         open_ramps &= raised < ceiling
         if not open_ramps.any():
             continue
@@ -133,7 +137,7 @@ def tune_greedy(data: ExitData, target_accuracy: float, initial_step: float = 0.
     while True:
         best: tuple[float, float, int, float] | None = None
         for j in np.flatnonzero(tunable):
-            passing = exit_column > j
+            passing = (exit_column > j) & (data.errors[:, j] < MAX_THRESHOLD)
             order = np.argsort(data.errors[passing, j], kind="stable")
             errors = data.errors[passing, j][order]
             if not len(errors):
@@ -148,7 +152,8 @@ def tune_greedy(data: ExitData, target_accuracy: float, initial_step: float = 0.
             k = feasible[-1]
             gain = float(np.cumsum((saved_at_ramps[passing, j] - saved_now[passing])[order])[k]) / n
             loss = (right_count - float(right_after[k])) / n
-            candidate = (gain / loss if loss > 0 else np.inf, gain, int(j), min(float(errors[k]) + _ABOVE, 1.0))
+            candidate = (gain / loss if loss > 0 else np.inf, gain, int(j),
+                         min(float(errors[k]) + _ABOVE, MAX_THRESHOLD))
             if best is None or candidate[:2] > best[:2]:
                 best = candidate
         if best is None:
