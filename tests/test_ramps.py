@@ -8,6 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
+from torch import nn
 
 from rampserve.ramps.kinds import Ramp, spec_for
 from rampserve.ramps.oracle import NO_EXIT, earliest_correct_exit
@@ -134,17 +135,11 @@ def test_ramp_evaluate_follows_its_weights_and_shapes() -> None:
     with torch.no_grad():
         ramp.head.bias.add_(3.0)
     _assert_scores_its_own_logits(ramp, torch.randn(5, 8, 6, 6))
-    _assert_scores_its_own_logits(ramp, torch.randn(5, 8, 9, 9))  # same channels, larger map
-    assert ramp._folded is not None and ramp._folded.weight is not None
-
-
-def test_ramp_evaluate_reduces_first_where_folding_would_not_pay(monkeypatch) -> None:
-    from rampserve.ramps import kinds
-
-    monkeypatch.setattr(kinds, "FOLD_MAX_WEIGHTS", 4 * 8 * 6 * 6 - 1)
-    ramp = _ramp("linear", (8, 6, 6), 4, seed=0)
+    ramp.head.weight = nn.Parameter(torch.randn(4, 8 * 9) * 4.0)
     _assert_scores_its_own_logits(ramp, torch.randn(5, 8, 6, 6))
-    assert ramp._folded is not None and ramp._folded.weight is None
+    ramp.head.double()  # new storage, in another dtype
+    _assert_scores_its_own_logits(ramp, torch.randn(5, 8, 6, 6, dtype=torch.float64))
+    _assert_scores_its_own_logits(ramp, torch.randn(5, 8, 9, 9, dtype=torch.float64))  # a larger map
 
 
 @settings(max_examples=100, deadline=None)

@@ -63,12 +63,17 @@ class PreparedModel:
     def site_names(self) -> list[str]:
         return [s.name for s in self.sites]
 
+    def evaluate_ramp(self, site: str, activation: object) -> tuple[np.ndarray, np.ndarray]:
+        """Every input's top label and error score from the ramp at `site`, given the site's activation as the
+        backend computes it: what `run` does at each active site, and what the latency profile times."""
+        return self.ramps[site].evaluate(self.backend.to_tensor(activation), self.error_score)
+
     def run(self, feeds: dict[str, np.ndarray], active: Sequence[str] = (),
             on_ramp: RampCallback | None = None) -> np.ndarray:
         """Run the model, evaluating the active ramps as their sites are computed and reporting every input's
         top label and error score to `on_ramp`. Returns the original model's output (logits)."""
         def report(site: str, activation: object) -> None:
-            labels, errors = self.ramps[site].evaluate(self.backend.to_tensor(activation), self.error_score)
+            labels, errors = self.evaluate_ramp(site, activation)
             if on_ramp is not None:
                 on_ramp(site, labels, errors)
 

@@ -25,10 +25,11 @@ class LatencyProfile:
     full_ms: tuple[float, ...]  # whole model, per batch size
     segment_ms: dict[str, tuple[float, ...]]  # segment ending at each site, and "output" for the last one
     # Per batch size, the whole cost of having the ramp at a site active, which the controller charges
-    # against its ramp budget: the ramp's evaluation (head, then top label and error score: `Ramp.evaluate`,
-    # as the serving path calls it) plus an even share of what reporting activations costs the serving path
-    # (a run reporting every site to a hook that does nothing, minus a plain run, over the number of sites;
-    # ONNX pays for cutting the graph into sessions, torch's hooked module costs next to nothing).
+    # against its ramp budget: the ramp's evaluation (head, then top label and error score, as
+    # `PreparedModel.evaluate_ramp` runs it), timed where the serving path runs it, between the model's
+    # layers, plus an even share of whatever else the serving path with every ramp active takes beyond the
+    # plain model: reporting activations (ONNX cuts the graph into sessions; torch's hooked module costs
+    # nothing) and the model's own layers slowed by the caches the ramps took over.
     ramp_ms: dict[str, tuple[float, ...]]
 
     def _column(self, batch_size: int) -> int:
@@ -69,15 +70,11 @@ def _timed(fn: Callable[..., object], *args: object) -> tuple[object, float]:
     return out, (time.perf_counter() - start) * 1000.0
 
 
-def _ignore(_site: str, _activation: object) -> None:
-    pass
-
-
 def measure_profile(model, sample_feeds: Callable[[int], dict[str, np.ndarray]],
                     batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES, repeats: int = 7,
                     progress: bool = True) -> LatencyProfile:
     """Median times over `repeats` interleaved runs of the whole model, of the split model, and of the serving
-    path with and without reporting every site.
+    path with every ramp active and with none.
 
     `model` is a `PreparedModel`; `sample_feeds(b)` gives real inputs of batch size b.
     """
@@ -89,38 +86,44 @@ def measure_profile(model, sample_feeds: Callable[[int], dict[str, np.ndarray]],
     full: list[float] = []
     segment: dict[str, list[float]] = {s: [] for s in (*sites, "output")}
     ramp: dict[str, list[float]] = {s: [] for s in sites}
+    evaluated = dict.fromkeys(sites, 0.0)  # ms spent in each ramp during the current pair of active runs
+
+    def evaluate_timed(site: str, activation: object) -> None:
+        start = time.perf_counter()
+        model.evaluate_ramp(site, activation)
+        evaluated[site] += (time.perf_counter() - start) * 1000.0
+
     for batch_size in tqdm(batch_sizes, desc="profiling latency", unit="batch size", disable=not progress):
         raw_feeds = sample_feeds(batch_size)
         feeds = backend.native_feeds(raw_feeds)
         side = {n: feeds[n] for n in side_names}
-        runs: dict[str, list[float]] = {k: [] for k in ("full", "cut", *segment, *(f"ramp:{s}" for s in sites))}
+        runs: dict[str, list[float]] = {k: [] for k in ("full", "rest", *segment, *(f"ramp:{s}" for s in sites))}
         with torch.inference_mode():
             for rep in range(repeats + 2):  # two warm-up runs, discarded
                 _, t_full = _timed(full_stage, feeds[primary], side)
-                # What reporting every site costs the serving path: plain and hooked runs through the same
-                # entry point, back to back in ABBA order so that drift and machine noise largely cancel.
-                plain_a, hooked_a, hooked_b, plain_b = (
-                    _timed(backend.run_hooked, raw_feeds, cuts, _ignore)[1] for cuts in ((), sites, sites, ()))
-                timings = {"full": t_full, "cut": (hooked_a + hooked_b - plain_a - plain_b) / 2}
+                # The serving path with every ramp active and with none, back to back in ABBA order so that
+                # drift and machine noise largely cancel in the difference.
+                evaluated.update(dict.fromkeys(sites, 0.0))
+                plain_a, active_a, active_b, plain_b = (
+                    _timed(backend.run_hooked, raw_feeds, cuts, evaluate_timed)[1]
+                    for cuts in ((), sites, sites, ()))
+                timings = {f"ramp:{s}": evaluated[s] / 2 for s in sites}
+                timings["full"] = t_full
+                timings["rest"] = (active_a + active_b - plain_a - plain_b - sum(evaluated.values())) / 2
                 activation = feeds[primary]
                 for name, stage in zip((*sites, "output"), stages):
                     activation, timings[name] = _timed(stage, activation, side)
-                    if name != "output":
-                        tensor = backend.to_tensor(activation)
-                        _, timings[f"ramp:{name}"] = _timed(model.ramps[name].evaluate, tensor,
-                                                            model.error_score)
                 if rep >= 2:
                     for key, value in timings.items():
                         runs[key].append(value)
         full.append(float(np.median(runs["full"])))
         for name in segment:
             segment[name].append(float(np.median(runs[name])))
-        # Where reporting costs nothing measurable the median difference is noise around zero (or below it: a
-        # flattened torch module skips the original's container calls); no ramp is charged less than its own
-        # evaluation.
-        cut_ms = max(0.0, float(np.median(runs["cut"]))) / max(1, len(sites))
+        # No ramp is charged less than its own evaluation, though torch's hooked module alone runs faster than
+        # the original (it skips the containers' forward calls): a saving that no ramp brings about.
+        rest_ms = max(0.0, float(np.median(runs["rest"]))) / max(1, len(sites))
         for name in sites:
-            ramp[name].append(float(np.median(runs[f"ramp:{name}"])) + cut_ms)
+            ramp[name].append(float(np.median(runs[f"ramp:{name}"])) + rest_ms)
     return LatencyProfile(
         batch_sizes=tuple(batch_sizes),
         sites=tuple(sites),
