@@ -8,7 +8,7 @@ between batches.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -78,12 +78,6 @@ def run_queue(arrival_ms: np.ndarray, max_batch: int, serve: ServeBatch) -> Queu
         now += outcome.duration_ms
         head = stop
     return QueueResult(arrival_ms, start, release, batch_of, np.array(sizes, dtype=np.int64), busy)
-
-
-def max_batch_for_slo(batch_sizes: Sequence[int], batch_ms: Sequence[float], slo_ms: float) -> int:
-    """Clockwork's bound: the largest profiled batch size whose execution fits within the SLO (at least 1)."""
-    fitting = [b for b, ms in zip(batch_sizes, batch_ms) if ms <= slo_ms]
-    return max(fitting, default=1)
 
 
 def fixed_cost(cost_ms: Callable[[int], float]) -> ServeBatch:

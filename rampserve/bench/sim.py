@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
-from rampserve.bench.queueing import BatchOutcome, QueueResult, max_batch_for_slo, run_queue
+from rampserve.bench.queueing import BatchOutcome, QueueResult, run_queue
 from rampserve.bench.ramp_outputs import RampOutputs, ramp_outputs
 from rampserve.control.controller import Controller, ControllerSettings
 from rampserve.control.costs import CostModel
@@ -26,6 +26,7 @@ from rampserve.control.records import NO_EXIT, BatchRecord, Configuration
 from rampserve.control.thresholds import ExitData, evaluate, tune_greedy
 from rampserve.ramps.oracle import earliest_correct_exit
 from rampserve.runtime.bundle import load_bundle
+from rampserve.runtime.profile import max_batch_for_slo
 from rampserve.workloads.streams import get_stream
 from rampserve.workloads.traces import arrival_times
 

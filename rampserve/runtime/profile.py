@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import bisect
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -62,6 +62,12 @@ class LatencyProfile:
             segment_ms={k: tuple(float(x) for x in v) for k, v in data["segment_ms"].items()},
             ramp_ms={k: tuple(float(x) for x in v) for k, v in data["ramp_ms"].items()},
         )
+
+
+def max_batch_for_slo(batch_sizes: Sequence[int], batch_ms: Sequence[float], slo_ms: float) -> int:
+    """Clockwork's bound: the largest profiled batch size whose execution fits within the SLO (at least 1)."""
+    fitting = [b for b, ms in zip(batch_sizes, batch_ms) if ms <= slo_ms]
+    return max(fitting, default=1)
 
 
 def _timed(fn: Callable[..., object], *args: object) -> tuple[object, float]:
