@@ -172,6 +172,43 @@ def profile(
 
 
 @app.command()
+def serve(
+    models: Annotated[list[str], typer.Argument(help="zoo model names or bundle directories")],
+    host: Annotated[str, typer.Option(help="address to bind (loopback unless told otherwise)")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="port (0: any free one)")] = 8000,
+    slo_ms: Annotated[Optional[float], typer.Option(help="latency SLO per batch (default 2x batch-1 latency)")]
+    = None,
+    accuracy_constraint: Annotated[float, typer.Option(help="allowed share of answers that differ")] = 0.01,
+    ramp_budget: Annotated[float, typer.Option(help="what ramps may add to a non-exiting input")] = 0.02,
+    max_batch: Annotated[Optional[int], typer.Option(help="largest batch (default: the largest within the SLO)")]
+    = None,
+    max_delay_ms: Annotated[float, typer.Option(help="longest an input waits for its batch to fill")] = 1.0,
+    adaptive_batching: Annotated[bool, typer.Option(help="AIMD batch size against the SLO (Clipper)")] = True,
+    max_queue: Annotated[int, typer.Option(help="inputs waiting before requests are refused with 503")] = 1024,
+    deadline_ms: Annotated[Optional[float], typer.Option(help="default request deadline (default 10x SLO)")]
+    = None,
+    vanilla: Annotated[bool, typer.Option(help="serve the original model, no early exits")] = False,
+    cache_mb: Annotated[float, typer.Option(help="prediction cache per model in MiB (0: off)")] = 0.0,
+    max_body_mb: Annotated[float, typer.Option(help="largest request body accepted")] = 64.0,
+) -> None:
+    """Serve models over HTTP (Open Inference Protocol v2) with managed early exits."""
+    from rampserve.control.controller import ControllerSettings
+    from rampserve.serving.server import ServerSettings
+    from rampserve.serving.server import serve as run_server
+    from rampserve.serving.worker import ModelSettings
+
+    try:
+        model_settings = ModelSettings(
+            slo_ms=slo_ms, max_batch=max_batch, max_delay_ms=max_delay_ms, adaptive_batching=adaptive_batching,
+            max_queue=max_queue, deadline_ms=deadline_ms, vanilla=vanilla,
+            controller=ControllerSettings(accuracy_constraint=accuracy_constraint, ramp_budget=ramp_budget))
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    run_server(models, model_settings, ServerSettings(host=host, port=port, max_body_mb=max_body_mb,
+                                                      cache_mb=cache_mb))
+
+
+@app.command()
 def demo(
     model: Annotated[str, typer.Option(help="zoo model to prepare")] = DEFAULT_MODEL,
     small: Annotated[bool, typer.Option(help="the zoo's tiny variant (quick)")] = False,

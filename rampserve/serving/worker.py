@@ -1,0 +1,354 @@
+"""One served model's queue, batcher and early-exit executor (a thread), and its controller (another thread).
+
+The executor runs a batch through the prepared model with the configuration's active ramps; after each ramp
+it decides exits with that configuration and answers those requests at once, while the batch runs on to the
+final layer. The batch's record then goes to the controller thread, which may publish a new configuration;
+the executor picks it up between batches (one reference swap, so a batch never mixes two configurations).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+import logging
+import math
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from rampserve.control.controller import Controller, ControllerSettings
+from rampserve.control.records import NO_EXIT, BatchRecord, Configuration
+from rampserve.runtime.profile import max_batch_for_slo
+from rampserve.serving.batching import AdaptiveBatchSize, BatchTimeEstimate, expected_wait_ms
+from rampserve.serving.metrics import ServerMetrics
+from rampserve.serving.models import ServedModel, stack_inputs
+
+log = logging.getLogger("rampserve.serving")
+
+RECENT_BATCHES = 64  # batch summaries kept for the status endpoint
+
+
+@dataclass(frozen=True)
+class ModelSettings:
+    slo_ms: float | None = None  # None: twice the model's profiled batch-1 latency
+    max_batch: int | None = None  # None: the largest profiled batch size that fits the SLO (Clockwork)
+    max_delay_ms: float = 1.0  # longest the oldest queued input waits for a batch to fill
+    adaptive_batching: bool = True  # Clipper's AIMD on the batch size against the SLO
+    max_queue: int = 1024  # inputs waiting; beyond, requests are refused with 503
+    # A request's deadline when it brings none: an answer ten SLOs late is worth less than a prompt 429 the
+    # client can retry elsewhere. None: ten times the SLO.
+    deadline_ms: float | None = None
+    vanilla: bool = False  # no ramps, no controller: the original model as any server would run it
+    controller: ControllerSettings = field(default_factory=ControllerSettings)
+
+
+class Shed(Exception):
+    """A request refused (at admission) or dropped (its deadline passed in the queue)."""
+
+    def __init__(self, status: int, reason: str, message: str, retry_after_s: int | None = None) -> None:
+        super().__init__(message)
+        self.status, self.reason, self.message, self.retry_after_s = status, reason, message, retry_after_s
+
+
+class ExecutionFailed(Exception):
+    """The model raised while running a batch; every request of the batch gets this."""
+
+
+@dataclass(frozen=True)
+class Answer:
+    labels: np.ndarray  # (rows,) released label per input
+    exit_sites: tuple[str | None, ...]  # per input: the ramp that answered, None for the final layer
+    error_scores: tuple[float | None, ...]
+    logits: np.ndarray | None  # the original model's, when the request asked for them
+    config_version: int
+    batch_id: int
+    released_at: float  # time.monotonic() in the server when the answer was released
+
+    @property
+    def early(self) -> bool:
+        return all(site is not None for site in self.exit_sites)
+
+
+@dataclass(eq=False)
+class _Pending:
+    inputs: Mapping[str, np.ndarray]
+    rows: int
+    arrival: float  # time.monotonic()
+    deadline: float
+    needs_final: bool  # asked for the logits: answered at the end of its batch
+    future: asyncio.Future
+    loop: asyncio.AbstractEventLoop
+    settled: bool = False
+
+    def settle(self, result: Answer | BaseException) -> None:
+        self.settled = True
+        self.loop.call_soon_threadsafe(_set_future, self.future, result)
+
+
+def _set_future(future: asyncio.Future, result: Answer | BaseException) -> None:
+    if future.done():  # the client went away and its handler was cancelled
+        return
+    if isinstance(result, BaseException):
+        future.set_exception(result)
+    else:
+        future.set_result(result)
+
+
+class ModelWorker:
+    def __init__(self, served: ServedModel, settings: ModelSettings, metrics: ServerMetrics) -> None:
+        self.served = served
+        self.settings = settings
+        self.metrics = metrics
+        profile = served.model.profile
+        if profile is None:
+            raise ValueError(f"model {served.name} has no latency profile; run `rampserve profile` on its bundle")
+        self.slo_ms = settings.slo_ms or 2.0 * profile.full(1)
+        self.max_batch = settings.max_batch or max_batch_for_slo(profile.batch_sizes, profile.full_ms, self.slo_ms)
+        self.deadline_ms = settings.deadline_ms or 10.0 * self.slo_ms
+        self.batch_size = AdaptiveBatchSize(self.max_batch, self.slo_ms,
+                                            limit=1.0 if settings.adaptive_batching else float(self.max_batch))
+        self.batch_time = BatchTimeEstimate(profile.full(self.max_batch))
+        self.controller = None if settings.vanilla else Controller(profile, settings.controller)
+        self.configuration = Configuration(0, (), ()) if self.controller is None else \
+            self.controller.configuration()
+        self.batches = 0
+        self.inputs_served = 0
+        self.requests_served = 0
+        self.recent_batches: deque[dict] = deque(maxlen=RECENT_BATCHES)
+        self._published_sites: tuple[str, ...] = ()
+        self._heap: list[tuple[int, int, _Pending]] = []
+        self._order = itertools.count()
+        self._rows_queued = 0
+        self._running = False
+        self._stopping = False
+        self._cond = threading.Condition()
+        self._control_lock = threading.Lock()  # the controller's state, read by the status endpoint
+        self._records: queue.SimpleQueue[BatchRecord | None] = queue.SimpleQueue()
+        self._labels = {"model": served.name}
+        self._executor = threading.Thread(target=self._serve_batches, name=f"executor-{served.name}", daemon=True)
+        self._control = threading.Thread(target=self._control_loop, name=f"controller-{served.name}", daemon=True)
+
+    def start(self) -> None:
+        self._publish(self.configuration)
+        self._executor.start()
+        self._control.start()
+
+    def stop(self) -> None:
+        """Answer everything accepted, then stop both threads."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        self._executor.join()
+        self._records.put(None)
+        self._control.join()
+
+    # ---- admission (event loop thread) -------------------------------------------------------------------
+
+    def submit(self, inputs: Mapping[str, np.ndarray], rows: int, needs_final: bool,
+               deadline_ms: float | None = None, priority: int = 0) -> asyncio.Future:
+        loop = asyncio.get_running_loop()
+        now = time.monotonic()
+        budget_ms = self.deadline_ms if deadline_ms is None else deadline_ms
+        with self._cond:
+            if self._stopping:
+                raise Shed(503, "shutdown", "the server is shutting down")
+            if self._rows_queued + rows > self.settings.max_queue:
+                self._shed("queue_full")
+                raise Shed(503, "queue_full", f"model {self.served.name}: queue full "
+                           f"({self._rows_queued} inputs waiting, at most {self.settings.max_queue})", 1)
+            wait_ms = expected_wait_ms(self._rows_queued, self.batch_size.size, self.batch_time.ms, self._running)
+            if wait_ms > budget_ms:
+                self._shed("deadline")
+                raise Shed(429, "deadline", f"model {self.served.name}: expected answer in {wait_ms:.1f} ms, "
+                           f"after the request's deadline of {budget_ms:.1f} ms",
+                           max(1, math.ceil(wait_ms / 1000.0)))
+            pending = _Pending(inputs, rows, now, now + budget_ms / 1000.0, needs_final, loop.create_future(), loop)
+            heapq.heappush(self._heap, (-priority, next(self._order), pending))
+            self._rows_queued += rows
+            self.metrics.queued.labels(**self._labels).set(self._rows_queued)
+            self._cond.notify()
+        return pending.future
+
+    def _shed(self, reason: str) -> None:
+        self.metrics.shed.labels(reason=reason, **self._labels).inc()
+
+    # ---- batching and execution (executor thread) ----------------------------------------------------------
+
+    def _serve_batches(self) -> None:
+        while (batch := self._next_batch()) is not None:
+            try:
+                self._run(batch)
+            except Exception as exc:  # a model failure must not strand the batch's requests
+                log.exception("model %s failed on a batch of %d", self.served.name, len(batch))
+                for pending in batch:
+                    if not pending.settled:
+                        pending.settle(ExecutionFailed(f"model {self.served.name} failed: {exc}"))
+            finally:
+                with self._cond:
+                    self._running = False
+
+    def _next_batch(self) -> list[_Pending] | None:
+        """Wait for a batch: full at the current size, or the oldest input's delay spent, or shutting down."""
+        with self._cond:
+            while True:
+                if self._heap:
+                    size = self.batch_size.size
+                    oldest = min(p.arrival for _, _, p in self._heap)
+                    wait = oldest + self.settings.max_delay_ms / 1000.0 - time.monotonic()
+                    if self._rows_queued >= size or wait <= 0 or self._stopping:
+                        break
+                    self._cond.wait(wait)
+                elif self._stopping:
+                    return None
+                else:
+                    self._cond.wait()
+            batch, rows, now = [], 0, time.monotonic()
+            while self._heap and (not batch or rows + self._heap[0][2].rows <= size):
+                pending = heapq.heappop(self._heap)[2]
+                self._rows_queued -= pending.rows
+                if pending.deadline < now:
+                    self._shed("expired")
+                    pending.settle(Shed(503, "expired", f"model {self.served.name}: the request's deadline "
+                                        "passed while it waited in the queue"))
+                    continue
+                batch.append(pending)
+                rows += pending.rows
+            self._running = bool(batch)
+            self.metrics.queued.labels(**self._labels).set(self._rows_queued)
+        return batch
+
+    def _run(self, batch: list[_Pending]) -> None:
+        if not batch:
+            return
+        config = self.configuration
+        model = self.served.model
+        feeds = stack_inputs(self.served.inputs, [p.inputs for p in batch])
+        starts = np.cumsum([0] + [p.rows for p in batch])[:-1]
+        n, r = int(starts[-1] + batch[-1].rows), len(config.sites)
+        labels = np.zeros((n, r), dtype=np.int64)
+        errors = np.ones((n, r))
+        exits = np.full(n, NO_EXIT)
+        column = {site: j for j, site in enumerate(config.sites)}
+        thresholds = np.array(config.thresholds)
+        batch_id = self.batches
+
+        def answer(pending: _Pending, start: int, final: np.ndarray | None, logits: np.ndarray | None) -> None:
+            rows = np.arange(start, start + pending.rows)
+            at = exits[rows]
+            if final is None:  # every input of the request exited at a ramp
+                released = labels[rows, at]
+            else:
+                released = final[rows]
+                exited = at != NO_EXIT
+                released[exited] = labels[rows[exited], at[exited]]
+            now = time.monotonic()
+            pending.settle(Answer(
+                labels=released,
+                exit_sites=tuple(None if j == NO_EXIT else config.sites[j] for j in at),
+                error_scores=tuple(None if j == NO_EXIT else float(errors[i, j])
+                                   for i, j in zip(rows, at)),
+                logits=None if logits is None or not pending.needs_final else logits[rows],
+                config_version=config.version, batch_id=batch_id, released_at=now))
+            self.metrics.answer.labels(**self._labels).observe(now - pending.arrival)
+
+        def on_ramp(site: str, ramp_labels: np.ndarray, ramp_errors: np.ndarray) -> None:
+            j = column[site]
+            labels[:, j], errors[:, j] = ramp_labels, ramp_errors
+            leaving = (exits == NO_EXIT) & (ramp_errors < thresholds[j])
+            if not leaving.any():
+                return
+            exits[leaving] = j
+            decided = np.logical_and.reduceat(exits != NO_EXIT, starts)
+            for index, pending in enumerate(batch):
+                if decided[index] and not pending.settled and not pending.needs_final:
+                    answer(pending, int(starts[index]), None, None)
+
+        started = time.monotonic()
+        for pending in batch:
+            self.metrics.queue.labels(**self._labels).observe(started - pending.arrival)
+        logits = model.run(feeds, config.sites, on_ramp if r else None)
+        final = logits.argmax(axis=1)
+        for index, pending in enumerate(batch):
+            if not pending.settled:
+                answer(pending, int(starts[index]), final, logits)
+        finished = time.monotonic()
+        compute_ms = (finished - started) * 1000.0
+        self._after_batch(config, labels, errors, final, exits, started, finished, compute_ms, batch)
+
+    def _after_batch(self, config: Configuration, labels: np.ndarray, errors: np.ndarray, final: np.ndarray,
+                     exits: np.ndarray, started: float, finished: float, compute_ms: float,
+                     batch: list[_Pending]) -> None:
+        n = len(final)
+        queue_ms = (started - min(p.arrival for p in batch)) * 1000.0
+        self.batch_size.observe(n, compute_ms)
+        self.batch_time.observe(compute_ms * self.batch_size.size / n)
+        self.batches += 1
+        self.inputs_served += n
+        self.requests_served += len(batch)
+        self.recent_batches.append({"id": self.batches - 1, "size": n, "config_version": config.version,
+                                    "started": started, "finished": finished, "queue_ms": queue_ms,
+                                    "compute_ms": compute_ms, "early": int((exits != NO_EXIT).sum())})
+        m, labels_ = self.metrics, self._labels
+        m.compute.labels(**labels_).observe(compute_ms / 1000.0)
+        m.batch_size.labels(**labels_).observe(n)
+        m.batch_limit.labels(**labels_).set(self.batch_size.size)
+        sites, counts = np.unique(exits, return_counts=True)
+        for j, count in zip(sites, counts):
+            m.exits.labels(site="final" if j == NO_EXIT else config.sites[j], **labels_).inc(int(count))
+        if self.controller is not None:
+            self._records.put(BatchRecord(config.version, config.sites, labels, errors, final, exits,
+                                          queue_ms, compute_ms))
+
+    # ---- control (controller thread) -------------------------------------------------------------------------
+
+    def _control_loop(self) -> None:
+        while (record := self._records.get()) is not None:
+            with self._control_lock:
+                new = self.controller.observe(record)
+                accuracy = self.controller.window.accuracy
+            self.metrics.window_accuracy.labels(**self._labels).set(accuracy)
+            if new is not None:
+                self.configuration = new  # the executor reads it at its next batch
+                self._publish(new)
+
+    def _publish(self, config: Configuration) -> None:
+        m = self.metrics
+        m.config_version.labels(**self._labels).set(config.version)
+        for site in self._published_sites:
+            m.threshold.remove(self.served.name, site)
+        self._published_sites = config.sites
+        for site, threshold in zip(config.sites, config.thresholds):
+            m.threshold.labels(site=site, **self._labels).set(threshold)
+
+    # ---- status --------------------------------------------------------------------------------------------
+
+    def status(self) -> dict:
+        status = {
+            "name": self.served.name,
+            "version": self.served.version,
+            "vanilla": self.controller is None,
+            "slo_ms": self.slo_ms,
+            "max_batch": self.max_batch,
+            "batch_limit": self.batch_size.size,
+            "max_delay_ms": self.settings.max_delay_ms,
+            "deadline_ms": self.deadline_ms,
+            "queued_inputs": self._rows_queued,
+            "batches": self.batches,
+            "requests": self.requests_served,
+            "inputs": self.inputs_served,
+            "mean_batch_size": self.inputs_served / self.batches if self.batches else None,
+            "configuration": self.configuration.to_json(),
+            "recent_batches": list(self.recent_batches),
+        }
+        if self.controller is not None:
+            with self._control_lock:
+                status["window_accuracy"] = self.controller.window.accuracy
+                status["cumulative_accuracy"] = self.controller.window.cumulative
+                status["decisions"] = [d.to_json() for d in self.controller.decisions]
+        return status

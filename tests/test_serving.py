@@ -1,0 +1,228 @@
+"""The live server, for real: uvicorn on a loopback port, tritonclient and aiohttp as clients, the small
+prepared ResNet on real Fashion-MNIST inputs."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from email.message import Message
+
+import aiohttp
+import numpy as np
+import pytest
+import tritonclient.http as triton
+
+from rampserve.control.controller import ControllerSettings
+from rampserve.serving.app import ServerState
+from rampserve.serving.models import ServedModel, load_served
+from rampserve.serving.server import ServerSettings, build_state, running_server
+from rampserve.serving.worker import ModelSettings
+
+MODEL = "resnet18-small"
+
+
+@pytest.fixture(scope="module")
+def served(resnet_bundle) -> ServedModel:
+    return load_served(str(resnet_bundle))
+
+
+@contextmanager
+def server(served: ServedModel, settings: ModelSettings = ModelSettings(),
+           server_settings: ServerSettings = ServerSettings(port=0)) -> Iterator[tuple[str, ServerState]]:
+    state = build_state([served], settings, server_settings)
+    with running_server(state, server_settings) as url:
+        yield url, state
+
+
+def fixed_exits(served: ServedModel, site_index: int, threshold: float, **overrides) -> ModelSettings:
+    """One ramp active at a fixed threshold, the controller only watching: exits are predictable."""
+    site = served.model.site_names[site_index]
+    controller = ControllerSettings(initial=(site,), start_thresholds={site: threshold}, threshold_tuning=False,
+                                    ramp_adjustment=False)
+    return ModelSettings(controller=controller, **overrides)
+
+
+def original_labels(served: ServedModel, feeds: np.ndarray) -> np.ndarray:
+    return served.model.run({served.inputs[0].name: feeds}).argmax(axis=1)
+
+
+def infer_body(served: ServedModel, x: np.ndarray, **parameters) -> bytes:
+    return json.dumps({"inputs": [{"name": served.inputs[0].name, "shape": list(x.shape), "datatype": "FP32",
+                                   "data": x.ravel().tolist()}], "parameters": parameters}).encode()
+
+
+def post(url: str, body: bytes, headers: dict[str, str] | None = None) -> tuple[int, Message, dict]:
+    request = urllib.request.Request(url, body, {"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(request) as response:
+            return response.status, response.headers, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.headers, json.loads(exc.read())
+
+
+def get_json(url: str) -> dict:
+    with urllib.request.urlopen(url) as response:
+        return json.loads(response.read())
+
+
+def triton_input(served: ServedModel, x: np.ndarray, binary: bool) -> triton.InferInput:
+    tensor = triton.InferInput(served.inputs[0].name, list(x.shape), "FP32")
+    tensor.set_data_from_numpy(x, binary_data=binary)
+    return tensor
+
+
+def test_tritonclient_infers_with_binary_data_and_with_json(served, fmnist_feeds) -> None:
+    x = fmnist_feeds[:4]
+    with server(served, ModelSettings(vanilla=True)) as (url, _):
+        client = triton.InferenceServerClient(url.removeprefix("http://"))
+        assert client.is_server_live() and client.is_server_ready() and client.is_model_ready(MODEL)
+        metadata = client.get_model_metadata(MODEL)
+        assert metadata["inputs"] == [{"name": served.inputs[0].name, "datatype": "FP32", "shape": [-1, 1, 28, 28]}]
+        assert client.get_server_metadata()["name"] == "rampserve"
+        binary = client.infer(MODEL, [triton_input(served, x, True)])  # tritonclient's defaults
+        as_json = client.infer(MODEL, [triton_input(served, x, False)],
+                               outputs=[triton.InferRequestedOutput("label", binary_data=False),
+                                        triton.InferRequestedOutput("logits", binary_data=False)])
+    expected = served.model.run({served.inputs[0].name: x})
+    np.testing.assert_array_equal(binary.as_numpy("label"), expected.argmax(axis=1))
+    np.testing.assert_array_equal(as_json.as_numpy("label"), expected.argmax(axis=1))
+    # The served logits are the original model's (vanilla: nothing exits, the final stage is the model).
+    np.testing.assert_allclose(as_json.as_numpy("logits"), expected, rtol=1e-5, atol=1e-5)
+    assert binary.get_response()["parameters"]["early"] is False
+
+
+def test_every_bad_request_gets_its_4xx_and_the_server_keeps_serving(served, fmnist_feeds) -> None:
+    x = fmnist_feeds[:1]
+    name = served.inputs[0].name
+    good = infer_body(served, x)
+    nan = x.copy()
+    nan[0, 0, 0, 0] = np.nan
+
+    def body(**tensor) -> bytes:
+        spec = {"name": name, "shape": [1, 1, 28, 28], "datatype": "FP32", "data": x.ravel().tolist()}
+        return json.dumps({"inputs": [{**spec, **tensor}]}).encode()
+
+    cases = {
+        "unknown model": ("/v2/models/nope/infer", good, 404, "unknown model"),
+        "unknown version": (f"/v2/models/{MODEL}/versions/7/infer", good, 404, "version"),
+        "malformed JSON": (f"/v2/models/{MODEL}/infer", b'{"inputs": [', 400, "JSON"),
+        "wrong input name": (f"/v2/models/{MODEL}/infer", body(name="pixels"), 400, "pixels"),
+        "wrong shape": (f"/v2/models/{MODEL}/infer", body(shape=[1, 28, 28]), 400, name),
+        "wrong datatype": (f"/v2/models/{MODEL}/infer", body(datatype="INT64"), 400, "datatype"),
+        "short data": (f"/v2/models/{MODEL}/infer", body(data=x.ravel().tolist()[:-1]), 400, name),
+        "NaN": (f"/v2/models/{MODEL}/infer", infer_body(served, nan), 400, "NaN"),
+        "bad deadline": (f"/v2/models/{MODEL}/infer", infer_body(served, x, deadline_ms=-1), 400, "deadline_ms"),
+        "body too large": (f"/v2/models/{MODEL}/infer", good + b" " * (1 << 20), 413, "limit"),
+    }
+    with server(served, ModelSettings(vanilla=True), ServerSettings(port=0, max_body_mb=0.5)) as (url, _):
+        for case, (path, payload, status, mentioned) in cases.items():
+            got, _, answer = post(url + path, payload)
+            assert (got, mentioned.lower() in answer["error"].lower()) == (status, True), (case, answer)
+            ok, _, answer = post(f"{url}/v2/models/{MODEL}/infer", good)
+            assert ok == 200 and answer["outputs"][0]["data"] == original_labels(served, x).tolist(), case
+        metrics = urllib.request.urlopen(url + "/metrics").read().decode()
+    assert f'rampserve_requests_total{{model="{MODEL}",outcome="invalid"}} {len(cases) - 1}.0' in metrics
+
+
+async def _concurrent(url: str, bodies: list[bytes], clients: int) -> list[tuple[int, int, dict]]:
+    results: list[tuple[int, int, dict]] = []
+    pending = list(enumerate(bodies))
+
+    async def client(session: aiohttp.ClientSession) -> None:
+        while pending:
+            index, body = pending.pop()
+            async with session.post(f"{url}/v2/models/{MODEL}/infer", data=body) as response:
+                results.append((index, response.status, await response.json()))
+
+    async with aiohttp.ClientSession() as session:
+        await asyncio.gather(*(client(session) for _ in range(clients)))
+    return results
+
+
+def test_many_concurrent_clients_each_get_exactly_one_answer(served, fmnist_feeds) -> None:
+    bodies = [infer_body(served, fmnist_feeds[i % 16: i % 16 + 1], priority=i % 3) for i in range(240)]
+    expected = original_labels(served, fmnist_feeds)
+    settings = fixed_exits(served, 1, 0.3, max_batch=8, max_delay_ms=2.0, deadline_ms=60_000.0,
+                           adaptive_batching=False)
+    with server(served, settings) as (url, state):
+        results = asyncio.run(_concurrent(url, bodies, clients=24))
+        status = get_json(url + "/status")["models"][MODEL]
+    assert sorted(index for index, _, _ in results) == list(range(len(bodies)))
+    assert all(code == 200 for _, code, _ in results)
+    assert status["requests"] == len(bodies) and status["batches"] < len(bodies)  # they were batched
+    early = [(i, a) for i, _, a in results if a["parameters"]["early"]]
+    assert early, "a ramp at threshold 0.3 answers some inputs"
+    for _, answer in early:
+        assert answer["parameters"]["exit_site"] == served.model.site_names[1]
+        assert answer["parameters"]["error_score"] < 0.3
+    late = [(i, a) for i, _, a in results if not a["parameters"]["early"]]
+    for index, answer in late:  # the final answers are the original model's
+        assert answer["outputs"][0]["data"] == [int(expected[index % 16])]
+
+
+def test_an_exited_answer_arrives_before_its_batch_finishes(served, fmnist_feeds) -> None:
+    x = np.concatenate([fmnist_feeds] * 4)  # 64 inputs in one request, one batch
+    settings = fixed_exits(served, 0, 1.0, max_batch=64, adaptive_batching=False)
+    with server(served, settings) as (url, _):
+        post(f"{url}/v2/models/{MODEL}/infer", infer_body(served, x))  # warm-up
+        status, _, answer = post(f"{url}/v2/models/{MODEL}/infer", infer_body(served, x))
+        received = time.monotonic()
+        # The executor runs one batch at a time: once a later request is answered, the batch has finished.
+        post(f"{url}/v2/models/{MODEL}/infer", infer_body(served, x[:1]))
+        batches = get_json(url + "/status")["models"][MODEL]["recent_batches"]
+    assert status == 200 and answer["parameters"]["early"] is True
+    assert set(answer["parameters"]["exit_site"]) == {served.model.site_names[0]}
+    batch = next(b for b in batches if b["id"] == answer["parameters"]["batch_id"])
+    assert batch["size"] == 64 and batch["early"] == 64
+    assert received < batch["finished"], "the answer was released after its batch had finished"
+
+
+def test_shedding_is_explicit_and_loses_nothing(served, fmnist_feeds) -> None:
+    bodies = [infer_body(served, fmnist_feeds[:1]) for _ in range(120)]
+    settings = ModelSettings(vanilla=True, max_queue=2, max_batch=1, adaptive_batching=False, deadline_ms=60_000.0)
+    with server(served, settings) as (url, _):
+        results = asyncio.run(_concurrent(url, bodies, clients=40))
+        late, headers, refused = post(f"{url}/v2/models/{MODEL}/infer",
+                                      infer_body(served, fmnist_feeds[:1], deadline_ms=1e-6))
+        metrics = urllib.request.urlopen(url + "/metrics").read().decode()
+    assert sorted(i for i, _, _ in results) == list(range(len(bodies)))
+    codes = [code for _, code, _ in results]
+    assert set(codes) <= {200, 503} and 503 in codes and 200 in codes
+    assert all("queue full" in a["error"] for _, code, a in results if code == 503)
+    assert late == 429 and int(headers["Retry-After"]) >= 1 and "deadline" in refused["error"]
+    assert f'rampserve_shed_total{{model="{MODEL}",reason="queue_full"}} {codes.count(503)}.0' in metrics
+
+
+def test_prediction_cache_answers_repeats_without_the_queue(served, fmnist_feeds) -> None:
+    with server(served, ModelSettings(vanilla=True), ServerSettings(port=0, cache_mb=1.0)) as (url, state):
+        first = post(f"{url}/v2/models/{MODEL}/infer", infer_body(served, fmnist_feeds[:1]))[2]
+        again = post(f"{url}/v2/models/{MODEL}/infer", infer_body(served, fmnist_feeds[:1]))[2]
+        other = post(f"{url}/v2/models/{MODEL}/infer", infer_body(served, fmnist_feeds[1:2]))[2]
+        batches = get_json(url + "/status")["models"][MODEL]["batches"]
+    assert again["outputs"] == first["outputs"] and again["parameters"]["cached"] is True
+    assert "cached" not in other["parameters"]
+    assert batches == 2  # the repeat never reached the model
+    assert (state.caches[MODEL].hits, state.caches[MODEL].misses) == (1, 2)
+
+
+def test_controller_adapts_live_and_status_shows_its_history(served, fmnist_feeds) -> None:
+    """Thresholds start at 1 on a ramp of the small model (too eager: accuracy breaks), so the controller must
+    retune live; the configuration it publishes reaches the executor and the status endpoint."""
+    site = served.model.site_names[0]
+    controller = ControllerSettings(initial=(site,), start_thresholds={site: 1.0}, ramp_adjustment=False)
+    bodies = [infer_body(served, fmnist_feeds[i % 16: i % 16 + 1]) for i in range(200)]
+    with server(served, ModelSettings(controller=controller, deadline_ms=60_000.0)) as (url, _):
+        results = asyncio.run(_concurrent(url, bodies, clients=4))
+        status = get_json(url + "/status")["models"][MODEL]
+        metrics = urllib.request.urlopen(url + "/metrics").read().decode()
+    versions = {a["parameters"]["config_version"] for _, _, a in results}
+    assert status["decisions"][0]["thresholds"] == [1.0]
+    assert len(status["decisions"]) > 1 and status["configuration"]["version"] > 0
+    assert status["decisions"][1]["reason"].startswith("window accuracy below the constraint")
+    assert len(versions) > 1, "answers came from more than one configuration"
+    assert "rampserve_window_accuracy" in metrics and "rampserve_ramp_threshold" in metrics
