@@ -348,3 +348,7 @@ def zoo_train(
     from rampserve.zoo.train import train_zoo
 
     console.print_json(json.dumps(train_zoo(names or None, small=small)))
+
+
+if __name__ == "__main__":
+    app()

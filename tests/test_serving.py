@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
+import signal
+import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -226,3 +230,39 @@ def test_controller_adapts_live_and_status_shows_its_history(served, fmnist_feed
     assert status["decisions"][1]["reason"].startswith("window accuracy below the constraint")
     assert len(versions) > 1, "answers came from more than one configuration"
     assert "rampserve_window_accuracy" in metrics and "rampserve_ramp_threshold" in metrics
+
+
+async def _shutdown_under_load(process: subprocess.Popen, url: str, bodies: list[bytes]) -> list[int]:
+    async with aiohttp.ClientSession() as session:
+        async def one(body: bytes) -> int:
+            async with session.post(f"{url}/v2/models/{MODEL}/infer", data=body) as response:
+                await response.read()
+                return response.status
+
+        requests = [asyncio.create_task(one(body)) for body in bodies]
+        # Stop the server once it holds every request in its queue (the batch waits for its delay to pass).
+        while True:
+            async with session.get(f"{url}/status/{MODEL}") as response:
+                if (await response.json())["queued_inputs"] == len(bodies):
+                    break
+        process.send_signal(signal.SIGTERM)
+        return await asyncio.gather(*requests)
+
+
+def test_cli_server_answers_what_it_accepted_when_stopped(resnet_bundle, served, fmnist_feeds) -> None:
+    process = subprocess.Popen(
+        [sys.executable, "-m", "rampserve.cli", "serve", str(resnet_bundle), "--port", "0", "--max-batch", "64",
+         "--max-delay-ms", "3000", "--no-adaptive-batching", "--deadline-ms", "60000"],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        line = process.stdout.readline()
+        url = re.search(r"http://[\d.]+:\d+", line).group(0)
+        codes = asyncio.run(_shutdown_under_load(process, url, [infer_body(served, fmnist_feeds[i:i + 1])
+                                                                for i in range(12)]))
+        # uvicorn stops gracefully, then lets the signal end the process as it would have (exit status -15).
+        assert process.wait(timeout=60) == -signal.SIGTERM
+    finally:
+        process.kill()
+    assert codes == [200] * 12
+    with pytest.raises(urllib.error.URLError):
+        urllib.request.urlopen(f"{url}/v2/health/live")

@@ -42,11 +42,14 @@ def build_state(models: Sequence[ServedModel], model_settings: ModelSettings,
 
 
 def bind(host: str, port: int) -> socket.socket:
-    """The listening socket, bound before the server starts so that port 0 gives a known free port."""
+    """The listening socket, bound before the server starts so that port 0 gives a known free port; it listens
+    at once, so clients that connect before the server has started wait in its backlog instead of being
+    refused."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
+    sock.listen(2048)
     return sock
 
 

@@ -1,0 +1,520 @@
+"""`rampserve bench live`: vanilla and rampserve serving the same model, for real, on the same trace and stream.
+
+One run: start the vanilla server; measure its saturation throughput (closed loop) and its latency with one
+request at a time (against the model's own batch-1 time in this process: the server's overhead); replay the
+stream open loop at the target rate (half of saturation unless given) from a separate client process
+(`rampserve.bench.loadgen`); stop it; start rampserve with the same settings and replay the same requests at the
+same times. Released labels are scored against the original model's, computed here from the bundle; the
+trace simulator's oracle on the same stream and arrivals gives the savings an exit policy could reach.
+
+Per-system figures carry `bench sim`'s keys. Latency percentiles, accuracy and exits are over answered requests;
+shed (429/503) and failed requests (other errors, timeouts) are counted apart.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from rich.table import Table
+from tqdm.auto import tqdm
+
+from rampserve.bench.loadgen import Job, LoadResult, fetch_status, save_job
+from rampserve.bench.ramp_outputs import RampOutputs, ramp_outputs
+from rampserve.bench.sim import Scenario, _rolling_min_mean, replay, replay_oracle, summarize, with_savings
+from rampserve.bench.timing import interleaved_medians
+from rampserve.control.costs import CostModel
+from rampserve.control.records import Configuration
+from rampserve.runtime.bundle import load_bundle
+from rampserve.runtime.prepare import encoder_for, feeds_for
+from rampserve.runtime.prepared import PreparedModel
+from rampserve.runtime.profile import LatencyProfile, max_batch_for_slo
+from rampserve.workloads.streams import DEFAULT_LENGTH, get_stream
+from rampserve.workloads.traces import MAF_MINUTE_S, arrival_times, rate_over_time
+
+QUANTILES = (25, 50, 95, 99)
+SYSTEMS = ("vanilla", "rampserve")
+SATURATION_ITEMS = 1000  # distinct inputs the closed-loop probes cycle through
+MAX_ERRORS = 10  # distinct error messages kept per run, the most frequent
+STOP_GRACE_S = 40.0  # a server told to stop answers what it accepted within this (its own grace is 30 s)
+
+
+@dataclass(frozen=True)
+class LiveSettings:
+    model: str = "resnet18-fmnist"  # a zoo model
+    workload: str = "fmnist-drift"
+    trace: str = "maf"
+    rate_rps: float | None = None  # default: `load` times vanilla's measured saturation throughput
+    load: float = 0.5
+    duration_s: float = 60.0  # measured part of each system's run, in trace time
+    warmup_requests: int = 300  # sent before each measured run at the target rate, then discarded
+    # maf: trace minutes replayed within `duration_s` (one period of its trend); see `live_arrivals`
+    trace_minutes: int = 8
+    slo_ms: float | None = None  # default: twice the profiled batch-1 latency (DESIGN §8)
+    max_batch: int | None = None  # default: the largest profiled batch size that fits the SLO, as `bench sim`
+    # 0: work-conserving, as the simulator's queue: a request that finds the worker idle is never held back to
+    # wait for company. On these CPUs a batch of 2 costs nearly what two batches of 1 do, so waiting buys little.
+    max_delay_ms: float = 0.0
+    saturation_s: float = 10.0  # closed-loop probe of vanilla's throughput ...
+    saturation_settle_s: float = 2.0  # ... whose first seconds are not counted
+    saturation_clients: int | None = None  # default: 2 × max batch + 2, enough to keep every batch full
+    sequential_requests: int = 500  # one at a time against idle vanilla: the server's overhead
+    inprocess_rounds: int = 500  # batch-1 runs of the model in this process
+    timeout_s: float = 10.0  # a request unanswered by then has failed
+    worst_window: int = 1000
+    seed: int = 0
+    stream_length: int = DEFAULT_LENGTH  # the stream `bench sim` replays: its cached ramp outputs are reused
+    start_timeout_s: float = 300.0  # a server must be ready within this
+
+
+# --- statistics (pure) ----------------------------------------------------------------------------------------
+
+def live_arrivals(trace: str, n: int, rate_rps: float, seed: int, trace_minutes: int) -> np.ndarray:
+    """n arrival times (ms) at a mean rate of `rate_rps`. maf changes its rate once a trace minute, so a run of a
+    minute or two would replay one or two levels only: its arrivals are drawn at a k times lower rate, spanning
+    `trace_minutes` minutes, and replayed k times faster. Same mean rate, same sequence of rate levels, each held
+    for 60/k s instead of 60 s (still thousands of service times, so queues settle at every level)."""
+    if trace != "maf":
+        return arrival_times(trace, n, rate_rps, seed=seed)
+    speedup = max(1.0, trace_minutes * MAF_MINUTE_S * rate_rps / n)
+    return arrival_times(trace, n, rate_rps / speedup, seed=seed) / speedup
+
+
+def percentiles(values: np.ndarray, prefix: str = "", suffix: str = "_ms") -> dict[str, float | None]:
+    """p25/p50/p95/p99 (None each when there are no values)."""
+    points = np.percentile(values, QUANTILES) if len(values) else [None] * len(QUANTILES)
+    return {f"{prefix}p{q}{suffix}": None if v is None else float(v) for q, v in zip(QUANTILES, points)}
+
+
+def closed_loop_throughput(result: LoadResult, settle_ms: float, end_ms: float) -> float:
+    """Answers per second completed within [settle_ms, end_ms): a closed loop's clients keep the server busy
+    throughout, once they have all started."""
+    done = result.done_ms[result.ok]
+    return float(np.count_nonzero((done >= settle_ms) & (done < end_ms)) / ((end_ms - settle_ms) / 1000.0))
+
+
+def mean_batch_size(before: dict | str | None, after: dict | str | None, model: str) -> float | None:
+    """Inputs per batch the server ran between two of its status reports (`inputs`, or `requests` where it does not
+    count inputs apart: one input per request here); None if either report is missing."""
+    if not isinstance(before, dict) or not isinstance(after, dict):
+        return None
+    try:
+        first, last = before["models"][model], after["models"][model]
+        unit = "inputs" if "inputs" in last else "requests"
+        batches, inputs = last["batches"] - first["batches"], last[unit] - first[unit]
+    except (KeyError, TypeError):
+        return None
+    return inputs / batches if batches > 0 else None
+
+
+def summarize_live(result: LoadResult, reference: np.ndarray, worst_window: int,
+                   batch_size: float | None) -> dict:
+    """`bench sim`'s per-system figures for one live run (savings come from `with_savings`), plus what only a live
+    run has: requests shed and failed, the offered rate, and how late the client sent."""
+    ok = result.ok
+    answered = int(ok.sum())
+    correct = result.label[ok] == reference[ok]
+    early = result.early[ok]
+    latency = result.latency_ms[ok]
+    span_ms = float(result.done_ms[ok].max() - result.scheduled_ms.min()) if answered else 0.0
+    exit_sites = result.exit_site[ok]
+    return {
+        "accuracy": float(correct.mean()) if answered else None,
+        "worst_window_accuracy": _rolling_min_mean(correct, worst_window) if answered else None,
+        **percentiles(latency),
+        "mean_ms": float(latency.mean()) if answered else None,
+        "throughput_rps": answered / span_ms * 1000.0 if span_ms > 0 else 0.0,
+        "exit_share": float(early.mean()) if answered else None,
+        "mean_batch_size": batch_size,
+        "exit_share_by_site": {site: float(np.mean(exit_sites == i)) for i, site in enumerate(result.sites)},
+        "requests": len(ok),
+        "answered": answered,
+        "shed": int(result.shed.sum()),
+        "failed": int(result.failed.sum()),
+        # arrival processes start at 0, so n arrivals up to the last one is the rate they were drawn at
+        "rate_rps": len(ok) / float(result.scheduled_ms.max()) * 1000.0 if len(ok) else 0.0,
+        "duration_s": float(result.done_ms.max()) / 1000.0 if len(ok) else 0.0,
+        **percentiles(result.sent_ms - result.scheduled_ms, prefix="client_lateness_"),
+        "errors": most_frequent(result.errors),
+    }
+
+
+def most_frequent(errors: dict[str, int]) -> dict[str, int]:
+    """The MAX_ERRORS most frequent error messages with their counts."""
+    return dict(sorted(errors.items(), key=lambda item: -item[1])[:MAX_ERRORS])
+
+
+def with_oracle_share(systems: dict[str, dict], oracle_p50_savings: float | None) -> dict[str, dict]:
+    """Savings against vanilla (`bench sim`'s `with_savings`), and each system's p50 savings as a share of the
+    oracle's (simulated on the same arrivals and inputs; None when the oracle saves nothing)."""
+    systems = with_savings(systems)
+    for summary in systems.values():
+        summary["oracle_share"] = summary["p50_savings"] / oracle_p50_savings if oracle_p50_savings else None
+    return systems
+
+
+def binned_percentile(times_ms: np.ndarray, values: np.ndarray, bin_ms: float, q: float
+                      ) -> tuple[np.ndarray, np.ndarray]:
+    """(bin starts, the q-th percentile of the values whose time falls in each bin; NaN for an empty bin)."""
+    if not len(times_ms):
+        return np.zeros(0), np.zeros(0)
+    bins = (np.asarray(times_ms) // bin_ms).astype(np.int64)
+    out = np.full(int(bins.max()) + 1, np.nan)
+    for b in np.unique(bins):
+        out[b] = np.percentile(values[bins == b], q)
+    return np.arange(len(out)) * bin_ms, out
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _ratio(value: float | None, base: float | None) -> float | None:
+    return None if value is None or not base else value / base
+
+
+def table_rows(report: dict) -> list[tuple[str, ...]]:
+    """One row per system: what `live_table` prints, ratios to vanilla last."""
+    vanilla = report["systems"]["vanilla"]
+    rows = []
+    for name, s in report["systems"].items():
+        rows.append((
+            name, str(s["requests"]), str(s["shed"]), str(s["failed"]),
+            *(_fmt(s[f"p{q}_ms"], ".2f") for q in QUANTILES), _fmt(s["throughput_rps"], ".1f"),
+            _fmt(s["accuracy"], ".4f"), _fmt(s["worst_window_accuracy"], ".3f"), _fmt(s["exit_share"], ".1%"),
+            _fmt(s["mean_batch_size"], ".2f"),
+            *(_fmt(_ratio(s[key], vanilla[key]), ".2f") for key in ("p50_ms", "p99_ms", "throughput_rps")),
+            _fmt(s.get("oracle_share"), ".2f"),
+        ))
+    return rows
+
+
+TABLE_COLUMNS = ("system", "sent", "shed", "failed", "p25 ms", "p50 ms", "p95 ms", "p99 ms", "rps", "accuracy",
+                 "worst 1k", "exits", "mean batch", "p50 ×van", "p99 ×van", "rps ×van", "oracle share")
+
+
+def live_table(report: dict) -> Table:
+    table = Table(title=f"{report['model']} on {report['workload']}, {report['trace']} trace at "
+                        f"{report['rate_rps']:.0f} rps (saturation {_fmt(report['saturation_rps'], '.0f')} rps), "
+                        f"SLO {report['slo_ms']:.2f} ms, max batch {report['max_batch']}, max delay "
+                        f"{report['max_delay_ms']:g} ms; server overhead {_fmt(report['server_overhead_ms'], '.2f')} ms")
+    for column in TABLE_COLUMNS:
+        table.add_column(column, justify="right")
+    for row in table_rows(report):
+        table.add_row(*row)
+    return table
+
+
+# --- processes ----------------------------------------------------------------------------------------------------
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _get_json(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=10) as response:
+        return json.loads(response.read())
+
+
+def _tail(path: Path, lines: int = 30) -> str:
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.is_file() else ""
+
+
+class ServerProcess:
+    """`rampserve serve` in its own process, ready on entry, stopped with SIGTERM (it answers what it accepted)
+    on exit."""
+
+    def __init__(self, model: str, slo_ms: float, max_batch: int, max_delay_ms: float, vanilla: bool, log: Path,
+                 start_timeout_s: float) -> None:
+        self.model, self.log, self.start_timeout_s = model, log, start_timeout_s
+        self.port = _free_port()
+        self.command = [sys.executable, "-m", "rampserve.cli", "serve", model, "--host", "127.0.0.1", "--port",
+                        str(self.port), "--slo-ms", f"{slo_ms:.4f}", "--max-batch", str(max_batch),
+                        "--max-delay-ms", f"{max_delay_ms:g}", *(["--vanilla"] if vanilla else [])]
+        self.process: subprocess.Popen | None = None
+        self.exit_code: int | None = None
+        self.killed = False  # did not stop within its grace period after SIGTERM
+
+    def url(self, path: str) -> str:
+        return f"http://127.0.0.1:{self.port}{path}"
+
+    def __enter__(self) -> ServerProcess:
+        with self.log.open("wb") as log:
+            self.process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + self.start_timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"`{' '.join(self.command)}` exited with {self.process.returncode} before it was "
+                                   f"ready:\n{_tail(self.log)}")
+            try:
+                with urllib.request.urlopen(self.url("/v2/health/ready"), timeout=2) as response:
+                    if response.status == 200:
+                        return self
+            except OSError:
+                pass
+            time.sleep(0.2)
+        self.__exit__(None, None, None)
+        raise RuntimeError(f"the server was not ready within {self.start_timeout_s} s:\n{_tail(self.log)}")
+
+    def __exit__(self, *_exc: object) -> None:
+        if self.process is None or self.process.poll() is not None:
+            self.exit_code = None if self.process is None else self.process.returncode
+            return
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            self.exit_code = self.process.wait(timeout=STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            self.killed = True
+            self.process.kill()
+            self.exit_code = self.process.wait()
+
+    def outcome(self) -> dict:
+        """How it stopped, with the end of its log when that was not cleanly."""
+        outcome = {"exit_code": self.exit_code, "killed": self.killed}
+        return outcome if self.exit_code == 0 and not self.killed else outcome | {"log_tail": _tail(self.log)}
+
+
+def run_loadgen(job: Job, requests: list[dict[str, np.ndarray]], workdir: Path, name: str, expected_s: float,
+                progress: bool, arrivals_ms: np.ndarray | None = None,
+                warmup_arrivals_ms: np.ndarray | None = None) -> LoadResult:
+    """Run a job in a fresh `python -m rampserve.bench.loadgen` process and read its result."""
+    job_path, out_path, log_path = (workdir / f"{name}.{suffix}" for suffix in ("job.npz", "out.npz", "log"))
+    save_job(job_path, job, requests, arrivals_ms, warmup_arrivals_ms)
+    command = [sys.executable, "-m", "rampserve.bench.loadgen", str(job_path), str(out_path)]
+    limit_s = expected_s + job.timeout_s + 120.0  # encoding the bodies and draining the last requests come on top
+    with log_path.open("wb") as log, tqdm(total=round(expected_s), desc=name, unit="s", disable=not progress,
+                                          leave=False) as bar:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+        start = time.monotonic()
+        while process.poll() is None:
+            elapsed = time.monotonic() - start
+            if elapsed > limit_s:
+                process.kill()
+                process.wait()
+                raise RuntimeError(f"the load generator ran past {limit_s:.0f} s:\n{_tail(log_path)}")
+            bar.update(min(round(elapsed), bar.total) - bar.n)
+            time.sleep(0.5)
+    if process.returncode != 0:
+        raise RuntimeError(f"the load generator failed ({process.returncode}):\n{_tail(log_path)}")
+    return LoadResult.load(out_path)
+
+
+# --- the benchmark ------------------------------------------------------------------------------------------------
+
+def _encode(model: PreparedModel, task: str, items: np.ndarray | list[str]) -> list[dict[str, np.ndarray]]:
+    """One request per item, its inputs under the model's own input names (text: each padded to its own length)."""
+    encoder = encoder_for(task)
+    return [feeds_for(model.backend, encoder, items[i:i + 1]) for i in range(len(items))]
+
+
+def _renamed(feeds: list[dict[str, np.ndarray]], names: list[str]) -> list[dict[str, np.ndarray]]:
+    """The same inputs under the names the server's metadata gives, matched by position (as `feeds_for` does)."""
+    return [dict(zip(names, f.values())) for f in feeds]
+
+
+def batch1_inprocess_ms(model: PreparedModel, feeds: list[dict[str, np.ndarray]], rounds: int) -> float:
+    """Median time of the original model on one input, in this process (inputs cycle so no cache is favoured)."""
+    inputs = itertools.cycle(feeds)
+    return interleaved_medians({"batch 1": lambda: model.run(next(inputs))}, rounds=rounds,
+                               desc="in-process batch 1")["batch 1"]
+
+
+def _answered(result: LoadResult, what: str) -> LoadResult:
+    if not result.ok.any():
+        raise RuntimeError(f"{what}: the server answered none of {len(result.ok)} requests: {result.errors}")
+    return result
+
+
+def measure_saturation(job: Job, probe: list[dict[str, np.ndarray]], settings: LiveSettings, workdir: Path,
+                       progress: bool) -> dict:
+    """Closed loop: clients that each send again as soon as they are answered keep the server's queue from ever
+    running dry, so the answers per second once they all run are the most it sustains, at the batch sizes it
+    chooses itself. (Open-loop rate steps would need several runs, each long enough for queues to settle.)"""
+    before = fetch_status(job.status_url)
+    result = _answered(run_loadgen(job, probe, workdir, "saturation", settings.saturation_s, progress), "saturation")
+    return {"clients": job.clients, "duration_s": job.duration_s,
+            "throughput_rps": closed_loop_throughput(result, settings.saturation_settle_s * 1000.0,
+                                                     settings.saturation_s * 1000.0),
+            "mean_batch_size": mean_batch_size(before, result.status_after, settings.model),
+            "answered": int(result.ok.sum()), "shed": int(result.shed.sum()), "failed": int(result.failed.sum()),
+            "errors": most_frequent(result.errors), **percentiles(result.latency_ms[result.ok])}
+
+
+def measure_overhead(job: Job, probe: list[dict[str, np.ndarray]], model: PreparedModel,
+                     feeds: list[dict[str, np.ndarray]], settings: LiveSettings, slo_ms: float, workdir: Path,
+                     progress: bool) -> dict:
+    """The server's own cost: its median latency with one request at a time, less the model's batch-1 time here
+    (timed while the server idles)."""
+    expected_s = settings.sequential_requests * slo_ms / 1000.0  # for the progress bar: each well within the SLO
+    sequential = _answered(run_loadgen(job, probe, workdir, "one at a time", expected_s, progress), "one at a time")
+    low_load_p50 = float(np.median(sequential.latency_ms[sequential.ok]))
+    batch1 = batch1_inprocess_ms(model, feeds, settings.inprocess_rounds)
+    return {"server_overhead_ms": low_load_p50 - batch1, "batch1_inprocess_ms": batch1,
+            "low_load_p50_ms": low_load_p50, "low_load_requests": int(sequential.ok.sum()),
+            "inprocess_torch_threads": torch.get_num_threads()}
+
+
+def simulated_oracle(outputs: RampOutputs, profile: LatencyProfile, arrivals_ms: np.ndarray, max_batch: int,
+                     worst_window: int) -> dict:
+    """The trace simulator's oracle and vanilla on the same inputs and arrivals: the savings no exit policy can
+    beat (its queue charges only the profiled model times, no HTTP)."""
+    scenario = Scenario(outputs, CostModel(profile), arrivals_ms, max_batch)
+    simulated = with_savings({name: summarize(run, worst_window) for name, run in (
+        ("vanilla", replay(scenario, Configuration(0, (), ()))), ("oracle", replay_oracle(scenario)))})
+    oracle, vanilla = simulated["oracle"], simulated["vanilla"]
+    return {"p50_savings": oracle["p50_savings"], "p50_ms": oracle["p50_ms"], "exit_share": oracle["exit_share"],
+            "vanilla_p50_ms": vanilla["p50_ms"]}
+
+
+def run_live(settings: LiveSettings, json_out: Path | None, plots_dir: Path | None, progress: bool = True) -> dict:
+    from rampserve.runtime.zoo_bundles import zoo_bundle
+
+    note = tqdm.write if progress else (lambda _message: None)
+    bundle = zoo_bundle(settings.model)
+    model = load_bundle(bundle)
+    profile = model.profile
+    if profile is None:
+        raise ValueError(f"{bundle} has no latency profile; run `rampserve profile {bundle}`")
+    slo = settings.slo_ms or 2.0 * profile.full(1)
+    max_batch = settings.max_batch or max_batch_for_slo(profile.batch_sizes, profile.full_ms, slo)
+    stream = get_stream(settings.workload, length=settings.stream_length, seed=settings.seed)
+    first = stream.evaluation.start
+    probe_feeds = _encode(model, stream.task, stream.items(first, first + SATURATION_ITEMS))
+
+    def server(vanilla: bool, workdir: Path) -> ServerProcess:
+        name = "vanilla" if vanilla else "rampserve"
+        note(f"starting the {name} server")
+        return ServerProcess(settings.model, slo, max_batch, settings.max_delay_ms, vanilla,
+                             workdir / f"{name}-server.log", settings.start_timeout_s)
+
+    results: dict[str, LoadResult] = {}
+    servers: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory(prefix="rampserve-live-") as tmp:
+        workdir = Path(tmp)
+        with server(True, workdir) as vanilla:
+            metadata = _get_json(vanilla.url(f"/v2/models/{settings.model}"))
+            inputs = tuple((i["name"], i["datatype"]) for i in metadata["inputs"])
+            if len(inputs) != len(model.backend.input_names):
+                raise RuntimeError(f"the server's model takes {inputs}, the bundle's {model.backend.input_names}")
+            probe = _renamed(probe_feeds, [name for name, _ in inputs])
+
+            def job(srv: ServerProcess, **kwargs: object) -> Job:
+                return Job(srv.url(f"/v2/models/{settings.model}/infer"), inputs, "label", srv.url("/status"),
+                           settings.timeout_s, **kwargs)
+
+            clients = settings.saturation_clients or 2 * max_batch + 2
+            note(f"saturation: {clients} closed-loop clients for {settings.saturation_s:g} s")
+            saturation = measure_saturation(job(vanilla, clients=clients, duration_s=settings.saturation_s), probe,
+                                            settings, workdir, progress)
+            note(f"saturation: {saturation['throughput_rps']:.0f} rps, "
+                 f"mean batch {_fmt(saturation['mean_batch_size'], '.2f')}")
+            overhead = measure_overhead(job(vanilla, clients=1, requests=settings.sequential_requests), probe, model,
+                                        probe_feeds, settings, slo, workdir, progress)
+            note(f"one request at a time: p50 {overhead['low_load_p50_ms']:.3f} ms; "
+                 f"in-process batch 1: {overhead['batch1_inprocess_ms']:.3f} ms")
+
+            rate = settings.rate_rps or settings.load * saturation["throughput_rps"]
+            n = round(rate * settings.duration_s)
+            warmup = settings.warmup_requests
+            if warmup + n > len(stream.evaluation):
+                raise ValueError(f"{warmup + n} requests exceed the stream's {len(stream.evaluation)} evaluation items")
+            arrivals = live_arrivals(settings.trace, n, rate, settings.seed, settings.trace_minutes)
+            warmup_arrivals = arrival_times("poisson", warmup, rate, seed=settings.seed)
+            note(f"replaying {n} requests ({settings.trace}, {rate:.0f} rps) after {warmup} warm-up requests")
+            requests = _renamed(_encode(model, stream.task, stream.items(first, first + warmup + n)),
+                                [name for name, _ in inputs])
+            expected_s = float(arrivals[-1] + warmup_arrivals[-1]) / 1000.0
+            results["vanilla"] = run_loadgen(job(vanilla), requests, workdir, "vanilla", expected_s, progress,
+                                             arrivals, warmup_arrivals)
+        servers["vanilla"] = vanilla.outcome()
+        with server(False, workdir) as rampserve:
+            results["rampserve"] = run_loadgen(job(rampserve), requests, workdir, "rampserve", expected_s, progress,
+                                               arrivals, warmup_arrivals)
+        servers["rampserve"] = rampserve.outcome()
+
+    note("scoring the answers against the original model's")
+    outputs = ramp_outputs(model, bundle, stream, first + warmup, first + warmup + n)
+    systems = {}
+    for name, result in results.items():
+        _answered(result, name)
+        systems[name] = summarize_live(result, outputs.final, settings.worst_window,
+                                       mean_batch_size(result.status_before, result.status_after, settings.model))
+        systems[name]["server"] = servers[name] | {"status": _model_status(result.status_after, settings.model)}
+    oracle = simulated_oracle(outputs, profile, arrivals, max_batch, settings.worst_window)
+    report = {
+        "model": settings.model, "workload": settings.workload, "trace": settings.trace, "rate_rps": rate,
+        "saturation_rps": saturation["throughput_rps"], "saturation": saturation, "slo_ms": slo,
+        "max_batch": max_batch, "max_delay_ms": settings.max_delay_ms, "requests": n, "warmup_requests": warmup,
+        "duration_s": settings.duration_s, **overhead, "oracle_sim": oracle,
+        "systems": with_oracle_share(systems, oracle["p50_savings"]),
+        "settings": asdict(settings),
+    }
+    if plots_dir is not None:
+        report["plots"] = [str(p) for p in write_live_plots(report, results, plots_dir)]
+    if json_out is not None:
+        json_out.parent.mkdir(parents=True, exist_ok=True)
+        json_out.write_text(json.dumps(report, indent=2))
+    return report
+
+
+def _model_status(status: dict | str | None, model: str) -> dict | str | None:
+    """The server's own report on the model at the end of the run (configuration, batches, the controller's
+    decisions) less its last few batches, or why there is none."""
+    if not isinstance(status, dict) or not isinstance(status.get("models", {}).get(model), dict):
+        return status
+    return {k: v for k, v in status["models"][model].items() if k != "recent_batches"}
+
+
+def write_live_plots(report: dict, results: dict[str, LoadResult], out_dir: Path, bin_ms: float = 1000.0
+                     ) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: benchmarks run headless
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    title = f"{report['model']} on {report['workload']}, {report['trace']} trace at {report['rate_rps']:.0f} rps"
+    written = []
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, result in results.items():
+        latency = np.sort(result.latency_ms[result.ok])
+        ax.plot(latency, np.arange(1, len(latency) + 1) / len(latency), label=name)
+    ax.set(xlabel="latency (ms)", ylabel="share of answered requests", title=f"live latency CDF: {title}",
+           xscale="log")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    written.append(out_dir / "live_latency_cdf.png")
+    fig.savefig(written[-1], dpi=120, bbox_inches="tight")
+    plt.close(fig)
+
+    fig, (rate_ax, latency_ax) = plt.subplots(2, 1, figsize=(9, 6.5), sharex=True)
+    starts, rates = rate_over_time(results["vanilla"].scheduled_ms, bin_ms)
+    rate_ax.step(starts / 1000.0, rates, where="post", color="k", lw=0.8)
+    rate_ax.axhline(report["saturation_rps"], color="r", ls="--", lw=0.8, label="vanilla saturation")
+    rate_ax.set(ylabel="offered rps", title=title)
+    rate_ax.legend(fontsize=8)
+    for name, result in results.items():
+        ok = result.ok
+        for q, style in ((50, "-"), (99, ":")):
+            starts, values = binned_percentile(result.scheduled_ms[ok], result.latency_ms[ok], bin_ms, q)
+            latency_ax.plot(starts / 1000.0, values, style, label=f"{name} p{q}", lw=0.9)
+    latency_ax.set(xlabel="trace time (s)", ylabel=f"latency per {bin_ms / 1000:g} s (ms)", yscale="log")
+    latency_ax.legend(fontsize=8, ncol=2)
+    written.append(out_dir / "live_over_time.png")
+    fig.savefig(written[-1], dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    return written

@@ -1,0 +1,319 @@
+"""The HTTP load generator of `rampserve bench live`: its own process, so the client never shares an
+interpreter (or a GIL) with the server or with the benchmark that starts both.
+
+`python -m rampserve.bench.loadgen JOB OUT` reads a job (`save_job`), sends its requests to a KServe v2
+infer endpoint with Triton's binary-data extension, and writes what happened to each request (`LoadResult`).
+
+- **Open loop** (`Job.clients == 0`): request i is sent at its arrival time whatever the server has answered,
+  after a warm-up run whose results are discarded. A pacing thread sleeps until each arrival (`time.sleep` wakes
+  within tens of microseconds; the event loop's timers only have millisecond resolution) and hands the request
+  to the event loop. Latency is measured from the scheduled arrival, so a late client counts against the system.
+- **Closed loop** (`Job.clients > 0`): that many clients, each sending its next request when the last one is
+  answered, for a duration or a number of requests: the server's saturation throughput, or (one client) its
+  latency with nothing else queued.
+
+Every request body is encoded before the clock starts. Times are `time.perf_counter` milliseconds from the
+start of the measured run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import itertools
+import json
+import sys
+import threading
+import time
+import urllib.request
+from collections import Counter
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import aiohttp
+import numpy as np
+import orjson
+import uvloop
+
+# KServe v2 tensor datatypes (BYTES has no fixed width and is not sent by this benchmark).
+V2_DTYPES = {"BOOL": np.bool_, "UINT8": np.uint8, "UINT16": np.uint16, "UINT32": np.uint32, "UINT64": np.uint64,
+             "INT8": np.int8, "INT16": np.int16, "INT32": np.int32, "INT64": np.int64, "FP16": np.float16,
+             "FP32": np.float32, "FP64": np.float64}
+TIMED_OUT = 0  # status of a request with no answer within the job's timeout
+CLIENT_ERROR = -1  # status of a request whose connection failed or whose answer could not be read
+SHED_STATUSES = (429, 503)
+# aiohttp closes idle pooled connections after this long: sooner than servers do (uvicorn: 5 s), so a request is
+# never written to a connection the server is closing at that moment (a POST is not retried).
+CLIENT_KEEPALIVE_S = 3.0
+
+
+@dataclass(frozen=True)
+class Job:
+    url: str  # the model's infer endpoint
+    inputs: tuple[tuple[str, str], ...]  # (name, v2 datatype) of each model input, in the model's order
+    output: str  # the output whose first value is the released label
+    status_url: str | None  # read after the warm-up and at the end (the server's batch counts); None: not read
+    timeout_s: float = 10.0
+    max_connections: int = 2048  # HTTP/1.1 has one request in flight per connection: bounds the requests in flight
+    clients: int = 0  # 0: open loop over the arrival times; otherwise closed loop with this many clients
+    duration_s: float | None = None  # closed loop: start no request after this long ...
+    requests: int | None = None  # ... or after this many
+
+
+@dataclass
+class LoadResult:
+    """One row per measured request, in the order the requests were issued (open loop: arrival order)."""
+
+    scheduled_ms: np.ndarray  # arrival time (closed loop: when its client issued it)
+    sent_ms: np.ndarray  # when the client began sending it
+    done_ms: np.ndarray  # when its answer was read (or the request failed)
+    status: np.ndarray  # HTTP status, TIMED_OUT or CLIENT_ERROR
+    label: np.ndarray  # released label, -1 without an answer
+    early: np.ndarray  # released before the last stage
+    exit_site: np.ndarray  # index into `sites` of the ramp that released it; -1: the final layer or no answer
+    sites: tuple[str, ...]
+    errors: dict[str, int]  # every outcome other than an answer, by message, for the report
+    status_before: dict | str | None  # the server's status after the warm-up (a string: why it could not be read)
+    status_after: dict | str | None  # ... and once every measured request was answered
+
+    @property
+    def ok(self) -> np.ndarray:
+        return self.status == 200
+
+    @property
+    def shed(self) -> np.ndarray:
+        return np.isin(self.status, SHED_STATUSES)
+
+    @property
+    def failed(self) -> np.ndarray:
+        return ~(self.ok | self.shed)
+
+    @property
+    def latency_ms(self) -> np.ndarray:
+        return self.done_ms - self.scheduled_ms
+
+    def save(self, path: Path) -> None:
+        arrays = {k: v for k, v in vars(self).items() if isinstance(v, np.ndarray)}
+        meta = {k: v for k, v in vars(self).items() if not isinstance(v, np.ndarray)}
+        np.savez(path, meta=np.array(json.dumps(meta)), **arrays)
+
+    @classmethod
+    def load(cls, path: Path) -> LoadResult:
+        with np.load(path) as data:
+            meta = json.loads(str(data["meta"]))
+            arrays = {k: data[k] for k in data.files if k != "meta"}
+        return cls(**arrays, sites=tuple(meta["sites"]), errors=meta["errors"], status_before=meta["status_before"],
+                   status_after=meta["status_after"])
+
+
+# --- jobs on disk: the spec as JSON, each input as one flat array plus per-request shapes -----------------------
+
+def save_job(path: Path, job: Job, requests: list[dict[str, np.ndarray]], arrivals_ms: np.ndarray | None = None,
+             warmup_arrivals_ms: np.ndarray | None = None) -> None:
+    """Open loop: `requests` holds the warm-up's requests, then one per arrival. Closed loop: the clients cycle
+    through `requests`. Each request maps every input name of `job.inputs` to its array."""
+    arrays: dict[str, np.ndarray] = {}
+    for k, (name, datatype) in enumerate(job.inputs):
+        dtype = V2_DTYPES[datatype]
+        tensors = [np.asarray(request[name], dtype=dtype) for request in requests]
+        arrays[f"input{k}_data"] = np.concatenate([t.ravel() for t in tensors])
+        arrays[f"input{k}_shapes"] = np.array([t.shape for t in tensors], dtype=np.int64)
+    times = {"arrivals_ms": arrivals_ms, "warmup_arrivals_ms": warmup_arrivals_ms}
+    arrays |= {k: np.asarray(v, dtype=np.float64) for k, v in times.items() if v is not None}
+    np.savez(path, job=np.array(json.dumps(asdict(job))), **arrays)
+
+
+def load_job(path: Path) -> tuple[Job, list[dict[str, np.ndarray]], np.ndarray, np.ndarray]:
+    """(job, requests, arrival times, warm-up arrival times); the times are empty for a closed-loop job."""
+    with np.load(path) as data:
+        spec = json.loads(str(data["job"]))
+        job = Job(**(spec | {"inputs": tuple(tuple(i) for i in spec["inputs"])}))
+        columns = []
+        for k, _ in enumerate(job.inputs):
+            shapes = data[f"input{k}_shapes"]
+            ends = np.cumsum(np.prod(shapes, axis=1))
+            flat = np.split(data[f"input{k}_data"], ends[:-1])
+            columns.append([values.reshape(shape) for values, shape in zip(flat, shapes)])
+        empty = np.zeros(0)
+        arrivals = data["arrivals_ms"] if "arrivals_ms" in data.files else empty
+        warmup = data["warmup_arrivals_ms"] if "warmup_arrivals_ms" in data.files else empty
+    names = [name for name, _ in job.inputs]
+    requests = [dict(zip(names, tensors)) for tensors in zip(*columns)]
+    return job, requests, arrivals, warmup
+
+
+def encode_request(job: Job, request: dict[str, np.ndarray]) -> tuple[bytes, dict[str, str]]:
+    """Body and headers of a v2 infer request with Triton's binary-data extension: the JSON header, then each
+    input's raw little-endian bytes; the label comes back as JSON."""
+    tensors = [np.asarray(request[name], dtype=np.dtype(V2_DTYPES[datatype]).newbyteorder("<"))
+               for name, datatype in job.inputs]
+    header = {
+        "inputs": [{"name": name, "shape": list(t.shape), "datatype": datatype,
+                    "parameters": {"binary_data_size": t.nbytes}} for (name, datatype), t in zip(job.inputs, tensors)],
+        "outputs": [{"name": job.output, "parameters": {"binary_data": False}}],
+    }
+    head = json.dumps(header).encode()
+    body = head + b"".join(t.tobytes() for t in tensors)
+    return body, {"Inference-Header-Content-Length": str(len(head)), "Content-Type": "application/octet-stream"}
+
+
+def read_answer(payload: bytes, output: str) -> tuple[int, bool, str | None]:
+    """(label, early, exit site) from a v2 infer response."""
+    answer = orjson.loads(payload)
+    data = next(o for o in answer["outputs"] if o["name"] == output)["data"]
+    parameters = answer.get("parameters") or {}
+    return int(data[0]), bool(parameters.get("early", False)), parameters.get("exit_site")
+
+
+def fetch_status(url: str | None) -> dict | str | None:
+    if url is None:
+        return None
+    try:
+        with urllib.request.urlopen(url, timeout=10) as response:
+            return json.loads(response.read())
+    except (OSError, ValueError) as exc:  # urllib's HTTP and connection errors are OSErrors
+        return f"GET {url}: {exc}"
+
+
+# --- the client ---------------------------------------------------------------------------------------------------
+
+class _Recorder:
+    """Collects request outcomes; a row is appended when its request ends, so rows are sorted by `index`."""
+
+    def __init__(self) -> None:
+        self.rows: list[tuple[int, float, float, float, int, int, bool, int]] = []
+        self.sites: dict[str, int] = {}
+        self.errors: Counter[str] = Counter()
+
+    def add(self, index: int, scheduled_ms: float, sent_ms: float, done_ms: float, status: int, label: int = -1,
+            early: bool = False, site: str | None = None) -> None:
+        site_index = -1 if site is None else self.sites.setdefault(site, len(self.sites))
+        self.rows.append((index, scheduled_ms, sent_ms, done_ms, status, label, early, site_index))
+
+    def result(self, status_before: dict | str | None, status_after: dict | str | None) -> LoadResult:
+        rows = sorted(self.rows)
+        columns = list(zip(*rows)) if rows else [()] * 8
+        as_array = [np.array(c, dtype=t) for c, t in zip(columns, (np.int64, np.float64, np.float64, np.float64,
+                                                                   np.int64, np.int64, bool, np.int64))]
+        return LoadResult(*as_array[1:], sites=tuple(self.sites), errors=dict(self.errors),
+                          status_before=status_before, status_after=status_after)
+
+
+class _Client:
+    def __init__(self, job: Job, session: aiohttp.ClientSession) -> None:
+        self.job = job
+        self.session = session
+        self.origin = time.perf_counter()
+
+    def now_ms(self) -> float:
+        return (time.perf_counter() - self.origin) * 1000.0
+
+    async def issue(self, recorder: _Recorder, index: int, scheduled_ms: float, body: tuple[bytes, dict[str, str]]
+                    ) -> None:
+        sent = self.now_ms()
+        try:
+            async with self.session.post(self.job.url, data=body[0], headers=body[1]) as response:
+                payload = await response.read()
+                status = response.status
+        except TimeoutError:
+            recorder.errors[f"no answer within {self.job.timeout_s} s"] += 1
+            recorder.add(index, scheduled_ms, sent, self.now_ms(), TIMED_OUT)
+            return
+        except (aiohttp.ClientError, OSError) as exc:
+            recorder.errors[f"{type(exc).__name__}: {exc}"] += 1
+            recorder.add(index, scheduled_ms, sent, self.now_ms(), CLIENT_ERROR)
+            return
+        done = self.now_ms()
+        if status != 200:
+            recorder.errors[f"HTTP {status}: {payload[:200].decode(errors='replace')}"] += 1
+            recorder.add(index, scheduled_ms, sent, done, status)
+            return
+        try:
+            label, early, site = read_answer(payload, self.job.output)
+        except (ValueError, KeyError, IndexError, TypeError, StopIteration) as exc:
+            recorder.errors[f"unreadable answer ({type(exc).__name__}: {exc}): {payload[:200]!r}"] += 1
+            recorder.add(index, scheduled_ms, sent, done, CLIENT_ERROR)
+            return
+        recorder.add(index, scheduled_ms, sent, done, status, label, early, site)
+
+    async def open_loop(self, bodies: list[tuple[bytes, dict[str, str]]], arrivals_ms: np.ndarray) -> _Recorder:
+        """Request i at arrivals_ms[i] from now on, whatever has been answered; returns once all have ended."""
+        loop = asyncio.get_running_loop()
+        recorder = _Recorder()
+        tasks: list[asyncio.Task] = []
+        all_launched = asyncio.Event()
+        self.origin = time.perf_counter()
+
+        def launch(i: int) -> None:
+            tasks.append(loop.create_task(self.issue(recorder, i, float(arrivals_ms[i]), bodies[i])))
+
+        def pace() -> None:
+            for i, at_ms in enumerate(arrivals_ms):
+                delay = self.origin + at_ms / 1000.0 - time.perf_counter()
+                if delay > 0:
+                    time.sleep(delay)
+                loop.call_soon_threadsafe(launch, i)
+            loop.call_soon_threadsafe(all_launched.set)  # callbacks run in order: after the last launch
+
+        threading.Thread(target=pace, name="pacer", daemon=True).start()
+        await all_launched.wait()
+        await asyncio.gather(*tasks)
+        return recorder
+
+    async def closed_loop(self, bodies: list[tuple[bytes, dict[str, str]]]) -> _Recorder:
+        recorder = _Recorder()
+        issued = itertools.count()
+        self.origin = time.perf_counter()
+        job = self.job
+
+        async def client() -> None:
+            for index in issued:
+                now = self.now_ms()
+                if (job.requests is not None and index >= job.requests) or \
+                        (job.duration_s is not None and now >= job.duration_s * 1000.0):
+                    return
+                await self.issue(recorder, index, now, bodies[index % len(bodies)])
+
+        await asyncio.gather(*(client() for _ in range(job.clients)))
+        return recorder
+
+
+async def run_job(job: Job, requests: list[dict[str, np.ndarray]], arrivals_ms: np.ndarray,
+                  warmup_arrivals_ms: np.ndarray) -> LoadResult:
+    bodies = [encode_request(job, request) for request in requests]
+    # A full collection pass over every body and connection can stall the client for milliseconds mid-run: what
+    # exists now is never garbage, and what a run leaves behind is collected after it.
+    gc.collect()
+    gc.freeze()
+    gc.disable()
+    connector = aiohttp.TCPConnector(limit=job.max_connections, keepalive_timeout=CLIENT_KEEPALIVE_S)
+    timeout = aiohttp.ClientTimeout(total=job.timeout_s)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        client = _Client(job, session)
+        if job.clients > 0:
+            recorder = await client.closed_loop(bodies)
+            return recorder.result(None, fetch_status(job.status_url))
+        warmup = len(warmup_arrivals_ms)
+        if len(bodies) != warmup + len(arrivals_ms):
+            raise ValueError(f"{len(bodies)} requests for {warmup} warm-up and {len(arrivals_ms)} measured arrivals")
+        await client.open_loop(bodies[:warmup], warmup_arrivals_ms)
+        # Blocking on purpose: nothing is in flight between the two runs.
+        before = fetch_status(job.status_url)
+        recorder = await client.open_loop(bodies[warmup:], arrivals_ms)
+        return recorder.result(before, fetch_status(job.status_url))
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 2:
+        print("usage: python -m rampserve.bench.loadgen JOB.npz OUT.npz", file=sys.stderr)
+        return 2
+    # The pacing thread must get the GIL back quickly when the event loop is busy (default: 5 ms).
+    sys.setswitchinterval(0.0005)
+    job, requests, arrivals, warmup = load_job(Path(argv[0]))
+    result = uvloop.run(run_job(job, requests, arrivals, warmup))
+    result.save(Path(argv[1]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,178 @@
+"""`bench live`'s statistics over what the load generator recorded, its trace slice, and the load generator's
+request encoding and files (no server, no timing)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rampserve.bench.live import (
+    binned_percentile,
+    closed_loop_throughput,
+    live_arrivals,
+    mean_batch_size,
+    percentiles,
+    summarize_live,
+    table_rows,
+    with_oracle_share,
+)
+from rampserve.bench.loadgen import CLIENT_ERROR, TIMED_OUT, Job, LoadResult, encode_request, load_job, save_job
+from rampserve.workloads.traces import arrival_times
+
+
+def load_result(scheduled, done, status, label, early=None, sent=None, exit_site=None, sites=()) -> LoadResult:
+    n = len(scheduled)
+    return LoadResult(
+        scheduled_ms=np.asarray(scheduled, dtype=float), sent_ms=np.asarray(scheduled if sent is None else sent,
+                                                                             dtype=float),
+        done_ms=np.asarray(done, dtype=float), status=np.asarray(status), label=np.asarray(label),
+        early=np.zeros(n, bool) if early is None else np.asarray(early, bool),
+        exit_site=np.full(n, -1) if exit_site is None else np.asarray(exit_site), sites=tuple(sites), errors={},
+        status_before=None, status_after=None)
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.floats(0.0, 1e4, allow_nan=False), min_size=1, max_size=200))
+def test_percentiles_are_ordered_within_the_sample(values):
+    p = percentiles(np.array(values))
+    assert list(p) == ["p25_ms", "p50_ms", "p95_ms", "p99_ms"]
+    assert min(values) <= p["p25_ms"] <= p["p50_ms"] <= p["p95_ms"] <= p["p99_ms"] <= max(values)
+
+
+def test_percentiles_of_nothing_are_none_and_take_a_prefix():
+    assert percentiles(np.zeros(0), prefix="x_") == {"x_p25_ms": None, "x_p50_ms": None, "x_p95_ms": None,
+                                                      "x_p99_ms": None}
+    assert percentiles(np.arange(101.0))["p95_ms"] == pytest.approx(95.0)
+
+
+def test_summary_scores_answered_requests_and_counts_shed_and_failed_apart():
+    # 6 requests: 4 answered (one wrong, two early), one shed (429), one timed out
+    result = load_result(scheduled=[0, 100, 200, 300, 400, 500], done=[2, 104, 230, 301, 402, 10_500],
+                         status=[200, 200, 429, 200, 200, TIMED_OUT], label=[1, 2, -1, 3, 9, -1],
+                         early=[True, False, False, True, False, False], exit_site=[1, -1, -1, 0, -1, -1],
+                         sites=("a", "b"), sent=[0.5, 100, 200, 300, 400, 500])
+    reference = np.array([1, 2, 7, 3, 4, 5])
+    s = summarize_live(result, reference, worst_window=2, batch_size=1.5)
+    assert (s["requests"], s["answered"], s["shed"], s["failed"]) == (6, 4, 1, 1)
+    assert s["accuracy"] == pytest.approx(3 / 4)
+    assert s["worst_window_accuracy"] == pytest.approx(1 / 2)  # answered in order: right, right, right, wrong
+    assert s["p50_ms"] == pytest.approx(np.median([2, 4, 1, 2]))
+    assert s["mean_ms"] == pytest.approx(9 / 4)
+    assert s["exit_share"] == pytest.approx(1 / 2)
+    assert s["exit_share_by_site"] == {"a": pytest.approx(1 / 4), "b": pytest.approx(1 / 4)}
+    assert s["throughput_rps"] == pytest.approx(4 / 0.402)  # first arrival to last answer
+    assert s["rate_rps"] == pytest.approx(6 / 0.5)
+    assert s["mean_batch_size"] == 1.5
+    assert s["client_lateness_p99_ms"] == pytest.approx(np.percentile([0.5, 0, 0, 0, 0, 0], 99))
+
+
+def test_summary_of_a_run_with_no_answer_has_no_latency_and_no_accuracy():
+    result = load_result(scheduled=[0, 1], done=[1, 2], status=[503, CLIENT_ERROR], label=[-1, -1])
+    s = summarize_live(result, np.array([0, 0]), worst_window=1000, batch_size=None)
+    assert s["accuracy"] is None and s["p50_ms"] is None and s["throughput_rps"] == 0.0
+    assert (s["shed"], s["failed"]) == (1, 1)
+
+
+def test_closed_loop_throughput_counts_answers_in_the_window_only():
+    done = [500, 1500, 1600, 2500, 2999, 3000, 3100]
+    result = load_result(scheduled=np.zeros(7), done=done, status=[200, 200, 503, 200, 200, 200, 200],
+                         label=np.zeros(7))
+    # answers within [1000, 3000): 1500, 2500, 2999 (1600 was shed) over 2 s
+    assert closed_loop_throughput(result, 1000.0, 3000.0) == pytest.approx(1.5)
+
+
+def test_mean_batch_size_is_the_change_in_requests_over_the_change_in_batches():
+    before = {"models": {"m": {"batches": 10, "requests": 12}}}
+    after = {"models": {"m": {"batches": 30, "requests": 62}}}
+    assert mean_batch_size(before, after, "m") == pytest.approx(2.5)
+    assert mean_batch_size(before, before, "m") is None
+    assert mean_batch_size("GET /status: HTTP Error 404", after, "m") is None
+    assert mean_batch_size(before, after, "other") is None
+    # a request may carry several inputs: batch sizes count inputs where the server reports them
+    before["models"]["m"]["inputs"], after["models"]["m"]["inputs"] = 20, 100
+    assert mean_batch_size(before, after, "m") == pytest.approx(4.0)
+
+
+def test_savings_and_oracle_share():
+    systems = {"vanilla": {f"p{q}_ms": 10.0 for q in (25, 50, 95, 99)},
+               "rampserve": {"p25_ms": 5.0, "p50_ms": 6.0, "p95_ms": 10.0, "p99_ms": 12.0}}
+    out = with_oracle_share(systems, oracle_p50_savings=0.8)
+    assert out["rampserve"]["p50_savings"] == pytest.approx(0.4)
+    assert out["rampserve"]["p99_savings"] == pytest.approx(-0.2)
+    assert out["rampserve"]["oracle_share"] == pytest.approx(0.5)
+    assert out["vanilla"]["oracle_share"] == 0.0
+    assert with_oracle_share(systems, 0.0)["rampserve"]["oracle_share"] is None
+
+
+def test_binned_percentile_leaves_empty_bins_empty():
+    starts, p50 = binned_percentile(np.array([100.0, 200, 900, 2500]), np.array([1.0, 3, 5, 7]), 1000.0, 50)
+    np.testing.assert_allclose(starts, [0, 1000, 2000])
+    assert p50[0] == pytest.approx(3.0) and np.isnan(p50[1]) and p50[2] == pytest.approx(7.0)
+
+
+def test_table_rows_show_ratios_to_vanilla():
+    def system(p50, p99, rps):
+        return {"requests": 100, "shed": 1, "failed": 0, "p25_ms": 1.0, "p50_ms": p50, "p95_ms": 5.0, "p99_ms": p99,
+                "throughput_rps": rps, "accuracy": 0.995, "worst_window_accuracy": None, "exit_share": 0.4,
+                "mean_batch_size": None, "oracle_share": 0.5}
+
+    report = {"systems": {"vanilla": system(4.0, 10.0, 200.0), "rampserve": system(2.0, 11.0, 199.0)}}
+    vanilla, rampserve = table_rows(report)
+    assert vanilla[0] == "vanilla" and vanilla[-4:-1] == ("1.00", "1.00", "1.00")
+    assert rampserve[-4:] == ("0.50", "1.10", "0.99", "0.50")
+    assert "-" in rampserve  # worst window and mean batch size unknown
+
+
+@pytest.mark.parametrize("trace", ["maf", "poisson", "bursty"])
+def test_live_arrivals_keep_the_mean_rate(trace):
+    n, rate = 12_000, 200.0
+    arrivals = live_arrivals(trace, n, rate, seed=3, trace_minutes=8)
+    assert len(arrivals) == n and np.all(np.diff(arrivals) >= 0)
+    assert n / (arrivals[-1] / 1000.0) == pytest.approx(rate, rel=0.1)
+
+
+def test_live_maf_replays_its_minutes_faster_and_other_traces_unchanged():
+    n, rate = 12_000, 200.0  # a 60 s run holding 8 trace minutes: a level every 7.5 s
+    arrivals = live_arrivals("maf", n, rate, seed=0, trace_minutes=8)
+    slow = arrival_times("maf", n, rate / 8, seed=0)
+    np.testing.assert_allclose(arrivals, slow / 8)
+    _, levels = np.histogram(arrivals, bins=np.arange(0, 60_001, 7_500))
+    assert levels.std() / levels.mean() > 0.2  # the minute-to-minute swings survive
+    np.testing.assert_array_equal(live_arrivals("bursty", 500, rate, 1, 8), arrival_times("bursty", 500, rate, 1))
+    # a run longer than the trace minutes is not slowed down
+    np.testing.assert_array_equal(live_arrivals("maf", 100, 0.1, 2, 8), arrival_times("maf", 100, 0.1, 2))
+
+
+def test_binary_request_body_is_the_json_header_then_the_raw_tensors():
+    job = Job("http://x/infer", (("ids", "INT64"), ("pixels", "FP32")), "label", None)
+    ids, pixels = np.array([[1, 2, 3]]), np.arange(4, dtype=np.float64).reshape(1, 2, 2)
+    body, headers = encode_request(job, {"ids": ids, "pixels": pixels})
+    length = int(headers["Inference-Header-Content-Length"])
+    header = json.loads(body[:length])
+    assert [(i["name"], i["shape"], i["datatype"], i["parameters"]["binary_data_size"]) for i in header["inputs"]] \
+        == [("ids", [1, 3], "INT64", 24), ("pixels", [1, 2, 2], "FP32", 16)]
+    assert header["outputs"] == [{"name": "label", "parameters": {"binary_data": False}}]
+    np.testing.assert_array_equal(np.frombuffer(body[length:length + 24], "<i8"), [1, 2, 3])
+    np.testing.assert_array_equal(np.frombuffer(body[length + 24:], "<f4"), [0, 1, 2, 3])
+
+
+def test_job_and_result_files_round_trip(tmp_path):
+    job = Job("http://x/infer", (("ids", "INT64"),), "label", "http://x/status", clients=0)
+    requests = [{"ids": np.array([[1, 2, 3]])}, {"ids": np.array([[4]])}]  # ragged, as texts of their own length
+    save_job(tmp_path / "job.npz", job, requests, np.array([5.0]), np.array([1.0]))
+    loaded, loaded_requests, arrivals, warmup = load_job(tmp_path / "job.npz")
+    assert loaded == job and arrivals.tolist() == [5.0] and warmup.tolist() == [1.0]
+    assert [r["ids"].tolist() for r in loaded_requests] == [[[1, 2, 3]], [[4]]]
+
+    result = load_result([0, 1], [2, 3], [200, 429], [4, -1], early=[True, False], exit_site=[0, -1], sites=("s",))
+    result.errors = {"HTTP 429: busy": 1}
+    result.status_after = {"models": {}}
+    result.save(tmp_path / "out.npz")
+    back = LoadResult.load(tmp_path / "out.npz")
+    assert back.sites == ("s",) and back.errors == result.errors and back.status_after == {"models": {}}
+    np.testing.assert_array_equal(back.latency_ms, [2, 2])
+    assert back.early.tolist() == [True, False] and back.shed.tolist() == [False, True]
