@@ -185,8 +185,10 @@ def serve(
     max_delay_ms: Annotated[float, typer.Option(help="longest an input waits for its batch to fill")] = 1.0,
     adaptive_batching: Annotated[bool, typer.Option(help="AIMD batch size against the SLO (Clipper)")] = True,
     max_queue: Annotated[int, typer.Option(help="inputs waiting before requests are refused with 503")] = 1024,
-    deadline_ms: Annotated[Optional[float], typer.Option(help="default request deadline (default 10x SLO)")]
+    deadline_ms: Annotated[Optional[float], typer.Option(help="default request deadline (default: none)")]
     = None,
+    torch_threads: Annotated[int, typer.Option(help="intra-op threads per model executor (0: torch's default)")]
+    = 1,
     vanilla: Annotated[bool, typer.Option(help="serve the original model, no early exits")] = False,
     cache_mb: Annotated[float, typer.Option(help="prediction cache per model in MiB (0: off)")] = 0.0,
     max_body_mb: Annotated[float, typer.Option(help="largest request body accepted")] = 64.0,
@@ -200,7 +202,7 @@ def serve(
     try:
         model_settings = ModelSettings(
             slo_ms=slo_ms, max_batch=max_batch, max_delay_ms=max_delay_ms, adaptive_batching=adaptive_batching,
-            max_queue=max_queue, deadline_ms=deadline_ms, vanilla=vanilla,
+            max_queue=max_queue, deadline_ms=deadline_ms, vanilla=vanilla, torch_threads=torch_threads or None,
             controller=ControllerSettings(accuracy_constraint=accuracy_constraint, ramp_budget=ramp_budget))
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
@@ -311,6 +313,29 @@ def bench_sim(
 
         for path in write_plots(result, plots):
             console.print(f"wrote {path}")
+
+
+@bench_app.command("live")
+def bench_live(
+    model: Annotated[str, typer.Option(help="zoo model")] = DEFAULT_MODEL,
+    workload: Annotated[str, typer.Option(help="stream: fmnist-drift or rt-drift")] = "fmnist-drift",
+    trace: Annotated[str, typer.Option(help="arrivals: poisson, bursty or maf")] = "maf",
+    rate: Annotated[Optional[float], typer.Option(help="mean requests per second (default: half of vanilla's "
+                                                       "measured saturation throughput)")] = None,
+    duration: Annotated[float, typer.Option(help="measured seconds per system")] = 60.0,
+    ramp_budget: Annotated[float, typer.Option(help="what ramps may add to a non-exiting input")] = 0.02,
+    server_arg: Annotated[Optional[list[str]], typer.Option(help="more `rampserve serve` options for both servers")]
+    = None,
+    json_out: Annotated[Optional[Path], typer.Option("--json", help="write the results here")] = None,
+    plots: Annotated[Optional[Path], typer.Option(help="write plots into this directory")] = None,
+) -> None:
+    """Real servers, real HTTP: vanilla and rampserve on the same model, stream and open-loop trace."""
+    from rampserve.bench.live import LiveSettings, live_table, run_live
+
+    settings = LiveSettings(model=model, workload=workload, trace=trace, rate_rps=rate, duration_s=duration,
+                            server_args=("--ramp-budget", str(ramp_budget), *(server_arg or ())))
+    report = run_live(settings, json_out, plots)
+    console.print(live_table(report))
 
 
 @bench_app.command("tuning")

@@ -44,7 +44,6 @@ from rampserve.workloads.streams import DEFAULT_LENGTH, get_stream
 from rampserve.workloads.traces import MAF_MINUTE_S, arrival_times, rate_over_time
 
 QUANTILES = (25, 50, 95, 99)
-SYSTEMS = ("vanilla", "rampserve")
 SATURATION_ITEMS = 1000  # distinct inputs the closed-loop probes cycle through
 MAX_ERRORS = 10  # distinct error messages kept per run, the most frequent
 STOP_GRACE_S = 40.0  # a server told to stop answers what it accepted within this (its own grace is 30 s)
@@ -64,7 +63,8 @@ class LiveSettings:
     slo_ms: float | None = None  # default: twice the profiled batch-1 latency (DESIGN §8)
     max_batch: int | None = None  # default: the largest profiled batch size that fits the SLO, as `bench sim`
     # 0: work-conserving, as the simulator's queue: a request that finds the worker idle is never held back to
-    # wait for company. On these CPUs a batch of 2 costs nearly what two batches of 1 do, so waiting buys little.
+    # wait for company. Waiting buys little on these CPUs: resnet18-fmnist's profiled batch of 2 costs 95% of two
+    # batches of 1 (and its SLO allows no larger batch).
     max_delay_ms: float = 0.0
     saturation_s: float = 10.0  # closed-loop probe of vanilla's throughput ...
     saturation_settle_s: float = 2.0  # ... whose first seconds are not counted
@@ -74,21 +74,24 @@ class LiveSettings:
     timeout_s: float = 10.0  # a request unanswered by then has failed
     worst_window: int = 1000
     seed: int = 0
-    stream_length: int = DEFAULT_LENGTH  # the stream `bench sim` replays: its cached ramp outputs are reused
+    stream_length: int = DEFAULT_LENGTH  # the stream `bench sim` replays: the same inputs at the same positions
     start_timeout_s: float = 300.0  # a server must be ready within this
+    server_args: tuple[str, ...] = ()  # more `rampserve serve` options, given to both servers (e.g. --ramp-budget)
 
 
 # --- statistics (pure) ----------------------------------------------------------------------------------------
 
 def live_arrivals(trace: str, n: int, rate_rps: float, seed: int, trace_minutes: int) -> np.ndarray:
-    """n arrival times (ms) at a mean rate of `rate_rps`. maf changes its rate once a trace minute, so a run of a
-    minute or two would replay one or two levels only: its arrivals are drawn at a k times lower rate, spanning
-    `trace_minutes` minutes, and replayed k times faster. Same mean rate, same sequence of rate levels, each held
-    for 60/k s instead of 60 s (still thousands of service times, so queues settle at every level)."""
-    if trace != "maf":
-        return arrival_times(trace, n, rate_rps, seed=seed)
-    speedup = max(1.0, trace_minutes * MAF_MINUTE_S * rate_rps / n)
-    return arrival_times(trace, n, rate_rps / speedup, seed=seed) / speedup
+    """n arrival times (ms) at a mean rate of exactly `rate_rps`: a trace's n arrivals drift from its rate by chance
+    (the last of them arrives a few percent early or late), so its time axis is stretched to end at n / rate.
+
+    maf changes its rate once a trace minute, so a run of a minute or two would replay one or two levels only: its
+    arrivals are drawn at a k times lower rate, spanning `trace_minutes` minutes, and replayed k times faster. Same
+    sequence of rate levels, each held for 60/k s instead of 60 s (still thousands of service times, so queues
+    settle at every level)."""
+    speedup = max(1.0, trace_minutes * MAF_MINUTE_S * rate_rps / n) if trace == "maf" else 1.0
+    drawn = arrival_times(trace, n, rate_rps / speedup, seed=seed)
+    return drawn * (n / rate_rps * 1000.0 / drawn[-1]) if n else drawn
 
 
 def percentiles(values: np.ndarray, prefix: str = "", suffix: str = "_ms") -> dict[str, float | None]:
@@ -237,13 +240,13 @@ class ServerProcess:
     """`rampserve serve` in its own process, ready on entry, stopped with SIGTERM (it answers what it accepted)
     on exit."""
 
-    def __init__(self, model: str, slo_ms: float, max_batch: int, max_delay_ms: float, vanilla: bool, log: Path,
-                 start_timeout_s: float) -> None:
+    def __init__(self, model: str, slo_ms: float, max_batch: int, max_delay_ms: float, vanilla: bool,
+                 extra_args: tuple[str, ...], log: Path, start_timeout_s: float) -> None:
         self.model, self.log, self.start_timeout_s = model, log, start_timeout_s
         self.port = _free_port()
         self.command = [sys.executable, "-m", "rampserve.cli", "serve", model, "--host", "127.0.0.1", "--port",
                         str(self.port), "--slo-ms", f"{slo_ms:.4f}", "--max-batch", str(max_batch),
-                        "--max-delay-ms", f"{max_delay_ms:g}", *(["--vanilla"] if vanilla else [])]
+                        "--max-delay-ms", f"{max_delay_ms:g}", *extra_args, *(["--vanilla"] if vanilla else [])]
         self.process: subprocess.Popen | None = None
         self.exit_code: int | None = None
         self.killed = False  # did not stop within its grace period after SIGTERM
@@ -282,9 +285,11 @@ class ServerProcess:
             self.exit_code = self.process.wait()
 
     def outcome(self) -> dict:
-        """How it stopped, with the end of its log when that was not cleanly."""
+        """How it stopped, with the end of its log when that was not cleanly (uvicorn re-raises the SIGTERM it
+        handled once it has shut down gracefully, so -SIGTERM is a clean stop too)."""
         outcome = {"exit_code": self.exit_code, "killed": self.killed}
-        return outcome if self.exit_code == 0 and not self.killed else outcome | {"log_tail": _tail(self.log)}
+        clean = self.exit_code in (0, -signal.SIGTERM) and not self.killed
+        return outcome if clean else outcome | {"log_tail": _tail(self.log)}
 
 
 def run_loadgen(job: Job, requests: list[dict[str, np.ndarray]], workdir: Path, name: str, expected_s: float,
@@ -326,7 +331,9 @@ def _renamed(feeds: list[dict[str, np.ndarray]], names: list[str]) -> list[dict[
 
 
 def batch1_inprocess_ms(model: PreparedModel, feeds: list[dict[str, np.ndarray]], rounds: int) -> float:
-    """Median time of the original model on one input, in this process (inputs cycle so no cache is favoured)."""
+    """Median time of the original model on one input, in this process (inputs cycle so no cache is favoured),
+    with one intra-op thread, as the server's executor runs it by default."""
+    torch.set_num_threads(1)
     inputs = itertools.cycle(feeds)
     return interleaved_medians({"batch 1": lambda: model.run(next(inputs))}, rounds=rounds,
                                desc="in-process batch 1")["batch 1"]
@@ -397,7 +404,7 @@ def run_live(settings: LiveSettings, json_out: Path | None, plots_dir: Path | No
     def server(vanilla: bool, workdir: Path) -> ServerProcess:
         name = "vanilla" if vanilla else "rampserve"
         note(f"starting the {name} server")
-        return ServerProcess(settings.model, slo, max_batch, settings.max_delay_ms, vanilla,
+        return ServerProcess(settings.model, slo, max_batch, settings.max_delay_ms, vanilla, settings.server_args,
                              workdir / f"{name}-server.log", settings.start_timeout_s)
 
     results: dict[str, LoadResult] = {}
@@ -417,8 +424,8 @@ def run_live(settings: LiveSettings, json_out: Path | None, plots_dir: Path | No
 
             clients = settings.saturation_clients or 2 * max_batch + 2
             note(f"saturation: {clients} closed-loop clients for {settings.saturation_s:g} s")
-            saturation = measure_saturation(job(vanilla, clients=clients, duration_s=settings.saturation_s), probe,
-                                            settings, workdir, progress)
+            saturation = measure_saturation(job(vanilla, clients=clients, duration_s=settings.saturation_s,
+                                                refused_pause_ms=slo), probe, settings, workdir, progress)
             note(f"saturation: {saturation['throughput_rps']:.0f} rps, "
                  f"mean batch {_fmt(saturation['mean_batch_size'], '.2f')}")
             overhead = measure_overhead(job(vanilla, clients=1, requests=settings.sequential_requests), probe, model,
@@ -427,6 +434,8 @@ def run_live(settings: LiveSettings, json_out: Path | None, plots_dir: Path | No
                  f"in-process batch 1: {overhead['batch1_inprocess_ms']:.3f} ms")
 
             rate = settings.rate_rps or settings.load * saturation["throughput_rps"]
+            if rate <= 0:
+                raise RuntimeError(f"vanilla answered nothing once its saturation probe had settled: {saturation}")
             n = round(rate * settings.duration_s)
             warmup = settings.warmup_requests
             if warmup + n > len(stream.evaluation):

@@ -22,6 +22,7 @@ import asyncio
 import gc
 import itertools
 import json
+import re
 import sys
 import threading
 import time
@@ -42,6 +43,7 @@ V2_DTYPES = {"BOOL": np.bool_, "UINT8": np.uint8, "UINT16": np.uint16, "UINT32":
 TIMED_OUT = 0  # status of a request with no answer within the job's timeout
 CLIENT_ERROR = -1  # status of a request whose connection failed or whose answer could not be read
 SHED_STATUSES = (429, 503)
+NUMBER = re.compile(r"\d+(\.\d+)?")  # error messages are counted with their figures left out
 # aiohttp closes idle pooled connections after this long: sooner than servers do (uvicorn: 5 s), so a request is
 # never written to a connection the server is closing at that moment (a POST is not retried).
 CLIENT_KEEPALIVE_S = 3.0
@@ -58,6 +60,9 @@ class Job:
     clients: int = 0  # 0: open loop over the arrival times; otherwise closed loop with this many clients
     duration_s: float | None = None  # closed loop: start no request after this long ...
     requests: int | None = None  # ... or after this many
+    # Closed loop: how long a client whose request was shed or failed waits before its next one. Refusals are
+    # cheap and immediate: clients that resend at once keep the server busy refusing instead of serving.
+    refused_pause_ms: float = 0.0
 
 
 @dataclass
@@ -178,7 +183,7 @@ def fetch_status(url: str | None) -> dict | str | None:
 # --- the client ---------------------------------------------------------------------------------------------------
 
 class _Recorder:
-    """Collects request outcomes; a row is appended when its request ends, so rows are sorted by `index`."""
+    """Collects request outcomes as requests end; `result` puts them back in the order they were issued."""
 
     def __init__(self) -> None:
         self.rows: list[tuple[int, float, float, float, int, int, bool, int]] = []
@@ -209,7 +214,8 @@ class _Client:
         return (time.perf_counter() - self.origin) * 1000.0
 
     async def issue(self, recorder: _Recorder, index: int, scheduled_ms: float, body: tuple[bytes, dict[str, str]]
-                    ) -> None:
+                    ) -> int:
+        """Send one request and record how it ended; returns its status."""
         sent = self.now_ms()
         try:
             async with self.session.post(self.job.url, data=body[0], headers=body[1]) as response:
@@ -218,23 +224,24 @@ class _Client:
         except TimeoutError:
             recorder.errors[f"no answer within {self.job.timeout_s} s"] += 1
             recorder.add(index, scheduled_ms, sent, self.now_ms(), TIMED_OUT)
-            return
+            return TIMED_OUT
         except (aiohttp.ClientError, OSError) as exc:
             recorder.errors[f"{type(exc).__name__}: {exc}"] += 1
             recorder.add(index, scheduled_ms, sent, self.now_ms(), CLIENT_ERROR)
-            return
+            return CLIENT_ERROR
         done = self.now_ms()
         if status != 200:
-            recorder.errors[f"HTTP {status}: {payload[:200].decode(errors='replace')}"] += 1
+            recorder.errors[f"HTTP {status}: {NUMBER.sub('#', payload[:200].decode(errors='replace'))}"] += 1
             recorder.add(index, scheduled_ms, sent, done, status)
-            return
+            return status
         try:
             label, early, site = read_answer(payload, self.job.output)
         except (ValueError, KeyError, IndexError, TypeError, StopIteration) as exc:
             recorder.errors[f"unreadable answer ({type(exc).__name__}: {exc}): {payload[:200]!r}"] += 1
             recorder.add(index, scheduled_ms, sent, done, CLIENT_ERROR)
-            return
+            return CLIENT_ERROR
         recorder.add(index, scheduled_ms, sent, done, status, label, early, site)
+        return status
 
     async def open_loop(self, bodies: list[tuple[bytes, dict[str, str]]], arrivals_ms: np.ndarray) -> _Recorder:
         """Request i at arrivals_ms[i] from now on, whatever has been answered; returns once all have ended."""
@@ -272,7 +279,8 @@ class _Client:
                 if (job.requests is not None and index >= job.requests) or \
                         (job.duration_s is not None and now >= job.duration_s * 1000.0):
                     return
-                await self.issue(recorder, index, now, bodies[index % len(bodies)])
+                if await self.issue(recorder, index, now, bodies[index % len(bodies)]) != 200:
+                    await asyncio.sleep(job.refused_pause_ms / 1000.0)
 
         await asyncio.gather(*(client() for _ in range(job.clients)))
         return recorder
@@ -282,7 +290,7 @@ async def run_job(job: Job, requests: list[dict[str, np.ndarray]], arrivals_ms: 
                   warmup_arrivals_ms: np.ndarray) -> LoadResult:
     bodies = [encode_request(job, request) for request in requests]
     # A full collection pass over every body and connection can stall the client for milliseconds mid-run: what
-    # exists now is never garbage, and what a run leaves behind is collected after it.
+    # exists now is never garbage, and the process ends with the run (it holds at most the run's requests).
     gc.collect()
     gc.freeze()
     gc.disable()

@@ -50,16 +50,17 @@ def json_response(data: object) -> Response:
 
 
 async def read_body(request: Request, limit: int) -> bytes:
-    """The body, refused with 413 past `limit` bytes, before reading it when its length is declared."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise ProtocolError(f"request body of {declared} bytes exceeds the limit of {limit} bytes", 413)
+    """The body, refused with 413 past `limit` bytes. The rest of a refused body is read and dropped (memory
+    stays bounded): a client still sending would otherwise fail on a closed connection, never seeing the 413."""
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
-        if size > limit:
-            raise ProtocolError(f"request body exceeds the limit of {limit} bytes", 413)
-        chunks.append(chunk)
+        if size <= limit:
+            chunks.append(chunk)
+        elif chunks:
+            chunks.clear()
+    if size > limit:
+        raise ProtocolError(f"request body of {size} bytes exceeds the limit of {limit} bytes", 413)
     return b"".join(chunks)
 
 
