@@ -182,7 +182,7 @@ def serve(
     ramp_budget: Annotated[float, typer.Option(help="what ramps may add to a non-exiting input")] = 0.02,
     max_batch: Annotated[Optional[int], typer.Option(help="largest batch (default: the largest within the SLO)")]
     = None,
-    max_delay_ms: Annotated[float, typer.Option(help="longest an input waits for its batch to fill")] = 1.0,
+    max_delay_ms: Annotated[float, typer.Option(help="longest an input waits for its batch to fill (0: none)")] = 0.0,
     adaptive_batching: Annotated[bool, typer.Option(help="AIMD batch size against the SLO (Clipper)")] = True,
     max_queue: Annotated[int, typer.Option(help="inputs waiting before requests are refused with 503")] = 1024,
     deadline_ms: Annotated[Optional[float], typer.Option(help="default request deadline (default: none)")]

@@ -145,10 +145,9 @@ def create_app(state: ServerState) -> FastAPI:
         worker_for(model, version)
         return json_response({"name": model, "ready": True}) if state.ready else error(503, "model is loading")
 
-    @app.post("/v2/models/{model}/infer")
-    @app.post("/v2/models/{model}/versions/{version}/infer")
-    async def infer(model: str, request: Request, version: str | None = None) -> Response:
+    async def infer(request: Request) -> Response:
         started = time.perf_counter()
+        model, version = request.path_params["model"], request.path_params.get("version")
         try:
             response, outcome = await _infer(worker_for(model, version), request)
         except ProtocolError as exc:
@@ -201,6 +200,10 @@ def create_app(state: ServerState) -> FastAPI:
             [(o.name, datatypes[o.name], tensors[o.name]) for o in wanted],
             binary=[o.name for o in wanted if o.binary], parameters=parameters)
         return Response(body, headers=headers), outcome
+
+    # The hot path is a plain Starlette route: FastAPI's parameter resolution adds nothing the handler needs.
+    app.add_route("/v2/models/{model}/infer", infer, methods=["POST"])
+    app.add_route("/v2/models/{model}/versions/{version}/infer", infer, methods=["POST"])
 
     @app.get("/metrics")
     async def prometheus() -> Response:

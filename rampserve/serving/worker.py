@@ -39,7 +39,9 @@ RECENT_BATCHES = 64  # batch summaries kept for the status endpoint
 class ModelSettings:
     slo_ms: float | None = None  # None: twice the model's profiled batch-1 latency
     max_batch: int | None = None  # None: the largest profiled batch size that fits the SLO (Clockwork)
-    max_delay_ms: float = 1.0  # longest the oldest queued input waits for a batch to fill
+    # Longest the oldest queued input waits for a batch to fill. 0: work-conserving (a free executor takes what
+    # is queued at once), which suits latency: on these CPUs a batch of 2 costs nearly two batches of 1.
+    max_delay_ms: float = 0.0
     adaptive_batching: bool = True  # Clipper's AIMD on the batch size against the SLO
     max_queue: int = 1024  # inputs waiting; beyond, requests are refused with 503
     # A request's deadline when it brings none (None: no deadline; the bounded queue still sheds). A request
