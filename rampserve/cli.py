@@ -34,13 +34,20 @@ def prepare(
     model: Annotated[str, typer.Argument(help="zoo name, a .onnx file, or module:factory for a torch module")],
     out: Annotated[Path, typer.Option(help="bundle directory to write")],
     workload: Annotated[Optional[str], typer.Option(help="stream whose bootstrap part trains the ramps")] = None,
-    ramp_kind: Annotated[str, typer.Option(help="linear (default) or deep")] = "linear",
+    ramp_kind: Annotated[str, typer.Option(
+        help="linear (default), deep, cache (Freeze Inference), or mixed (per site, linear or cache)")] = "linear",
+    cache_reduction: Annotated[str, typer.Option(help="cache ramps: learned (default) or pca")] = "learned",
+    cache_dim: Annotated[int, typer.Option(help="cache ramps: dimensions of the reduced space")] = 32,
+    cache_lookup: Annotated[str, typer.Option(help="cache ramps: kmeans (default) or knn")] = "kmeans",
+    cache_points: Annotated[int, typer.Option(help="cache ramps: centroids (kmeans) or stored inputs (knn)")] = 128,
+    cache_neighbours: Annotated[int, typer.Option(help="cache ramps: neighbours looked up (knn)")] = 1,
     bootstrap: Annotated[int, typer.Option(help="bootstrap inputs to train ramps on, at most")] = 8000,
     site_policy: Annotated[Optional[str], typer.Option(
         help="module:function choosing sites among the cut values, (dataflow, candidates) -> candidates")] = None,
     small: Annotated[bool, typer.Option(help="the zoo's tiny test variant")] = False,
 ) -> None:
     """Find the model's sites, train a ramp at each, profile it, and write a bundle."""
+    from rampserve.ramps.cache import CacheSpec
     from rampserve.runtime.bundle import save_bundle
     from rampserve.runtime.prepare import PrepareConfig
     from rampserve.runtime.prepare import prepare as run_prepare
@@ -49,8 +56,10 @@ def prepare(
     try:
         source = ModelSource.parse(model, small=small)
         policy = import_object(site_policy) if site_policy else None
-        prepared = run_prepare(source, PrepareConfig(workload=workload, ramp_kind=ramp_kind, bootstrap_items=bootstrap),
-                               policy)
+        cache = CacheSpec(reduction=cache_reduction, dim=cache_dim, lookup=cache_lookup, points=cache_points,
+                          neighbours=cache_neighbours)
+        prepared = run_prepare(source, PrepareConfig(workload=workload, ramp_kind=ramp_kind, bootstrap_items=bootstrap,
+                                                     cache=cache), policy)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
     save_bundle(prepared, out)
@@ -98,9 +107,9 @@ def inspect_bundle(bundle: Path) -> dict:
 
 
 def _ramp_parameters(ramp: dict) -> int:
-    from rampserve.ramps.kinds import Ramp, RampSpec
+    from rampserve.ramps.kinds import RampSpec, make_ramp
 
-    return Ramp(RampSpec.from_json(ramp)).num_parameters()
+    return make_ramp(RampSpec.from_json(ramp)).num_parameters()
 
 
 def _fmt(value: float | None, spec: str = ".3f") -> str:
@@ -190,6 +199,7 @@ def serve(
     torch_threads: Annotated[int, typer.Option(help="intra-op threads per model executor (0: torch's default)")]
     = 1,
     vanilla: Annotated[bool, typer.Option(help="serve the original model, no early exits")] = False,
+    cache_updates: Annotated[bool, typer.Option(help="active cache ramps learn from served final answers")] = True,
     cache_mb: Annotated[float, typer.Option(help="prediction cache per model in MiB (0: off)")] = 0.0,
     max_body_mb: Annotated[float, typer.Option(help="largest request body accepted")] = 64.0,
 ) -> None:
@@ -203,6 +213,7 @@ def serve(
         model_settings = ModelSettings(
             slo_ms=slo_ms, max_batch=max_batch, max_delay_ms=max_delay_ms, adaptive_batching=adaptive_batching,
             max_queue=max_queue, deadline_ms=deadline_ms, vanilla=vanilla, torch_threads=torch_threads or None,
+            cache_updates=cache_updates,
             controller=ControllerSettings(accuracy_constraint=accuracy_constraint, ramp_budget=ramp_budget))
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
@@ -336,6 +347,59 @@ def bench_sim(
         from rampserve.bench.sim_plots import write_plots
 
         for path in write_plots(result, plots):
+            console.print(f"wrote {path}")
+
+
+@bench_app.command("freeze")
+def bench_freeze(
+    models: Annotated[str, typer.Option(help="zoo models, comma-separated")] = "resnet18-fmnist,resnet50-fmnist",
+    workload: Annotated[str, typer.Option(help="stream")] = "fmnist-drift",
+    requests: Annotated[int, typer.Option(help="evaluation requests replayed per system")] = 30_000,
+    accuracy_constraint: Annotated[float, typer.Option(help="allowed share of answers that differ")] = 0.01,
+    json_out: Annotated[Optional[Path], typer.Option("--json", help="write the results here")] = None,
+    plots: Annotated[Optional[Path], typer.Option(help="write plots into this directory")] = None,
+    small: Annotated[bool, typer.Option(help="the zoo's tiny variants")] = False,
+) -> None:
+    """Freeze Inference's caches as exits: memory, lookup cost, static vs managed thresholds, online updates."""
+    from rampserve.bench.freeze import FreezeSettings, run_freeze
+    from rampserve.control.controller import ControllerSettings
+
+    settings = FreezeSettings(models=tuple(m.strip() for m in models.split(",") if m.strip()), workload=workload,
+                              requests=requests, small=small,
+                              controller=ControllerSettings(accuracy_constraint=accuracy_constraint))
+    report, runs = run_freeze(settings, progress=lambda stage: console.print(f"[dim]{stage}[/dim]"))
+    for name, result in report["models"].items():
+        table = Table(title=f"{name} on {workload}: cache ramps at {len(result['sites'])} sites, "
+                            f"{result['requests']} requests")
+        for col in ("system", "accuracy", "exit share", "mean exit depth", "memory KiB", "p50 ms"):
+            table.add_column(col, justify="right")
+        for system, s in result["systems"].items():
+            table.add_row(system, f"{s['accuracy']:.4f}", f"{s['exit_share']:.1%}", f"{s['mean_exit_depth']:.3f}",
+                          f"{s['memory_bytes'] / 1024:.0f}", f"{s['p50_ms']:.2f}")
+        console.print(table)
+        costs = Table(title=f"{name}: memory and lookup cost per site")
+        for col in ("site", "k-NN raw MiB", "k-NN reduced KiB", "k-means KiB", "k-means / raw", "lookup/skipped b1",
+                    "lookup/skipped b16"):
+            costs.add_column(col, justify="right")
+        share = {(r["site"], r["batch_size"]): r["lookup_share_of_skipped"] for r in result["lookup_cost"]}
+        for row in result["memory"]:
+            costs.add_row(row["site"], f"{row['knn_raw_bytes'] / 2**20:.1f}", f"{row['knn_reduced_bytes'] / 1024:.0f}",
+                          f"{row['kmeans_bytes'] / 1024:.0f}", f"{row['kmeans_share_of_knn_raw']:.3%}",
+                          f"{share[(row['site'], 1)]:.1%}", f"{share[(row['site'], 16)]:.1%}")
+        console.print(costs)
+        for system, rec in result["shift_recovery"].items():
+            console.print(f"{system}: exit share back within 10% after {rec['recovered']} of {len(rec['shifts'])} "
+                          f"shifts (median {rec['median_recovered_after']} requests)")
+    repeats = report["repeated_requests"]
+    console.print(f"repeated requests (Zipf {repeats['zipf_exponent']}, {repeats['requests']} requests over "
+                  f"{repeats['distinct']} inputs): " + ", ".join(
+                      f"{k} answers {repeats[k]['answered_before_final']:.1%} early at accuracy {repeats[k]['accuracy']:.4f}"
+                      for k in ("exact", "intermediate", "both")))
+    _write_json(report, json_out)
+    if plots is not None:
+        from rampserve.bench.freeze_plots import write_plots
+
+        for path in write_plots(report, runs, plots):
             console.print(f"wrote {path}")
 
 

@@ -39,6 +39,26 @@ def resnet_bundle(resnet_prepared, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def cache_prepared(small_prepare_config):
+    """The small ResNet with a (small) k-means cache ramp at every site."""
+    from dataclasses import replace
+
+    from rampserve.ramps.cache import CacheSpec
+    from rampserve.runtime.prepare import prepare
+    from rampserve.runtime.sources import ModelSource
+
+    config = replace(small_prepare_config, ramp_kind="cache", cache=CacheSpec(points=16, dim=8))
+    return prepare(ModelSource("zoo", "resnet18-fmnist", small=True), config)
+
+
+@pytest.fixture(scope="session")
+def cache_bundle(cache_prepared, tmp_path_factory) -> Path:
+    from rampserve.runtime.bundle import save_bundle
+
+    return save_bundle(cache_prepared, tmp_path_factory.mktemp("bundles") / "resnet18-small-cache")
+
+
+@pytest.fixture(scope="session")
 def fmnist_feeds():
     """Real drifting Fashion-MNIST inputs from the evaluation part of the stream."""
     from rampserve.workloads.fashion_mnist import to_model_input

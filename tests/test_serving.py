@@ -19,6 +19,7 @@ from email.message import Message
 import aiohttp
 import numpy as np
 import pytest
+import torch
 import tritonclient.http as triton
 
 from rampserve.control.controller import ControllerSettings
@@ -266,3 +267,22 @@ def test_cli_server_answers_what_it_accepted_when_stopped(resnet_bundle, served,
     assert codes == [200] * 12
     with pytest.raises(urllib.error.URLError):
         urllib.request.urlopen(f"{url}/v2/health/live")
+
+
+@pytest.mark.parametrize("updates", [True, False])
+def test_served_cache_ramp_answers_early_and_learns_from_final_answers(cache_bundle, fmnist_feeds, updates) -> None:
+    served = load_served(str(cache_bundle))  # a fresh copy per case: learning changes it
+    last = len(served.model.site_names) - 1
+    site = served.model.site_names[last]
+    ramp = served.model.ramps[site]
+    usage, memory = ramp.usage.clone(), ramp.memory_bytes()
+    with server(served, fixed_exits(served, last, 1.0, cache_updates=updates)) as (url, _):
+        for i in range(8):  # threshold 1: every input leaves at the cache
+            status, _, body = post(f"{url}/v2/models/{MODEL}-cache/infer", infer_body(served, fmnist_feeds[i:i + 2]))
+            assert status == 200, body
+            assert body["parameters"]["early"] is True and body["parameters"]["exit_site"] == [site, site]
+    assert ramp.memory_bytes() == memory
+    if updates:  # every served input was counted at its nearest centroid
+        assert ramp.usage.sum() > usage.sum() + 15
+    else:
+        assert torch.equal(ramp.usage, usage)

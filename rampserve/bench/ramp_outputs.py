@@ -39,11 +39,13 @@ class RampOutputs:
         return RampOutputs(self.sites, self.labels[rows], self.errors[rows], self.final[rows])
 
 
-def _compute(model: PreparedModel, stream: Stream, start: int, stop: int) -> RampOutputs:
+def _compute(model: PreparedModel, stream: Stream, start: int, stop: int, learn_batch: int | None = None
+             ) -> RampOutputs:
     sites = tuple(model.site_names)
     encoder = encoder_for(stream.task)
-    # Text streams revisit the same sentences: run each distinct base row once.
-    if stream.task == "text":
+    # Text streams revisit the same sentences: run each distinct base row once (unless caches learn as they go,
+    # when every visit counts).
+    if stream.task == "text" and learn_batch is None:
         base = stream.base_ids(start, stop)
         distinct, first, inverse = np.unique(base, return_index=True, return_inverse=True)
         positions = start + first
@@ -53,8 +55,9 @@ def _compute(model: PreparedModel, stream: Stream, start: int, stop: int) -> Ram
     errors = np.zeros((len(positions), len(sites)), dtype=np.float32)
     final = np.zeros(len(positions), dtype=np.int64)
     column = {s: i for i, s in enumerate(sites)}
-    for a in tqdm(range(0, len(positions), BATCH), desc=f"ramp outputs on {stream.name}", unit="batch"):
-        chunk = positions[a:a + BATCH]
+    batch = learn_batch or BATCH
+    for a in tqdm(range(0, len(positions), batch), desc=f"ramp outputs on {stream.name}", unit="batch"):
+        chunk = positions[a:a + batch]
         items = [stream.items(int(p), int(p) + 1)[0] for p in chunk] if stream.task == "text" else \
             _contiguous_items(stream, chunk)
         rows = slice(a, a + len(chunk))
@@ -65,6 +68,8 @@ def _compute(model: PreparedModel, stream: Stream, start: int, stop: int) -> Ram
 
         logits = model.run(feeds_for(model.backend, encoder, items), sites, collect)
         final[rows] = np.asarray(logits).argmax(axis=1)
+        if learn_batch is not None:
+            model.learn(final[rows])
     if inverse is not None:
         labels, errors, final = labels[inverse], errors[inverse], final[inverse]
     return RampOutputs(sites, labels, errors, final)
@@ -74,17 +79,21 @@ def _contiguous_items(stream: Stream, positions: np.ndarray) -> np.ndarray:
     return stream.items(int(positions[0]), int(positions[-1]) + 1)
 
 
-def ramp_outputs(model: PreparedModel, bundle_dir: Path, stream: Stream, start: int, stop: int) -> RampOutputs:
+def ramp_outputs(model: PreparedModel, bundle_dir: Path, stream: Stream, start: int, stop: int,
+                 learn_batch: int | None = None) -> RampOutputs:
     """Cached by the bundle's files (their hashes) and error score, the stream and the range: re-profiling a
-    bundle changes its manifest but not what its ramps answer."""
+    bundle changes its manifest but not what its ramps answer. With `learn_batch`, inputs run in batches of
+    that size, in stream order, and the cache ramps learn from each batch's final labels (online updates; the
+    model's ramps change as it goes, so load the bundle afresh for each such call)."""
     manifest = read_manifest(bundle_dir)
-    key = json.dumps({"files": manifest["files"], "error_score": manifest["error_score"]}, sort_keys=True)
+    key = json.dumps({"files": manifest["files"], "error_score": manifest["error_score"]}
+                     | ({"learn_batch": learn_batch} if learn_batch else {}), sort_keys=True)
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     path = home() / "sim" / f"{digest}-{stream.name}-{stream.length}-{stream.seed}-{start}-{stop}.npz"
     if path.is_file():
         with np.load(path) as data:
             return RampOutputs(tuple(str(s) for s in data["sites"]), data["labels"], data["errors"], data["final"])
-    outputs = _compute(model, stream, start, stop)
+    outputs = _compute(model, stream, start, stop, learn_batch)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp.npz")
     np.savez(tmp, sites=np.array(outputs.sites), labels=outputs.labels, errors=outputs.errors, final=outputs.final)

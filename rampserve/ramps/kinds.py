@@ -13,29 +13,23 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from rampserve.ramps.cache import CacheRamp, CacheSpec
+from rampserve.ramps.pooling import DEEP_CNN_GRID, LINEAR_CNN_GRID, POOLING_REDUCTIONS, PooledLinear, reduce_activation
 from rampserve.ramps.scores import top_label_and_error
-
-# Spatial size the deeper CNN head keeps before its convolutions: enough structure for a 3x3 conv, small
-# enough that the reduced activations of a bootstrap set fit in memory.
-DEEP_CNN_GRID = 4
-# Spatial size a linear CNN ramp pools to. A global mean throws away where things are: on resnet18-fmnist
-# under drift, a 3x3 grid lets the ramps after layers 2 and 3 answer 47-64% of inputs at 99% agreement with
-# the model, against 6-42% for the global mean, at nearly the same cost (one pooling, one small matmul).
-LINEAR_CNN_GRID = 3
-# Reductions that average every channel's map with the same fixed weights: a linear ramp on one is evaluated
-# in NumPy as two small matmuls, pooling as a matrix then the head (see `Ramp.evaluate`).
-_POOLING_REDUCTIONS = ("spatial_mean", "grid_mean")
-
 
 @dataclass(frozen=True)
 class RampSpec:
-    kind: str  # "linear" (Apparate's default) or "deep"
+    kind: str  # "linear" (Apparate's default), "deep" or "cache" (Freeze Inference)
     reduce: str  # "spatial_mean", "grid_mean", "spatial_grid", "first_token", "token_mean", "identity"
     feature_shape: tuple[int, ...]  # per-sample shape after `reduce`
     num_classes: int
+    cache: CacheSpec | None = None  # for kind "cache"
 
     def to_json(self) -> dict:
-        return asdict(self)
+        data = asdict(self)
+        if self.cache is None:
+            del data["cache"]
+        return data
 
     @classmethod
     def from_json(cls, data: dict) -> RampSpec:
@@ -44,44 +38,34 @@ class RampSpec:
             reduce=str(data["reduce"]),
             feature_shape=tuple(int(d) for d in data["feature_shape"]),
             num_classes=int(data["num_classes"]),
+            cache=CacheSpec.from_json(data["cache"]) if data.get("cache") else None,
         )
 
 
-RAMP_KINDS = ("linear", "deep")
+RAMP_KINDS = ("linear", "deep", "cache")
 
 
-def reduce_activation(activation: torch.Tensor, how: str) -> torch.Tensor:
-    if how == "spatial_mean":
-        return activation.mean(dim=(2, 3))
-    if how == "spatial_grid":
-        return F.adaptive_avg_pool2d(activation, DEEP_CNN_GRID)
-    if how == "grid_mean":
-        return F.adaptive_avg_pool2d(activation, LINEAR_CNN_GRID).flatten(1)
-    if how == "first_token":
-        return activation[:, 0]
-    if how == "token_mean":
-        return activation.mean(dim=1)
-    if how == "identity":
-        return activation.flatten(1)
-    raise ValueError(f"unknown reduction {how!r}")
-
-
-def spec_for(kind: str, activation_shape: tuple[int, ...], num_classes: int, token_reduce: str = "first_token") -> RampSpec:
-    """The ramp of `kind` for a site whose per-sample activation has `activation_shape`."""
+def spec_for(kind: str, activation_shape: tuple[int, ...], num_classes: int, token_reduce: str = "first_token",
+             cache: CacheSpec | None = None) -> RampSpec:
+    """The ramp of `kind` for a site whose per-sample activation has `activation_shape`. A cache ramp pools like
+    a linear one and stores what `cache` (default: CacheSpec()) says."""
     if kind not in RAMP_KINDS:
         raise ValueError(f"unknown ramp kind {kind!r}; known: {RAMP_KINDS}")
+    cache = (cache or CacheSpec()) if kind == "cache" else None
     rank = len(activation_shape)
     if rank == 3:  # (C, H, W) feature map
         channels = activation_shape[0]
         if kind == "deep":
             return RampSpec(kind, "spatial_grid", (channels, DEEP_CNN_GRID, DEEP_CNN_GRID), num_classes)
-        return RampSpec(kind, "grid_mean", (channels * LINEAR_CNN_GRID**2,), num_classes)
+        return RampSpec(kind, "grid_mean", (channels * LINEAR_CNN_GRID**2,), num_classes, cache)
     if rank == 2:  # (tokens, hidden)
-        return RampSpec(kind, token_reduce, (activation_shape[1],), num_classes)
-    width = 1
-    for d in activation_shape:
-        width *= d
-    return RampSpec(kind, "identity", (width,), num_classes)
+        return RampSpec(kind, token_reduce, (activation_shape[1],), num_classes, cache)
+    return RampSpec(kind, "identity", (_numel(activation_shape),), num_classes, cache)
+
+
+def make_ramp(spec: RampSpec) -> Ramp | CacheRamp:
+    """An untrained ramp of `spec`'s kind (a cache ramp with empty arrays of the right shapes)."""
+    return CacheRamp(spec) if spec.kind == "cache" else Ramp(spec)
 
 
 def build_head(spec: RampSpec) -> nn.Module:
@@ -118,8 +102,8 @@ class Ramp(nn.Module):
         super().__init__()
         self.spec = spec
         self.head = build_head(spec)
-        self._pools = spec.kind == "linear" and spec.reduce in _POOLING_REDUCTIONS
-        self._arrays: _PooledLinear | None = None
+        self._pools = spec.kind == "linear" and spec.reduce in POOLING_REDUCTIONS
+        self._arrays: PooledLinear | None = None
 
     def forward(self, activation: torch.Tensor) -> torch.Tensor:
         reduced = reduce_activation(activation, self.spec.reduce)
@@ -139,44 +123,17 @@ class Ramp(nn.Module):
         (a weight per input position evicts the model's own data from cache).
         """
         if self._pools:
-            flat = activation.numpy(force=True)
-            # The head's current parameters, without two nn.Module.__getattr__ calls (~1 µs each).
-            params = self._modules["head"]._parameters
-            key = (flat.shape[1:], params["weight"].data_ptr(), params["bias"].data_ptr())
-            arrays = self._arrays
-            if arrays is None or arrays.key != key:
-                arrays = self._arrays = _PooledLinear.build(key, self.spec.reduce, params)
-            pooled = (flat.reshape(-1, arrays.positions) @ arrays.pool_t).reshape(len(flat), -1)
-            logits = pooled @ arrays.weight_t
-            logits += arrays.bias
-            return top_label_and_error(logits, score)
+            params = self._modules["head"]._parameters  # without two nn.Module.__getattr__ calls (~1 us each)
+            self._arrays = arrays = PooledLinear.current(self._arrays, activation, self.spec.reduce,
+                                                         params["weight"], params["bias"])
+            return top_label_and_error(arrays(activation), score)
         return top_label_and_error(self.forward(activation).detach().numpy(), score)
+
+    def from_features(self, features: np.ndarray, score: str = "max_prob") -> tuple[np.ndarray, np.ndarray]:
+        """Top label and error score per input from already reduced features (what training keeps)."""
+        with torch.no_grad():
+            logits = self.head(torch.as_tensor(features, dtype=torch.float32))
+        return top_label_and_error(logits.numpy(), score)
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
-
-
-@dataclass(frozen=True, eq=False)  # holds arrays, which do not compare to a bool
-class _PooledLinear:
-    """A pooling linear ramp as arrays for one activation shape: reduce(x) == (x.reshape(n * channels,
-    positions) @ pool_t).reshape(n, -1), and views of the head's parameters, through which in-place updates
-    (optimiser steps, load_state_dict) show. `key` holds the shape and the parameters' storage addresses: a
-    parameter replaced or moved to new storage makes it stale (the views keep the old storage alive, so its
-    address cannot come back)."""
-
-    key: tuple[tuple[int, ...], int, int]
-    positions: int
-    pool_t: np.ndarray  # (positions, pooled positions)
-    weight_t: np.ndarray  # (features, classes)
-    bias: np.ndarray
-
-    @classmethod
-    def build(cls, key: tuple[tuple[int, ...], int, int], reduce: str, params: dict[str, torch.Tensor]
-              ) -> _PooledLinear:
-        sample_shape = key[0]
-        with torch.inference_mode(False):  # the serving path runs under inference mode, without autograd
-            probe = torch.zeros((1, 1, *sample_shape[1:]))  # one channel: every channel is pooled alike
-            jacobian = torch.autograd.functional.jacobian(lambda x: reduce_activation(x, reduce), probe)
-        pooled_positions, positions = jacobian.shape[1], probe.numel()
-        pool_t = jacobian.reshape(pooled_positions, positions).numpy().T
-        return cls(key, positions, pool_t, params["weight"].detach().numpy().T, params["bias"].detach().numpy())

@@ -13,7 +13,7 @@ import safetensors.torch
 from torch import nn
 
 from rampserve import __version__
-from rampserve.ramps.kinds import Ramp
+from rampserve.ramps.kinds import make_ramp
 from rampserve.runtime.backends import OnnxBackend, TorchBackend
 from rampserve.runtime.prepared import PreparedModel, SiteInfo
 from rampserve.runtime.profile import LatencyProfile
@@ -146,10 +146,10 @@ def load_bundle(bundle_dir: Path) -> PreparedModel:
     if missing:
         raise BundleError(f"{bundle_dir}: sites {missing} are not sites of the model it holds; "
                           "was it prepared with a different model or rampserve version?")
-    ramps: dict[str, Ramp] = {}
+    ramps: dict = {}
     ramp_state = safetensors.torch.load_file(bundle_dir / RAMPS_FILE)
     for site in sites:
-        ramp = Ramp(site.ramp)
+        ramp = make_ramp(site.ramp)
         prefix = f"{site.name}/"
         state = {k[len(prefix):]: v for k, v in ramp_state.items() if k.startswith(prefix)}
         try:

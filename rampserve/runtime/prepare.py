@@ -8,12 +8,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from rampserve.graph.sites import SitePolicy
+from rampserve.ramps.cache import CacheSpec, static_threshold
 from rampserve.ramps.kinds import spec_for
 from rampserve.ramps.oracle import NO_EXIT, earliest_correct_exit, exit_latency
-from rampserve.ramps.train import TrainConfig, collect_features, train_ramps
+from rampserve.ramps.train import Features, TrainConfig, TrainReport, build_cache_ramps, collect_features, train_ramps
 from rampserve.runtime.backends import Backend, OnnxBackend, TorchBackend
 from rampserve.runtime.prepared import PreparedModel, SiteInfo
 from rampserve.runtime.profile import DEFAULT_BATCH_SIZES, LatencyProfile, measure_profile
@@ -26,7 +26,8 @@ Encoder = Callable[[object], dict[str, np.ndarray]]
 @dataclass(frozen=True)
 class PrepareConfig:
     workload: str | None = None  # stream whose bootstrap part trains the ramps; default from the zoo entry
-    ramp_kind: str = "linear"
+    ramp_kind: str = "linear"  # "linear", "deep", "cache", or "mixed" (per site, a linear or a cache ramp)
+    cache: CacheSpec = field(default_factory=CacheSpec)  # what cache ramps store
     bootstrap_items: int = 8000  # at most this many bootstrap inputs (distinct ones, for text)
     batch_size: int = 64
     error_score: str = "max_prob"
@@ -128,6 +129,45 @@ def oracle_summary(ramp_labels: np.ndarray, final: np.ndarray, sites: list[str],
     }
 
 
+# Agreement with the original model that `exit_share_at` asks of the exits a ramp takes.
+MIXED_AGREEMENT = 0.99
+
+
+def exit_share_at(errors: np.ndarray, correct: np.ndarray, agreement: float = MIXED_AGREEMENT) -> float:
+    """The largest share of inputs a ramp can answer, most confident first, with at least `agreement` of its
+    answers equal to the original model's."""
+    order = np.argsort(errors, kind="stable")
+    hits = np.cumsum(correct[order]) / np.arange(1, len(order) + 1)
+    ok = np.flatnonzero(hits >= agreement)
+    return float((ok[-1] + 1) / len(order)) if len(ok) else 0.0
+
+
+def train_site_ramps(kind: str, features: Features, specs_of: Callable[[str], dict], config: PrepareConfig
+                     ) -> tuple[dict, TrainReport, dict[str, np.ndarray]]:
+    """Ramps of `kind` at every site, the training report, and each ramp's (labels, errors) on validation
+    inputs. "mixed" builds both a linear and a cache ramp at every site and keeps, per site, the one that
+    answers more validation inputs at MIXED_AGREEMENT: the controller then chooses among sites by utility."""
+    if kind == "mixed":
+        linear = train_site_ramps("linear", features, specs_of, config)
+        cache = train_site_ramps("cache", features, specs_of, config)
+        targets = features.targets.numpy()
+        val = np.array(linear[1].val_indices)
+        ramps, results, outputs = {}, {}, {}
+        for site in linear[0]:
+            shares = [exit_share_at(c[2][site][1], c[2][site][0] == targets[val]) for c in (linear, cache)]
+            chosen = cache if shares[1] > shares[0] else linear
+            ramps[site], results[site], outputs[site] = chosen[0][site], chosen[1].ramps[site], chosen[2][site]
+        report = linear[1]
+        report.ramps, report.train_seconds = results, linear[1].train_seconds + cache[1].train_seconds
+        return ramps, report, outputs
+    specs = specs_of(kind)
+    build = build_cache_ramps if kind == "cache" else train_ramps
+    ramps, report = build(features, specs, config.train, progress=config.progress)
+    val = np.array(report.val_indices)
+    outputs = {site: ramp.from_features(features.by_site[site].numpy()[val]) for site, ramp in ramps.items()}
+    return ramps, report, outputs
+
+
 def prepare(source: ModelSource, config: PrepareConfig = PrepareConfig(),
             policy: SitePolicy | None = None) -> PreparedModel:
     backend = make_backend(source, policy)
@@ -141,16 +181,20 @@ def prepare(source: ModelSource, config: PrepareConfig = PrepareConfig(),
     site_names = [s.value for s in backend.sites]
     probe_acts, probe_logits = next(backend.site_activations([sample], site_names))
     num_classes = int(probe_logits.shape[1])
-    specs = {name: spec_for(config.ramp_kind, tuple(act.shape[1:]), num_classes) for name, act in probe_acts.items()}
 
+    def specs_of(kind: str) -> dict:
+        return {name: spec_for(kind, tuple(act.shape[1:]), num_classes, cache=config.cache)
+                for name, act in probe_acts.items()}
+
+    # Every kind reduces a site's activation the same way except the deep CNN head, which keeps a grid.
     features = collect_features(
         backend.site_activations(
             (feeds_for(backend, encoder, chunk) for chunk in _batches(items, config.batch_size)), site_names),
-        specs,
+        specs_of("deep" if config.ramp_kind == "deep" else "linear"),
     )
-    ramps, report = train_ramps(features, specs, config.train, progress=config.progress)
+    ramps, report, val_outputs = train_site_ramps(config.ramp_kind, features, specs_of, config)
     sites = [
-        SiteInfo(s.value, s.index, s.kind, s.scope, tuple(probe_acts[s.value].shape[1:]), specs[s.value],
+        SiteInfo(s.value, s.index, s.kind, s.scope, tuple(probe_acts[s.value].shape[1:]), ramps[s.value].spec,
                  report.ramps[s.value].val_accuracy)
         for s in backend.sites
     ]
@@ -158,10 +202,8 @@ def prepare(source: ModelSource, config: PrepareConfig = PrepareConfig(),
 
     model.profile = measure_profile(model, sample_feeds(backend, bootstrap), config.profile_batch_sizes,
                                     config.profile_repeats, progress=config.progress)
-    val = torch.tensor(report.val_indices)
-    with torch.no_grad():
-        ramp_labels = np.stack(
-            [ramps[s].head(features.by_site[s][val]).argmax(dim=1).numpy() for s in model.site_names], axis=1)
+    val_targets = features.targets.numpy()[report.val_indices]
+    ramp_labels = np.stack([val_outputs[s][0] for s in model.site_names], axis=1)
     model.meta = {
         "source": source.to_json(),
         "workload": workload,
@@ -169,6 +211,10 @@ def prepare(source: ModelSource, config: PrepareConfig = PrepareConfig(),
         "num_classes": num_classes,
         "ramp_kind": config.ramp_kind,
         "training": {**report.to_json(), "config": asdict(config.train)},
-        "oracle_val": oracle_summary(ramp_labels, features.targets[val].numpy(), model.site_names, model.profile),
+        "oracle_val": oracle_summary(ramp_labels, val_targets, model.site_names, model.profile),
+        # Freeze Inference's thresholds: per ramp, exit only below the lowest error score it got wrong on
+        # validation data. A baseline; serving starts from the controller's thresholds.
+        "static_thresholds": {s: static_threshold(val_outputs[s][1], val_outputs[s][0] == val_targets)
+                              for s in model.site_names},
     }
     return model

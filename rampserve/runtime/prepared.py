@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from rampserve.ramps.cache import CacheRamp
 from rampserve.ramps.kinds import Ramp, RampSpec
 from rampserve.runtime.backends import Backend
 from rampserve.runtime.profile import LatencyProfile
@@ -54,7 +55,7 @@ class SiteInfo:
 class PreparedModel:
     backend: Backend
     sites: list[SiteInfo]
-    ramps: dict[str, Ramp]
+    ramps: dict[str, Ramp | CacheRamp]
     profile: LatencyProfile | None = None
     meta: dict = field(default_factory=dict)  # source, encoder, training report, oracle statistics
     error_score: str = "max_prob"
@@ -79,3 +80,12 @@ class PreparedModel:
 
         with torch.inference_mode():
             return self.backend.to_tensor(self.backend.run_hooked(feeds, active, report)).numpy()
+
+    def learn(self, final_labels: np.ndarray) -> list[str]:
+        """Update the cache ramps that `run` last evaluated with the batch's final labels (online cache updates:
+        every input ran to the end, so its final answer is known). Returns the sites updated."""
+        return [site for site, ramp in self.ramps.items() if isinstance(ramp, CacheRamp) and ramp.learn(final_labels)]
+
+    def memory_bytes(self) -> dict[str, int]:
+        """What each cache ramp holds in memory (bounded: online updates never grow it)."""
+        return {site: ramp.memory_bytes() for site, ramp in self.ramps.items() if isinstance(ramp, CacheRamp)}

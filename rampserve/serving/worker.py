@@ -49,6 +49,8 @@ class ModelSettings:
     deadline_ms: float | None = None
     torch_threads: int | None = 1  # intra-op threads of the executor; None: torch's default (one per core)
     vanilla: bool = False  # no ramps, no controller: the original model as any server would run it
+    # Active cache ramps learn from every batch's final labels (Freeze's caches, kept current by live traffic).
+    cache_updates: bool = True
     controller: ControllerSettings = field(default_factory=ControllerSettings)
 
 
@@ -294,6 +296,8 @@ class ModelWorker:
                 answer(pending, int(starts[index]), final, logits)
         finished = time.monotonic()
         compute_ms = (finished - started) * 1000.0
+        if self.settings.cache_updates and r:  # after every answer is out: off the requests' path
+            model.learn(final)
         self._after_batch(config, labels, errors, final, exits, started, finished, compute_ms, batch)
 
     def _after_batch(self, config: Configuration, labels: np.ndarray, errors: np.ndarray, final: np.ndarray,
