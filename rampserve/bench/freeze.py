@@ -22,14 +22,14 @@ from rampserve.bench.ramp_outputs import RampOutputs, ramp_outputs
 from rampserve.bench.sim import Scenario, SystemRun, replay
 from rampserve.control.controller import Controller, ControllerSettings
 from rampserve.control.costs import CostModel
-from rampserve.control.records import Configuration, first_exits
+from rampserve.control.records import BatchRecord, Configuration, first_exits
 from rampserve.ramps.cache import CacheSpec
 from rampserve.ramps.oracle import NO_EXIT
-from rampserve.runtime.bundle import load_bundle, read_manifest, save_bundle
-from rampserve.runtime.prepare import PrepareConfig, prepare
+from rampserve.runtime.bundle import load_bundle
+from rampserve.runtime.prepare import PrepareConfig
 from rampserve.runtime.prepared import PreparedModel
 from rampserve.runtime.profile import max_batch_for_slo
-from rampserve.runtime.sources import ModelSource
+from rampserve.runtime.zoo_bundles import zoo_bundle
 from rampserve.workloads.streams import FMNIST_PHASE_LENGTH, get_stream
 from rampserve.workloads.traces import arrival_times
 
@@ -59,18 +59,7 @@ class FreezeSettings:
 
 def cache_bundle(model: str, spec: CacheSpec, small: bool = False) -> Path:
     """The zoo model with a cache ramp at every site, prepared on first use and kept beside the zoo bundles."""
-    from rampserve.paths import bundles_dir
-    from rampserve.runtime.bundle import BundleError
-
-    bundle = bundles_dir() / f"{model}{'-small' if small else ''}-cache"
-    try:
-        manifest = read_manifest(bundle)
-        if manifest["sites"][0]["ramp"].get("cache") != spec.to_json():
-            raise BundleError("made with other cache settings")
-    except BundleError:
-        save_bundle(prepare(ModelSource.parse(model, small=small), PrepareConfig(ramp_kind="cache", cache=spec)),
-                    bundle)
-    return bundle
+    return zoo_bundle(model, small, PrepareConfig(ramp_kind="cache", cache=spec), variant="cache")
 
 
 # ---- memory and lookup cost ---------------------------------------------------------------------------------
@@ -109,39 +98,17 @@ def lookup_cost_table(model: PreparedModel, batch_sizes: tuple[int, ...] = (1, 1
 
 # ---- replaying the stream -----------------------------------------------------------------------------------
 
-def summarize_exits(run: SystemRun, exit_sites: np.ndarray, depth_of: dict[str, float], memory_bytes: int) -> dict:
-    depths = np.array([depth_of.get(s, 1.0) for s in exit_sites]) if len(exit_sites) else np.zeros(0)
-    counts = {s: int((exit_sites == s).sum()) for s in (*depth_of, "final")}
+def summarize_exits(run: SystemRun, sites: tuple[str, ...], depth: np.ndarray, memory_bytes: int) -> dict:
+    """`depth` holds, per site and then for the final layer, the share of the model run before the answer."""
+    counts = np.bincount(run.exit_column + 1, minlength=len(sites) + 1)  # NO_EXIT (-1) counts first
     return {
         "accuracy": float(run.correct.mean()),
         "exit_share": float(run.exited.mean()),
-        "mean_exit_depth": float(depths.mean()),
+        "mean_exit_depth": float(depth[run.exit_column].mean()),
         "memory_bytes": int(memory_bytes),
-        "exit_counts": counts,
+        "exit_counts": {site: int(c) for site, c in zip((*sites, "final"), (*counts[1:], counts[0]))},
         "p50_ms": float(np.median(run.queue.latency_ms)),
     }
-
-
-def replay_with_sites(scenario: Scenario, start: Configuration, controller: Controller | None
-                      ) -> tuple[SystemRun, np.ndarray]:
-    """`replay`, plus the site each request left at ("final" for none), recovered from the configuration in
-    force when its batch started."""
-    run = replay(scenario, start, controller)
-    starts = np.array([t for t, _ in run.applied])
-    configs = [c for _, c in run.applied]
-    batch_start = run.queue.start_ms[run.queue.batch_of]
-    which = np.searchsorted(starts, batch_start, side="right") - 1
-    sites = np.full(len(which), "final", dtype=object)
-    outputs = scenario.outputs
-    for k in np.unique(which):
-        config = configs[k]
-        rows = np.flatnonzero(which == k)
-        if not config.sites:
-            continue
-        exits = config.exits(outputs.errors[rows][:, outputs.columns(config.sites)])
-        left = exits != NO_EXIT
-        sites[rows[left]] = np.array(config.sites, dtype=object)[exits[left]]
-    return run, sites
 
 
 def shift_recovery(exited: np.ndarray, correct: np.ndarray, boundaries: np.ndarray) -> list[dict]:
@@ -171,9 +138,10 @@ def _phase_shifts(start: int, stop: int) -> np.ndarray:
 @dataclass
 class ModelRuns:
     report: dict
-    exit_sites: dict[str, np.ndarray]  # per system, the site each request left at
     runs: dict[str, SystemRun]
-    depth_of: dict[str, float]
+    depth: np.ndarray  # per site, then the final layer: share of the model (batch-1 time) run before an answer
+    model: PreparedModel  # as loaded, before any update
+    outputs: RampOutputs  # its caches' outputs on the stream, without updates
 
 
 def freeze_model(name: str, settings: FreezeSettings, progress=lambda _: None) -> ModelRuns:
@@ -192,7 +160,8 @@ def freeze_model(name: str, settings: FreezeSettings, progress=lambda _: None) -
     slo = 2.0 * profile.full(1)
     max_batch = max_batch_for_slo(profile.batch_sizes, profile.full_ms, slo)
     arrivals = arrival_times(settings.trace, stop - start, rate, seed=settings.seed)
-    depth_of = {s: float(d) / profile.full(1) for s, d in zip(profile.sites, profile.reach(1))}
+    # Indexed by a run's exit column: NO_EXIT (-1) picks the final layer's 1.0.
+    depth = np.append(profile.reach(1) / profile.full(1), 1.0)
     all_sites = profile.sites
     static = Configuration(0, all_sites, tuple(float(model.meta["static_thresholds"][s]) for s in all_sites))
     # Managed like any ramp: thresholds tuned and caches (de)activated by utility, starting from every site with
@@ -209,16 +178,15 @@ def freeze_model(name: str, settings: FreezeSettings, progress=lambda _: None) -
         "managed_thresholds_only": (plain, None, replace(managed, ramp_adjustment=False)),
         "managed_default_budget": (learned, None, settings.controller),
     }
-    systems, exit_sites, runs = {}, {}, {}
+    systems, runs = {}, {}
     for system, (outputs, config, control) in plan.items():
         progress(f"{name}: {system}")
         scenario = Scenario(outputs, costs, arrivals, max_batch)
         controller = Controller(profile, control) if control is not None else None
-        run, sites = replay_with_sites(scenario, config or controller.configuration(), controller)
-        systems[system] = summarize_exits(run, sites, depth_of, memory)
-        exit_sites[system], runs[system] = sites, run
+        runs[system] = replay(scenario, config or controller.configuration(), controller)
+        systems[system] = summarize_exits(runs[system], all_sites, depth, memory)
     vanilla = replay(Scenario(plain, costs, arrivals, max_batch), Configuration(0, (), ()))
-    systems["vanilla"] = summarize_exits(vanilla, np.full(len(arrivals), "final", dtype=object), depth_of, 0)
+    systems["vanilla"] = summarize_exits(vanilla, all_sites, depth, 0)
     shifts = _phase_shifts(start, stop)
     recovery = {system: shift_recovery(runs[system].exited, runs[system].correct, shifts)
                 for system in ("static", "static_online", "managed", "managed_online")}
@@ -236,7 +204,7 @@ def freeze_model(name: str, settings: FreezeSettings, progress=lambda _: None) -
                                     "median_recovered_after": _median_or_none([r["recovered_after"] for r in rows])}
                            for system, rows in recovery.items()},
     }
-    return ModelRuns(report, exit_sites, runs, depth_of)
+    return ModelRuns(report, runs, depth, model, plain)
 
 
 def _median_or_none(values: list) -> float | None:
@@ -258,11 +226,12 @@ def repeated_requests(model: PreparedModel, outputs: RampOutputs, settings: Free
     items = rng.permutation(min(settings.zipf_pool, n))[ranks]  # rows of `outputs`
     sites = tuple(model.site_names)
     thresholds = np.array([float(model.meta["static_thresholds"][s]) for s in sites])
-    exits = first_exits(outputs.errors[items][:, outputs.columns(sites)], thresholds)
-    ramp_label = np.where(exits == NO_EXIT, outputs.final[items],
-                          outputs.labels[items, np.clip(exits, 0, len(sites) - 1)])
+    columns = outputs.columns(sites)
+    errors = outputs.errors[items][:, columns]
+    exits = first_exits(errors, thresholds)
+    ramp_correct = BatchRecord(0, sites, outputs.labels[items][:, columns], errors, outputs.final[items], exits).correct()
     reach = np.append(model.profile.reach(1), model.profile.full(1)) / model.profile.full(1)
-    ramp_depth = reach[np.where(exits == NO_EXIT, len(sites), exits)]
+    ramp_depth = reach[exits]  # NO_EXIT (-1) picks the whole model
     lru: OrderedDict[int, None] = OrderedDict()
     exact_hit = np.zeros(len(items), dtype=bool)
     for i, item in enumerate(items):
@@ -273,7 +242,6 @@ def repeated_requests(model: PreparedModel, outputs: RampOutputs, settings: Free
             lru[item] = None
             if len(lru) > settings.exact_cache_entries:
                 lru.popitem(last=False)
-    final = outputs.final[items]
 
     def summary(answered_early: np.ndarray, depth: np.ndarray, correct: np.ndarray) -> dict:
         return {"answered_before_final": float(answered_early.mean()), "mean_depth": float(depth.mean()),
@@ -284,25 +252,20 @@ def repeated_requests(model: PreparedModel, outputs: RampOutputs, settings: Free
         "requests": int(len(items)), "distinct": int(len(np.unique(items))),
         "exact_cache_entries": settings.exact_cache_entries, "zipf_exponent": settings.zipf_exponent,
         "exact": summary(exact_hit, np.where(exact_hit, 0.0, 1.0), np.ones(len(items), dtype=bool)),
-        "intermediate": summary(ramp_exit, ramp_depth, ramp_label == final),
-        "both": summary(exact_hit | ramp_exit, np.where(exact_hit, 0.0, ramp_depth),
-                        np.where(exact_hit, True, ramp_label == final)),
+        "intermediate": summary(ramp_exit, ramp_depth, ramp_correct),
+        "both": summary(exact_hit | ramp_exit, np.where(exact_hit, 0.0, ramp_depth), exact_hit | ramp_correct),
     }
 
 
 def run_freeze(settings: FreezeSettings, progress=lambda _: None) -> tuple[dict, dict[str, ModelRuns]]:
     models = {name: freeze_model(name, settings, progress) for name in settings.models}
     first = settings.models[0]
-    bundle = cache_bundle(first, settings.cache, settings.small)
-    stream = get_stream(settings.workload, seed=settings.seed)
-    start = stream.evaluation.start
-    model = load_bundle(bundle)
-    outputs = ramp_outputs(model, bundle, stream, start, min(start + settings.requests, stream.evaluation.stop))
     report = {
         "workload": settings.workload, "trace": settings.trace, "load": settings.load,
         "accuracy_constraint": settings.controller.accuracy_constraint,
         "ramp_budget": settings.controller.ramp_budget,
         "models": {name: runs.report for name, runs in models.items()},
-        "repeated_requests": {"model": first} | repeated_requests(model, outputs, settings),
+        "repeated_requests": {"model": first} | repeated_requests(models[first].model, models[first].outputs,
+                                                                  settings),
     }
     return report, models

@@ -29,7 +29,7 @@ def write_plots(report: dict, models: dict[str, ModelRuns], out_dir: Path) -> li
     for name, runs in models.items():
         fig, ax = plt.subplots(figsize=(7, 4.5))
         for system in DEPTH_SYSTEMS:
-            depth = np.sort([runs.depth_of.get(s, 1.0) for s in runs.exit_sites[system]])
+            depth = np.sort(runs.depth[runs.runs[system].exit_column])
             ax.step(depth, np.arange(1, len(depth) + 1) / len(depth), where="post", label=system)
         ax.set(xlabel="share of the model run before the answer (batch-1 time)", ylabel="share of requests",
                title=f"{name}: where requests are answered (CDF)", xlim=(0, 1.02))

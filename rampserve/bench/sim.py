@@ -55,9 +55,14 @@ class SimSettings:
 class SystemRun:
     queue: QueueResult
     correct: np.ndarray  # per request: released answer equals the original model's
-    exited: np.ndarray  # per request: answered before the last stage
+    exit_column: np.ndarray  # per request: the site (column of the outputs) that answered it, or NO_EXIT
     controller: Controller | None = None
     applied: list[tuple[float, Configuration]] = field(default_factory=list)  # (simulated ms, configuration)
+
+    @property
+    def exited(self) -> np.ndarray:
+        """Per request: answered before the last stage."""
+        return self.exit_column != NO_EXIT
 
 
 @dataclass(frozen=True)
@@ -73,15 +78,15 @@ def replay(scenario: Scenario, start: Configuration, controller: Controller | No
     outputs, costs = scenario.outputs, scenario.costs
     n = len(scenario.arrivals_ms)
     correct = np.ones(n, dtype=bool)
-    exited = np.zeros(n, dtype=bool)
+    exit_column = np.full(n, NO_EXIT, dtype=np.int64)
     pending: deque[tuple[float, Configuration]] = deque()
     applied = [(0.0, start)]
-    current = {"config": start, "columns": outputs.columns(start.sites)}
+    current = {"config": start, "columns": np.array(outputs.columns(start.sites), dtype=np.int64)}
 
     def serve(start_ms: float, requests: np.ndarray) -> BatchOutcome:
         while pending and pending[0][0] <= start_ms:
             when, config = pending.popleft()
-            current.update(config=config, columns=outputs.columns(config.sites))
+            current.update(config=config, columns=np.array(outputs.columns(config.sites), dtype=np.int64))
             applied.append((when, config))
         config, columns = current["config"], current["columns"]
         times = costs.times(config.sites, len(requests))
@@ -90,7 +95,8 @@ def replay(scenario: Scenario, start: Configuration, controller: Controller | No
         exits = config.exits(errors)
         record = BatchRecord(config.version, config.sites, labels, errors, outputs.final[requests], exits)
         correct[requests] = record.correct()
-        exited[requests] = exits != NO_EXIT
+        if len(columns):  # NO_EXIT indexes the last column, masked out
+            exit_column[requests] = np.where(exits == NO_EXIT, NO_EXIT, columns[exits])
         release = np.append(times.release_ms, times.duration_ms)[np.where(exits == NO_EXIT, len(columns), exits)]
         if controller is not None:
             changed = controller.observe(record)
@@ -99,7 +105,7 @@ def replay(scenario: Scenario, start: Configuration, controller: Controller | No
         return BatchOutcome(times.duration_ms, release)
 
     queue = run_queue(scenario.arrivals_ms, scenario.max_batch, serve)
-    return SystemRun(queue, correct, exited, controller, applied)
+    return SystemRun(queue, correct, exit_column, controller, applied)
 
 
 def replay_oracle(scenario: Scenario) -> SystemRun:
@@ -114,7 +120,7 @@ def replay_oracle(scenario: Scenario) -> SystemRun:
         return BatchOutcome(profile.full(b), release)
 
     queue = run_queue(scenario.arrivals_ms, scenario.max_batch, serve)
-    return SystemRun(queue, np.ones(len(exits), dtype=bool), exits != NO_EXIT)
+    return SystemRun(queue, np.ones(len(exits), dtype=bool), exits)
 
 
 def exit_data(scenario: Scenario, rows: np.ndarray, sites: tuple[str, ...], batch_sizes: np.ndarray) -> ExitData:

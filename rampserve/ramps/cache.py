@@ -89,8 +89,7 @@ class CacheState:
 
 def fit_pca(features: np.ndarray, dim: int) -> tuple[np.ndarray, np.ndarray]:
     """(weight, bias) projecting standardised features onto their top `dim` principal components."""
-    mean, scale = features.mean(axis=0), features.std(axis=0) + 1e-6
-    standardised = (features - mean) / scale
+    mean, scale, standardised = _standardise(features)
     _, _, vt = np.linalg.svd(standardised, full_matrices=False)
     components = vt[:dim].T  # (features, dim)
     return _fold(components, np.zeros(components.shape[1]), mean, scale)
@@ -100,8 +99,8 @@ def fit_learned_projection(features: np.ndarray, labels: np.ndarray, dim: int, n
                            epochs: int = 30, batch_size: int = 128, lr: float = 3e-3) -> tuple[np.ndarray, np.ndarray]:
     """Freeze Inference's reduction: a hidden layer of `dim` ReLUs trained, with a classifier on top, to predict
     the model's labels; the hidden layer is the reduced space (inputs the model labels alike land close)."""
-    mean, scale = features.mean(axis=0), features.std(axis=0) + 1e-6
-    x = torch.from_numpy(((features - mean) / scale).astype(np.float32))
+    mean, scale, standardised = _standardise(features)
+    x = torch.from_numpy(standardised.astype(np.float32))
     y = torch.from_numpy(labels.astype(np.int64))
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -116,6 +115,12 @@ def fit_learned_projection(features: np.ndarray, labels: np.ndarray, dim: int, n
                     optimizer.step()
     weight = hidden.weight.detach().numpy().T.astype(np.float64)
     return _fold(weight, hidden.bias.detach().numpy().astype(np.float64), mean, scale)
+
+
+def _standardise(features: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(mean, scale, standardised features): sites' activations differ in scale by orders of magnitude."""
+    mean, scale = features.mean(axis=0), features.std(axis=0) + 1e-6
+    return mean, scale, (features - mean) / scale
 
 
 def _fold(weight: np.ndarray, bias: np.ndarray, mean: np.ndarray, scale: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -162,7 +167,7 @@ def build_cache(features: np.ndarray, labels: np.ndarray, spec: CacheSpec, num_c
         keep = np.random.default_rng(seed).permutation(len(embedded))[:spec.points]
         points = np.ascontiguousarray(embedded[keep])
         counts = label_counts(np.arange(len(keep)), labels[keep], len(keep), num_classes)
-    distances, _ = search(points, embedded, 1)
+    distances, _ = _nearest(_flat_index(points), embedded, 1)
     scale = float(np.median(distances[:, 0]))
     return CacheState(weight, bias, points, counts, np.zeros(len(points), dtype=np.float32),
                       scale if scale > 0 else 1.0, relu)
@@ -176,16 +181,13 @@ class Index:
 
     def __init__(self, state: CacheState) -> None:
         self.state = state
-        self.flat = faiss.IndexFlatL2(state.points.shape[1])
-        self.flat.add(np.ascontiguousarray(state.points, dtype=np.float32))
+        self.flat = _flat_index(state.points)
         probs = label_distribution(state.counts)
         self.label = probs.argmax(axis=1).astype(np.int64)
         self.share = probs.max(axis=1).astype(np.float64)
 
     def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-        """(distances, indices) of the k nearest points of each query: exact, Euclidean."""
-        squared, nearest = self.flat.search(np.ascontiguousarray(queries, dtype=np.float32), k)
-        return np.sqrt(np.maximum(squared, 0.0)), nearest
+        return _nearest(self.flat, queries, k)
 
     def lookup(self, features: np.ndarray, neighbours: int
                ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -206,10 +208,14 @@ class Index:
         return labels, errors, embedded, nearest[:, 0], distances[:, 0]
 
 
-def search(points: np.ndarray, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """(distances, indices) of the k nearest of `points` for each query (a one-off index)."""
+def _flat_index(points: np.ndarray) -> faiss.IndexFlatL2:
     index = faiss.IndexFlatL2(points.shape[1])
     index.add(np.ascontiguousarray(points, dtype=np.float32))
+    return index
+
+
+def _nearest(index: faiss.IndexFlatL2, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """(distances, indices) of the k nearest indexed points of each query: exact, Euclidean."""
     squared, nearest = index.search(np.ascontiguousarray(queries, dtype=np.float32), k)
     return np.sqrt(np.maximum(squared, 0.0)), nearest
 
@@ -237,11 +243,6 @@ def confident_label(counts: np.ndarray, distances: np.ndarray, distance_scale: f
     labels = confidence.argmax(axis=1)
     best = confidence[np.arange(len(labels)), labels]
     return labels.astype(np.int64), (1.0 / (1.0 + best)).astype(np.float64)
-
-
-def lookup(state: CacheState, features: np.ndarray, neighbours: int
-           ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    return Index(state).lookup(features, neighbours)
 
 
 # ---- thresholds and online updates --------------------------------------------------------------------------

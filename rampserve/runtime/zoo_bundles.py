@@ -6,15 +6,19 @@ from pathlib import Path
 
 from rampserve.paths import bundles_dir
 from rampserve.runtime.bundle import BundleError, read_manifest, save_bundle
-from rampserve.runtime.prepare import prepare
+from rampserve.runtime.prepare import PrepareConfig, prepare
 from rampserve.runtime.sources import ModelSource
 
 
-def zoo_bundle(model: str, small: bool = False) -> Path:
-    """The bundle of zoo model `model`, preparing it (and training the model, if needed) when missing or stale."""
-    bundle = bundles_dir() / (model + ("-small" if small else ""))
+def zoo_bundle(model: str, small: bool = False, config: PrepareConfig = PrepareConfig(), variant: str = "") -> Path:
+    """The bundle of zoo model `model` prepared with `config` (kept under the name `model[-small][-variant]`),
+    preparing it (and training the model, if needed) when missing, broken, or made with other ramps."""
+    bundle = bundles_dir() / (model + ("-small" if small else "") + (f"-{variant}" if variant else ""))
     try:
-        read_manifest(bundle)
+        manifest = read_manifest(bundle)
+        caches = [site["ramp"]["cache"] for site in manifest["sites"] if site["ramp"].get("cache")]
+        if manifest["meta"]["ramp_kind"] != config.ramp_kind or any(c != config.cache.to_json() for c in caches):
+            raise BundleError(f"{bundle} was prepared with other ramps")
     except BundleError:
-        save_bundle(prepare(ModelSource.parse(model, small=small)), bundle)
+        save_bundle(prepare(ModelSource.parse(model, small=small), config), bundle)
     return bundle
