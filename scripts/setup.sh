@@ -3,7 +3,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-DEBIAN_PACKAGES=(dataset-fashion-mnist)
+DEBIAN_PACKAGES=(dataset-fashion-mnist redis-server)
 missing=()
 for pkg in "${DEBIAN_PACKAGES[@]}"; do
   dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg")
