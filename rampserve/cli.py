@@ -182,7 +182,7 @@ def profile(
 
 @app.command()
 def serve(
-    models: Annotated[list[str], typer.Argument(help="zoo model names or bundle directories")],
+    models: Annotated[Optional[list[str]], typer.Argument(help="zoo model names or bundle directories")] = None,
     host: Annotated[str, typer.Option(help="address to bind (loopback unless told otherwise)")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="port (0: any free one)")] = 8000,
     slo_ms: Annotated[Optional[float], typer.Option(help="latency SLO per batch (default 2x batch-1 latency)")]
@@ -202,8 +202,20 @@ def serve(
     cache_updates: Annotated[bool, typer.Option(help="active cache ramps learn from served final answers")] = True,
     cache_mb: Annotated[float, typer.Option(help="prediction cache per model in MiB (0: off)")] = 0.0,
     max_body_mb: Annotated[float, typer.Option(help="largest request body accepted")] = 64.0,
+    repository: Annotated[Optional[Path], typer.Option(help="versioned model repository ({model}/{version}/)")]
+    = None,
+    apps: Annotated[Optional[list[Path]], typer.Option("--app", help="JSON file of an application (or a list)")]
+    = None,
+    store: Annotated[Optional[str], typer.Option(help="state store for selection and applications: memory or "
+                                                      "redis://host:port/db")] = None,
+    update_stream: Annotated[bool, typer.Option(help="follow model updates pushed to the Redis Stream "
+                                                     "rampserve:model-updates")] = False,
+    admin_token: Annotated[Optional[str], typer.Option(envvar="RAMPSERVE_ADMIN_TOKEN",
+                                                       help="token the admin endpoints require (needed when "
+                                                            "bound beyond loopback)")] = None,
 ) -> None:
-    """Serve models over HTTP (Open Inference Protocol v2) with managed early exits."""
+    """Serve models and applications over HTTP (Open Inference Protocol v2, Clipper's application API) with
+    managed early exits."""
     from rampserve.control.controller import ControllerSettings
     from rampserve.serving.server import ServerSettings
     from rampserve.serving.server import serve as run_server
@@ -217,8 +229,24 @@ def serve(
             controller=ControllerSettings(accuracy_constraint=accuracy_constraint, ramp_budget=ramp_budget))
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
-    run_server(models, model_settings, ServerSettings(host=host, port=port, max_body_mb=max_body_mb,
-                                                      cache_mb=cache_mb))
+    try:
+        settings = ServerSettings(host=host, port=port, max_body_mb=max_body_mb, cache_mb=cache_mb,
+                                  admin_token=admin_token, store=store, repository=repository,
+                                  update_stream=update_stream)
+        specs = [spec for path in apps or () for spec in read_applications(path)]
+        run_server(models or [], model_settings, settings, specs)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+
+
+def read_applications(path: Path) -> list:
+    from rampserve.serving.applications import ApplicationSpec
+
+    try:
+        data = json.loads(path.read_text())
+        return [ApplicationSpec.from_json(item) for item in (data if isinstance(data, list) else [data])]
+    except (OSError, ValueError, TypeError) as exc:
+        raise ValueError(f"application file {path}: {exc}") from None
 
 
 @app.command()
@@ -450,6 +478,35 @@ def bench_tuning(
                       f"{case['greedy_accuracy_mean']:.4f}/{case['grid_accuracy_mean']:.4f}")
     console.print(table)
     _write_json(result, json_out)
+
+
+@bench_app.command("selection")
+def bench_selection(
+    queries: Annotated[int, typer.Option(help="queries: the Fashion-MNIST test images in seeded orders")] = 20_000,
+    failure_start: Annotated[int, typer.Option(help="first query the best model fails on")] = 5_000,
+    failure_end: Annotated[int, typer.Option(help="first query it works again on")] = 10_000,
+    exp3_eta: Annotated[Optional[float], typer.Option(help="Exp3's rate (default sqrt(2 ln K / (K T)))")] = None,
+    exp4_eta: Annotated[Optional[float], typer.Option(help="Exp4's rate (default sqrt(8 ln K / T))")] = None,
+    exp3_seeds: Annotated[int, typer.Option(help="Exp3 runs with different draws (medians reported)")] = 5,
+    json_out: Annotated[Optional[Path], typer.Option("--json", help="write the results here")] = None,
+    plots: Annotated[Optional[Path], typer.Option(help="write plots into this directory")] = None,
+) -> None:
+    """Clipper's model selection: Exp3 and Exp4 over four zoo CNNs and a scikit-learn model, the best failing."""
+    from rampserve.bench.selection import SelectionSettings, run_selection, selection_table
+
+    try:
+        settings = SelectionSettings(queries=queries, failure_start=failure_start, failure_end=failure_end,
+                                     exp3_eta=exp3_eta, exp4_eta=exp4_eta, exp3_seeds=tuple(range(exp3_seeds)))
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    report = run_selection(settings, progress=lambda stage: console.print(f"[dim]{stage}[/dim]"))
+    console.print(selection_table(report))
+    _write_json(report, json_out)
+    if plots is not None:
+        from rampserve.bench.selection_plots import write_plots
+
+        for path in write_plots(report, plots):
+            console.print(f"wrote {path}")
 
 
 @zoo_app.command("train")

@@ -67,3 +67,94 @@ def fmnist_feeds():
     stream = get_stream("fmnist-drift")
     start = stream.evaluation.start
     return to_model_input(stream.items(start, start + 16))
+
+
+def _start_redis(workdir: Path, port: int | None = None):
+    """redis-server on a loopback port (a free one unless given), answering PING; returns (process, port). A free
+    port may be taken before redis binds it: then redis exits and another port is tried."""
+    import shutil
+    import socket
+    import subprocess
+    import time
+
+    import redis
+
+    executable = shutil.which("redis-server") or "/usr/bin/redis-server"
+    wanted = port
+    for _attempt in range(1 if wanted else 5):
+        if wanted is None:
+            with socket.socket() as probe:
+                probe.bind(("127.0.0.1", 0))
+                port = probe.getsockname()[1]
+        with open(workdir / f"redis-{port}.log", "ab") as log:
+            proc = subprocess.Popen([executable, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                                     "--appendonly", "no", "--dir", str(workdir)],
+                                    stdout=log, stderr=subprocess.STDOUT, cwd=workdir)
+        client = redis.Redis(host="127.0.0.1", port=port, socket_connect_timeout=1, socket_timeout=1)
+        deadline = time.monotonic() + 20
+        try:
+            while proc.poll() is None and time.monotonic() < deadline:
+                try:
+                    if client.ping():
+                        return proc, port
+                except (redis.ConnectionError, redis.TimeoutError):
+                    time.sleep(0.02)  # still starting: poll again until the deadline
+        finally:
+            client.close()
+        proc.kill()
+        proc.wait()
+    raise RuntimeError(f"redis-server did not start; its logs are in {workdir}")
+
+
+class RedisServer:
+    """A redis-server of one's own that can go away and come back on the same port."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        self.proc, self.port = _start_redis(workdir)
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+
+    def stop(self) -> None:
+        import subprocess
+
+        if self.proc is None:
+            return
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc = None
+
+    def start(self) -> None:
+        if self.proc is None:
+            self.proc, _ = _start_redis(self.workdir, self.port)
+
+
+@pytest.fixture(scope="session")
+def redis_url(tmp_path_factory):
+    """A real redis-server for the session (no persistence), as a redis:// URL."""
+    server = RedisServer(tmp_path_factory.mktemp("redis"))
+    try:
+        yield server.url
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def redis_prefix() -> str:
+    """A key prefix of this test's own, so tests sharing the session's Redis never see each other's keys."""
+    import uuid
+
+    return f"test-{uuid.uuid4().hex}"
+
+
+@pytest.fixture
+def private_redis(tmp_path):
+    """A redis-server for one test that may stop and restart it (the session's one must stay up)."""
+    server = RedisServer(tmp_path)
+    try:
+        yield server
+    finally:
+        server.stop()

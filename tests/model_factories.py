@@ -1,4 +1,4 @@
-"""Importable `module:function` references for CLI tests (a user's factory and site policy)."""
+"""Importable `module:function` references for tests: a user's factory, site policy and race decider."""
 
 from __future__ import annotations
 
@@ -14,3 +14,13 @@ def tiny_resnet() -> torch.nn.Module:
 
 def every_other_cut(graph, candidates):
     return candidates[::2]
+
+
+def largest_label(arrived, expected, final):
+    """A user's race decider: once all have answered (or time is up), the largest label given."""
+    from rampserve.control.deciders import Decision
+
+    if not final or not arrived:
+        return None
+    top = max(arrived, key=lambda c: c.label)
+    return Decision(top.label, top.confidence, (top.model,))

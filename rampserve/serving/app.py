@@ -1,52 +1,79 @@
-"""The HTTP face of the server: the Open Inference Protocol v2 (with Triton's binary-data extension),
-Prometheus metrics and a JSON status, over the models' workers."""
+"""The HTTP face of the server: the Open Inference Protocol v2 (with Triton's binary-data extension) for models
+and applications, Clipper's application interface (`/{app}/predict`, `/{app}/update`), the admin API
+(applications, and Triton's model repository extension; token-protected when the server is not on loopback),
+Prometheus metrics and a JSON status."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
+import hmac
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import numpy as np
 import orjson
-from fastapi import FastAPI, Request, Response
+from fastapi import APIRouter, Depends, FastAPI, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import rampserve
+from rampserve.serving.applications import DEFAULT_CONTEXT, Application, ApplicationSpec, parse_query_input
 from rampserve.serving.cache import CachedAnswer, PredictionCache, cache_key
+from rampserve.serving.catalogue import Catalogue, CatalogueError
 from rampserve.serving.metrics import ServerMetrics
 from rampserve.serving.models import LABEL_OUTPUT, LOGITS_OUTPUT
+from rampserve.serving.predictors import ModelUnavailable, Predictor, WorkerPredictor
 from rampserve.serving.protocol import (
+    InferRequest,
     ProtocolError,
+    RequestedOutput,
+    TensorSpec,
     encode_infer_response,
     model_metadata,
     output_names_to_send,
     parse_infer_request,
     server_metadata,
 )
+from rampserve.serving.state_store import StoreError
+from rampserve.serving.update_stream import UpdateListener
 from rampserve.serving.worker import Answer, ExecutionFailed, ModelWorker, Shed
 
 HEADER_LENGTH = "inference-header-content-length"
+# Applications and models without ramps answer through v2 with a label per input.
+APPLICATION_OUTPUT = TensorSpec(LABEL_OUTPUT, "INT64", (-1,))
+APPLICATION_VERSION = "1"
 
 
 @dataclass
 class ServerState:
-    workers: dict[str, ModelWorker]
+    catalogue: Catalogue
     metrics: ServerMetrics
     max_body_bytes: int = 64 << 20
-    caches: dict[str, PredictionCache] = field(default_factory=dict)  # models that opted in
+    cache_bytes: int = 0  # prediction cache per bundle; 0: off
+    caches: dict[str, PredictionCache] = field(default_factory=dict)
+    admin_token: str | None = None  # None: admin endpoints are open (only allowed on loopback)
+    listener: UpdateListener | None = None  # model updates from a Redis Stream
     ready: bool = False
+
+    @property
+    def workers(self) -> dict[str, ModelWorker]:
+        return self.catalogue.workers
+
+    def cache(self, model: str) -> PredictionCache | None:
+        if not self.cache_bytes:
+            return None
+        if model not in self.caches:
+            self.caches[model] = PredictionCache(self.cache_bytes)
+        return self.caches[model]
 
 
 def error(status: int, message: str, headers: dict[str, str] | None = None) -> Response:
     return Response(orjson.dumps({"error": message}), status, headers, media_type="application/json")
 
 
-def json_response(data: object) -> Response:
-    return Response(orjson.dumps(data, option=orjson.OPT_SERIALIZE_NUMPY), media_type="application/json")
+def json_response(data: object, status: int = 200) -> Response:
+    return Response(orjson.dumps(data, option=orjson.OPT_SERIALIZE_NUMPY), status, media_type="application/json")
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -83,22 +110,29 @@ def answer_parameters(answer: Answer) -> dict:
         "early": answer.early,
         "exit_site": answer.exit_sites[0] if one else list(answer.exit_sites),
         "error_score": answer.error_scores[0] if one else list(answer.error_scores),
+        "confidence": float(answer.confidences[0]) if one else answer.confidences.tolist(),
         "config_version": answer.config_version,
         "batch_id": answer.batch_id,
     }
 
 
 def create_app(state: ServerState) -> FastAPI:
+    catalogue = state.catalogue
+
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
-        for worker in state.workers.values():
-            worker.start()
+        await catalogue.start()
+        if state.listener is not None:
+            await state.listener.start()
         state.ready = True
         yield
-        # uvicorn has stopped accepting and waited for the requests in flight; the workers answer whatever is
+        # uvicorn has stopped accepting and waited for the requests in flight; the models answer whatever is
         # still queued before they stop.
         state.ready = False
-        await asyncio.gather(*(asyncio.to_thread(w.stop) for w in state.workers.values()))
+        if state.listener is not None:
+            await state.listener.stop()
+        await catalogue.close()
+        await catalogue.store.close()
 
     app = FastAPI(title="rampserve", version=rampserve.__version__, lifespan=lifespan)
     metrics = state.metrics
@@ -111,14 +145,26 @@ def create_app(state: ServerState) -> FastAPI:
     async def protocol_error(_request: Request, exc: ProtocolError) -> Response:
         return error(exc.status, exc.message)
 
-    def worker_for(model: str, version: str | None) -> ModelWorker:
-        worker = state.workers.get(model)
-        if worker is None:
-            raise ProtocolError(f"unknown model '{model}'; served: {sorted(state.workers)}", 404)
-        if version is not None and version != worker.served.version:
-            raise ProtocolError(f"model '{model}' has no version '{version}'; versions: "
-                                f"['{worker.served.version}']", 404)
-        return worker
+    @app.exception_handler(CatalogueError)
+    async def catalogue_error(_request: Request, exc: CatalogueError) -> Response:
+        return error(exc.status, exc.message)
+
+    @app.exception_handler(StoreError)
+    async def store_error(_request: Request, exc: StoreError) -> Response:
+        return error(503, f"the state store is unavailable: {exc}")
+
+    def check_version(name: str, served_version: str, version: str | None) -> None:
+        if version is not None and version != served_version:
+            raise ProtocolError(f"model '{name}' has no version '{version}' loaded; loaded: ['{served_version}']",
+                                404)
+
+    def predictor_for(model: str, version: str | None) -> Predictor:
+        predictor = catalogue.models.get(model)
+        if predictor is None:
+            raise ProtocolError(f"unknown model '{model}'; served: {sorted(catalogue.models)}, applications: "
+                                f"{sorted(catalogue.apps)}", 404)
+        check_version(model, predictor.version, version)
+        return predictor
 
     @app.get("/v2/health/live")
     async def live() -> Response:
@@ -132,44 +178,71 @@ def create_app(state: ServerState) -> FastAPI:
     async def server() -> Response:
         return json_response(server_metadata("rampserve", rampserve.__version__, ["binary_tensor_data"]))
 
+    def signature(name: str, version: str | None) -> dict:
+        if name in catalogue.apps and name not in catalogue.models:
+            app_ = catalogue.apps[name]
+            check_version(name, APPLICATION_VERSION, version)
+            return model_metadata(name, [APPLICATION_VERSION], "rampserve_application", app_.signature(),
+                                  [APPLICATION_OUTPUT])
+        predictor = predictor_for(name, version)
+        if isinstance(predictor, WorkerPredictor):
+            served = predictor.served
+            return model_metadata(name, [served.version], served.platform, served.inputs, served.outputs)
+        return model_metadata(name, [predictor.version], f"rampserve_{predictor.kind}", predictor.inputs or (),
+                              [APPLICATION_OUTPUT])
+
     @app.get("/v2/models/{model}")
     @app.get("/v2/models/{model}/versions/{version}")
     async def metadata(model: str, version: str | None = None) -> Response:
-        served = worker_for(model, version).served
-        return json_response(model_metadata(served.name, [served.version], served.platform, served.inputs,
-                                            served.outputs))
+        return json_response(signature(model, version))
 
     @app.get("/v2/models/{model}/ready")
     @app.get("/v2/models/{model}/versions/{version}/ready")
     async def model_ready(model: str, version: str | None = None) -> Response:
-        worker_for(model, version)
+        signature(model, version)
         return json_response({"name": model, "ready": True}) if state.ready else error(503, "model is loading")
 
     async def infer(request: Request) -> Response:
         started = time.perf_counter()
         model, version = request.path_params["model"], request.path_params.get("version")
         try:
-            response, outcome = await _infer(worker_for(model, version), request)
+            body = await read_body(request, state.max_body_bytes)
+            header_length = request.headers.get(HEADER_LENGTH)
+            if header_length is not None and not header_length.strip().isdigit():
+                raise ProtocolError(f"header Inference-Header-Content-Length must be a byte count, got "
+                                    f"{header_length!r}")
+            length = None if header_length is None else int(header_length)
+            # The model is looked up only now, after the last await before it is asked: a swap in between
+            # cannot hand this request to a version that is draining.
+            if model in catalogue.apps and model not in catalogue.models:
+                check_version(model, APPLICATION_VERSION, version)
+                response, outcome = await _infer_app(catalogue.apps[model], body, length)
+            else:
+                predictor = predictor_for(model, version)
+                if isinstance(predictor, WorkerPredictor):
+                    response, outcome = await _infer(predictor.worker, body, length)
+                else:
+                    response, outcome = await _infer_predictor(predictor, body, length)
         except ProtocolError as exc:
             response, outcome = error(exc.status, exc.message), "invalid"
         except Shed as exc:
             retry = None if exc.retry_after_s is None else {"Retry-After": str(exc.retry_after_s)}
             response, outcome = error(exc.status, exc.message, retry), "shed"
+        except ModelUnavailable as exc:
+            response, outcome = error(503, str(exc)), "shed"
         except ExecutionFailed as exc:
             response, outcome = error(500, str(exc)), "failed"
-        label = model if model in state.workers else "unknown"
+        except StoreError as exc:
+            response, outcome = error(503, f"the state store is unavailable: {exc}"), "failed"
+        label = model if model in catalogue.models or model in catalogue.apps else "unknown"
         metrics.requests.labels(model=label, outcome=outcome).inc()
         if outcome != "invalid":
             metrics.latency.labels(model=label).observe(time.perf_counter() - started)
         return response
 
-    async def _infer(worker: ModelWorker, request: Request) -> tuple[Response, str]:
+    async def _infer(worker: ModelWorker, body: bytes, header_length: int | None) -> tuple[Response, str]:
         served = worker.served
-        body = await read_body(request, state.max_body_bytes)
-        header_length = request.headers.get(HEADER_LENGTH)
-        if header_length is not None and not header_length.strip().isdigit():
-            raise ProtocolError(f"header Inference-Header-Content-Length must be a byte count, got {header_length!r}")
-        parsed = parse_infer_request(body, None if header_length is None else int(header_length), served.inputs)
+        parsed = parse_infer_request(body, header_length, served.inputs)
         problem = served.check_limits(parsed.inputs)
         if problem:
             raise ProtocolError(problem)
@@ -178,7 +251,7 @@ def create_app(state: ServerState) -> FastAPI:
             wanted = [o for o in wanted if o.name == LABEL_OUTPUT]
         deadline_ms, priority = request_options(parsed.parameters)
         needs_final = any(o.name == LOGITS_OUTPUT for o in wanted)
-        cache = state.caches.get(served.name)
+        cache = state.cache(served.name)
         key = cache_key(served.name, served.version, parsed.inputs) if cache is not None else None
         cached = cache.get(key) if cache is not None else None
         if cache is not None:
@@ -195,15 +268,144 @@ def create_app(state: ServerState) -> FastAPI:
             if cache is not None:
                 cache.put(key, CachedAnswer(tensors, parameters))
         datatypes = {o.name: o.datatype for o in served.outputs}
-        body, headers = encode_infer_response(
-            served.name, served.version, parsed.id,
-            [(o.name, datatypes[o.name], tensors[o.name]) for o in wanted],
-            binary=[o.name for o in wanted if o.binary], parameters=parameters)
-        return Response(body, headers=headers), outcome
+        return label_response(served.name, served.version, parsed, wanted,
+                              [(o.name, datatypes[o.name], tensors[o.name]) for o in wanted], parameters), outcome
+
+    def label_response(name: str, version: str, parsed: InferRequest, wanted: list[RequestedOutput],
+                       tensors: list[tuple[str, str, np.ndarray]], parameters: dict) -> Response:
+        body, headers = encode_infer_response(name, version, parsed.id, tensors,
+                                              binary=[o.name for o in wanted if o.binary], parameters=parameters)
+        return Response(body, headers=headers)
+
+    async def _infer_predictor(predictor: Predictor, body: bytes, header_length: int | None) -> tuple[Response, str]:
+        """A model without ramps (torch, ONNX, scikit-learn, a callable, a remote one): labels and confidences."""
+        if predictor.inputs is None:
+            raise ProtocolError(f"model '{predictor.name}' has no known input signature", 503)
+        parsed = parse_infer_request(body, header_length, predictor.inputs)
+        wanted = output_names_to_send(parsed, [LABEL_OUTPUT])
+        deadline_ms, _ = request_options(parsed.parameters)
+        prediction = await predictor.predict(parsed.inputs, deadline_ms)
+        confidences = prediction.confidences.tolist()
+        parameters = {"confidence": confidences[0] if len(confidences) == 1 else confidences}
+        return label_response(predictor.name, predictor.version, parsed, wanted,
+                              [(LABEL_OUTPUT, "INT64", prediction.labels)], parameters), "final"
+
+    async def _infer_app(app_: Application, body: bytes, header_length: int | None) -> tuple[Response, str]:
+        """An application through v2: one query per request, the context from parameters.uid."""
+        parsed = parse_infer_request(body, header_length, app_.signature())
+        if parsed.batch_size != 1:
+            raise ProtocolError(f"application '{app_.name}' answers one query per request, got {parsed.batch_size}")
+        wanted = output_names_to_send(parsed, [LABEL_OUTPUT])
+        answer = await app_.predict(parsed.inputs, context_of(parsed.parameters.get("uid")))
+        label = answer.output if isinstance(answer.output, int) and not isinstance(answer.output, bool) else -1
+        parameters = {k: v for k, v in answer.to_json().items() if k != "output"}
+        if answer.default:
+            parameters["default_output"] = answer.output
+        return label_response(app_.name, APPLICATION_VERSION, parsed, wanted,
+                              [(LABEL_OUTPUT, "INT64", np.array([label]))], parameters), \
+            "default" if answer.default else "answered"
 
     # The hot path is a plain Starlette route: FastAPI's parameter resolution adds nothing the handler needs.
     app.add_route("/v2/models/{model}/infer", infer, methods=["POST"])
     app.add_route("/v2/models/{model}/versions/{version}/infer", infer, methods=["POST"])
+
+    # ---- applications (Clipper's query interface) ---------------------------------------------------------
+
+    async def json_body(request: Request) -> dict:
+        raw = await read_body(request, state.max_body_bytes)
+        try:
+            body = orjson.loads(raw) if raw else {}
+        except orjson.JSONDecodeError as exc:
+            raise ProtocolError(f"request body is not valid JSON: {exc}") from None
+        if not isinstance(body, dict):
+            raise ProtocolError("request body must be a JSON object")
+        return body
+
+    def query_parts(app_: Application, body: dict) -> tuple[dict[str, np.ndarray], str]:
+        if "input" not in body:
+            raise ProtocolError("request body needs 'input'")
+        return parse_query_input(body["input"], app_.signature()), context_of(body.get("uid"))
+
+    @app.post("/{app_name}/predict")
+    async def predict(app_name: str, request: Request) -> Response:
+        app_ = catalogue.app(app_name)
+        inputs, context = query_parts(app_, await json_body(request))
+        return json_response((await app_.predict(inputs, context)).to_json())
+
+    @app.post("/{app_name}/update")
+    async def update(app_name: str, request: Request) -> Response:
+        app_ = catalogue.app(app_name)
+        body = await json_body(request)
+        inputs, context = query_parts(app_, body)
+        label = body.get("label")
+        if isinstance(label, bool) or not isinstance(label, int) or label < 0:
+            raise ProtocolError(f"'label' must be a non-negative integer class, got {label!r}")
+        return json_response(await app_.update(inputs, label, context))
+
+    @app.get("/apps")
+    async def applications() -> Response:
+        return json_response({name: a.status() for name, a in catalogue.apps.items()})
+
+    @app.get("/apps/{app_name}")
+    async def application(app_name: str, uid: str | None = None) -> Response:
+        app_ = catalogue.app(app_name)
+        return json_response({**app_.status(), "weights": await app_.weights(context_of(uid))})
+
+    # ---- administration: applications and the model repository (Triton's repository extension) -----------
+
+    def require_admin(request: Request) -> None:
+        if state.admin_token is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not token:
+            raise ProtocolError("this endpoint needs the admin token: send 'Authorization: Bearer <token>'", 401)
+        if not hmac.compare_digest(token.encode(), state.admin_token.encode()):
+            raise ProtocolError("the admin token is wrong", 403)
+
+    admin = APIRouter(dependencies=[Depends(require_admin)])
+
+    @admin.post("/admin/apps")
+    async def register_app(request: Request) -> Response:
+        try:
+            spec = ApplicationSpec.from_json(await json_body(request))
+        except (ValueError, TypeError) as exc:
+            raise ProtocolError(str(exc)) from None
+        app_ = await catalogue.register(spec)
+        return json_response(app_.status(), 201)
+
+    @admin.post("/admin/apps/{app_name}/models")
+    async def link_models(app_name: str, request: Request) -> Response:
+        models = (await json_body(request)).get("models")
+        if not isinstance(models, list) or not models or not all(isinstance(m, str) for m in models):
+            raise ProtocolError("'models' must be a non-empty list of model names")
+        return json_response((await catalogue.link(app_name, models)).status())
+
+    @admin.delete("/admin/apps/{app_name}")
+    async def remove_app(app_name: str) -> Response:
+        await catalogue.remove(app_name)
+        return json_response({"removed": app_name})
+
+    @admin.post("/v2/repository/index")
+    async def repository_index() -> Response:
+        return json_response(catalogue.index())
+
+    @admin.post("/v2/repository/models/{model}/load")
+    async def load_model(model: str, request: Request) -> Response:
+        parameters = (await json_body(request)).get("parameters") or {}
+        version = parameters.get("version") if isinstance(parameters, dict) else None
+        if version is not None and not isinstance(version, str | int):
+            raise ProtocolError(f"parameters.version must be a version name, got {version!r}")
+        predictor = await catalogue.load(model, None if version is None else str(version))
+        return json_response({"name": model, "version": predictor.version, "state": "READY"})
+
+    @admin.post("/v2/repository/models/{model}/unload")
+    async def unload_model(model: str) -> Response:
+        await catalogue.unload(model)
+        return json_response({"name": model, "state": "UNAVAILABLE"})
+
+    app.include_router(admin)
+
+    # ---- observability ------------------------------------------------------------------------------------
 
     @app.get("/metrics")
     async def prometheus() -> Response:
@@ -211,10 +413,28 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.get("/status")
     async def status() -> Response:
-        return json_response({"ready": state.ready, "models": {n: w.status() for n, w in state.workers.items()}})
+        return json_response({
+            "ready": state.ready,
+            "models": {n: w.status() for n, w in state.workers.items()},
+            "other_models": {n: p.describe() for n, p in catalogue.models.items() if n not in state.workers},
+            "applications": sorted(catalogue.apps),
+            "store": catalogue.store.description,
+            "updates": None if state.listener is None else state.listener.status(),
+        })
 
     @app.get("/status/{model}")
     async def model_status(model: str) -> Response:
-        return json_response(worker_for(model, None).status())
+        predictor = predictor_for(model, None)
+        return json_response(predictor.worker.status() if isinstance(predictor, WorkerPredictor)
+                             else predictor.describe())
 
     return app
+
+
+def context_of(uid: object) -> str:
+    """The selection context of a query: the user or session key it names, or the application's default."""
+    if uid is None:
+        return DEFAULT_CONTEXT
+    if not isinstance(uid, str | int) or isinstance(uid, bool) or not str(uid):
+        raise ProtocolError(f"'uid' must be a non-empty string, got {uid!r}")
+    return str(uid)

@@ -42,3 +42,13 @@ class ServerMetrics:
         self.queued = Gauge("rampserve_queued_inputs", "Inputs waiting for a batch", ["model"], registry=r)
         self.batch_limit = Gauge("rampserve_batch_limit", "Current adaptive batch size limit", ["model"],
                                  registry=r)
+        self.app_requests = Counter("rampserve_app_requests", "Application queries by outcome (answered, default)",
+                                    ["app", "outcome"], registry=r)
+        self.app_latency = Histogram("rampserve_app_answer_seconds", "Application query arrival to its answer",
+                                     ["app"], buckets=LATENCY_BUCKETS, registry=r)
+        self.app_model_answers = Counter(
+            "rampserve_app_model_answers",
+            "Answers of an application's models by outcome (answered, late, failed, won)",
+            ["app", "model", "outcome"], registry=r)
+        self.app_model_latency = Histogram("rampserve_app_model_seconds", "Time a model of an application took "
+                                           "to answer", ["app", "model"], buckets=LATENCY_BUCKETS, registry=r)

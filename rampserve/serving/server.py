@@ -2,20 +2,27 @@
 
 from __future__ import annotations
 
+import ipaddress
 import socket
 import sys
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
 
 import uvicorn
 from tqdm.auto import tqdm
 
 from rampserve.serving.app import ServerState, create_app
-from rampserve.serving.cache import PredictionCache
+from rampserve.serving.applications import ApplicationSpec
+from rampserve.serving.catalogue import Catalogue, CatalogueError, ModelRepository
 from rampserve.serving.metrics import ServerMetrics
 from rampserve.serving.models import ServedModel, load_served
+from rampserve.serving.predictors import Predictor, WorkerPredictor
+from rampserve.serving.state_store import open_store
+from rampserve.serving.update_stream import ModelUpdate, UpdateListener
 from rampserve.serving.worker import ModelSettings, ModelWorker
 
 LOOPBACK = "127.0.0.1"
@@ -33,17 +40,63 @@ class ServerSettings:
     cache_mb: float = 0.0  # prediction cache per model; 0: off
     # Longest the server waits, once told to stop, for requests in flight before it closes their connections.
     graceful_timeout_s: float = 30.0
+    # Admin endpoints (applications, model loading) need `Authorization: Bearer <token>` when set; a server
+    # bound beyond loopback refuses to start without one.
+    admin_token: str | None = None
+    store: str | None = None  # selection state and applications: None in memory, or a redis:// URL
+    store_prefix: str = "rampserve"  # Redis keys' prefix: servers sharing it share applications and state
+    repository: Path | None = None  # versioned models on disk, all loaded at start (latest version)
+    update_stream: bool = False  # follow model updates pushed to the Redis Stream (needs a redis store)
 
 
-def build_state(models: Sequence[ServedModel], model_settings: ModelSettings,
-                settings: ServerSettings) -> ServerState:
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve anywhere
+        return False
+
+
+def check_admin_access(settings: ServerSettings) -> None:
+    if settings.admin_token is None and not is_loopback(settings.host):
+        raise ValueError(f"the server would bind {settings.host}, beyond loopback, with open admin endpoints: "
+                         "give an admin token (--admin-token or RAMPSERVE_ADMIN_TOKEN)")
+
+
+def build_state(models: Sequence[ServedModel | Predictor], model_settings: ModelSettings,
+                settings: ServerSettings, apps: Sequence[ApplicationSpec] = ()) -> ServerState:
+    """The server's state: the given models (prepared bundles get a batching executor with early exits; any
+    other `Predictor` is served as it is) and every model of the repository, plus applications over them."""
+    check_admin_access(settings)
     metrics = ServerMetrics()
-    workers = {m.name: ModelWorker(m, model_settings, metrics) for m in models}
-    if len(workers) != len(models):
-        raise ValueError(f"two models share a name: {[m.name for m in models]}")
-    caches = {name: PredictionCache(int(settings.cache_mb * (1 << 20))) for name in workers} \
-        if settings.cache_mb > 0 else {}
-    return ServerState(workers, metrics, int(settings.max_body_mb * (1 << 20)), caches)
+    repository = None if settings.repository is None else ModelRepository(settings.repository, model_settings,
+                                                                             metrics)
+    predictors = [WorkerPredictor(ModelWorker(m, model_settings, metrics)) if isinstance(m, ServedModel) else m
+                  for m in models]
+    if repository is not None:
+        predictors += [repository.build(name) for name in tqdm(repository.names(), desc="loading repository",
+                                                               unit="model")]
+    if settings.update_stream and not (settings.store or "").startswith(("redis", "unix")):
+        raise ValueError("following the update stream needs a Redis store (--store redis://...)")
+    store = open_store(settings.store, settings.store_prefix)
+    catalogue = Catalogue(metrics, store, repository, predictors, apps)
+    listener = None
+    if settings.update_stream:
+        listener = UpdateListener(settings.store, partial(apply_update, catalogue))
+    return ServerState(catalogue, metrics, int(settings.max_body_mb * (1 << 20)),
+                       int(settings.cache_mb * (1 << 20)), admin_token=settings.admin_token, listener=listener)
+
+
+async def apply_update(catalogue: Catalogue, update: ModelUpdate) -> None:
+    """A model update from the stream: load (or swap to) a version from the repository, or unload."""
+    if update.action == "load":
+        await catalogue.load(update.model, update.version)
+        return
+    loaded = catalogue.models.get(update.model)
+    if update.version is not None and loaded is not None and loaded.version != update.version:
+        raise CatalogueError(f"model {update.model} serves version {loaded.version}, not {update.version}")
+    await catalogue.unload(update.model)
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -64,14 +117,15 @@ def uvicorn_server(state: ServerState, settings: ServerSettings) -> uvicorn.Serv
     return uvicorn.Server(config)
 
 
-def serve(refs: Sequence[str], model_settings: ModelSettings, settings: ServerSettings) -> None:
+def serve(refs: Sequence[str], model_settings: ModelSettings, settings: ServerSettings,
+          apps: Sequence[ApplicationSpec] = ()) -> None:
     """Serve the models until interrupted; a SIGTERM or SIGINT stops accepting and answers what was accepted."""
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     models = [load_served(ref) for ref in tqdm(refs, desc="loading models", unit="model")]
-    state = build_state(models, model_settings, settings)
+    state = build_state(models, model_settings, settings, apps)
     sock = bind(settings.host, settings.port)
     host, port = sock.getsockname()[:2]
-    print(f"rampserve: serving {', '.join(state.workers)} on http://{host}:{port} "
+    print(f"rampserve: serving {', '.join(state.catalogue.models) or 'no models yet'} on http://{host}:{port} "
           f"({'vanilla' if model_settings.vanilla else 'early exits'}); metrics at /metrics, status at /status",
           flush=True)
     uvicorn_server(state, settings).run(sockets=[sock])

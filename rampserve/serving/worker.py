@@ -25,6 +25,7 @@ import torch
 
 from rampserve.control.controller import Controller, ControllerSettings
 from rampserve.control.records import NO_EXIT, BatchRecord, Configuration
+from rampserve.ramps.scores import top_label_and_error
 from rampserve.runtime.profile import max_batch_for_slo
 from rampserve.serving.batching import AdaptiveBatchSize, BatchTimeEstimate, expected_wait_ms
 from rampserve.serving.metrics import ServerMetrics
@@ -71,6 +72,8 @@ class Answer:
     labels: np.ndarray  # (rows,) released label per input
     exit_sites: tuple[str | None, ...]  # per input: the ramp that answered, None for the final layer
     error_scores: tuple[float | None, ...]
+    # per input: 1 - error score of the ramp that answered, or the final layer's top softmax probability
+    confidences: np.ndarray
     logits: np.ndarray | None  # the original model's, when the request asked for them
     config_version: int
     batch_id: int
@@ -259,17 +262,19 @@ class ModelWorker:
             rows = np.arange(start, start + pending.rows)
             at = exits[rows]
             if final is None:  # every input of the request exited at a ramp
-                released = labels[rows, at]
+                released, released_errors = labels[rows, at], errors[rows, at]
             else:
-                released = final[rows]
+                released, released_errors = final[rows], final_errors[rows]
                 exited = at != NO_EXIT
                 released[exited] = labels[rows[exited], at[exited]]
+                released_errors[exited] = errors[rows[exited], at[exited]]
             now = time.monotonic()
             pending.settle(Answer(
                 labels=released,
                 exit_sites=tuple(None if j == NO_EXIT else config.sites[j] for j in at),
                 error_scores=tuple(None if j == NO_EXIT else float(errors[i, j])
                                    for i, j in zip(rows, at)),
+                confidences=1.0 - released_errors,
                 logits=None if logits is None or not pending.needs_final else logits[rows],
                 config_version=config.version, batch_id=batch_id, released_at=now))
             self.metrics.answer.labels(**self._labels).observe(now - pending.arrival)
@@ -290,7 +295,7 @@ class ModelWorker:
         for pending in batch:
             self.metrics.queue.labels(**self._labels).observe(started - pending.arrival)
         logits = model.run(feeds, config.sites, on_ramp if r else None)
-        final = logits.argmax(axis=1)
+        final, final_errors = top_label_and_error(logits)
         for index, pending in enumerate(batch):
             if not pending.settled:
                 answer(pending, int(starts[index]), final, logits)

@@ -1,0 +1,243 @@
+"""What a server serves, and how that changes while it serves: models by name (one version live at a time),
+loaded from a versioned repository on disk, and the applications over them.
+
+Repository layout (Triton's): `ROOT/{model}/{version}/` with a positive integer version, holding one of
+- `manifest.json`: a prepared bundle, served with early exits (`rampserve prepare --out` writes one);
+- `model.onnx`: an ONNX graph on ONNX Runtime;
+- `remote.json`: `{"url", "model", "version"?, "timeout_ms"?, "retries"?, "label_output"?, "scores_output"?}`,
+  a model behind another Open Inference Protocol server.
+Nothing is unpickled: bundles are safetensors or ONNX with a JSON manifest.
+
+A swap starts the new version first, then points the name at it (one step on the event loop, so a request
+goes wholly to one version), then lets the old one answer everything it accepted before it stops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterable
+from dataclasses import replace
+from pathlib import Path
+
+import orjson
+
+from rampserve.runtime.bundle import MANIFEST, load_bundle
+from rampserve.serving.applications import (
+    APPLICATIONS_NAMESPACE,
+    Application,
+    ApplicationSpec,
+    check_compatible,
+)
+from rampserve.serving.metrics import ServerMetrics
+from rampserve.serving.models import served
+from rampserve.serving.predictors import Predictor, RemotePredictor, WorkerPredictor, onnx_predictor
+from rampserve.serving.state_store import StateStore
+from rampserve.serving.worker import ModelSettings, ModelWorker
+
+log = logging.getLogger("rampserve.serving")
+
+FORMATS = {MANIFEST: "bundle", "model.onnx": "onnx", "remote.json": "remote"}
+REMOTE_FIELDS = {"url", "model", "version", "timeout_ms", "retries", "label_output", "scores_output"}
+
+
+class CatalogueError(Exception):
+    """An admin request that cannot be done; `status` is the HTTP status to answer with."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.message, self.status = message, status
+
+
+class ModelRepository:
+    def __init__(self, root: Path, settings: ModelSettings, metrics: ServerMetrics) -> None:
+        if not Path(root).is_dir():
+            raise ValueError(f"model repository {root} is not a directory")
+        self.root = Path(root)
+        self.settings, self.metrics = settings, metrics
+
+    def versions(self, name: str) -> list[str]:
+        folder = self.root / name
+        if not folder.is_dir() or name.startswith("."):
+            return []
+        return sorted((p.name for p in folder.iterdir() if p.is_dir() and p.name.isdigit() and int(p.name) > 0),
+                      key=int)
+
+    def names(self) -> list[str]:
+        return sorted(p.name for p in self.root.iterdir() if p.is_dir() and self.versions(p.name))
+
+    def build(self, name: str, version: str | None = None) -> Predictor:
+        """The model's version (the latest if None), ready to start; heavy, so the server runs it in a thread."""
+        versions = self.versions(name)
+        if not versions:
+            raise CatalogueError(f"model {name!r} is not in the repository {self.root}", 404)
+        version = versions[-1] if version is None else str(version)
+        if version not in versions:
+            raise CatalogueError(f"model {name!r} has no version {version!r}; versions: {versions}", 404)
+        folder = self.root / name / version
+        kinds = [kind for file, kind in FORMATS.items() if (folder / file).is_file()]
+        if len(kinds) != 1:
+            raise CatalogueError(f"{folder} must hold exactly one of {sorted(FORMATS)}, found {len(kinds)}")
+        if kinds[0] == "bundle":
+            model = replace(served(name, load_bundle(folder)), version=version)
+            return WorkerPredictor(ModelWorker(model, self.settings, self.metrics))
+        if kinds[0] == "onnx":
+            return onnx_predictor(name, folder / "model.onnx", version)
+        try:
+            config = orjson.loads((folder / "remote.json").read_bytes())
+            if not isinstance(config, dict) or set(config) - REMOTE_FIELDS or not {"url", "model"} <= set(config):
+                raise ValueError(f"needs url and model, may have {sorted(REMOTE_FIELDS)}")
+            remote = RemotePredictor(name, **config)
+        except (ValueError, TypeError) as exc:
+            raise CatalogueError(f"{folder}/remote.json: {exc}") from None
+        remote.version = version  # the repository's version; remote.json's names the remote server's
+        return remote
+
+
+class Catalogue:
+    """Models and applications of one server; every change runs on the event loop, one at a time."""
+
+    def __init__(self, metrics: ServerMetrics, store: StateStore, repository: ModelRepository | None = None,
+                 models: Iterable[Predictor] = (), apps: Iterable[ApplicationSpec] = ()) -> None:
+        self.metrics, self.store, self.repository = metrics, store, repository
+        self.models: dict[str, Predictor] = {}
+        for predictor in models:
+            if predictor.name in self.models:
+                raise ValueError(f"two models share the name {predictor.name!r}")
+            self.models[predictor.name] = predictor
+        self.workers: dict[str, ModelWorker] = {}  # the bundles' executors, which answer v2 inference themselves
+        self._index_workers()
+        self.apps: dict[str, Application] = {}
+        self._initial_apps = tuple(apps)
+        self._changing = asyncio.Lock()
+        self.started = False
+
+    def _index_workers(self) -> None:
+        self.workers = {n: p.worker for n, p in self.models.items() if isinstance(p, WorkerPredictor)}
+
+    def model(self, name: str) -> Predictor:
+        return self.models[name]
+
+    async def start(self) -> None:
+        for predictor in self.models.values():
+            await predictor.start()
+        self.started = True
+        for name, stored in (await self.store.items(APPLICATIONS_NAMESPACE)).items():
+            try:
+                self._add_app(ApplicationSpec.from_json(stored))
+            except (ValueError, CatalogueError) as exc:  # e.g. its models are not loaded here
+                log.warning("stored application %s is not served: %s", name, exc)
+        for spec in self._initial_apps:  # given at start: they replace stored definitions of the same name
+            await self.register(spec)
+
+    async def close(self) -> None:
+        self.started = False
+        await asyncio.gather(*(p.close() for p in self.models.values()))
+
+    # ---- models -------------------------------------------------------------------------------------------
+
+    async def load(self, name: str, version: str | None = None) -> Predictor:
+        """Load a version from the repository (the latest by default), swapping out the one being served."""
+        if self.repository is None:
+            raise CatalogueError("this server has no model repository (start it with --repository)", 404)
+        if name in self.apps:
+            raise CatalogueError(f"{name!r} is an application's name")
+        async with self._changing:
+            predictor = await asyncio.to_thread(self.repository.build, name, version)
+            await self.install(predictor)
+            return predictor
+
+    async def install(self, predictor: Predictor) -> None:
+        """Serve `predictor` under its name, replacing (and draining) the one there."""
+        try:
+            await predictor.start()
+        except Exception as exc:
+            await predictor.close()
+            raise CatalogueError(f"model {predictor.name} failed to start: {exc}", 503) from None
+        for app in self.apps.values():
+            if predictor.name in app.spec.models:
+                self._check_models(app.spec.name, app.spec.models, replacing=predictor)
+        old = self.models.get(predictor.name)
+        self.models[predictor.name] = predictor
+        self._index_workers()
+        if old is not None:
+            await old.close()
+
+    async def unload(self, name: str) -> None:
+        async with self._changing:
+            old = self.models.pop(name, None)
+            if old is None:
+                raise CatalogueError(f"model {name!r} is not loaded", 404)
+            self._index_workers()
+            await old.close()
+
+    def index(self) -> list[dict]:
+        """Triton's repository index: every model on disk or loaded, with its state."""
+        names = set(self.models) | set(self.repository.names() if self.repository else ())
+        entries = []
+        for name in sorted(names):
+            loaded = self.models.get(name)
+            on_disk = self.repository.versions(name) if self.repository else []
+            for version in on_disk or [loaded.version]:
+                ready = loaded is not None and loaded.version == version
+                entries.append({"name": name, "version": version, "state": "READY" if ready else "UNAVAILABLE",
+                                "reason": "" if ready else "not loaded"})
+        return entries
+
+    # ---- applications -------------------------------------------------------------------------------------
+
+    def _check_models(self, app: str, models: Iterable[str], replacing: Predictor | None = None) -> None:
+        signatures = {}
+        for model in models:
+            predictor = replacing if replacing is not None and replacing.name == model else self.models.get(model)
+            if predictor is None:
+                raise CatalogueError(f"application {app}: model {model!r} is not loaded; loaded: "
+                                     f"{sorted(self.models)}", 404)
+            signatures[model] = predictor.inputs
+        try:
+            check_compatible(app, signatures)
+        except ValueError as exc:
+            raise CatalogueError(str(exc)) from None
+
+    def _add_app(self, spec: ApplicationSpec) -> Application:
+        if spec.name in self.models:
+            raise CatalogueError(f"{spec.name!r} is a model's name; an application needs a name of its own", 409)
+        self._check_models(spec.name, spec.models)
+        app = Application(spec, self.model, self.store, self.metrics)
+        if (old := self.apps.get(spec.name)) is not None:  # relinked: statistics of the models it keeps go on
+            app.stats.update({m: s for m, s in old.stats.items() if m in spec.models})
+            app.requests, app.defaults = old.requests, old.defaults
+        self.apps[spec.name] = app
+        return app
+
+    async def register(self, spec: ApplicationSpec) -> Application:
+        """Add or redefine an application; the definition is kept in the store, so a server sharing it (or
+        this one, restarted) serves it too."""
+        async with self._changing:
+            app = self._add_app(spec)
+            await self.store.put(APPLICATIONS_NAMESPACE, spec.name, spec.to_json())
+            return app
+
+    async def link(self, name: str, models: list[str]) -> Application:
+        """Clipper's model links: add models to an application (its selection state keeps the others' weights)."""
+        app = self.apps.get(name)
+        if app is None:
+            raise CatalogueError(f"unknown application {name!r}", 404)
+        added = tuple(m for m in models if m not in app.spec.models)
+        try:
+            spec = replace(app.spec, models=app.spec.models + added)
+        except ValueError as exc:
+            raise CatalogueError(str(exc)) from None
+        return await self.register(spec)
+
+    async def remove(self, name: str) -> None:
+        async with self._changing:
+            if self.apps.pop(name, None) is None:
+                raise CatalogueError(f"unknown application {name!r}", 404)
+            await self.store.delete(APPLICATIONS_NAMESPACE, name)
+
+    def app(self, name: str) -> Application:
+        app = self.apps.get(name)
+        if app is None:
+            raise CatalogueError(f"unknown application {name!r}; applications: {sorted(self.apps)}", 404)
+        return app
