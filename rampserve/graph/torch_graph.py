@@ -7,7 +7,9 @@ gives bit-for-bit the original model's output on the same inputs.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 from torch import fx, nn
@@ -31,11 +33,56 @@ class _LeafTracer(fx.Tracer):
         return isinstance(m, self.leaf_types) or super().is_leaf_module(m, module_qualified_name)
 
 
+class TraceGuard:
+    """fx's tracer patches `torch.nn.Module.__call__` for the whole process while it traces, so a module run on
+    another thread meanwhile (a served model, while a new version loads) would be traced instead of run, and
+    fail. Tracing takes the guard alone; running modules share it. A waiting trace holds new runs back, so a
+    model loading under steady traffic is not starved; the runs wait for as long as the trace takes."""
+
+    def __init__(self) -> None:
+        self._condition = threading.Condition()
+        self._running = 0
+        self._tracing = False
+        self._waiting_traces = 0
+
+    @contextmanager
+    def running(self) -> Iterator[None]:
+        with self._condition:
+            while self._tracing or self._waiting_traces:
+                self._condition.wait()
+            self._running += 1
+        try:
+            yield
+        finally:
+            with self._condition:
+                self._running -= 1
+                self._condition.notify_all()
+
+    @contextmanager
+    def tracing(self) -> Iterator[None]:
+        with self._condition:
+            self._waiting_traces += 1
+            while self._tracing or self._running:
+                self._condition.wait()
+            self._waiting_traces -= 1
+            self._tracing = True
+        try:
+            yield
+        finally:
+            with self._condition:
+                self._tracing = False
+                self._condition.notify_all()
+
+
+TRACE_GUARD = TraceGuard()
+
+
 def trace(module: nn.Module) -> fx.GraphModule:
     leaf_types = tuple(getattr(module, "rampserve_leaf_types", ()))
     tracer = _LeafTracer(leaf_types)
     try:
-        graph = tracer.trace(module)
+        with TRACE_GUARD.tracing():
+            graph = tracer.trace(module)
     except Exception as exc:  # fx raises many types; the user needs to know which model and why
         raise ValueError(
             f"torch.fx could not trace {type(module).__name__}: {exc}. Models with data-dependent control "

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from rampserve.graph.torch_graph import TRACE_GUARD
 from rampserve.ramps.cache import CacheRamp
 from rampserve.ramps.kinds import Ramp, RampSpec
 from rampserve.runtime.backends import Backend
@@ -78,7 +79,7 @@ class PreparedModel:
             if on_ramp is not None:
                 on_ramp(site, labels, errors)
 
-        with torch.inference_mode():
+        with TRACE_GUARD.running(), torch.inference_mode():
             return self.backend.to_tensor(self.backend.run_hooked(feeds, active, report)).numpy()
 
     def learn(self, final_labels: np.ndarray) -> list[str]:

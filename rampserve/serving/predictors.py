@@ -25,6 +25,7 @@ import orjson
 import torch
 from torch import nn
 
+from rampserve.graph.torch_graph import TRACE_GUARD
 from rampserve.ramps.scores import top_label_and_error
 from rampserve.serving.models import V2_DATATYPES, ServedModel
 from rampserve.serving.protocol import TensorSpec
@@ -148,7 +149,7 @@ def torch_predictor(name: str, module: nn.Module, inputs: Sequence[TensorSpec], 
     names = [spec.name for spec in inputs]
 
     def run(feeds: dict[str, np.ndarray]) -> np.ndarray:
-        with torch.inference_mode():
+        with TRACE_GUARD.running(), torch.inference_mode():
             return module(*(torch.from_numpy(np.ascontiguousarray(feeds[n])) for n in names)).float().numpy()
 
     return FunctionPredictor(name, run, inputs, "torch", version)
