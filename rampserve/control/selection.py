@@ -41,9 +41,14 @@ class SelectionState:
 
 
 def _normalised(weights: np.ndarray) -> np.ndarray:
+    """Weights summing to 1 with none below MIN_WEIGHT. Floored weights sit exactly at the floor (the others
+    give up that mass), so the floor is a fixed point: an update never moves a model it did not observe."""
     weights = weights / weights.sum()
-    weights = np.maximum(weights, MIN_WEIGHT)
-    return weights / weights.sum()
+    low = weights < MIN_WEIGHT
+    if low.any():
+        weights[~low] *= (1.0 - MIN_WEIGHT * low.sum()) / weights[~low].sum()
+        weights[low] = MIN_WEIGHT
+    return weights
 
 
 def exp3_choose(state: SelectionState, uniform: float) -> int:
