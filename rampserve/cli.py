@@ -509,6 +509,47 @@ def bench_selection(
             console.print(f"wrote {path}")
 
 
+@bench_app.command("race")
+def bench_race(
+    models: Annotated[str, typer.Option(help="zoo models or bundle directories, comma-separated")]
+    = "vgg11-fmnist,resnet18-fmnist,resnet50-fmnist",
+    remote: Annotated[str, typer.Option(help="the model served by a second rampserve and reached over v2 "
+                                             "('none': all local)")] = "resnet50-fmnist",
+    timeout_ms: Annotated[Optional[list[str]], typer.Option(
+        help="the race's timeout T, repeatable; 'auto': the slowest model's mean latency in a calibration race "
+             "(default: auto and 50)")] = None,
+    deciders: Annotated[str, typer.Option(help="comma-separated: first, consensus, best_confidence, "
+                                               "confidence_weighted or module:function")]
+    = "first,consensus,best_confidence,confidence_weighted",
+    queries: Annotated[int, typer.Option(help="Fashion-MNIST test images, each sent to every configuration")] = 1000,
+    calibration_queries: Annotated[int, typer.Option(help="other test images for the calibration race")] = 200,
+    rate: Annotated[float, typer.Option(help="requests per second of the one client, all configurations")] = 40.0,
+    tolerance_ms: Annotated[float, typer.Option(help="checked: p99 answer time <= T + this")] = 5.0,
+    vanilla: Annotated[bool, typer.Option(help="serve the models without early exits")] = False,
+    seed: Annotated[int, typer.Option(help="which test images, and the order of configurations")] = 0,
+    json_out: Annotated[Optional[Path], typer.Option("--json", help="write the results here")] = None,
+) -> None:
+    """Speculative serving's race, live: three models (one remote), each decider at each timeout T, and each
+    model alone, on the same Fashion-MNIST queries; accuracy, answer times and p99 <= T + tolerance."""
+    from rampserve.bench.race import RaceSettings, comparison_lines, model_table, race_table, run_race
+
+    try:
+        timeouts = tuple(None if t.strip().lower() == "auto" else float(t) for t in (timeout_ms or ["auto", "50"]))
+        settings = RaceSettings(models=tuple(m.strip() for m in models.split(",") if m.strip()),
+                                remote=None if remote.lower() == "none" else remote, vanilla=vanilla,
+                                deciders=tuple(d.strip() for d in deciders.split(",") if d.strip()),
+                                timeouts_ms=timeouts, queries=queries, calibration_queries=calibration_queries,
+                                rate_rps=rate, tolerance_ms=tolerance_ms, seed=seed)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    report = run_race(settings, note=lambda stage: console.print(f"[dim]{stage}[/dim]"))
+    console.print(race_table(report))
+    console.print(model_table(report))
+    for line in comparison_lines(report):
+        console.print(line)
+    _write_json(report, json_out)
+
+
 @zoo_app.command("train")
 def zoo_train(
     names: Annotated[Optional[list[str]], typer.Argument(help="zoo models (default: all)")] = None,

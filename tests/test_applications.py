@@ -354,3 +354,24 @@ def test_a_remote_model_times_out_and_retries_without_duplicating(fmnist) -> Non
         unreachable_message = asyncio.run(ask(unreachable))
     assert "no answer within 150 ms" in message and timed_out.attempts == 2 and timed_out.retried == 1
     assert unreachable.attempts == 3 and "127.0.0.1:9" in unreachable_message
+
+
+def test_a_remote_straggler_answers_late_and_its_answer_is_kept(fmnist) -> None:
+    _, _, x, _ = fmnist
+    gate = Gate(label=6)
+    with live([FunctionPredictor("held", gate, (IMAGE,))]) as (remote_url, _):
+        models = [FunctionPredictor("near", constant(2, 0.9), (IMAGE,)),
+                  RemotePredictor("far", remote_url, "held", timeout_ms=30_000, inputs=(IMAGE,))]
+        app = ApplicationSpec("spread", ("near", "far"), "exp4", slo_ms=300)
+        with live(models, [app]) as (url, _):
+            try:
+                status, answer = query(url, "spread", x)
+            finally:
+                gate.open.set()
+            wait_for(lambda: get_json(f"{url}/apps/spread")["models"]["far"]["late"] == 1, "the remote's late answer")
+            far = get_json(f"{url}/apps/spread")["models"]["far"]
+            update = query(url, "spread", x, path="update", label=6)[1]
+    assert status == 200 and answer["models"] == ["near"] and answer["output"] == 2
+    assert far["failed"] == 0 and far["answered"] == 0
+    # The feedback scores the late answer: the remote was right, the near model wrong.
+    assert update["losses"] == {"near": 1.0, "far": 0.0}

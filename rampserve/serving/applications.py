@@ -19,6 +19,7 @@ import asyncio
 import math
 import random
 import re
+import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
@@ -195,11 +196,11 @@ class AppAnswer:
     confidence: float | None
     models: tuple[str, ...]  # whose answers made the output
     explanation: str | None
-    latency_ms: float
+    latency_ms: float  # arrival at the application to the decision, as the server measured it
 
     def to_json(self) -> dict:
         body = {"query_id": self.query_id, "output": self.output, "default": self.default,
-                "confidence": self.confidence, "models": list(self.models)}
+                "confidence": self.confidence, "models": list(self.models), "server_ms": self.latency_ms}
         if self.explanation:
             body["explanation"] = self.explanation
         return body
@@ -273,8 +274,7 @@ class Application:
             self._recent.popitem(last=False)
 
     async def predict(self, inputs: Mapping[str, np.ndarray], context: str = DEFAULT_CONTEXT) -> AppAnswer:
-        loop = asyncio.get_running_loop()
-        started = loop.time()
+        started = time.perf_counter()
         query_id = uuid.uuid4().hex
         spec = self.spec
         state = self._state(await self.store.get(self._namespace, context)) if spec.policy != "race" else None
@@ -286,7 +286,7 @@ class Application:
         self._remember(cache_key(self.name, context, inputs), query)
         decide = self._exp4_decider(state) if spec.policy == "exp4" else self.decider or first  # exp3 asks one model
         decision, arrived = await self._fan_out(asked, inputs, query, started, decide)
-        latency_ms = (loop.time() - started) * 1000.0
+        latency_ms = (time.perf_counter() - started) * 1000.0
         self.requests += 1
         self.latency_sum_ms += latency_ms
         self.latency_max_ms = max(self.latency_max_ms, latency_ms)
@@ -315,13 +315,12 @@ class Application:
                        ) -> tuple[Decision | None, list[Candidate]]:
         """Ask the models at once; after each answer ask the decider, and once more when all have answered or
         the SLO is spent. Models still running then go on in the background, their answers kept for feedback."""
-        loop = asyncio.get_running_loop()
         deadline = started + self.spec.slo_ms / 1000.0
         pending = {asyncio.ensure_future(self._ask(name, inputs, query, deadline)) for name in asked}
         arrived: list[Candidate] = []
         decision = None
         while pending and decision is None:
-            remaining = deadline - loop.time()
+            remaining = deadline - time.perf_counter()
             if remaining <= 0:
                 break
             done, pending = await asyncio.wait(pending, timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
@@ -343,8 +342,7 @@ class Application:
                    deadline: float) -> Candidate | None:
         stats = self.stats[name]
         stats.asked += 1
-        loop = asyncio.get_running_loop()
-        started = loop.time()
+        started = time.perf_counter()
         try:
             prediction = await self._model(name).predict(inputs, max(deadline - started, 1e-3) * 1000.0)
         except KeyError:
@@ -352,7 +350,7 @@ class Application:
         except Exception as exc:  # any model's failure is that model's missing answer, never the query's
             outcome, stats.last_error = "failed", f"{type(exc).__name__}: {exc}"
         else:
-            latency_ms = (loop.time() - started) * 1000.0
+            latency_ms = (time.perf_counter() - started) * 1000.0
             stats.observe(latency_ms)
             self.metrics.app_model_latency.labels(app=self.name, model=name).observe(latency_ms / 1000.0)
             label = int(prediction.labels[0])
@@ -408,7 +406,7 @@ class Application:
         missing = [m for m in needed if m not in known]
         if missing:
             fresh = _Query(None)
-            await self._fan_out(missing, inputs, fresh, asyncio.get_running_loop().time(), _never)
+            await self._fan_out(missing, inputs, fresh, time.perf_counter(), _never)
             known.update(fresh.labels)
         losses = {m: float(known[m] != label) for m in needed if m in known}
         for model, loss in losses.items():

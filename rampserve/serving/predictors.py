@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
+import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -238,13 +239,16 @@ class RemotePredictor(Predictor):
             raise ModelUnavailable(f"remote model {self.endpoint} is unreachable: {exc!r}") from None
         self.inputs = tuple(TensorSpec(t["name"], t["datatype"], tuple(t["shape"])) for t in metadata["inputs"])
 
-    def request_body(self, inputs: Mapping[str, np.ndarray], request_id: str) -> bytes:
+    def request_body(self, inputs: Mapping[str, np.ndarray], request_id: str, deadline_ms: float | None) -> bytes:
         tensors = [{"name": name, "shape": list(array.shape), "datatype": V2_DATATYPES[array.dtype],
                     "data": array.ravel().tolist()} for name, array in inputs.items()]
         outputs = [{"name": self.label_output}]
         if self.scores_output:
             outputs.append({"name": self.scores_output})
-        return orjson.dumps({"id": request_id, "inputs": tensors, "outputs": outputs})
+        request = {"id": request_id, "inputs": tensors, "outputs": outputs}
+        if deadline_ms is not None:
+            request["parameters"] = {"deadline_ms": deadline_ms}
+        return orjson.dumps(request)
 
     def read_answer(self, body: dict) -> Prediction:
         outputs = {o.get("name"): o for o in body.get("outputs", [])}
@@ -273,20 +277,20 @@ class RemotePredictor(Predictor):
 
     async def _predict(self, inputs: Mapping[str, np.ndarray], deadline_ms: float | None) -> Prediction:
         request_id = f"{self.name}-{uuid.uuid4().hex[:12]}-{next(self._ids)}"
-        body = self.request_body(inputs, request_id)
-        loop = asyncio.get_running_loop()
-        give_up = None if deadline_ms is None else loop.time() + deadline_ms / 1000.0
+        give_up = None if deadline_ms is None else time.perf_counter() + deadline_ms / 1000.0
         problem = "no attempt was made"
         for attempt in range(self.retries + 1):
-            budget_s = self.timeout_ms / 1000.0
-            if give_up is not None:
-                budget_s = min(budget_s, give_up - loop.time())
-                if budget_s <= 0:
-                    break
+            remaining_ms = None if give_up is None else (give_up - time.perf_counter()) * 1000.0
+            if attempt and remaining_ms is not None and remaining_ms <= 0:
+                break  # retry only while the caller still waits for the answer
             self.attempts += 1
             self.retried += attempt > 0
+            # The remote learns the deadline and refuses work it cannot finish in time; an attempt it takes
+            # is waited for up to timeout_ms even past the deadline, so a late answer still reaches the
+            # caller (an application keeps it for feedback).
+            body = self.request_body(inputs, request_id, None if remaining_ms is None else max(remaining_ms, 1.0))
             try:
-                async with asyncio.timeout(budget_s):
+                async with asyncio.timeout(self.timeout_ms / 1000.0):
                     async with self._client().post(self.endpoint + "/infer", data=body,
                                                    headers={"Content-Type": "application/json"}) as response:
                         answer = await response.json(content_type=None)
@@ -296,7 +300,7 @@ class RemotePredictor(Predictor):
                 if response.status not in RETRY_STATUSES:
                     break
             except TimeoutError:
-                problem = f"no answer within {budget_s * 1000.0:.0f} ms"
+                problem = f"no answer within {self.timeout_ms:.0f} ms"
             except (aiohttp.ClientError, ValueError) as exc:
                 problem = repr(exc)
         raise ModelUnavailable(f"remote model {self.endpoint}: {problem}")
