@@ -1,9 +1,11 @@
-"""One served model's queue, batcher and early-exit executor (a thread), and its controller (another thread).
+"""One served model's queue, batcher and early-exit executor (a thread), and the thread that feeds its controller.
 
 The executor runs a batch through the prepared model with the configuration's active ramps; after each ramp
 it decides exits with that configuration and answers those requests at once, while the batch runs on to the
-final layer. The batch's record then goes to the controller thread, which may publish a new configuration;
-the executor picks it up between batches (one reference swap, so a batch never mixes two configurations).
+final layer. The batch's record then goes to the control thread, which hands it to the model's controller
+through a `ControlLink` (the controller in this process, or one that several replicas share) and may get a new
+configuration back; the executor picks it up between batches (one reference swap, so a batch never mixes two
+configurations).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import time
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -53,6 +56,44 @@ class ModelSettings:
     # Active cache ramps learn from every batch's final labels (Freeze's caches, kept current by live traffic).
     cache_updates: bool = True
     controller: ControllerSettings = field(default_factory=ControllerSettings)
+
+
+class ControlLink(Protocol):
+    """Where a worker's batch records go and its configurations come from."""
+
+    def configuration(self) -> Configuration: ...
+
+    def observe(self, record: BatchRecord) -> Configuration | None: ...
+
+    def window_accuracy(self) -> float: ...
+
+    def status(self) -> dict: ...
+
+
+class LocalControl:
+    """The model's controller in this process, fed by one worker."""
+
+    def __init__(self, controller: Controller) -> None:
+        self.controller = controller
+        self._lock = threading.Lock()  # the control thread observes while the status endpoint reads
+
+    def configuration(self) -> Configuration:
+        with self._lock:
+            return self.controller.configuration()
+
+    def observe(self, record: BatchRecord) -> Configuration | None:
+        with self._lock:
+            return self.controller.observe(record)
+
+    def window_accuracy(self) -> float:
+        with self._lock:
+            return self.controller.window.accuracy
+
+    def status(self) -> dict:
+        with self._lock:
+            window = self.controller.window
+            return {"window_accuracy": window.accuracy, "cumulative_accuracy": window.cumulative,
+                    "decisions": [d.to_json() for d in self.controller.decisions]}
 
 
 class Shed(Exception):
@@ -110,7 +151,9 @@ def _set_future(future: asyncio.Future, result: Answer | BaseException) -> None:
 
 
 class ModelWorker:
-    def __init__(self, served: ServedModel, settings: ModelSettings, metrics: ServerMetrics) -> None:
+    def __init__(self, served: ServedModel, settings: ModelSettings, metrics: ServerMetrics,
+                 control: ControlLink | None = None) -> None:
+        """`control`: the model's controller (default: one of its own in this process; none when vanilla)."""
         self.served = served
         self.settings = settings
         self.metrics = metrics
@@ -123,9 +166,10 @@ class ModelWorker:
         self.batch_size = AdaptiveBatchSize(self.max_batch, self.slo_ms,
                                             limit=1.0 if settings.adaptive_batching else float(self.max_batch))
         self.batch_time = BatchTimeEstimate(profile.full(self.max_batch))
-        self.controller = None if settings.vanilla else Controller(profile, settings.controller)
-        self.configuration = Configuration(0, (), ()) if self.controller is None else \
-            self.controller.configuration()
+        if control is None and not settings.vanilla:
+            control = LocalControl(Controller(profile, settings.controller))
+        self.control = control
+        self.configuration = Configuration(0, (), ()) if control is None else control.configuration()
         self.batches = 0
         self.inputs_served = 0
         self.requests_served = 0
@@ -137,7 +181,6 @@ class ModelWorker:
         self._running = False
         self._stopping = False
         self._cond = threading.Condition()
-        self._control_lock = threading.Lock()  # the controller's state, read by the status endpoint
         self._records: queue.SimpleQueue[BatchRecord | None] = queue.SimpleQueue()
         self._labels = {"model": served.name}
         self._executor = threading.Thread(target=self._serve_batches, name=f"executor-{served.name}", daemon=True)
@@ -325,7 +368,7 @@ class ModelWorker:
         sites, counts = np.unique(exits, return_counts=True)
         for j, count in zip(sites, counts):
             m.exits.labels(site="final" if j == NO_EXIT else config.sites[j], **labels_).inc(int(count))
-        if self.controller is not None:
+        if self.control is not None:
             self._records.put(BatchRecord(config.version, config.sites, labels, errors, final, exits,
                                           queue_ms, compute_ms))
 
@@ -333,10 +376,8 @@ class ModelWorker:
 
     def _control_loop(self) -> None:
         while (record := self._records.get()) is not None:
-            with self._control_lock:
-                new = self.controller.observe(record)
-                accuracy = self.controller.window.accuracy
-            self.metrics.window_accuracy.labels(**self._labels).set(accuracy)
+            new = self.control.observe(record)
+            self.metrics.window_accuracy.labels(**self._labels).set(self.control.window_accuracy())
             if new is not None:
                 self.configuration = new  # the executor reads it at its next batch
                 self._publish(new)
@@ -356,7 +397,7 @@ class ModelWorker:
         status = {
             "name": self.served.name,
             "version": self.served.version,
-            "vanilla": self.controller is None,
+            "vanilla": self.control is None,
             "slo_ms": self.slo_ms,
             "max_batch": self.max_batch,
             "batch_limit": self.batch_size.size,
@@ -370,9 +411,6 @@ class ModelWorker:
             "configuration": self.configuration.to_json(),
             "recent_batches": list(self.recent_batches),
         }
-        if self.controller is not None:
-            with self._control_lock:
-                status["window_accuracy"] = self.controller.window.accuracy
-                status["cumulative_accuracy"] = self.controller.window.cumulative
-                status["decisions"] = [d.to_json() for d in self.controller.decisions]
+        if self.control is not None:
+            status.update(self.control.status())
         return status
