@@ -158,3 +158,17 @@ def private_redis(tmp_path):
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def local_ray():
+    """A local Ray with 2 CPUs (a CI machine's), for the whole session: starting one takes seconds."""
+    import uuid
+
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, namespace=f"test-{uuid.uuid4().hex}", log_to_driver=False)
+    try:
+        yield
+    finally:
+        ray.shutdown()

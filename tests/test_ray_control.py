@@ -4,10 +4,8 @@ ResNet feed one controller actor and apply what it publishes; killing the actor 
 from __future__ import annotations
 
 import asyncio
-import uuid
 
 import numpy as np
-import pytest
 import ray
 
 from rampserve.control.controller import ControllerSettings
@@ -15,15 +13,6 @@ from rampserve.serving.metrics import ServerMetrics
 from rampserve.serving.models import load_served
 from rampserve.serving.ray_control import RayControl, controller_name
 from rampserve.serving.worker import Answer, ModelSettings, ModelWorker
-
-
-@pytest.fixture(scope="module")
-def local_ray():
-    ray.init(num_cpus=2, include_dashboard=False, namespace=f"test-{uuid.uuid4().hex}", log_to_driver=False)
-    try:
-        yield
-    finally:
-        ray.shutdown()
 
 
 def replicas(served, settings: ModelSettings, model: str) -> list[ModelWorker]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import hmac
+import os
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -415,6 +416,7 @@ def create_app(state: ServerState) -> FastAPI:
     async def status() -> Response:
         return json_response({
             "ready": state.ready,
+            "process": os.getpid(),  # which replica answered, where several serve one address
             "models": {n: w.status() for n, w in state.workers.items()},
             "other_models": {n: p.describe() for n, p in catalogue.models.items() if n not in state.workers},
             "applications": sorted(catalogue.apps),

@@ -86,6 +86,16 @@ class RayControl:
         except (RayActorError, GetTimeoutError) as exc:
             self._take_over(exc)
             return None
+        return self._adopt(latest)
+
+    def refresh(self) -> Configuration | None:
+        try:
+            return self._adopt(ray.get(self._actor.configuration.remote(), timeout=self.timeout_s))
+        except (RayActorError, GetTimeoutError) as exc:
+            self._take_over(exc)
+            return None
+
+    def _adopt(self, latest: Configuration) -> Configuration | None:
         # Another replica's records may have changed it; a successor numbers its versions afresh.
         if (latest.version, latest.sites, latest.thresholds) == (
                 self._current.version, self._current.sites, self._current.thresholds):

@@ -6,7 +6,7 @@ import ipaddress
 import socket
 import sys
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
@@ -23,7 +23,7 @@ from rampserve.serving.models import ServedModel, load_served
 from rampserve.serving.predictors import Predictor, WorkerPredictor
 from rampserve.serving.state_store import open_store
 from rampserve.serving.update_stream import ModelUpdate, UpdateListener
-from rampserve.serving.worker import ModelSettings, ModelWorker
+from rampserve.serving.worker import ControlLink, ModelSettings, ModelWorker
 
 LOOPBACK = "127.0.0.1"
 # How long a thread holding the GIL runs before a waiting one may take it. Python's default (5 ms) would let the
@@ -65,15 +65,17 @@ def check_admin_access(settings: ServerSettings) -> None:
 
 
 def build_state(models: Sequence[ServedModel | Predictor], model_settings: ModelSettings,
-                settings: ServerSettings, apps: Sequence[ApplicationSpec] = ()) -> ServerState:
+                settings: ServerSettings, apps: Sequence[ApplicationSpec] = (),
+                control: Callable[[ServedModel], ControlLink | None] | None = None) -> ServerState:
     """The server's state: the given models (prepared bundles get a batching executor with early exits; any
-    other `Predictor` is served as it is) and every model of the repository, plus applications over them."""
+    other `Predictor` is served as it is) and every model of the repository, plus applications over them.
+    `control` links a bundle to its controller (default: one of its own in this process)."""
     check_admin_access(settings)
     metrics = ServerMetrics()
     repository = None if settings.repository is None else ModelRepository(settings.repository, model_settings,
                                                                              metrics)
-    predictors = [WorkerPredictor(ModelWorker(m, model_settings, metrics)) if isinstance(m, ServedModel) else m
-                  for m in models]
+    predictors = [WorkerPredictor(ModelWorker(m, model_settings, metrics, control and control(m)))
+                  if isinstance(m, ServedModel) else m for m in models]
     if repository is not None:
         predictors += [repository.build(name) for name in tqdm(repository.names(), desc="loading repository",
                                                                unit="model")]

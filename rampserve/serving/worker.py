@@ -37,6 +37,7 @@ from rampserve.serving.models import ServedModel, stack_inputs
 log = logging.getLogger("rampserve.serving")
 
 RECENT_BATCHES = 64  # batch summaries kept for the status endpoint
+CONTROL_POLL_S = 1.0  # how often an idle worker asks its controller for a configuration published meanwhile
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,9 @@ class ControlLink(Protocol):
 
     def window_accuracy(self) -> float: ...
 
+    def refresh(self) -> Configuration | None:
+        """A configuration published since this worker last heard (by records of other workers), or None."""
+
     def status(self) -> dict: ...
 
 
@@ -88,6 +92,9 @@ class LocalControl:
     def window_accuracy(self) -> float:
         with self._lock:
             return self.controller.window.accuracy
+
+    def refresh(self) -> Configuration | None:
+        return None  # this worker's records are the controller's only input
 
     def status(self) -> dict:
         with self._lock:
@@ -375,9 +382,16 @@ class ModelWorker:
     # ---- control (controller thread) -------------------------------------------------------------------------
 
     def _control_loop(self) -> None:
-        while (record := self._records.get()) is not None:
-            new = self.control.observe(record)
-            self.metrics.window_accuracy.labels(**self._labels).set(self.control.window_accuracy())
+        while True:
+            try:
+                record = self._records.get(timeout=CONTROL_POLL_S)
+            except queue.Empty:  # idle: a controller shared with other workers may have moved on without us
+                new = self.control.refresh()
+            else:
+                if record is None:
+                    return
+                new = self.control.observe(record)
+                self.metrics.window_accuracy.labels(**self._labels).set(self.control.window_accuracy())
             if new is not None:
                 self.configuration = new  # the executor reads it at its next batch
                 self._publish(new)

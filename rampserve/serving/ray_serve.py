@@ -1,0 +1,69 @@
+"""rampserve on Ray Serve: the same HTTP API (v2, applications, `/metrics`, `/status`) served by the replicas of
+one deployment, each with its own batchers and early-exit executors. Each model has one controller for all
+replicas, a Ray actor (`ray_control.py`), so accuracy is judged over all of its traffic. Replica count and
+autoscaling pass through to Ray Serve unchanged.
+
+Ray is an optional dependency (`pip install rampserve[ray]`); this module imports it.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI
+from ray import serve
+
+from rampserve.serving.app import create_app
+from rampserve.serving.applications import ApplicationSpec
+from rampserve.serving.models import ServedModel, load_served
+from rampserve.serving.ray_control import RayControl
+from rampserve.serving.server import GIL_SWITCH_INTERVAL_S, ServerSettings, build_state
+from rampserve.serving.worker import ControlLink, ModelSettings
+
+
+@dataclass(frozen=True)
+class RayDeployment:
+    name: str = "rampserve"
+    replicas: int = 1
+    autoscaling: dict | None = None  # Ray Serve's autoscaling_config; replaces `replicas` when given
+    replica_cpus: float = 1.0  # each replica runs its executors on one core, as the standalone server does
+    max_ongoing_requests: int = 256  # Ray Serve's own admission limit per replica, above rampserve's queues
+    extra_options: dict = field(default_factory=dict)  # any other `serve.deployment` option
+
+
+def shared_controllers(settings: ModelSettings) -> Callable[[ServedModel], ControlLink | None]:
+    def link(served: ServedModel) -> ControlLink | None:
+        return None if settings.vanilla else RayControl(served.name, served.model.profile, settings.controller)
+
+    return link
+
+
+def build_replica_app(refs: Sequence[str], model_settings: ModelSettings, settings: ServerSettings,
+                      apps: Sequence[ApplicationSpec]) -> FastAPI:
+    """One replica's server, built on the replica (Ray Serve calls this there and runs its lifespan)."""
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
+    models = [load_served(ref) for ref in refs]
+    return create_app(build_state(models, model_settings, settings, apps, shared_controllers(model_settings)))
+
+
+class RampserveReplica:
+    """A replica of the deployment; its ASGI app (rampserve's server) does all the work."""
+
+
+def application(refs: Sequence[str], model_settings: ModelSettings, settings: ServerSettings,
+                apps: Sequence[ApplicationSpec] = (), deployment: RayDeployment = RayDeployment()
+                ) -> serve.Application:
+    refs, apps = list(refs), list(apps)
+
+    def builder() -> FastAPI:  # a plain function: Ray Serve takes any other callable for an ASGI app itself
+        return build_replica_app(refs, model_settings, settings, apps)
+
+    scaling = ({"autoscaling_config": deployment.autoscaling} if deployment.autoscaling is not None
+               else {"num_replicas": deployment.replicas})
+    replica = serve.deployment(serve.ingress(builder)(RampserveReplica), name=deployment.name,
+                               ray_actor_options={"num_cpus": deployment.replica_cpus},
+                               max_ongoing_requests=deployment.max_ongoing_requests,
+                               **scaling, **deployment.extra_options)
+    return replica.bind()
