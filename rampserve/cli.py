@@ -213,6 +213,11 @@ def serve(
     admin_token: Annotated[Optional[str], typer.Option(envvar="RAMPSERVE_ADMIN_TOKEN",
                                                        help="token the admin endpoints require (needed when "
                                                             "bound beyond loopback)")] = None,
+    ray: Annotated[bool, typer.Option("--ray", help="deploy on Ray Serve (RAY_ADDRESS, or a local Ray); each "
+                                                    "model gets one controller for all replicas")] = False,
+    replicas: Annotated[int, typer.Option(help="Ray Serve replicas (with --ray)")] = 1,
+    autoscaling: Annotated[Optional[str], typer.Option(help="Ray Serve autoscaling_config as JSON (with --ray; "
+                                                            "replaces --replicas)")] = None,
 ) -> None:
     """Serve models and applications over HTTP (Open Inference Protocol v2, Clipper's application API) with
     managed early exits."""
@@ -234,6 +239,13 @@ def serve(
                                   admin_token=admin_token, store=store, repository=repository,
                                   update_stream=update_stream)
         specs = [spec for path in apps or () for spec in read_applications(path)]
+        if ray:
+            from rampserve.serving.ray_serve import RayDeployment, serve_on_ray
+
+            scaling = None if autoscaling is None else json.loads(autoscaling)
+            serve_on_ray(models or [], model_settings, settings, specs,
+                         RayDeployment(replicas=replicas, autoscaling=scaling))
+            return
         run_server(models or [], model_settings, settings, specs)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc

@@ -12,6 +12,7 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import ray
 from fastapi import FastAPI
 from ray import serve
 
@@ -19,7 +20,7 @@ from rampserve.serving.app import create_app
 from rampserve.serving.applications import ApplicationSpec
 from rampserve.serving.models import ServedModel, load_served
 from rampserve.serving.ray_control import RayControl
-from rampserve.serving.server import GIL_SWITCH_INTERVAL_S, ServerSettings, build_state
+from rampserve.serving.server import GIL_SWITCH_INTERVAL_S, ServerSettings, build_state, check_admin_access
 from rampserve.serving.worker import ControlLink, ModelSettings
 
 
@@ -67,3 +68,17 @@ def application(refs: Sequence[str], model_settings: ModelSettings, settings: Se
                                max_ongoing_requests=deployment.max_ongoing_requests,
                                **scaling, **deployment.extra_options)
     return replica.bind()
+
+
+def serve_on_ray(refs: Sequence[str], model_settings: ModelSettings, settings: ServerSettings,
+                 apps: Sequence[ApplicationSpec] = (), deployment: RayDeployment = RayDeployment()) -> None:
+    """Deploy on the Ray cluster named by RAY_ADDRESS (or a local one) and serve until interrupted; Ray Serve's
+    proxy listens on the server's host and port."""
+    check_admin_access(settings)  # before any replica starts, which would refuse the same way
+    ray.init(namespace="rampserve")  # named: the models' controllers are detached actors found by name
+    serve.start(http_options={"host": settings.host, "port": settings.port})
+    scale = deployment.autoscaling or f"{deployment.replicas} replica(s)"
+    print(f"rampserve: deploying {', '.join(refs)} on Ray Serve ({scale}) at http://{settings.host}:{settings.port}",
+          flush=True)
+    serve.run(application(refs, model_settings, settings, apps, deployment), name=deployment.name,
+              route_prefix="/", blocking=True)
