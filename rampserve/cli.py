@@ -466,6 +466,33 @@ def bench_live(
     console.print(live_table(report))
 
 
+@bench_app.command("peers")
+def bench_peers(
+    model: Annotated[str, typer.Option(help="zoo model")] = DEFAULT_MODEL,
+    workload: Annotated[str, typer.Option(help="stream: fmnist-drift or rt-drift")] = "fmnist-drift",
+    trace: Annotated[str, typer.Option(help="arrivals: poisson, bursty or maf")] = "maf",
+    rate: Annotated[Optional[float], typer.Option(help="mean requests per second (default: half of rampserve "
+                                                       "vanilla's measured saturation throughput)")] = None,
+    duration: Annotated[float, typer.Option(help="measured seconds per system")] = 60.0,
+    max_batch: Annotated[Optional[int], typer.Option(help="max batch of every system (default: the largest "
+                                                          "profiled batch within the SLO)")] = None,
+    max_delay_ms: Annotated[float, typer.Option(help="max batching wait of every system")] = 0.0,
+    ramp_budget: Annotated[float, typer.Option(help="what ramps may add to a non-exiting input")] = 0.02,
+    mlserver_backend: Annotated[str, typer.Option(help="MLServer runs the model as torch (TorchScript) or onnx")]
+    = "torch",
+    json_out: Annotated[Optional[Path], typer.Option("--json", help="write the results here")] = None,
+    plots: Annotated[Optional[Path], typer.Option(help="write plots into this directory")] = None,
+) -> None:
+    """rampserve vanilla, rampserve, Ray Serve and MLServer on the same model, trace and client, one after another."""
+    from rampserve.bench.live import LiveSettings
+    from rampserve.bench.peers import PeerSettings, peers_table, run_peers
+
+    live = LiveSettings(model=model, workload=workload, trace=trace, rate_rps=rate, duration_s=duration,
+                        max_batch=max_batch, max_delay_ms=max_delay_ms, server_args=("--ramp-budget", str(ramp_budget)))
+    report = run_peers(PeerSettings(live=live, mlserver_backend=mlserver_backend), json_out, plots)
+    console.print(peers_table(report))
+
+
 @bench_app.command("tuning")
 def bench_tuning(
     model: Annotated[str, typer.Option(help="zoo model")] = DEFAULT_MODEL,

@@ -40,7 +40,7 @@ from rampserve.runtime.bundle import load_bundle
 from rampserve.runtime.prepare import encoder_for, feeds_for
 from rampserve.runtime.prepared import PreparedModel
 from rampserve.runtime.profile import LatencyProfile, max_batch_for_slo
-from rampserve.workloads.streams import DEFAULT_LENGTH, get_stream
+from rampserve.workloads.streams import DEFAULT_LENGTH, Stream, get_stream
 from rampserve.workloads.traces import MAF_MINUTE_S, arrival_times, rate_over_time
 
 QUANTILES = (25, 50, 95, 99)
@@ -386,10 +386,22 @@ def simulated_oracle(outputs: RampOutputs, profile: LatencyProfile, arrivals_ms:
             "vanilla_p50_ms": vanilla["p50_ms"]}
 
 
-def run_live(settings: LiveSettings, json_out: Path | None, plots_dir: Path | None, progress: bool = True) -> dict:
+@dataclass(frozen=True)
+class LivePlan:
+    """What a live run serves and replays, decided before any server starts."""
+
+    bundle: Path
+    model: PreparedModel
+    slo_ms: float
+    max_batch: int
+    stream: Stream
+    first: int  # the stream's first evaluation item
+    probe_feeds: list[dict[str, np.ndarray]]  # the saturation probe's requests
+
+
+def plan_live(settings: LiveSettings) -> LivePlan:
     from rampserve.runtime.zoo_bundles import zoo_bundle
 
-    note = tqdm.write if progress else (lambda _message: None)
     bundle = zoo_bundle(settings.model)
     model = load_bundle(bundle)
     profile = model.profile
@@ -400,6 +412,29 @@ def run_live(settings: LiveSettings, json_out: Path | None, plots_dir: Path | No
     stream = get_stream(settings.workload, length=settings.stream_length, seed=settings.seed)
     first = stream.evaluation.start
     probe_feeds = _encode(model, stream.task, stream.items(first, first + SATURATION_ITEMS))
+    return LivePlan(bundle, model, slo, max_batch, stream, first, probe_feeds)
+
+
+def replay_schedule(settings: LiveSettings, saturation: dict, stream: Stream
+                    ) -> tuple[float, int, int, np.ndarray, np.ndarray]:
+    """The replay's rate (given, or a share of the measured saturation), measured and warm-up request counts, and
+    their arrival times."""
+    rate = settings.rate_rps or settings.load * saturation["throughput_rps"]
+    if rate <= 0:
+        raise RuntimeError(f"the baseline answered nothing once its saturation probe had settled: {saturation}")
+    n = round(rate * settings.duration_s)
+    warmup = settings.warmup_requests
+    if warmup + n > len(stream.evaluation):
+        raise ValueError(f"{warmup + n} requests exceed the stream's {len(stream.evaluation)} evaluation items")
+    arrivals = live_arrivals(settings.trace, n, rate, settings.seed, settings.trace_minutes)
+    return rate, n, warmup, arrivals, arrival_times("poisson", warmup, rate, seed=settings.seed)
+
+
+def run_live(settings: LiveSettings, json_out: Path | None, plots_dir: Path | None, progress: bool = True) -> dict:
+    note = tqdm.write if progress else (lambda _message: None)
+    plan = plan_live(settings)
+    model, slo, max_batch = plan.model, plan.slo_ms, plan.max_batch
+    profile, stream, first, probe_feeds = model.profile, plan.stream, plan.first, plan.probe_feeds
 
     def server(vanilla: bool, workdir: Path) -> ServerProcess:
         name = "vanilla" if vanilla else "rampserve"
@@ -433,15 +468,7 @@ def run_live(settings: LiveSettings, json_out: Path | None, plots_dir: Path | No
             note(f"one request at a time: p50 {overhead['low_load_p50_ms']:.3f} ms; "
                  f"in-process batch 1: {overhead['batch1_inprocess_ms']:.3f} ms")
 
-            rate = settings.rate_rps or settings.load * saturation["throughput_rps"]
-            if rate <= 0:
-                raise RuntimeError(f"vanilla answered nothing once its saturation probe had settled: {saturation}")
-            n = round(rate * settings.duration_s)
-            warmup = settings.warmup_requests
-            if warmup + n > len(stream.evaluation):
-                raise ValueError(f"{warmup + n} requests exceed the stream's {len(stream.evaluation)} evaluation items")
-            arrivals = live_arrivals(settings.trace, n, rate, settings.seed, settings.trace_minutes)
-            warmup_arrivals = arrival_times("poisson", warmup, rate, seed=settings.seed)
+            rate, n, warmup, arrivals, warmup_arrivals = replay_schedule(settings, saturation, stream)
             note(f"replaying {n} requests ({settings.trace}, {rate:.0f} rps) after {warmup} warm-up requests")
             requests = _renamed(_encode(model, stream.task, stream.items(first, first + warmup + n)),
                                 [name for name, _ in inputs])
@@ -455,13 +482,7 @@ def run_live(settings: LiveSettings, json_out: Path | None, plots_dir: Path | No
         servers["rampserve"] = rampserve.outcome()
 
     note("scoring the answers against the original model's")
-    outputs = ramp_outputs(model, bundle, stream, first + warmup, first + warmup + n)
-    systems = {}
-    for name, result in results.items():
-        _answered(result, name)
-        systems[name] = summarize_live(result, outputs.final, settings.worst_window,
-                                       mean_batch_size(result.status_before, result.status_after, settings.model))
-        systems[name]["server"] = servers[name] | {"status": _model_status(result.status_after, settings.model)}
+    outputs, systems = score_systems(plan, settings, results, servers, warmup, n)
     oracle = simulated_oracle(outputs, profile, arrivals, max_batch, settings.worst_window)
     report = {
         "model": settings.model, "workload": settings.workload, "trace": settings.trace, "rate_rps": rate,
@@ -471,12 +492,31 @@ def run_live(settings: LiveSettings, json_out: Path | None, plots_dir: Path | No
         "systems": with_oracle_share(systems, oracle["p50_savings"]),
         "settings": asdict(settings),
     }
+    return write_report(report, results, json_out, plots_dir)
+
+
+def write_report(report: dict, results: dict[str, LoadResult], json_out: Path | None, plots_dir: Path | None
+                 ) -> dict:
     if plots_dir is not None:
         report["plots"] = [str(p) for p in write_live_plots(report, results, plots_dir)]
     if json_out is not None:
         json_out.parent.mkdir(parents=True, exist_ok=True)
         json_out.write_text(json.dumps(report, indent=2))
     return report
+
+
+def score_systems(plan: LivePlan, settings: LiveSettings, results: dict[str, LoadResult], servers: dict[str, dict],
+                  warmup: int, n: int) -> tuple[RampOutputs, dict[str, dict]]:
+    """Every system's answers to the `n` measured requests, scored against the original model's."""
+    start = plan.first + warmup
+    outputs = ramp_outputs(plan.model, plan.bundle, plan.stream, start, start + n)
+    systems = {}
+    for name, result in results.items():
+        _answered(result, name)
+        systems[name] = summarize_live(result, outputs.final, settings.worst_window,
+                                       mean_batch_size(result.status_before, result.status_after, settings.model))
+        systems[name]["server"] = servers[name] | {"status": _model_status(result.status_after, settings.model)}
+    return outputs, systems
 
 
 def _model_status(status: dict | str | None, model: str) -> dict | str | None:
@@ -511,7 +551,8 @@ def write_live_plots(report: dict, results: dict[str, LoadResult], out_dir: Path
     plt.close(fig)
 
     fig, (rate_ax, latency_ax) = plt.subplots(2, 1, figsize=(9, 6.5), sharex=True)
-    starts, rates = rate_over_time(results["vanilla"].scheduled_ms, bin_ms)
+    # every system replays the same arrivals: the first one's are the offered load
+    starts, rates = rate_over_time(next(iter(results.values())).scheduled_ms, bin_ms)
     rate_ax.step(starts / 1000.0, rates, where="post", color="k", lw=0.8)
     rate_ax.axhline(report["saturation_rps"], color="r", ls="--", lw=0.8, label="vanilla saturation")
     rate_ax.set(ylabel="offered rps", title=title)

@@ -63,6 +63,8 @@ class Job:
     # Closed loop: how long a client whose request was shed or failed waits before its next one. Refusals are
     # cheap and immediate: clients that resend at once keep the server busy refusing instead of serving.
     refused_pause_ms: float = 0.0
+    # Plain v2 JSON bodies instead of Triton's binary tensors: for servers without the extension (MLServer).
+    json_bodies: bool = False
 
 
 @dataclass
@@ -149,7 +151,9 @@ def load_job(path: Path) -> tuple[Job, list[dict[str, np.ndarray]], np.ndarray, 
 
 def encode_request(job: Job, request: dict[str, np.ndarray]) -> tuple[bytes, dict[str, str]]:
     """Body and headers of a v2 infer request with Triton's binary-data extension: the JSON header, then each
-    input's raw little-endian bytes; the label comes back as JSON."""
+    input's raw little-endian bytes; the label comes back as JSON. With `job.json_bodies`, plain v2 JSON."""
+    if job.json_bodies:
+        return encode_json_request(job, request)
     tensors = [np.asarray(request[name], dtype=np.dtype(V2_DTYPES[datatype]).newbyteorder("<"))
                for name, datatype in job.inputs]
     header = {
@@ -160,6 +164,16 @@ def encode_request(job: Job, request: dict[str, np.ndarray]) -> tuple[bytes, dic
     head = json.dumps(header).encode()
     body = head + b"".join(t.tobytes() for t in tensors)
     return body, {"Inference-Header-Content-Length": str(len(head)), "Content-Type": "application/octet-stream"}
+
+
+def encode_json_request(job: Job, request: dict[str, np.ndarray]) -> tuple[bytes, dict[str, str]]:
+    inputs = []
+    for name, datatype in job.inputs:
+        tensor = np.asarray(request[name], dtype=V2_DTYPES[datatype])
+        inputs.append({"name": name, "shape": list(tensor.shape), "datatype": datatype,
+                       "data": tensor.ravel().tolist()})
+    return json.dumps({"inputs": inputs, "outputs": [{"name": job.output}]}).encode(), \
+        {"Content-Type": "application/json"}
 
 
 def read_answer(payload: bytes, output: str) -> tuple[int, bool, str | None]:
