@@ -200,7 +200,7 @@ def test_an_ensemble_answers_at_its_deadline_from_the_models_that_answered(fmnis
 def test_feedback_moves_the_weight_to_the_better_model(policy, fmnist, logreg) -> None:
     _, _, x, y = fmnist
     models = [sklearn_predictor("good", logreg, IMAGE), FunctionPredictor("zero", constant(0, 0.99), (IMAGE,))]
-    app = ApplicationSpec("pick", ("good", "zero"), policy, slo_ms=SLO_MS)
+    app = ApplicationSpec("pick", ("good", "zero"), policy, slo_ms=SLO_MS, seed=0)  # Exp3's draws reproducible
     with live(models, [app]) as (url, _):
         before = get_json(f"{url}/apps/pick")["weights"]
         for i in range(60):

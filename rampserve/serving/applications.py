@@ -58,6 +58,7 @@ class ApplicationSpec:
     quorum: int | None = None  # consensus: agreeing models needed (None: a majority)
     enough: float | None = None  # best_confidence: a confidence that decides at once
     eta: float | None = None  # exp3/exp4 learning rate (None: DEFAULT_ETA)
+    seed: int | None = None  # Exp3's draws, for reproducible selection (None: fresh randomness)
 
     def __post_init__(self) -> None:
         problems = self.problems()
@@ -85,6 +86,8 @@ class ApplicationSpec:
             found.append(f"enough must be a confidence in (0, 1], got {self.enough!r}")
         if self.eta is not None and not _positive(self.eta):
             found.append(f"eta must be a positive number, got {self.eta!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+            found.append(f"seed must be an integer, got {self.seed!r}")
         if not found and self.policy == "race":
             try:
                 make_decider(self.decider, self.quorum, self.enough)
@@ -211,7 +214,7 @@ class Application:
     name at every query, so a model swapped for a new version serves the next query."""
 
     def __init__(self, spec: ApplicationSpec, model: Callable[[str], Predictor], store: StateStore,
-                 metrics: ServerMetrics, seed: int | None = None) -> None:
+                 metrics: ServerMetrics) -> None:
         self.spec = spec
         self._model = model
         self.store = store
@@ -222,7 +225,7 @@ class Application:
         self.defaults = 0
         self.latency_sum_ms = 0.0
         self.latency_max_ms = 0.0
-        self._random = random.Random(seed)
+        self._random = random.Random(spec.seed)
         self._recent: OrderedDict[bytes, _Query] = OrderedDict()
         self._stragglers: set[asyncio.Task] = set()
 
