@@ -9,6 +9,8 @@ import socket
 import pytest
 import redis
 
+from bounded import run_bounded
+
 from rampserve.control.selection import SelectionState, exp3_update
 from rampserve.serving.state_store import (
     MemoryStore,
@@ -19,12 +21,6 @@ from rampserve.serving.state_store import (
     open_store,
 )
 
-# Bounds how long a test may wait on Redis, so a hang fails the test instead of stalling the run.
-HANG_GUARD_S = 30
-
-
-def _run(coro):
-    return asyncio.run(asyncio.wait_for(coro, HANG_GUARD_S))
 
 
 @pytest.fixture(params=["memory", "redis"])
@@ -62,7 +58,7 @@ def test_get_put_delete_items_round_trip(store: StateStore) -> None:
         await store.ping()
         await store.close()
 
-    _run(scenario())
+    run_bounded(scenario())
 
 
 def test_refuses_bad_names_and_values(store: StateStore) -> None:
@@ -82,7 +78,7 @@ def test_refuses_bad_names_and_values(store: StateStore) -> None:
         assert await store.get("apps", "k") is None
         await store.close()
 
-    _run(scenario())
+    run_bounded(scenario())
 
 
 def test_concurrent_updates_lose_nothing(store: StateStore) -> None:
@@ -92,7 +88,7 @@ def test_concurrent_updates_lose_nothing(store: StateStore) -> None:
         await store.close()
         return results
 
-    results = _run(scenario())
+    results = run_bounded(scenario())
     # Each update returned the value it wrote, and every one wrote a different count.
     assert sorted(r["count"] for r in results) == list(range(1, 51))
 
@@ -109,7 +105,7 @@ def test_selection_state_round_trips_through_an_update(store: StateStore) -> Non
         await store.close()
         return value
 
-    state = SelectionState.from_json(_run(scenario()))
+    state = SelectionState.from_json(run_bounded(scenario()))
     assert state.models == ("a", "b") and state.updates == 3
     assert state.probabilities()[0] < 0.5  # the model that kept losing is chosen less
 
@@ -124,7 +120,7 @@ def test_two_redis_servers_update_one_counter_concurrently(redis_url, redis_pref
         await second.close()
         return value
 
-    assert _run(scenario()) == {"count": 80}
+    assert run_bounded(scenario()) == {"count": 80}
 
 
 def test_redis_state_outlives_the_store_that_wrote_it(redis_url, redis_prefix) -> None:
@@ -146,9 +142,9 @@ def test_redis_state_outlives_the_store_that_wrote_it(redis_url, redis_prefix) -
         await store.close()
         return values
 
-    _run(write())  # the first "server", in its own event loop, then gone
-    assert _run(read_fresh()) == ({"digits": {"models": ["resnet", "vgg"]}}, {"digits/u1": {"count": 1}})
-    assert _run(read_other_prefix()) == {}
+    run_bounded(write())  # the first "server", in its own event loop, then gone
+    assert run_bounded(read_fresh()) == ({"digits": {"models": ["resnet", "vgg"]}}, {"digits/u1": {"count": 1}})
+    assert run_bounded(read_other_prefix()) == {}
 
 
 def test_one_redis_store_serves_one_event_loop_after_another(redis_url, redis_prefix) -> None:
@@ -163,11 +159,11 @@ def test_one_redis_store_serves_one_event_loop_after_another(redis_url, redis_pr
         await store.close()
         return value
 
-    _run(put_and_close())
-    assert _run(get_and_close("a")) == {"n": 1}
+    run_bounded(put_and_close())
+    assert run_bounded(get_and_close("a")) == {"n": 1}
     # Not closed in its loop: the next loop still gets a working client (the old one's sockets go with GC).
-    _run(store.put("apps", "b", {"n": 2}))
-    assert _run(get_and_close("b")) == {"n": 2}
+    run_bounded(store.put("apps", "b", {"n": 2}))
+    assert run_bounded(get_and_close("b")) == {"n": 2}
 
 
 def test_redis_key_layout(redis_url, redis_prefix) -> None:
@@ -177,7 +173,7 @@ def test_redis_key_layout(redis_url, redis_prefix) -> None:
         await store.put("apps", "a", {"n": 1})
         await store.close()
 
-    _run(scenario())
+    run_bounded(scenario())
     client = redis.Redis.from_url(redis_url)
     try:
         assert client.get(f"{redis_prefix}:state:apps:a") == b'{"n":1}'
@@ -201,7 +197,7 @@ def test_redis_value_not_written_by_rampserve_is_a_clear_error(redis_url, redis_
             await store.close()
 
     with pytest.raises(StoreError, match="apps/broken is not JSON"):
-        _run(read_broken())
+        run_bounded(read_broken())
 
 
 def test_open_store_chooses_the_backend_and_refuses_unknown_urls() -> None:
@@ -224,4 +220,4 @@ def test_unreachable_redis_is_a_clear_error_not_a_hang() -> None:
     store = open_store(url)
     for attempt in (store.ping(), store.get("apps", "a"), store.update("c", "k", _increment)):
         with pytest.raises(StoreUnavailable, match=f"state store {url} is unreachable"):
-            _run(attempt)
+            run_bounded(attempt)

@@ -12,6 +12,8 @@ import redis.asyncio as aioredis
 from hypothesis import given
 from hypothesis import strategies as st
 
+from bounded import run_bounded
+
 from rampserve.serving.update_stream import (
     UPDATE_STREAM,
     ModelUpdate,
@@ -20,12 +22,6 @@ from rampserve.serving.update_stream import (
     publish_update,
 )
 
-# Bounds every wait, so a listener that never delivers fails the test instead of stalling the run.
-HANG_GUARD_S = 30
-
-
-def _run(coro):
-    return asyncio.run(asyncio.wait_for(coro, HANG_GUARD_S))
 
 
 async def _until(condition: Callable[[], bool]) -> None:
@@ -76,7 +72,7 @@ def test_published_updates_are_applied_in_order_and_only_those_after_start(redis
         finally:
             await listener.stop()
 
-    recorder, status, ids = _run(scenario())
+    recorder, status, ids = run_bounded(scenario())
     assert recorder.seen == updates
     assert status["stream"] == stream and status["last_id"] == ids[-1]
     assert status["applied"] == len(updates) and status["failed"] == 0 and status["recent_errors"] == []
@@ -101,7 +97,7 @@ def test_malformed_entries_are_counted_and_later_ones_still_apply(redis_url, str
             await client.aclose()
             await listener.stop()
 
-    recorder, status = _run(scenario())
+    recorder, status = run_bounded(scenario())
     assert recorder.seen == [ModelUpdate("load", "good", "3")]
     assert status["applied"] == 1 and status["failed"] == len(bad_entries)
     errors = "\n".join(status["recent_errors"])
@@ -123,7 +119,7 @@ def test_an_apply_that_raises_does_not_stop_the_listener(redis_url, stream) -> N
         finally:
             await listener.stop()
 
-    recorder, status = _run(scenario())
+    recorder, status = run_bounded(scenario())
     assert [u.model for u in recorder.seen] == ["broken", "fine"]
     assert status["failed"] == 1 and status["running"]
     assert "load 'broken' failed: RuntimeError: boom loading broken" in status["recent_errors"][0]
@@ -147,7 +143,7 @@ def test_the_listener_waits_out_a_lost_redis_and_follows_it_again(private_redis)
         finally:
             await listener.stop()
 
-    recorder, down, up = _run(scenario())
+    recorder, down, up = run_bounded(scenario())
     assert [u.model for u in recorder.seen] == ["first", "after-restart"]
     assert down["running"] and private_redis.url in down["connection_error"]
     assert up["connection_error"] is None and up["applied"] == 2 and up["failed"] == 0
@@ -163,9 +159,9 @@ def test_an_unreachable_broker_is_a_clear_error() -> None:
         raise AssertionError("nothing can arrive")
 
     with pytest.raises(UpdateStreamError, match=f"at {url}"):
-        _run(publish_update(url, ModelUpdate("load", "m")))
+        run_bounded(publish_update(url, ModelUpdate("load", "m")))
     with pytest.raises(UpdateStreamError, match=f"at {url}"):
-        _run(UpdateListener(url, recorder).start())
+        run_bounded(UpdateListener(url, recorder).start())
 
 
 @pytest.mark.parametrize(("fields", "message"), [

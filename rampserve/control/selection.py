@@ -65,17 +65,21 @@ def exp3_update(state: SelectionState, chosen: int, loss: float, eta: float) -> 
     return SelectionState(state.models, _normalised(weights), state.updates + 1)
 
 
-def exp4_combine(state: SelectionState, predictions: np.ndarray, num_classes: int) -> tuple[int, float]:
-    """The ensemble's label and confidence from the labels of the models that answered (-1: no answer yet, as
-    at a deadline): each label scores the weight of the models that predict it; confidence is the winning
-    label's share of the total weight, so missing models lower it."""
+def exp4_votes(state: SelectionState, predictions: np.ndarray, num_classes: int) -> np.ndarray:
+    """Each label's vote: the share of the total weight held by the models that predict it, from the labels of
+    the models that answered (-1: no answer yet, as at a deadline), so missing models lower every vote."""
     predictions = np.asarray(predictions, dtype=np.int64)
     answered = predictions >= 0
     if not answered.any():
         raise ValueError("no model has answered")
-    scores = np.bincount(predictions[answered], weights=state.probabilities()[answered], minlength=num_classes)
-    label = int(scores.argmax())
-    return label, float(scores[label])
+    return np.bincount(predictions[answered], weights=state.probabilities()[answered], minlength=num_classes)
+
+
+def exp4_combine(state: SelectionState, predictions: np.ndarray, num_classes: int) -> tuple[int, float]:
+    """The ensemble's label and confidence: the label with the largest vote (`exp4_votes`), and that vote."""
+    votes = exp4_votes(state, predictions, num_classes)
+    label = int(votes.argmax())
+    return label, float(votes[label])
 
 
 def exp4_update(state: SelectionState, losses: np.ndarray, eta: float) -> SelectionState:

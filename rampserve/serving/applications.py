@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass, field, fields
 import numpy as np
 
 from rampserve.control.deciders import Candidate, Decision, first, make_decider
-from rampserve.control.selection import SelectionState, exp3_choose, exp3_update, exp4_combine, exp4_update
+from rampserve.control.selection import SelectionState, exp3_choose, exp3_update, exp4_update, exp4_votes
 from rampserve.serving.cache import cache_key
 from rampserve.serving.metrics import ServerMetrics
 from rampserve.serving.predictors import Predictor
@@ -371,21 +371,21 @@ class Application:
     def _exp4_decider(self, state: SelectionState) -> Callable[[Sequence[Candidate], int, bool], Decision | None]:
         """Exp4's weighted vote, decided before every model has answered once the models still out could not
         change the winner (their weight is less than the leader's margin)."""
-        probabilities = dict(zip(state.models, state.probabilities()))
+        weights = state.probabilities()
+        index = {m: i for i, m in enumerate(state.models)}
 
         def decide(arrived: Sequence[Candidate], expected: int, final: bool) -> Decision | None:
             if not arrived:
                 return None
-            index = {m: i for i, m in enumerate(state.models)}
             predictions = np.full(len(state.models), -1)
             for candidate in arrived:
                 predictions[index[candidate.model]] = candidate.label
-            label, confidence = exp4_combine(state, predictions, int(predictions.max()) + 1)
+            votes = exp4_votes(state, predictions, int(predictions.max()) + 1)
+            label = int(votes.argmax())
+            confidence = float(votes[label])
             if not final:
-                votes = np.bincount(predictions[predictions >= 0],
-                                    weights=state.probabilities()[predictions >= 0])
                 runner_up = np.sort(votes)[-2] if len(votes) > 1 else 0.0
-                if confidence - runner_up <= 1.0 - sum(probabilities[c.model] for c in arrived):
+                if confidence - runner_up <= 1.0 - weights[predictions >= 0].sum():
                     return None
             return Decision(label, confidence, tuple(c.model for c in arrived if c.label == label))
 

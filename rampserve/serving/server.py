@@ -21,7 +21,7 @@ from rampserve.serving.catalogue import Catalogue, CatalogueError, ModelReposito
 from rampserve.serving.metrics import ServerMetrics
 from rampserve.serving.models import ServedModel, load_served
 from rampserve.serving.predictors import Predictor, WorkerPredictor
-from rampserve.serving.state_store import open_store
+from rampserve.serving.state_store import RedisStore, open_store
 from rampserve.serving.update_stream import ModelUpdate, UpdateListener
 from rampserve.serving.worker import ControlLink, ModelSettings, ModelWorker
 
@@ -79,9 +79,9 @@ def build_state(models: Sequence[ServedModel | Predictor], model_settings: Model
     if repository is not None:
         predictors += [repository.build(name) for name in tqdm(repository.names(), desc="loading repository",
                                                                unit="model")]
-    if settings.update_stream and not (settings.store or "").startswith(("redis", "unix")):
-        raise ValueError("following the update stream needs a Redis store (--store redis://...)")
     store = open_store(settings.store, settings.store_prefix)
+    if settings.update_stream and not isinstance(store, RedisStore):
+        raise ValueError("following the update stream needs a Redis store (--store redis://...)")
     catalogue = Catalogue(metrics, store, repository, predictors, apps)
     listener = None
     if settings.update_stream:
