@@ -101,6 +101,9 @@ def test_two_replicas_serve_tritonclient_and_share_one_controller(deployed, resn
     feeds = stream_inputs(160)
     labels = infer_all(url, model, feeds)
     actor = ray.get_actor(controller_name(model))
+    # Replicas hand their records over after answering (and compile a new configuration's stages first)
+    wait_for(lambda: ray.get(actor.status.remote())["inputs_observed"] == 160,
+             "the controller to observe every answered input")
     published = ray.get(actor.configuration.remote())
     status = ray.get(actor.status.remote())
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -11,6 +13,7 @@ from torch import nn
 
 from rampserve.graph.sites import block_of
 from rampserve.graph.torch_graph import TorchSplitModel
+from rampserve.runtime.backends import TorchBackend
 from rampserve.zoo.registry import get_entry
 
 
@@ -26,6 +29,65 @@ def test_staged_output_equals_the_original_model_exactly(resnet_prepared, fmnist
         assert np.array_equal(out, reference)
 
     check()
+
+
+def test_compiled_runs_equal_the_original_model_and_the_eager_ramps_exactly(resnet_prepared, fmnist_feeds) -> None:
+    """TorchScript stages (the serving path) give bit for bit the original model's output and the eager path's
+    ramp decisions, for any active ramps and batch size, compiled with a two-row example."""
+    model = replace(resnet_prepared, backend=TorchBackend(resnet_prepared.backend.module))  # compiled apart
+    name = model.backend.input_names[0]
+
+    @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+    @given(st.sets(st.sampled_from(model.site_names)), st.integers(1, 16))
+    def check(active: set[str], batch: int) -> None:
+        feeds = {name: fmnist_feeds[:batch]}
+        assert model.compile(sorted(active), {name: fmnist_feeds[-2:]})
+        ramps: dict[bool, list] = {True: [], False: []}
+        outputs = {compiled: model.run(feeds, sorted(active), lambda *seen, c=compiled: ramps[c].append(seen),
+                                       compiled=compiled) for compiled in (True, False)}
+        reference = model.backend.module(torch.from_numpy(fmnist_feeds[:batch])).detach().numpy()
+        assert np.array_equal(outputs[True], reference) and np.array_equal(outputs[False], reference)
+        assert [site for site, *_ in ramps[True]] == sorted(active, key=model.site_names.index)
+        for (site, labels, errors), (eager_site, eager_labels, eager_errors) in zip(ramps[True], ramps[False],
+                                                                                   strict=True):
+            assert site == eager_site and np.array_equal(labels, eager_labels)
+            assert np.array_equal(errors, eager_errors)
+
+    check()
+
+
+class _DataDependent(nn.Module):
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h * 2 if h.sum() > 0 else h * 3  # a trace would keep one branch
+
+
+class _SizeAsNumber(nn.Module):
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        rows = int(h.shape[0])  # a trace would keep the example's batch size
+        return h + rows
+
+
+class _WithLeaf(nn.Module):
+    def __init__(self, leaf: nn.Module) -> None:
+        super().__init__()
+        self.rampserve_leaf_types = (type(leaf),)
+        self.first, self.leaf, self.last = nn.Linear(4, 4), leaf, nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.last(torch.relu(self.leaf(self.first(x))))
+
+
+@pytest.mark.parametrize("leaf", [_DataDependent(), _SizeAsNumber()], ids=["branch", "size"])
+def test_a_model_that_does_not_trace_faithfully_is_served_eagerly(leaf: nn.Module) -> None:
+    backend = TorchBackend(_WithLeaf(leaf), policy=lambda graph, candidates: candidates)
+    example = {"x": np.ones((2, 4), np.float32)}
+    inputs = np.concatenate([np.full((1, 4), -5.0, np.float32), np.ones((2, 4), np.float32)])
+    for cuts in ([], [s.value for s in backend.sites]):
+        assert backend.compile(cuts, example) is False
+        for rows in (1, 3):  # each sign for the branch, another batch size for the size
+            with torch.no_grad():
+                output = backend.run_hooked({"x": inputs[:rows]}, cuts, lambda *_: None, compiled=True)
+                assert torch.equal(output, backend.module(torch.from_numpy(inputs[:rows])))
 
 
 def test_ramp_callback_sees_every_active_ramp_in_model_order(resnet_prepared, fmnist_feeds) -> None:
@@ -151,6 +213,12 @@ def test_minilm_prepares_with_first_token_ramps_and_stages_exactly(small_prepare
     reference = model.backend.module(*(torch.from_numpy(feeds[n]) for n in model.backend.input_names))
     for active in ([], model.site_names, model.site_names[1:2]):
         assert np.array_equal(model.run(feeds, active=active), reference.detach().numpy())
+        # compiled with an example of another length, and run on a shorter one too
+        assert model.compile(active, {n: np.concatenate([feeds[n][:2]] * 2, axis=1) for n in feeds})
+        for length in (feeds[model.backend.input_names[0]].shape[1], 7):
+            cut = {n: np.ascontiguousarray(feeds[n][:, :length]) for n in feeds}
+            eager = model.run(cut, active=active)
+            assert np.array_equal(model.run(cut, active=active, compiled=True), eager)
 
 
 def test_deep_ramps_prepare_and_round_trip(small_prepare_config, fmnist_feeds, tmp_path) -> None:

@@ -52,8 +52,14 @@ def fixed_exits(served: ServedModel, site_index: int, threshold: float, **overri
     return ModelSettings(controller=controller, **overrides)
 
 
+def original_logits(served: ServedModel, feeds: np.ndarray) -> np.ndarray:
+    """The original torch module's output, bypassing every serving path (stages, TorchScript)."""
+    with torch.inference_mode():
+        return served.model.backend.module(torch.from_numpy(feeds)).numpy()
+
+
 def original_labels(served: ServedModel, feeds: np.ndarray) -> np.ndarray:
-    return served.model.run({served.inputs[0].name: feeds}).argmax(axis=1)
+    return original_logits(served, feeds).argmax(axis=1)
 
 
 def infer_body(served: ServedModel, x: np.ndarray, **parameters) -> bytes:
@@ -81,6 +87,22 @@ def triton_input(served: ServedModel, x: np.ndarray, binary: bool) -> triton.Inf
     return tensor
 
 
+@pytest.mark.parametrize("torchscript", [True, False])
+def test_the_served_logits_are_the_original_models_bit_for_bit(served, fmnist_feeds, torchscript: bool) -> None:
+    """Compiled to TorchScript (the default) or eager, with ramps active or not, the final answer is exactly the
+    original module's."""
+    x = fmnist_feeds[:5]
+    for settings in (ModelSettings(vanilla=True, torchscript=torchscript),
+                     fixed_exits(served, 1, 0.0, torchscript=torchscript)):
+        with server(served, settings) as (url, _):
+            client = triton.InferenceServerClient(url.removeprefix("http://"))
+            result = client.infer(MODEL, [triton_input(served, x, True)],
+                                  outputs=[triton.InferRequestedOutput("logits", binary_data=True)])
+            compiled = get_json(url + "/status")["models"][MODEL]["compiled"]
+        np.testing.assert_array_equal(result.as_numpy("logits"), original_logits(served, x))
+        assert compiled is torchscript
+
+
 def test_tritonclient_infers_with_binary_data_and_with_json(served, fmnist_feeds) -> None:
     x = fmnist_feeds[:4]
     with server(served, ModelSettings(vanilla=True)) as (url, _):
@@ -93,7 +115,7 @@ def test_tritonclient_infers_with_binary_data_and_with_json(served, fmnist_feeds
         as_json = client.infer(MODEL, [triton_input(served, x, False)],
                                outputs=[triton.InferRequestedOutput("label", binary_data=False),
                                         triton.InferRequestedOutput("logits", binary_data=False)])
-    expected = served.model.run({served.inputs[0].name: x})
+    expected = original_logits(served, x)
     np.testing.assert_array_equal(binary.as_numpy("label"), expected.argmax(axis=1))
     np.testing.assert_array_equal(as_json.as_numpy("label"), expected.argmax(axis=1))
     # The served logits are the original model's (vanilla: nothing exits, the final stage is the model).

@@ -3,10 +3,11 @@ exits, Ray Serve (`@serve.batch`) and MLServer (a custom runtime with its adapti
 the same max batch and wait, through the same client process.
 
 The client is `bench live`'s load generator with plain v2 JSON bodies (`"data"` lists) instead of Triton's
-binary-data extension, which MLServer's REST server does not read: every system parses the same JSON. rampserve and
-Ray Serve run the bundle's torch model (rampserve vanilla and Ray Serve: the original model, no ramps); MLServer runs
-it traced to TorchScript (or, `mlserver_backend="onnx"`, exported to ONNX under ONNX Runtime, several times faster
-than torch on these small CNNs: a different kernel library, not a different server) in a venv of its own
+binary-data extension, which MLServer's REST server does not read: every system parses the same JSON. Every system
+runs the bundle's torch model traced to TorchScript, the same kernels: rampserve as its executor compiles it by
+default (rampserve vanilla and Ray Serve: the original model, no ramps), MLServer from a traced file (or, with
+`mlserver_backend="onnx"`, exported to ONNX under ONNX Runtime: a different kernel library, not a different server)
+in a venv of its own
 (`.venv-mlserver`, created on first use from `rampserve/bench/mlserver/requirements.txt`: its fastapi/starlette pins
 conflict with rampserve's). Every model runs with one intra-op thread. The request rate is `bench live`'s: half of
 rampserve vanilla's closed-loop saturation throughput unless given. Each system's figures carry `bench live`'s keys
@@ -83,6 +84,12 @@ def goals(systems: dict[str, dict]) -> dict[str, bool | None]:
         "vanilla_p50_at_most_peers": every(lambda p: _le(vanilla["p50_ms"], p["p50_ms"])),
         "rampserve_lowest_p50": None if exits is None or None in p50s else exits["p50_ms"] == min(p50s),
     }
+
+
+def _served_as(kind: str, summary: dict | None) -> str:
+    """How a rampserve server ran the model, from the status it left: TorchScript when its executor compiled it."""
+    compiled = summary is not None and (summary["server"].get("status") or {}).get("compiled")
+    return "TorchScript" if compiled and kind == "torch" else kind
 
 
 def _le(value: float | None, other: float | None) -> bool:
@@ -261,8 +268,9 @@ def run_peers(settings: PeerSettings, json_out: Path | None, plots_dir: Path | N
         "saturation_rps": saturation["throughput_rps"], "saturation": saturation, "slo_ms": slo,
         "max_batch": max_batch, "max_delay_ms": live.max_delay_ms, "requests": n, "warmup_requests": warmup,
         "duration_s": live.duration_s, "client": "v2 JSON bodies, one process (rampserve.bench.loadgen)",
-        "backends": {"rampserve_vanilla": model.backend.kind, "rampserve": f"{model.backend.kind} with ramps",
-                     "ray_serve": model.backend.kind,
+        "backends": {BASELINE: _served_as(model.backend.kind, systems.get(BASELINE)),
+                     "rampserve": f"{_served_as(model.backend.kind, systems.get('rampserve'))} with ramps",
+                     "ray_serve": "TorchScript" if model.backend.kind == "torch" else model.backend.kind,
                      "mlserver": "TorchScript" if mlserver_backend == "torch" else "ONNX Runtime"},
         "systems": systems, "goals": goals(systems),
         "settings": asdict(settings) | {"mlserver_venv": str(settings.mlserver_venv)},

@@ -1,4 +1,5 @@
-"""Ray Serve as a peer of `rampserve bench peers`: the bundle's original model (no ramps) behind `@serve.batch`, at
+"""Ray Serve as a peer of `rampserve bench peers`: the bundle's original model (no ramps, traced to TorchScript as
+rampserve and MLServer run it) behind `@serve.batch`, at
 `/v2/models/{m}/infer` with v2 JSON requests and responses, so the benchmark's client drives it unchanged.
 
 `python -m rampserve.bench.peers_ray BUNDLE --name M --port P --max-batch B --wait-ms W` starts a local Ray of its own
@@ -12,7 +13,6 @@ import argparse
 import signal
 import sys
 import threading
-from pathlib import Path
 
 import numpy as np
 from ray import serve
@@ -40,10 +40,13 @@ class V2Classifier:
     def __init__(self, bundle: str, model_name: str, max_batch: int, wait_s: float) -> None:
         import torch
 
-        from rampserve.runtime.bundle import load_bundle
+        from rampserve.serving.models import load_served
 
         torch.set_num_threads(1)
-        self.model = load_bundle(Path(bundle))
+        served = load_served(bundle)
+        self.model = served.model
+        # the same TorchScript as rampserve's executor and MLServer's runtime run: every system, the same kernels
+        self.compiled = self.model.compile((), dict(served.example))
         self.model_name = model_name
         self.input_name = self.model.backend.input_names[0]
         self.path = f"/v2/models/{model_name}/infer"
@@ -53,7 +56,8 @@ class V2Classifier:
     @serve.batch(max_batch_size=1, batch_wait_timeout_s=0.0)  # both set per deployment in __init__
     async def infer(self, inputs: list[np.ndarray]) -> list[np.ndarray]:
         """One run of the original model (no active ramp) over every request's inputs; each gets its own labels."""
-        labels = self.model.run({self.input_name: np.concatenate(inputs)}).argmax(axis=1).astype(np.int64)
+        logits = self.model.run({self.input_name: np.concatenate(inputs)}, compiled=self.compiled)
+        labels = logits.argmax(axis=1).astype(np.int64)
         return np.split(labels, np.cumsum([len(x) for x in inputs])[:-1])
 
     async def infer_json(self, body: dict) -> dict:

@@ -7,7 +7,9 @@ gives bit-for-bit the original model's output on the same inputs.
 from __future__ import annotations
 
 import functools
+import logging
 import threading
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
@@ -16,6 +18,9 @@ from torch import fx, nn
 
 from rampserve.graph.sites import Dataflow, Op, SiteCandidate, SitePolicy, find_sites
 
+log = logging.getLogger("rampserve.graph")
+
+TRACE_WARM_RUNS = 3  # runs of a traced stage before its output is compared (profiling, then optimized)
 _CONTRACTIONS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.Linear)
 _CONTRACTION_FUNCTIONS = {torch.matmul, torch.bmm, torch.mm, torch.conv2d, torch.nn.functional.linear,
                           torch.nn.functional.conv2d, torch.einsum}
@@ -135,7 +140,6 @@ def dataflow(gm: fx.GraphModule) -> Dataflow:
     return Dataflow(inputs=tuple(placeholders), ops=ops, outputs=_node_inputs(output))
 
 
-Stage = Callable[..., torch.Tensor]
 
 
 class TorchSplitModel:
@@ -147,7 +151,7 @@ class TorchSplitModel:
         self.dataflow = dataflow(self.graph_module)
         self.sites: list[SiteCandidate] = find_sites(self.dataflow, policy)
         self.input_names = list(self.dataflow.inputs)
-        self._stages: dict[tuple[str, ...], list[Stage]] = {}
+        self._stages: dict[tuple[str, ...], list[ModuleStage]] = {}
         self._hooked: dict[tuple[str, ...], fx.GraphModule] = {}
 
     def hooked(self, cuts: Sequence[str]) -> fx.GraphModule:
@@ -178,7 +182,7 @@ class TorchSplitModel:
     def full(self, feeds: dict[str, torch.Tensor]) -> torch.Tensor:
         return self.module(*(feeds[name] for name in self.input_names))
 
-    def build(self, cuts: Sequence[str]) -> list[Stage]:
+    def build(self, cuts: Sequence[str]) -> list[ModuleStage]:
         """Stage callables `stage(activation, side_inputs)` cut at the given site values.
 
         With no cuts the single stage is the original module itself, so a model without active ramps runs
@@ -189,18 +193,23 @@ class TorchSplitModel:
             self._stages[key] = self._build(key)
         return self._stages[key]
 
-    def _build(self, cuts: tuple[str, ...]) -> list[Stage]:
+    def traced(self, cuts: Sequence[str], inputs: dict[str, torch.Tensor]) -> list[ModuleStage] | None:
+        """The stages for `cuts` traced to TorchScript with `inputs` as the example, or None where tracing is not
+        faithful (see `trace_stages`)."""
+        primary, *side = self.input_names
+        return trace_stages(self.build(cuts), inputs[primary], {n: inputs[n] for n in side})
+
+    def _build(self, cuts: tuple[str, ...]) -> list[ModuleStage]:
         by_value = {s.value: s for s in self.sites}
         unknown = [c for c in cuts if c not in by_value]
         if unknown:
             raise ValueError(f"cuts {unknown} are not sites of this model; sites: {list(by_value)}")
         if not cuts:
-            side = self.input_names[1:]
-            return [lambda x, side_inputs: self.module(x, *(side_inputs[n] for n in side))]
+            return [ModuleStage(self.module, tuple(self.input_names[1:]))]
         ordered = sorted(cuts, key=lambda c: by_value[c].index)
         boundaries = [self.input_names[0], *ordered, None]
         return [
-            _StageModule(self.graph_module, self.input_names, start, stop)
+            _stage_module(self.graph_module, self.input_names, start, stop)
             for start, stop in zip(boundaries, boundaries[1:])
         ]
 
@@ -230,43 +239,95 @@ def _flatten_targets(graph: fx.Graph, root: nn.Module) -> dict[str, object]:
     return attrs
 
 
-class _StageModule:
-    """The nodes strictly after value `start` up to and including value `stop` (None: the model output)."""
+class ModuleStage:
+    """A stage: `module(activation, *the side inputs it reads)`."""
 
-    def __init__(self, gm: fx.GraphModule, input_names: list[str], start: str, stop: str | None) -> None:
-        nodes = list(gm.graph.nodes)
-        index = {n.name: i for i, n in enumerate(nodes)}
-        by_name = {n.name: n for n in nodes}
-        output_node = nodes[-1]
-        last = index[stop] if stop is not None else len(nodes) - 1
-        in_range = {n for n in nodes[index[start] + 1: last + 1] if n.op != "placeholder"}
-        # Anything else the range reads (side values, weights) is recomputed or fetched in this stage.
-        needed: set[str] = set()
-        frontier = [a for n in in_range for a in n.all_input_nodes]
-        while frontier:
-            node = frontier.pop()
-            if node.name in needed or node.name == start or node in in_range:
-                continue
-            needed.add(node.name)
-            frontier.extend(node.all_input_nodes)
-        side_names = [n for n in input_names[1:] if n in needed]
-        self.side_names = side_names
-
-        graph = fx.Graph()
-        env: dict[fx.Node, fx.Node] = {by_name[start]: graph.placeholder(start)}
-        for name in side_names:
-            env[by_name[name]] = graph.placeholder(name)
-        for node in nodes:
-            if node.op in ("placeholder", "output") or node in env:
-                continue
-            if node.name in needed or node in in_range:
-                env[node] = graph.node_copy(node, lambda n: env[n])
-        result = env[by_name[stop]] if stop is not None else None
-        if result is None:
-            graph.output(fx.map_arg(output_node.args[0], lambda n: env[n]))
-        else:
-            graph.output(result)
-        self.module = fx.GraphModule(gm, graph, f"stage_{start}")
+    def __init__(self, module: Callable[..., torch.Tensor], side_names: tuple[str, ...]) -> None:
+        self.module, self.side_names = module, side_names
 
     def __call__(self, activation: torch.Tensor, side_inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         return self.module(activation, *(side_inputs[n] for n in self.side_names))
+
+
+def _stage_module(gm: fx.GraphModule, input_names: list[str], start: str, stop: str | None) -> ModuleStage:
+    """The nodes strictly after value `start` up to and including value `stop` (None: the model output)."""
+    nodes = list(gm.graph.nodes)
+    index = {n.name: i for i, n in enumerate(nodes)}
+    by_name = {n.name: n for n in nodes}
+    output_node = nodes[-1]
+    last = index[stop] if stop is not None else len(nodes) - 1
+    in_range = {n for n in nodes[index[start] + 1: last + 1] if n.op != "placeholder"}
+    # Anything else the range reads (side values, weights) is recomputed or fetched in this stage.
+    needed: set[str] = set()
+    frontier = [a for n in in_range for a in n.all_input_nodes]
+    while frontier:
+        node = frontier.pop()
+        if node.name in needed or node.name == start or node in in_range:
+            continue
+        needed.add(node.name)
+        frontier.extend(node.all_input_nodes)
+    side_names = tuple(n for n in input_names[1:] if n in needed)
+
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {by_name[start]: graph.placeholder(start)}
+    for name in side_names:
+        env[by_name[name]] = graph.placeholder(name)
+    for node in nodes:
+        if node.op in ("placeholder", "output") or node in env:
+            continue
+        if node.name in needed or node in in_range:
+            env[node] = graph.node_copy(node, lambda n: env[n])
+    if stop is None:
+        graph.output(fx.map_arg(output_node.args[0], lambda n: env[n]))
+    else:
+        graph.output(env[by_name[stop]])
+    return ModuleStage(fx.GraphModule(gm, graph, f"stage_{start}"), side_names)
+
+
+def trace_stages(stages: Sequence[ModuleStage], activation: torch.Tensor, side: dict[str, torch.Tensor]
+                 ) -> list[ModuleStage] | None:
+    """`stages` traced to TorchScript, or None unless every traced stage computes bit for bit what its eager stage
+    does. TorchScript runs a whole stage in C++ without taking the GIL per operator: eager torch takes it back
+    after every operator, and with the event loop busy on the same interpreter each retake can wait, which made
+    a batch of one on resnet18-fmnist twice as slow under load; traced, it is also 40% faster alone.
+
+    A trace records one run, so it is refused where that run may not stand for others: a tracer warning (Python
+    control flow or shapes read as constants), an exception, an output other than one tensor, or a different
+    result from the eager stage on the example or on the example with one row more (a batch size baked in)."""
+    examples = [(activation, side), (_one_row_more(activation), {n: _one_row_more(v) for n, v in side.items()})]
+    traced: list[ModuleStage] = []
+    with torch.no_grad():
+        for stage in stages:
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("error", torch.jit.TracerWarning)
+                    # The pinned torch marks TorchScript deprecated for torch.compile and torch.export, whose CPU
+                    # code fuses kernels (not bit-equal) and compiles for tens of seconds per set of ramps.
+                    warnings.simplefilter("ignore", DeprecationWarning)
+                    module = torch.jit.trace(stage.module, (activation, *(side[n] for n in stage.side_names)),
+                                             check_trace=False)
+            except Exception:  # whatever keeps a stage from tracing leaves the model on the eager path
+                log.info("stage %d of %d does not trace to TorchScript; serving it eagerly", len(traced) + 1,
+                         len(stages), exc_info=True)
+                return None
+            candidate = ModuleStage(module, stage.side_names)
+            advanced = []
+            for example_activation, example_side in examples:
+                expected = stage(example_activation, example_side)
+                # The first runs of a TorchScript function profile it and the next one optimizes it: compare
+                # what serving will run, after those.
+                outputs = [candidate(example_activation, example_side) for _ in range(TRACE_WARM_RUNS)]
+                if not isinstance(expected, torch.Tensor) or not all(
+                        isinstance(out, torch.Tensor) and torch.equal(out, expected) for out in outputs):
+                    log.info("stage %d of %d traced to a different function; serving it eagerly", len(traced) + 1,
+                             len(stages))
+                    return None
+                advanced.append((expected, example_side))
+            examples = advanced
+            activation = examples[0][0]
+            traced.append(candidate)
+    return traced
+
+
+def _one_row_more(tensor: torch.Tensor) -> torch.Tensor:
+    return torch.cat([tensor, tensor[:1]])

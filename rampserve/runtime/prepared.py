@@ -71,16 +71,23 @@ class PreparedModel:
         return self.ramps[site].evaluate(self.backend.to_tensor(activation), self.error_score)
 
     def run(self, feeds: dict[str, np.ndarray], active: Sequence[str] = (),
-            on_ramp: RampCallback | None = None) -> np.ndarray:
+            on_ramp: RampCallback | None = None, compiled: bool = False) -> np.ndarray:
         """Run the model, evaluating the active ramps as their sites are computed and reporting every input's
-        top label and error score to `on_ramp`. Returns the original model's output (logits)."""
+        top label and error score to `on_ramp`. Returns the original model's output (logits). `compiled`: run
+        the path `compile` made for these ramps, if it made one."""
         def report(site: str, activation: object) -> None:
             labels, errors = self.evaluate_ramp(site, activation)
             if on_ramp is not None:
                 on_ramp(site, labels, errors)
 
         with TRACE_GUARD.running(), torch.inference_mode():
-            return self.backend.to_tensor(self.backend.run_hooked(feeds, active, report)).numpy()
+            return self.backend.to_tensor(self.backend.run_hooked(feeds, active, report, compiled)).numpy()
+
+    def compile(self, active: Sequence[str], example: dict[str, np.ndarray]) -> bool:
+        """Compile the serving path with these active ramps ahead of its first batch (see `Backend.compile`);
+        whether `run(..., compiled=True)` with them runs compiled."""
+        with TRACE_GUARD.running():  # torch.jit.trace runs the model; fx's tracer must not patch it meanwhile
+            return self.backend.compile(active, example)
 
     def learn(self, final_labels: np.ndarray) -> list[str]:
         """Update the cache ramps that `run` last evaluated with the batch's final labels (online cache updates:

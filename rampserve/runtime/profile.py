@@ -78,16 +78,21 @@ def _timed(fn: Callable[..., object], *args: object) -> tuple[object, float]:
 
 def measure_profile(model, sample_feeds: Callable[[int], dict[str, np.ndarray]],
                     batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES, repeats: int = 7,
-                    progress: bool = True) -> LatencyProfile:
+                    progress: bool = True, compiled: bool = True) -> LatencyProfile:
     """Median times over `repeats` interleaved runs of the whole model, of the split model, and of the serving
     path with every ramp active and with none.
 
-    `model` is a `PreparedModel`; `sample_feeds(b)` gives real inputs of batch size b.
+    `model` is a `PreparedModel`; `sample_feeds(b)` gives real inputs of batch size b. `compiled`: time the paths
+    the server runs by default (`PreparedModel.compile`, which leaves a model that does not trace eager), since a
+    ramp's cost counts against the stages it is served with.
     """
     backend = model.backend
     sites = [s.name for s in model.sites]
-    _, stages = backend.plan(sites)
-    (full_stage,) = backend.plan(())[1]
+    if compiled:
+        example = sample_feeds(2)
+        compiled = model.compile(sites, example) and model.compile((), example)
+    _, stages = backend.serving_stages(sites, compiled)
+    (full_stage,) = backend.serving_stages((), compiled)[1]
     primary, side_names = backend.input_names[0], backend.input_names[1:]
     full: list[float] = []
     segment: dict[str, list[float]] = {s: [] for s in (*sites, "output")}
@@ -111,7 +116,7 @@ def measure_profile(model, sample_feeds: Callable[[int], dict[str, np.ndarray]],
                 # drift and machine noise largely cancel in the difference.
                 evaluated.update(dict.fromkeys(sites, 0.0))
                 plain_a, active_a, active_b, plain_b = (
-                    _timed(backend.run_hooked, raw_feeds, cuts, evaluate_timed)[1]
+                    _timed(backend.run_hooked, raw_feeds, cuts, evaluate_timed, compiled)[1]
                     for cuts in ((), sites, sites, ()))
                 timings = {f"ramp:{s}": evaluated[s] / 2 for s in sites}
                 timings["full"] = t_full

@@ -4,7 +4,7 @@ bundle directory."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -35,6 +35,8 @@ class ServedModel:
     # Longest variable dimension a request may bring (a text model's positions); None: all dims are fixed.
     max_variable_dim: int | None = None
     version: str = VERSION
+    # Real inputs of the model's workload (two rows): the example its serving path is compiled with
+    example: Mapping[str, np.ndarray] = field(default_factory=dict)
 
     @property
     def platform(self) -> str:
@@ -73,7 +75,7 @@ def served(name: str, model: PreparedModel) -> ServedModel:
         for n, a in sample.items())
     num_classes = int(model.meta["num_classes"])
     outputs = (TensorSpec(LABEL_OUTPUT, "INT64", (-1,)), TensorSpec(LOGITS_OUTPUT, "FP32", (-1, num_classes)))
-    return ServedModel(name, model, inputs, outputs, TEXT_MAX_POSITIONS if variable else None)
+    return ServedModel(name, model, inputs, outputs, TEXT_MAX_POSITIONS if variable else None, example=sample)
 
 
 def stack_inputs(specs: tuple[TensorSpec, ...], requests: list[Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:

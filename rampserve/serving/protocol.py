@@ -16,6 +16,7 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+import orjson
 
 # Explicit little-endian dtypes: the binary extension fixes the byte order whatever machine the server runs on.
 DATATYPES: dict[str, np.dtype] = {
@@ -101,10 +102,7 @@ def parse_infer_request(
     the request has no such header and the body is JSON only.
     """
     json_end = _json_length(body, header_length)
-    try:
-        request = json.loads(body[:json_end])
-    except (ValueError, RecursionError) as error:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-        raise ProtocolError(f"request body is not valid JSON: {error}") from None
+    request = _load_json(body[:json_end])
     if not isinstance(request, dict):
         raise ProtocolError(f"request body must be a JSON object, got {type(request).__name__}")
     request_id = request.get("id")
@@ -262,6 +260,20 @@ def _checked_shape(tensor: dict, spec: TensorSpec) -> tuple[int, ...]:
     if shape[0] == 0:
         raise ProtocolError(f"input '{name}': the batch dimension is 0; send at least one row")
     return tuple(shape)
+
+
+def _load_json(text: bytes) -> object:
+    """orjson (ten times faster on a tensor's worth of numbers); the standard library's parser for what orjson
+    refuses but Python clients send (`NaN`, `Infinity`: tritonclient writes them with `json.dumps`; integers
+    beyond 64 bits), and for the error message of what is not JSON at all."""
+    try:
+        return orjson.loads(text)
+    except orjson.JSONDecodeError:
+        pass
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError) as error:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise ProtocolError(f"request body is not valid JSON: {error}") from None
 
 
 def _decode_json(data: object, spec: TensorSpec, shape: tuple[int, ...]) -> np.ndarray:

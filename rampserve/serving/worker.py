@@ -53,6 +53,10 @@ class ModelSettings:
     # that cannot meet its deadline is refused (429) rather than answered late.
     deadline_ms: float | None = None
     torch_threads: int | None = 1  # intra-op threads of the executor; None: torch's default (one per core)
+    # Run a torch model's stages as TorchScript where they trace faithfully (bit-equal outputs; see
+    # `trace_stages`): eager torch retakes the GIL after every operator, and waits for the event loop to give
+    # it back.
+    torchscript: bool = True
     vanilla: bool = False  # no ramps, no controller: the original model as any server would run it
     # Active cache ramps learn from every batch's final labels (Freeze's caches, kept current by live traffic).
     cache_updates: bool = True
@@ -177,6 +181,7 @@ class ModelWorker:
             control = LocalControl(Controller(profile, settings.controller))
         self.control = control
         self.configuration = Configuration(0, (), ()) if control is None else control.configuration()
+        self.compiled = False  # whether the current configuration's serving path runs compiled
         self.batches = 0
         self.inputs_served = 0
         self.requests_served = 0
@@ -191,12 +196,16 @@ class ModelWorker:
         self._records: queue.SimpleQueue[BatchRecord | None] = queue.SimpleQueue()
         self._labels = {"model": served.name}
         self._executor = threading.Thread(target=self._serve_batches, name=f"executor-{served.name}", daemon=True)
-        self._control = threading.Thread(target=self._control_loop, name=f"controller-{served.name}", daemon=True)
+        # A vanilla model has no controller to feed
+        self._control = None if control is None else threading.Thread(
+            target=self._control_loop, args=(control,), name=f"controller-{served.name}", daemon=True)
 
     def start(self) -> None:
+        self._compile(self.configuration)
         self._publish(self.configuration)
         self._executor.start()
-        self._control.start()
+        if self._control is not None:
+            self._control.start()
 
     def stop(self) -> None:
         """Answer everything accepted, then stop both threads."""
@@ -204,8 +213,9 @@ class ModelWorker:
             self._stopping = True
             self._cond.notify_all()
         self._executor.join()
-        self._records.put(None)
-        self._control.join()
+        if self._control is not None:
+            self._records.put(None)
+            self._control.join()
 
     # ---- admission (event loop thread) -------------------------------------------------------------------
 
@@ -344,7 +354,7 @@ class ModelWorker:
         started = time.monotonic()
         for pending in batch:
             self.metrics.queue.labels(**self._labels).observe(started - pending.arrival)
-        logits = model.run(feeds, config.sites, on_ramp if r else None)
+        logits = model.run(feeds, config.sites, on_ramp if r else None, self.settings.torchscript)
         final, final_errors = top_label_and_error(logits)
         for index, pending in enumerate(batch):
             if not pending.settled:
@@ -381,20 +391,25 @@ class ModelWorker:
 
     # ---- control (controller thread) -------------------------------------------------------------------------
 
-    def _control_loop(self) -> None:
+    def _control_loop(self, control: ControlLink) -> None:
         while True:
             try:
                 record = self._records.get(timeout=CONTROL_POLL_S)
             except queue.Empty:  # idle: a controller shared with other workers may have moved on without us
-                new = self.control.refresh()
+                new = control.refresh()
             else:
                 if record is None:
                     return
-                new = self.control.observe(record)
-                self.metrics.window_accuracy.labels(**self._labels).set(self.control.window_accuracy())
+                new = control.observe(record)
+                self.metrics.window_accuracy.labels(**self._labels).set(control.window_accuracy())
             if new is not None:
+                self._compile(new)  # here rather than on the executor's first batch with it
                 self.configuration = new  # the executor reads it at its next batch
                 self._publish(new)
+
+    def _compile(self, config: Configuration) -> None:
+        if self.settings.torchscript:
+            self.compiled = self.served.model.compile(config.sites, self.served.example)
 
     def _publish(self, config: Configuration) -> None:
         m = self.metrics
@@ -416,6 +431,7 @@ class ModelWorker:
             "max_batch": self.max_batch,
             "batch_limit": self.batch_size.size,
             "max_delay_ms": self.settings.max_delay_ms,
+            "compiled": self.compiled,
             "deadline_ms": self.deadline_ms,
             "queued_inputs": self._rows_queued,
             "batches": self.batches,
