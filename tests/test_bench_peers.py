@@ -127,23 +127,28 @@ def load_result(latency_ms: list[float], labels: list[int], status: list[int] | 
 
 def test_ratios_and_goals():
     reference = np.zeros(4, dtype=np.int64)
-    systems = {name: summarize_live(load_result(latency, [0, 0, 0, 0]), reference, 2, None)
-               for name, latency in (("rampserve_vanilla", [2.0] * 4), ("rampserve", [1.0] * 4),
-                                     ("ray_serve", [4.0] * 4), ("mlserver", [3.0] * 4))}
+    systems = {name: summarize_live(load_result(latency, [0, 0, 0, 0]), reference, 2, None) | {"saturation_rps": rps}
+               for name, latency, rps in (("rampserve_vanilla", [2.0] * 4, 300.0), ("rampserve", [1.0] * 4, 280.0),
+                                          ("ray_serve", [4.0] * 4, 40.0), ("mlserver", [3.0] * 4, 300.0))}
     systems = with_ratios(systems)
     assert systems["rampserve_vanilla"]["ratios"]["p50_ms"] == 1.0
     assert systems["ray_serve"]["ratios"]["p50_ms"] == pytest.approx(2.0)
     assert systems["mlserver"]["ratios"]["p99_ms"] == pytest.approx(1.5)
     assert systems["rampserve"]["ratios"]["throughput_rps"] == pytest.approx(
         systems["rampserve"]["throughput_rps"] / systems["rampserve_vanilla"]["throughput_rps"])
-    assert goals(systems) == {"vanilla_throughput_at_least_peers": True, "vanilla_p50_at_most_peers": True,
-                              "rampserve_lowest_p50": True}
+    assert systems["ray_serve"]["ratios"]["saturation_rps"] == pytest.approx(40.0 / 300.0)
+    assert goals(systems) == {"vanilla_throughput_at_least_peers": True, "vanilla_saturation_at_least_peers": True,
+                              "vanilla_p50_at_most_peers": True, "rampserve_lowest_p50": True}
+    systems["mlserver"]["saturation_rps"] = 301.0  # a peer that sustains more
+    assert goals(systems)["vanilla_saturation_at_least_peers"] is False
 
 
 def test_goals_count_a_peer_that_answered_nothing_as_slowest():
     reference = np.zeros(2, dtype=np.int64)
     systems = {"rampserve_vanilla": summarize_live(load_result([5.0, 5.0], [0, 0]), reference, 2, None),
                "ray_serve": summarize_live(load_result([1.0, 1.0], [-1, -1], [503, 503]), reference, 2, None)}
+    for summary in systems.values():
+        summary["saturation_rps"] = 0.0
     systems = with_ratios(systems)
     assert systems["ray_serve"]["ratios"]["p50_ms"] is None
     assert goals(systems)["vanilla_p50_at_most_peers"] is True
