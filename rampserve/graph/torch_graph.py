@@ -304,6 +304,7 @@ def trace_stages(stages: Sequence[ModuleStage], activation: torch.Tensor, side: 
                     # The pinned torch marks TorchScript deprecated for torch.compile and torch.export, whose CPU
                     # code fuses kernels (not bit-equal) and compiles for tens of seconds per set of ramps.
                     warnings.simplefilter("ignore", DeprecationWarning)
+                    activation, side = examples[0]
                     module = torch.jit.trace(stage.module, (activation, *(side[n] for n in stage.side_names)),
                                              check_trace=False)
             except Exception:  # whatever keeps a stage from tracing leaves the model on the eager path
@@ -324,7 +325,6 @@ def trace_stages(stages: Sequence[ModuleStage], activation: torch.Tensor, side: 
                     return None
                 advanced.append((expected, example_side))
             examples = advanced
-            activation = examples[0][0]
             traced.append(candidate)
     return traced
 

@@ -84,10 +84,12 @@ class Backend:
         """The ordered cuts and the stages `run_hooked` runs for them: compiled ones when asked for and made."""
         return self.plan(cuts)
 
-    def stage_outputs(self, feeds: dict[str, np.ndarray], cuts: Sequence[str]) -> Iterator[tuple[str | None, object]]:
+    def stage_outputs(self, feeds: dict[str, np.ndarray], cuts: Sequence[str],
+                      compiled: bool = False) -> Iterator[tuple[str | None, object]]:
         """Run stage by stage, cut only at `cuts`; yield (site, activation) after each cut and (None, output)
-        at the end. The caller acts between stages (a ramp, an early release) before asking for the next."""
-        ordered, stages = self.plan(cuts)
+        at the end. The caller acts between stages (a ramp, an early release) before asking for the next.
+        `compiled`: the stages `compile` made for these cuts, where it made them."""
+        ordered, stages = self.serving_stages(cuts, compiled)
         native = self.native_feeds(feeds)
         side = {n: native[n] for n in self._side_names}
         activation = native[self._primary]
@@ -106,7 +108,7 @@ class Backend:
         """Run the model, calling `hook(site, activation)` after each cut in model order; returns the output.
         The serving path: backends that can report a site without splitting the model do so, and run what
         `compile` made for these cuts when `compiled`."""
-        for cut, activation in self.stage_outputs(feeds, cuts):
+        for cut, activation in self.stage_outputs(feeds, cuts, compiled):
             if cut is None:
                 return activation
             hook(cut, activation)
@@ -149,15 +151,10 @@ class TorchBackend(Backend):
 
     def run_hooked(self, feeds: dict[str, np.ndarray], cuts: Sequence[str],
                    hook: Callable[[str, object], None], compiled: bool = False) -> object:
-        native = self.native_feeds(feeds)
         key = self.ordered_cuts(cuts)
-        if compiled and (stages := self._traced.get(key)):
-            side = {n: native[n] for n in self._side_names}
-            activation = native[self._primary]
-            for cut, stage in zip(key, stages):
-                activation = stage(activation, side)
-                hook(cut, activation)
-            return stages[-1](activation, side)
+        if compiled and self._traced.get(key):  # traced stages, run one after another as the base class does
+            return super().run_hooked(feeds, key, hook, compiled)
+        native = self.native_feeds(feeds)
         inputs = [native[name] for name in self.input_names]
         if not key:
             return self.module(*inputs)
