@@ -20,6 +20,7 @@ def small_prepare_config():
     from rampserve.runtime.prepare import PrepareConfig
 
     return PrepareConfig(bootstrap_items=1200, profile_batch_sizes=(1, 2, 4, 16), profile_repeats=2,
+                         profile_budget_s=0.1,
                          train=TrainConfig(max_epochs=8, patience=2), progress=False)
 
 

@@ -13,7 +13,9 @@ from torch import nn
 
 from rampserve.graph.sites import block_of
 from rampserve.graph.torch_graph import TorchSplitModel
+from rampserve.ramps.kinds import make_ramp, spec_for
 from rampserve.runtime.backends import TorchBackend
+from rampserve.runtime.prepared import PreparedModel, SiteInfo
 from rampserve.zoo.registry import get_entry
 
 
@@ -31,27 +33,55 @@ def test_staged_output_equals_the_original_model_exactly(resnet_prepared, fmnist
     check()
 
 
-def test_compiled_runs_equal_the_original_model_and_the_eager_ramps_exactly(resnet_prepared, fmnist_feeds) -> None:
-    """TorchScript stages (the serving path) give bit for bit the original model's output and the eager path's
-    ramp decisions, for any active ramps and batch size, compiled with a two-row example."""
-    model = replace(resnet_prepared, backend=TorchBackend(resnet_prepared.backend.module))  # compiled apart
+def test_compiled_runs_equal_the_original_model_and_fused_ramps_equal_the_eager_ones(resnet_prepared,
+                                                                                    fmnist_feeds) -> None:
+    """Compiled sets (the serving path: traced stages with the ramps fused in, one scripted runner) give bit for bit
+    the original model's output, and every fused ramp the eager ramp's labels exactly and its error scores to
+    float32 rounding, for any active ramps, batch size and thresholds (which only decide when a ramp is reported:
+    every ramp is reported once, in model order among those reported at once)."""
+    model = replace(resnet_prepared)  # compiled sets of its own
     name = model.backend.input_names[0]
 
     @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-    @given(st.sets(st.sampled_from(model.site_names)), st.integers(1, 16))
-    def check(active: set[str], batch: int) -> None:
+    @given(st.sets(st.sampled_from(model.site_names)), st.integers(1, 16),
+           st.none() | st.lists(st.sampled_from([0.0, 0.05, 0.3, 1.0]), min_size=8, max_size=8))
+    def check(active: set[str], batch: int, thresholds: list[float] | None) -> None:
         feeds = {name: fmnist_feeds[:batch]}
-        assert model.compile(sorted(active), {name: fmnist_feeds[-2:]})
+        ordered = sorted(active, key=model.site_names.index)
+        assert model.compile(ordered, {name: fmnist_feeds[-2:]})
         ramps: dict[bool, list] = {True: [], False: []}
-        outputs = {compiled: model.run(feeds, sorted(active), lambda *seen, c=compiled: ramps[c].append(seen),
-                                       compiled=compiled) for compiled in (True, False)}
+        given_thresholds = None if thresholds is None else thresholds[:len(ordered)]
+        outputs = {compiled: model.run(feeds, ordered, lambda *seen, c=compiled: ramps[c].append(seen),
+                                       compiled=compiled, thresholds=given_thresholds)
+                   for compiled in (True, False)}
         reference = model.backend.module(torch.from_numpy(fmnist_feeds[:batch])).detach().numpy()
         assert np.array_equal(outputs[True], reference) and np.array_equal(outputs[False], reference)
-        assert [site for site, *_ in ramps[True]] == sorted(active, key=model.site_names.index)
-        for (site, labels, errors), (eager_site, eager_labels, eager_errors) in zip(ramps[True], ramps[False],
-                                                                                   strict=True):
-            assert site == eager_site and np.array_equal(labels, eager_labels)
-            assert np.array_equal(errors, eager_errors)
+        assert sorted(site for site, *_ in ramps[True]) == sorted(ordered)
+        eager = {site: (labels, errors) for site, labels, errors in ramps[False]}
+        for site, labels, errors in ramps[True]:
+            assert np.array_equal(labels, eager[site][0])
+            np.testing.assert_allclose(errors, eager[site][1], rtol=0, atol=1e-5)
+
+    check()
+
+
+def test_a_ramp_reported_late_has_no_input_below_its_threshold(resnet_prepared, fmnist_feeds) -> None:
+    """`run_serving` returns to Python only where an input may exit: the ramps it leaves unreported have every
+    input's error score at or above their threshold, so no early release is missed."""
+    model = replace(resnet_prepared)
+    name = model.backend.input_names[0]
+    sites = model.site_names
+    assert model.compile(sites, {name: fmnist_feeds[-2:]})
+
+    @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+    @given(st.lists(st.floats(0.0, 1.0), min_size=len(sites), max_size=len(sites)), st.integers(1, 16))
+    def check(thresholds: list[float], batch: int) -> None:
+        now: list[str] = []
+        _, late = model.run_serving({name: fmnist_feeds[:batch]}, sites, lambda site, *_: now.append(site),
+                                    compiled=True, thresholds=thresholds)
+        assert sorted(now + [site for site, *_ in late]) == sorted(sites)
+        for site, _, confidences in late:
+            assert np.all(1.0 - confidences.numpy() >= thresholds[sites.index(site)])
 
     check()
 
@@ -80,14 +110,16 @@ class _WithLeaf(nn.Module):
 @pytest.mark.parametrize("leaf", [_DataDependent(), _SizeAsNumber()], ids=["branch", "size"])
 def test_a_model_that_does_not_trace_faithfully_is_served_eagerly(leaf: nn.Module) -> None:
     backend = TorchBackend(_WithLeaf(leaf), policy=lambda graph, candidates: candidates)
+    sites = [SiteInfo(s.value, s.index, s.kind, s.scope, (4,), spec_for("linear", (4,), 3)) for s in backend.sites]
+    model = PreparedModel(backend, sites, {s.name: make_ramp(s.ramp).eval() for s in sites})
     example = {"x": np.ones((2, 4), np.float32)}
     inputs = np.concatenate([np.full((1, 4), -5.0, np.float32), np.ones((2, 4), np.float32)])
-    for cuts in ([], [s.value for s in backend.sites]):
-        assert backend.compile(cuts, example) is False
+    for cuts in ([], model.site_names):
+        assert model.compile(cuts, example) is False and model.has_compiled(cuts)
         for rows in (1, 3):  # each sign for the branch, another batch size for the size
+            output = model.run({"x": inputs[:rows]}, cuts, compiled=True)
             with torch.no_grad():
-                output = backend.run_hooked({"x": inputs[:rows]}, cuts, lambda *_: None, compiled=True)
-                assert torch.equal(output, backend.module(torch.from_numpy(inputs[:rows])))
+                assert np.array_equal(output, backend.module(torch.from_numpy(inputs[:rows])).numpy())
 
 
 def test_ramp_callback_sees_every_active_ramp_in_model_order(resnet_prepared, fmnist_feeds) -> None:

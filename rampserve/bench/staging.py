@@ -2,12 +2,15 @@
 
 With no active ramp the executor must run the model as one piece, at the original model's speed. The same
 run also reports, for information, the cost of cutting at every site (without ramps): the price of the
-finest split the controller could ever ask for.
+finest split the controller could ever ask for. `ramp_cases` measure what active ramps cost on the serving path
+(`PreparedModel.run_serving`, compiled where the model compiles): 1, 4 and every ramp active against none, as a
+share of the model's time per ramp.
 """
 
 from __future__ import annotations
 
 import tempfile
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -16,6 +19,9 @@ import torch
 
 from rampserve.bench.timing import interleaved_medians
 from rampserve.runtime.backends import Backend, OnnxBackend, TorchBackend
+from rampserve.runtime.bundle import load_bundle
+from rampserve.runtime.prepared import PreparedModel
+from rampserve.runtime.zoo_bundles import zoo_bundle
 from rampserve.runtime.prepare import bootstrap_inputs, default_workload, feeds_for
 from rampserve.runtime.sources import ModelSource, load_trained
 
@@ -55,6 +61,47 @@ def measure_backend(backend: Backend, feeds: dict[str, np.ndarray], rounds: int)
     ]
 
 
+@dataclass(frozen=True)
+class RampCase:
+    model: str
+    backend: str
+    batch_size: int
+    active: int  # ramps active
+    sites: tuple[str, ...]
+    none_ms: float  # the serving path with no ramp, median of interleaved runs
+    ramps_ms: float  # the same with these ramps active (at threshold 0: no input exits)
+    marginal_share: float  # (ramps_ms - none_ms) / (active * none_ms)
+
+
+def _spread(sites: list[str], count: int) -> tuple[str, ...]:
+    """`count` sites spread evenly over the model (every site where count is all of them)."""
+    if count >= len(sites):
+        return tuple(sites)
+    return tuple(sites[round(i * (len(sites) - 1) / max(1, count - 1))] for i in range(count)) if count > 1 \
+        else (sites[len(sites) // 2],)
+
+
+def measure_ramps(name: str, model: PreparedModel, feeds: dict[str, np.ndarray], example: dict[str, np.ndarray],
+                  rounds: int) -> list[RampCase]:
+    """Serving-path time with 1, 4 and every ramp active against none, interleaved, on the compiled path where
+    the model compiles (else the eager one, as the server runs it)."""
+    sites = model.site_names
+    batch_size = len(next(iter(feeds.values())))
+    sets = {count: _spread(sites, count) for count in sorted({1, min(4, len(sites)), len(sites)})}
+    paths = {key: model.build_compiled(active, example) or False for key, active in [(0, ()), *sets.items()]}
+
+    def timed(count: int) -> Callable[[], object]:
+        active = sets.get(count, ())
+        on_ramp = None if not active else (lambda *_: None)
+        return lambda: model.run_serving(feeds, active, on_ramp, paths[count], (0.0,) * len(active))
+
+    medians = interleaved_medians({str(k): timed(k) for k in paths}, rounds=rounds,
+                                  desc=f"{model.backend.kind} ramps batch {batch_size}")
+    none = medians["0"]
+    return [RampCase(name, model.backend.kind, batch_size, count, active, none, medians[str(count)],
+                     (medians[str(count)] - none) / (count * none)) for count, active in sets.items()]
+
+
 def run_staging_bench(model: str = "resnet18-fmnist", batch_sizes: tuple[int, ...] = (1, 16),
                       rounds: int = 200, small: bool = False) -> dict:
     from rampserve.graph.onnx_graph import export_onnx
@@ -74,8 +121,13 @@ def run_staging_bench(model: str = "resnet18-fmnist", batch_sizes: tuple[int, ..
             for backend in backends:
                 feeds = feeds_for(backend, encoder, items[:batch_size])
                 cases.extend(measure_backend(backend, feeds, rounds=rounds))
+    prepared = load_bundle(zoo_bundle(model, small=small))
+    example = feeds_for(prepared.backend, encoder, items[:2])
+    ramp_cases = [case for batch_size in batch_sizes for case in measure_ramps(
+        model, prepared, feeds_for(prepared.backend, encoder, items[:batch_size]), example, rounds)]
     return {
         "model": model,
         "cases": [asdict(c) for c in cases if c.cuts == "none"],
         "all_sites_cases": [asdict(c) for c in cases if c.cuts == "all"],
+        "ramp_cases": [asdict(c) for c in ramp_cases],
     }

@@ -15,7 +15,6 @@ import torch
 from torch import nn
 
 from rampserve.graph.sites import SiteCandidate, SitePolicy
-from rampserve.graph.torch_graph import ModuleStage
 
 
 class SplitModel(Protocol):
@@ -80,35 +79,25 @@ class Backend:
             self._plans[key] = (ordered, self.split.build(ordered))
         return self._plans[key]
 
-    def serving_stages(self, cuts: Sequence[str], compiled: bool) -> tuple[tuple[str, ...], list[Callable]]:
-        """The ordered cuts and the stages `run_hooked` runs for them: compiled ones when asked for and made."""
-        return self.plan(cuts)
-
-    def stage_outputs(self, feeds: dict[str, np.ndarray], cuts: Sequence[str],
-                      compiled: bool = False) -> Iterator[tuple[str | None, object]]:
-        """Run stage by stage, cut only at `cuts`; yield (site, activation) after each cut and (None, output)
-        at the end. The caller acts between stages (a ramp, an early release) before asking for the next.
-        `compiled`: the stages `compile` made for these cuts, where it made them."""
-        ordered, stages = self.serving_stages(cuts, compiled)
+    def split_feeds(self, feeds: dict[str, np.ndarray]) -> tuple[object, dict[str, object]]:
+        """The primary input (what the first stage takes) and the side inputs, as native arrays."""
         native = self.native_feeds(feeds)
-        side = {n: native[n] for n in self._side_names}
-        activation = native[self._primary]
+        return native[self._primary], {n: native[n] for n in self._side_names}
+
+    def stage_outputs(self, feeds: dict[str, np.ndarray], cuts: Sequence[str]) -> Iterator[tuple[str | None, object]]:
+        """Run stage by stage, cut only at `cuts`; yield (site, activation) after each cut and (None, output)
+        at the end. The caller acts between stages (a ramp, an early release) before asking for the next."""
+        ordered, stages = self.plan(cuts)
+        activation, side = self.split_feeds(feeds)
         for cut, stage in zip((*ordered, None), stages):
             activation = stage(activation, side)
             yield cut, activation
 
-    def compile(self, cuts: Sequence[str], feeds: dict[str, np.ndarray]) -> bool:
-        """Make the serving path for `cuts` ready ahead of its first batch, with `feeds` as an example; whether it
-        runs compiled from now on. Backends whose runs already leave the interpreter (ONNX Runtime) have nothing
-        to do."""
-        return False
-
     def run_hooked(self, feeds: dict[str, np.ndarray], cuts: Sequence[str],
-                   hook: Callable[[str, object], None], compiled: bool = False) -> object:
+                   hook: Callable[[str, object], None]) -> object:
         """Run the model, calling `hook(site, activation)` after each cut in model order; returns the output.
-        The serving path: backends that can report a site without splitting the model do so, and run what
-        `compile` made for these cuts when `compiled`."""
-        for cut, activation in self.stage_outputs(feeds, cuts, compiled):
+        The eager serving path: backends that can report a site without splitting the model do so."""
+        for cut, activation in self.stage_outputs(feeds, cuts):
             if cut is None:
                 return activation
             hook(cut, activation)
@@ -132,28 +121,13 @@ class TorchBackend(Backend):
 
         self.module = module.eval()
         super().__init__(TorchSplitModel(self.module, policy))
-        # TorchScript stages per set of cuts, None where tracing was not faithful (see `trace_stages`)
-        self._traced: dict[tuple[str, ...], list[ModuleStage] | None] = {}
 
     def native(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(array))
 
-    def compile(self, cuts: Sequence[str], feeds: dict[str, np.ndarray]) -> bool:
-        key = self.ordered_cuts(cuts)
-        if key not in self._traced:
-            self._traced[key] = self.split.traced(key, self.native_feeds(feeds))
-        return self._traced[key] is not None
-
-    def serving_stages(self, cuts: Sequence[str], compiled: bool) -> tuple[tuple[str, ...], list[Callable]]:
-        key = self.ordered_cuts(cuts)
-        stages = self._traced.get(key) if compiled else None
-        return (key, stages) if stages else self.plan(key)
-
     def run_hooked(self, feeds: dict[str, np.ndarray], cuts: Sequence[str],
-                   hook: Callable[[str, object], None], compiled: bool = False) -> object:
+                   hook: Callable[[str, object], None]) -> object:
         key = self.ordered_cuts(cuts)
-        if compiled and self._traced.get(key):  # traced stages, run one after another as the base class does
-            return super().run_hooked(feeds, key, hook, compiled)
         native = self.native_feeds(feeds)
         inputs = [native[name] for name in self.input_names]
         if not key:

@@ -159,4 +159,11 @@ def load_bundle(bundle_dir: Path) -> PreparedModel:
         ramps[site.name] = ramp.eval()
     profile = LatencyProfile.from_json(manifest["profile"]) if manifest.get("profile") else None
     return PreparedModel(backend=backend, sites=sites, ramps=ramps, profile=profile, meta=manifest["meta"],
-                         error_score=manifest.get("error_score", "max_prob"))
+                         error_score=manifest.get("error_score", "max_prob"), bundle_dir=bundle_dir)
+
+
+def bundle_digest(bundle_dir: Path) -> str:
+    """What a bundle's compiled serving paths depend on: the sha256 of its model and ramp files (a new profile
+    leaves them as they are)."""
+    files = read_manifest(bundle_dir).get("files", {})
+    return hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()

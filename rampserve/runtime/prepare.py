@@ -16,7 +16,7 @@ from rampserve.ramps.oracle import NO_EXIT, earliest_correct_exit, exit_latency
 from rampserve.ramps.train import Features, TrainConfig, TrainReport, build_cache_ramps, collect_features, train_ramps
 from rampserve.runtime.backends import Backend, OnnxBackend, TorchBackend
 from rampserve.runtime.prepared import PreparedModel, SiteInfo
-from rampserve.runtime.profile import DEFAULT_BATCH_SIZES, LatencyProfile, measure_profile
+from rampserve.runtime.profile import DEFAULT_BATCH_SIZES, PROFILE_BUDGET_S, LatencyProfile, measure_profile
 from rampserve.runtime.sources import ModelSource, load_trained
 from rampserve.workloads.streams import get_stream
 
@@ -32,7 +32,8 @@ class PrepareConfig:
     batch_size: int = 64
     error_score: str = "max_prob"
     profile_batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES
-    profile_repeats: int = 7
+    profile_repeats: int = 7  # paired rounds per batch size, at least
+    profile_budget_s: float = PROFILE_BUDGET_S  # time per batch size the profile may take for more rounds
     train: TrainConfig = field(default_factory=TrainConfig)
     progress: bool = True
 
@@ -105,7 +106,7 @@ def reprofile(model: PreparedModel, config: PrepareConfig = PrepareConfig()) -> 
     """Measure a prepared model's latency profile again, on this machine, with its workload's inputs."""
     inputs = bootstrap_inputs(model.meta["workload"], config.bootstrap_items)
     return measure_profile(model, sample_feeds(model.backend, inputs), config.profile_batch_sizes,
-                           config.profile_repeats, progress=config.progress)
+                           config.profile_repeats, progress=config.progress, budget_s=config.profile_budget_s)
 
 
 def _batches(items, size: int) -> Iterator:
@@ -201,7 +202,8 @@ def prepare(source: ModelSource, config: PrepareConfig = PrepareConfig(),
     model = PreparedModel(backend=backend, sites=sites, ramps=ramps, error_score=config.error_score)
 
     model.profile = measure_profile(model, sample_feeds(backend, bootstrap), config.profile_batch_sizes,
-                                    config.profile_repeats, progress=config.progress)
+                                    config.profile_repeats, progress=config.progress,
+                                    budget_s=config.profile_budget_s)
     val_targets = features.targets.numpy()[report.val_indices]
     ramp_labels = np.stack([val_outputs[s][0] for s in model.site_names], axis=1)
     model.meta = {

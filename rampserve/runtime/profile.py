@@ -24,12 +24,9 @@ class LatencyProfile:
     sites: tuple[str, ...]  # in model order
     full_ms: tuple[float, ...]  # whole model, per batch size
     segment_ms: dict[str, tuple[float, ...]]  # segment ending at each site, and "output" for the last one
-    # Per batch size, the whole cost of having the ramp at a site active, which the controller charges
-    # against its ramp budget: the ramp's evaluation (head, then top label and error score, as
-    # `PreparedModel.evaluate_ramp` runs it), timed where the serving path runs it, between the model's
-    # layers, plus an even share of whatever else the serving path with every ramp active takes beyond the
-    # plain model: reporting activations (ONNX cuts the graph into sessions; torch's hooked module costs
-    # nothing) and the model's own layers slowed by the caches the ramps took over.
+    # Per batch size, what having the ramp at a site active costs an input that does not exit, which the
+    # controller charges against its ramp budget: the marginal time of the serving path with that ramp alone
+    # against the path with none, measured paired (see `measure_profile`).
     ramp_ms: dict[str, tuple[float, ...]]
 
     def _column(self, batch_size: int) -> int:
@@ -76,52 +73,90 @@ def _timed(fn: Callable[..., object], *args: object) -> tuple[object, float]:
     return out, (time.perf_counter() - start) * 1000.0
 
 
+# Time each batch size is measured for, at most: a ramp's marginal cost is a few microseconds against a batch of
+# one's millisecond, so it takes hundreds of paired runs to stand out of the machine's noise.
+PROFILE_BUDGET_S = 5.0
+MAX_ROUNDS = 400
+
+
+def _warm_abba(run: Callable[..., object], a: tuple, b: tuple) -> tuple[float, float, float, float]:
+    """Times of `run(*a)`, `run(*b)`, `run(*b)`, `run(*a)` back to back, each after an untimed run of the same
+    path where the other path ran before it: compiled sets hold their own weights, and a server runs one set
+    batch after batch with its weights in cache."""
+    run(*a)
+    a1 = _timed(run, *a)[1]
+    run(*b)
+    b1 = _timed(run, *b)[1]
+    b2 = _timed(run, *b)[1]
+    run(*a)
+    return a1, b1, b2, _timed(run, *a)[1]
+
+
+def _decision(batch_size: int, sites: Sequence[str]) -> Callable[[str, np.ndarray, np.ndarray], None]:
+    """A ramp callback doing what the executor does with every ramp's output when no input exits: keep the labels
+    and scores for the batch's record and compare the scores with the threshold. Its cost is part of a ramp's."""
+    column = {site: j for j, site in enumerate(sites)}
+    labels = np.zeros((batch_size, len(sites)), dtype=np.int64)
+    errors = np.ones((batch_size, len(sites)))
+    exits = np.full(batch_size, -1)
+
+    def on_ramp(site: str, ramp_labels: np.ndarray, ramp_errors: np.ndarray) -> None:
+        j = column[site]
+        labels[:, j], errors[:, j] = ramp_labels, ramp_errors
+        leaving = (exits == -1) & (ramp_errors < 0.0)  # threshold 0: nothing exits, as for a never-exiting input
+        if leaving.any():
+            exits[leaving] = j
+
+    return on_ramp
+
+
 def measure_profile(model, sample_feeds: Callable[[int], dict[str, np.ndarray]],
                     batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES, repeats: int = 7,
-                    progress: bool = True, compiled: bool = True) -> LatencyProfile:
-    """Median times over `repeats` interleaved runs of the whole model, of the split model, and of the serving
-    path with every ramp active and with none.
+                    progress: bool = True, compiled: bool = True,
+                    budget_s: float = PROFILE_BUDGET_S) -> LatencyProfile:
+    """Per batch size: the whole model, each segment between consecutive sites, and each ramp's marginal cost.
 
     `model` is a `PreparedModel`; `sample_feeds(b)` gives real inputs of batch size b. `compiled`: time the paths
-    the server runs by default (`PreparedModel.compile`, which leaves a model that does not trace eager), since a
-    ramp's cost counts against the stages it is served with.
-    """
-    backend = model.backend
-    sites = [s.name for s in model.sites]
-    if compiled:
-        example = sample_feeds(2)
-        compiled = model.compile(sites, example) and model.compile((), example)
-    _, stages = backend.serving_stages(sites, compiled)
-    (full_stage,) = backend.serving_stages((), compiled)[1]
-    primary, side_names = backend.input_names[0], backend.input_names[1:]
+    the server runs by default (each set's stages compiled with its ramps fused in, see
+    `PreparedModel.build_compiled`), since that is what a ramp costs when served. A ramp's cost is the marginal
+    time of activating it: the serving path with that ramp alone active against the same path with none, run
+    back to back (ABBA) in each round so that drift and noise cancel in the difference, median over at least
+    `repeats` and as many rounds as `budget_s` allows. It is everything the ramp adds to an input that does not
+    exit until its answer: the cut, the fused head, score and exit test (`PreparedModel.run_serving`); the record's
+    bookkeeping of a ramp no input exited at comes after the batch's answers are out (throughput, not latency)."""
+    sites = model.site_names
+    example = sample_feeds(2)
+
+    def path(active: tuple[str, ...]) -> object:
+        return (model.build_compiled(active, example) if compiled else None) or False
+
+    whole = path(())
+    alone = {site: path((site,)) for site in sites}
+    # Segments are timed as traced stages without ramps where the model compiles (their sum is scaled to the
+    # whole model's time by `LatencyProfile.reach`)
+    split = model.backend.split
+    traced = split.traced(split.build(sites), model.backend.native_feeds(example)) \
+        if compiled and model.compiles else None
+    stages = traced or model.backend.plan(sites)[1]
     full: list[float] = []
     segment: dict[str, list[float]] = {s: [] for s in (*sites, "output")}
     ramp: dict[str, list[float]] = {s: [] for s in sites}
-    evaluated = dict.fromkeys(sites, 0.0)  # ms spent in each ramp during the current pair of active runs
-
-    def evaluate_timed(site: str, activation: object) -> None:
-        start = time.perf_counter()
-        model.evaluate_ramp(site, activation)
-        evaluated[site] += (time.perf_counter() - start) * 1000.0
 
     for batch_size in tqdm(batch_sizes, desc="profiling latency", unit="batch size", disable=not progress):
-        raw_feeds = sample_feeds(batch_size)
-        feeds = backend.native_feeds(raw_feeds)
-        side = {n: feeds[n] for n in side_names}
-        runs: dict[str, list[float]] = {k: [] for k in ("full", "rest", *segment, *(f"ramp:{s}" for s in sites))}
+        feeds = sample_feeds(batch_size)
+        primary, side = model.backend.split_feeds(feeds)
+        decide = _decision(batch_size, sites)
         with torch.inference_mode():
-            for rep in range(repeats + 2):  # two warm-up runs, discarded
-                _, t_full = _timed(full_stage, feeds[primary], side)
-                # The serving path with every ramp active and with none, back to back in ABBA order so that
-                # drift and machine noise largely cancel in the difference.
-                evaluated.update(dict.fromkeys(sites, 0.0))
-                plain_a, active_a, active_b, plain_b = (
-                    _timed(backend.run_hooked, raw_feeds, cuts, evaluate_timed, compiled)[1]
-                    for cuts in ((), sites, sites, ()))
-                timings = {f"ramp:{s}": evaluated[s] / 2 for s in sites}
-                timings["full"] = t_full
-                timings["rest"] = (active_a + active_b - plain_a - plain_b - sum(evaluated.values())) / 2
-                activation = feeds[primary]
+            _, once = _timed(model.run_serving, feeds, (), None, whole)
+            rounds = int(np.clip(budget_s * 1000.0 / (max(once, 1e-3) * (6 * len(sites) + 2)), repeats, MAX_ROUNDS))
+            runs: dict[str, list[float]] = {k: [] for k in ("full", *segment, *(f"ramp:{s}" for s in sites))}
+            for rep in range(rounds + 2):  # two warm-up rounds, discarded
+                timings = {"full": _timed(model.run_serving, feeds, (), None, whole)[1]}
+                for site in sites:
+                    none_a, alone_a, alone_b, none_b = _warm_abba(
+                        model.run_serving, (feeds, (), None, whole), (feeds, (site,), decide, alone[site], (0.0,)))
+                    timings[f"ramp:{site}"] = (alone_a + alone_b - none_a - none_b) / 2
+                activation = primary
                 for name, stage in zip((*sites, "output"), stages):
                     activation, timings[name] = _timed(stage, activation, side)
                 if rep >= 2:
@@ -130,11 +165,9 @@ def measure_profile(model, sample_feeds: Callable[[int], dict[str, np.ndarray]],
         full.append(float(np.median(runs["full"])))
         for name in segment:
             segment[name].append(float(np.median(runs[name])))
-        # No ramp is charged less than its own evaluation, though torch's hooked module alone runs faster than
-        # the original (it skips the containers' forward calls): a saving that no ramp brings about.
-        rest_ms = max(0.0, float(np.median(runs["rest"]))) / max(1, len(sites))
         for name in sites:
-            ramp[name].append(float(np.median(runs[f"ramp:{name}"])) + rest_ms)
+            # A noisy median can come out below zero; no ramp makes the model faster
+            ramp[name].append(max(0.0, float(np.median(runs[f"ramp:{name}"]))))
     return LatencyProfile(
         batch_sizes=tuple(batch_sizes),
         sites=tuple(sites),

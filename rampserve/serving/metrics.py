@@ -42,6 +42,13 @@ class ServerMetrics:
         self.queued = Gauge("rampserve_queued_inputs", "Inputs waiting for a batch", ["model"], registry=r)
         self.batch_limit = Gauge("rampserve_batch_limit", "Current adaptive batch size limit", ["model"],
                                  registry=r)
+        self.compiles = Counter("rampserve_compiles", "Compilations of an active-ramp set by outcome (compiled, "
+                                "loaded from the on-disk cache, refused, failed)", ["model", "outcome"], registry=r)
+        self.compile_time = Histogram("rampserve_compile_seconds", "Time from asking for an active-ramp set's "
+                                      "compiled stages to having them ready", ["model"],
+                                      buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30), registry=r)
+        self.config_changes = Counter("rampserve_configuration_changes", "Configurations adopted by the executor",
+                                      ["model"], registry=r)
         self.app_requests = Counter("rampserve_app_requests", "Application queries by outcome (answered, default)",
                                     ["app", "outcome"], registry=r)
         self.app_latency = Histogram("rampserve_app_answer_seconds", "Application query arrival to its answer",

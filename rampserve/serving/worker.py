@@ -30,7 +30,9 @@ from rampserve.control.controller import Controller, ControllerSettings
 from rampserve.control.records import NO_EXIT, BatchRecord, Configuration
 from rampserve.ramps.scores import top_label_and_error
 from rampserve.runtime.profile import max_batch_for_slo
+from rampserve.runtime.compiled import CompiledSet
 from rampserve.serving.batching import AdaptiveBatchSize, BatchTimeEstimate, expected_wait_ms
+from rampserve.serving.compiler import CompileOutcome, CompileService, likely_next_sets
 from rampserve.serving.metrics import ServerMetrics
 from rampserve.serving.models import ServedModel, stack_inputs
 
@@ -38,6 +40,9 @@ log = logging.getLogger("rampserve.serving")
 
 RECENT_BATCHES = 64  # batch summaries kept for the status endpoint
 CONTROL_POLL_S = 1.0  # how often an idle worker asks its controller for a configuration published meanwhile
+# How long a starting server waits for its first configuration's set to compile (in the worker process) before
+# it serves that set eagerly
+START_COMPILE_WAIT_S = 300.0
 
 
 @dataclass(frozen=True)
@@ -180,8 +185,14 @@ class ModelWorker:
         if control is None and not settings.vanilla:
             control = LocalControl(Controller(profile, settings.controller))
         self.control = control
-        self.configuration = Configuration(0, (), ()) if control is None else control.configuration()
-        self.compiled = False  # whether the current configuration's serving path runs compiled
+        # The configuration in force and the compiled set it runs (None: eager), swapped as one reference
+        initial = Configuration(0, (), ()) if control is None else control.configuration()
+        self._serving: tuple[Configuration, CompiledSet | None] = (initial, None)
+        # A configuration the controller chose whose set is still compiling; the executor keeps the one in force
+        self._pending: Configuration | None = None
+        model = served.model
+        self._compiler = CompileService(model, served.example, self._compile_finished) if (
+            settings.torchscript and model.compiles and model.bundle_dir is not None) else None
         self.batches = 0
         self.inputs_served = 0
         self.requests_served = 0
@@ -193,16 +204,33 @@ class ModelWorker:
         self._running = False
         self._stopping = False
         self._cond = threading.Condition()
-        self._records: queue.SimpleQueue[BatchRecord | None] = queue.SimpleQueue()
+        self._records: queue.SimpleQueue[BatchRecord | CompileOutcome | None] = queue.SimpleQueue()
         self._labels = {"model": served.name}
         self._executor = threading.Thread(target=self._serve_batches, name=f"executor-{served.name}", daemon=True)
         # A vanilla model has no controller to feed
         self._control = None if control is None else threading.Thread(
             target=self._control_loop, args=(control,), name=f"controller-{served.name}", daemon=True)
 
+    @property
+    def configuration(self) -> Configuration:
+        return self._serving[0]
+
+    @property
+    def compiled(self) -> bool:
+        """Whether the configuration in force runs compiled."""
+        return self._serving[1] is not None
+
     def start(self) -> None:
-        self._compile(self.configuration)
-        self._publish(self.configuration)
+        config = self.configuration
+        if self._compiler is not None and not self._compiler.wait(config.sites, START_COMPILE_WAIT_S):
+            log.warning("model %s: its first set did not compile within %.0f s; serving it eagerly meanwhile",
+                        self.served.name, START_COMPILE_WAIT_S)
+        if not self._ready(config):
+            self._pending = config  # the control thread adopts it compiled once it is
+        self._adopt(config)
+        if self._compiler is not None and self.control is not None:
+            for sites in likely_next_sets(config.sites, self.served.model.site_names):
+                self._compiler.request(sites)
         self._executor.start()
         if self._control is not None:
             self._control.start()
@@ -216,6 +244,8 @@ class ModelWorker:
         if self._control is not None:
             self._records.put(None)
             self._control.join()
+        if self._compiler is not None:
+            self._compiler.close()
 
     # ---- admission (event loop thread) -------------------------------------------------------------------
 
@@ -306,7 +336,7 @@ class ModelWorker:
     def _run(self, batch: list[_Pending]) -> None:
         if not batch:
             return
-        config = self.configuration
+        config, compiled = self._serving
         model = self.served.model
         feeds = stack_inputs(self.served.inputs, [p.inputs for p in batch])
         starts = np.cumsum([0] + [p.rows for p in batch])[:-1]
@@ -354,12 +384,14 @@ class ModelWorker:
         started = time.monotonic()
         for pending in batch:
             self.metrics.queue.labels(**self._labels).observe(started - pending.arrival)
-        logits = model.run(feeds, config.sites, on_ramp if r else None, self.settings.torchscript)
+        logits, late = model.run_serving(feeds, config.sites, on_ramp if r else None, compiled or False,
+                                         config.thresholds)
         final, final_errors = top_label_and_error(logits)
         for index, pending in enumerate(batch):
             if not pending.settled:
                 answer(pending, int(starts[index]), final, logits)
         finished = time.monotonic()
+        model.report_late(late, on_ramp)  # ramps no input exited at: for the record, after the answers are out
         compute_ms = (finished - started) * 1000.0
         if self.settings.cache_updates and r:  # after every answer is out: off the requests' path
             model.learn(final)
@@ -394,22 +426,56 @@ class ModelWorker:
     def _control_loop(self, control: ControlLink) -> None:
         while True:
             try:
-                record = self._records.get(timeout=CONTROL_POLL_S)
+                item = self._records.get(timeout=CONTROL_POLL_S)
             except queue.Empty:  # idle: a controller shared with other workers may have moved on without us
                 new = control.refresh()
             else:
-                if record is None:
+                if item is None:
                     return
-                new = control.observe(record)
-                self.metrics.window_accuracy.labels(**self._labels).set(control.window_accuracy())
+                if isinstance(item, CompileOutcome):
+                    new = None
+                else:
+                    new = control.observe(item)
+                    self.metrics.window_accuracy.labels(**self._labels).set(control.window_accuracy())
             if new is not None:
-                self._compile(new)  # here rather than on the executor's first batch with it
-                self.configuration = new  # the executor reads it at its next batch
-                self._publish(new)
+                self._pending = new
+            pending = self._pending
+            if pending is not None and self._ready(pending):
+                self._pending = None
+                self._adopt(pending)
 
-    def _compile(self, config: Configuration) -> None:
-        if self.settings.torchscript:
-            self.compiled = self.served.model.compile(config.sites, self.served.example)
+    def _compile_finished(self, outcome: CompileOutcome) -> None:
+        """From the compile service's thread: count it and wake the control thread, which may adopt a pending
+        configuration now."""
+        self.metrics.compiles.labels(outcome=outcome.outcome, **self._labels).inc()
+        self.metrics.compile_time.labels(**self._labels).observe(outcome.seconds)
+        self._records.put(outcome)
+
+    def _ready(self, config: Configuration) -> bool:
+        """Whether `config` can run now: its compiled set is loaded (from the compile service's stages on disk,
+        loaded here, in the control thread), or it does not compile and runs eagerly. A set still compiling is
+        asked for, urgently, and the configuration waits; the executor serves the one in force meanwhile."""
+        model = self.served.model
+        if not self.settings.torchscript or model.has_compiled(config.sites):
+            return True
+        if self._compiler is None:  # a model not loaded from a bundle: no worker process can load it
+            model.compile(config.sites, self.served.example)
+            return True
+        if not self._compiler.ready(config.sites):
+            self._compiler.request(config.sites, urgent=True)
+            return False
+        try:
+            model.install(config.sites, self._compiler.load(config.sites))
+        except KeyError:  # a corrupt stage was removed and is compiling again
+            return False
+        self.metrics.compiles.labels(outcome="loaded", **self._labels).inc()
+        return True
+
+    def _adopt(self, config: Configuration) -> None:
+        compiled = self.served.model.compiled_set(config.sites) if self.settings.torchscript else None
+        self._serving = (config, compiled)  # the executor reads it at its next batch
+        self.metrics.config_changes.labels(**self._labels).inc()
+        self._publish(config)
 
     def _publish(self, config: Configuration) -> None:
         m = self.metrics
@@ -432,6 +498,7 @@ class ModelWorker:
             "batch_limit": self.batch_size.size,
             "max_delay_ms": self.settings.max_delay_ms,
             "compiled": self.compiled,
+            "pending_configuration": None if self._pending is None else self._pending.to_json(),
             "deadline_ms": self.deadline_ms,
             "queued_inputs": self._rows_queued,
             "batches": self.batches,
