@@ -8,7 +8,8 @@ same times. Released labels are scored against the original model's, computed he
 trace simulator's oracle on the same stream and arrivals gives the savings an exit policy could reach.
 
 Per-system figures carry `bench sim`'s keys. Latency percentiles, accuracy and exits are over answered requests;
-shed (429/503) and failed requests (other errors, timeouts) are counted apart.
+shed (429/503) and failed requests (other errors, timeouts) are counted apart. From the server's own status:
+configurations it adopted during the run and its event loop's lag (`server_figures`).
 """
 
 from __future__ import annotations
@@ -121,6 +122,30 @@ def mean_batch_size(before: dict | str | None, after: dict | str | None, model: 
     return inputs / batches if batches > 0 else None
 
 
+def server_figures(before: dict | str | None, after: dict | str | None, model: str) -> dict[str, float | None]:
+    """What the server reports of itself between two status reads: `config_changes` (how far the model's
+    configuration version moved), `loop_lag_samples_over_5ms` (event-loop lag samples over 5 ms taken in between)
+    and `max_loop_lag_ms`, the largest lag since the server became ready: the status keeps no maximum per run, so
+    this bounds the run's from above (a vanilla server's covers its saturation probe too). None where a report
+    lacks the figure (a peer server, a failed read)."""
+    def change(*path: str) -> float | None:
+        first, last = _status_number(before, path), _status_number(after, path)
+        return None if first is None or last is None else last - first
+
+    return {"config_changes": change("models", model, "configuration", "version"),
+            "max_loop_lag_ms": _status_number(after, ("event_loop", "max_lag_ms")),
+            "loop_lag_samples_over_5ms": change("event_loop", "lag_samples_over_5ms")}
+
+
+def _status_number(status: dict | str | None, path: tuple[str, ...]) -> float | None:
+    """The number at `path` in a status report, or None if the report has none there."""
+    for key in path:
+        if not isinstance(status, dict):
+            return None
+        status = status.get(key)
+    return status if isinstance(status, int | float) and not isinstance(status, bool) else None
+
+
 def summarize_live(result: LoadResult, reference: np.ndarray, worst_window: int,
                    batch_size: float | None) -> dict:
     """`bench sim`'s per-system figures for one live run (savings come from `with_savings`), plus what only a live
@@ -196,7 +221,8 @@ def table_rows(report: dict) -> list[tuple[str, ...]]:
             name, str(s["requests"]), str(s["shed"]), str(s["failed"]),
             *(_fmt(s[f"p{q}_ms"], ".2f") for q in QUANTILES), _fmt(s["throughput_rps"], ".1f"),
             _fmt(s["accuracy"], ".4f"), _fmt(s["worst_window_accuracy"], ".3f"), _fmt(s["exit_share"], ".1%"),
-            _fmt(s["mean_batch_size"], ".2f"),
+            _fmt(s["mean_batch_size"], ".2f"), _fmt(s.get("config_changes"), "d"),
+            _fmt(s.get("max_loop_lag_ms"), ".1f"), _fmt(s.get("loop_lag_samples_over_5ms"), "d"),
             *(_fmt(_ratio(s[key], vanilla[key]), ".2f") for key in ("p50_ms", "p99_ms", "throughput_rps")),
             _fmt(s.get("oracle_share"), ".2f"),
         ))
@@ -204,7 +230,8 @@ def table_rows(report: dict) -> list[tuple[str, ...]]:
 
 
 TABLE_COLUMNS = ("system", "sent", "shed", "failed", "p25 ms", "p50 ms", "p95 ms", "p99 ms", "rps", "accuracy",
-                 "worst 1k", "exits", "mean batch", "p50 ×van", "p99 ×van", "rps ×van", "oracle share")
+                 "worst 1k", "exits", "mean batch", "configs", "max loop lag ms", "lag >5 ms", "p50 ×van",
+                 "p99 ×van", "rps ×van", "oracle share")
 
 
 def live_table(report: dict) -> Table:
@@ -516,6 +543,7 @@ def score_systems(plan: LivePlan, settings: LiveSettings, results: dict[str, Loa
         _answered(result, name)
         systems[name] = summarize_live(result, outputs.final, settings.worst_window,
                                        mean_batch_size(result.status_before, result.status_after, settings.model))
+        systems[name] |= server_figures(result.status_before, result.status_after, settings.model)
         systems[name]["server"] = servers[name] | {"status": _model_status(result.status_after, settings.model)}
     return outputs, systems
 

@@ -5,6 +5,7 @@ Prometheus metrics and a JSON status."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hmac
 import os
@@ -22,7 +23,7 @@ import rampserve
 from rampserve.serving.applications import DEFAULT_CONTEXT, Application, ApplicationSpec, parse_query_input
 from rampserve.serving.cache import CachedAnswer, PredictionCache, cache_key
 from rampserve.serving.catalogue import Catalogue, CatalogueError
-from rampserve.serving.metrics import ServerMetrics
+from rampserve.serving.metrics import ServerMetrics, watch_loop_lag
 from rampserve.serving.models import LABEL_OUTPUT, LOGITS_OUTPUT
 from rampserve.serving.predictors import ModelUnavailable, Predictor, WorkerPredictor
 from rampserve.serving.protocol import (
@@ -125,11 +126,16 @@ def create_app(state: ServerState) -> FastAPI:
         await catalogue.start()
         if state.listener is not None:
             await state.listener.start()
+        # Watched from here on: uvicorn accepts no connection until this returns, so a loop busy loading models
+        # keeps no request waiting.
+        lag_watch = asyncio.create_task(watch_loop_lag(state.metrics), name="event-loop lag")
         state.ready = True
         yield
         # uvicorn has stopped accepting and waited for the requests in flight; the models answer whatever is
         # still queued before they stop.
         state.ready = False
+        lag_watch.cancel()
+        await asyncio.wait([lag_watch])
         if state.listener is not None:
             await state.listener.stop()
         await catalogue.close()
@@ -422,6 +428,7 @@ def create_app(state: ServerState) -> FastAPI:
             "applications": sorted(catalogue.apps),
             "store": catalogue.store.description,
             "updates": None if state.listener is None else state.listener.status(),
+            "event_loop": metrics.loop_lag.to_json(),
         })
 
     @app.get("/status/{model}")
