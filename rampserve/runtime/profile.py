@@ -15,6 +15,8 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from rampserve.ramps.fused import scored_ramp
+
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
 
 
@@ -26,7 +28,8 @@ class LatencyProfile:
     segment_ms: dict[str, tuple[float, ...]]  # segment ending at each site, and "output" for the last one
     # Per batch size, what having the ramp at a site active costs an input that does not exit, which the
     # controller charges against its ramp budget: the marginal time of the serving path with that ramp alone
-    # against the path with none, measured paired (see `measure_profile`).
+    # against the path with none, measured paired (see `measure_profile`), and never less than the ramp's own
+    # operators timed alone.
     ramp_ms: dict[str, tuple[float, ...]]
 
     def _column(self, batch_size: int) -> int:
@@ -92,6 +95,16 @@ def _warm_abba(run: Callable[..., object], a: tuple, b: tuple) -> tuple[float, f
     return a1, b1, b2, _timed(run, *a)[1]
 
 
+def _ramp_alone(model, site: str, fused: bool) -> Callable[[object], object]:
+    """The ramp at `site` on its own, as the serving path runs it: its fused torch form where the model compiles
+    (the operators a compiled set adds), else the eager evaluation."""
+    shape = next(s.activation_shape for s in model.sites if s.name == site)
+    head = scored_ramp(model.ramps[site], model.error_score, shape) if fused else None
+    if head is None:
+        return lambda activation: model.evaluate_ramp(site, activation)
+    return head
+
+
 def _decision(batch_size: int, sites: Sequence[str]) -> Callable[[str, np.ndarray, np.ndarray], None]:
     """A ramp callback doing what the executor does with every ramp's output when no input exits: keep the labels
     and scores for the batch's record and compare the scores with the threshold. Its cost is part of a ramp's."""
@@ -138,6 +151,7 @@ def measure_profile(model, sample_feeds: Callable[[int], dict[str, np.ndarray]],
     traced = split.traced(split.build(sites), model.backend.native_feeds(example)) \
         if compiled and model.compiles else None
     stages = traced or model.backend.plan(sites)[1]
+    heads = {site: _ramp_alone(model, site, bool(traced)) for site in sites}
     full: list[float] = []
     segment: dict[str, list[float]] = {s: [] for s in (*sites, "output")}
     ramp: dict[str, list[float]] = {s: [] for s in sites}
@@ -149,7 +163,8 @@ def measure_profile(model, sample_feeds: Callable[[int], dict[str, np.ndarray]],
         with torch.inference_mode():
             _, once = _timed(model.run_serving, feeds, (), None, whole)
             rounds = int(np.clip(budget_s * 1000.0 / (max(once, 1e-3) * (6 * len(sites) + 2)), repeats, MAX_ROUNDS))
-            runs: dict[str, list[float]] = {k: [] for k in ("full", *segment, *(f"ramp:{s}" for s in sites))}
+            runs: dict[str, list[float]] = {k: [] for k in ("full", *segment, *(f"ramp:{s}" for s in sites),
+                                                              *(f"head:{s}" for s in sites))}
             for rep in range(rounds + 2):  # two warm-up rounds, discarded
                 timings = {"full": _timed(model.run_serving, feeds, (), None, whole)[1]}
                 for site in sites:
@@ -159,6 +174,8 @@ def measure_profile(model, sample_feeds: Callable[[int], dict[str, np.ndarray]],
                 activation = primary
                 for name, stage in zip((*sites, "output"), stages):
                     activation, timings[name] = _timed(stage, activation, side)
+                    if name in heads:
+                        timings[f"head:{name}"] = _timed(heads[name], activation)[1]
                 if rep >= 2:
                     for key, value in timings.items():
                         runs[key].append(value)
@@ -166,8 +183,8 @@ def measure_profile(model, sample_feeds: Callable[[int], dict[str, np.ndarray]],
         for name in segment:
             segment[name].append(float(np.median(runs[name])))
         for name in sites:
-            # A noisy median can come out below zero; no ramp makes the model faster
-            ramp[name].append(max(0.0, float(np.median(runs[f"ramp:{name}"]))))
+            # A ramp costs at least its own operators: the floor where noise buries its marginal time
+            ramp[name].append(max(float(np.median(runs[f"head:{name}"])), float(np.median(runs[f"ramp:{name}"]))))
     return LatencyProfile(
         batch_sizes=tuple(batch_sizes),
         sites=tuple(sites),
