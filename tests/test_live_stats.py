@@ -179,3 +179,18 @@ def test_job_and_result_files_round_trip(tmp_path):
     assert back.sites == ("s",) and back.errors == result.errors and back.status_after == {"models": {}}
     np.testing.assert_array_equal(back.latency_ms, [2, 2])
     assert back.early.tolist() == [True, False] and back.shed.tolist() == [False, True]
+
+
+def _system(p50: float, p99: float, exits: float) -> dict:
+    return {"p50_ms": p50, "p99_ms": p99, "exit_share": exits, "accuracy": 0.995, "worst_window_accuracy": 0.99,
+            "throughput_rps": 100.0}
+
+
+def test_the_demo_says_what_its_numbers_show():
+    from rampserve.cli import demo_verdict
+
+    vanilla = _system(2.0, 10.0, 0.0)
+    assert "saved nothing" in demo_verdict(vanilla, _system(1.9, 9.0, 0.0))  # no exits: a lower p50 is noise
+    assert "cut the median by 40%" in demo_verdict(vanilla, _system(1.2, 9.0, 0.5))
+    slower = demo_verdict(vanilla, _system(2.4, 12.0, 0.3))
+    assert "did not lower the median" in slower and "(1.20x)" in slower
