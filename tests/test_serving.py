@@ -103,6 +103,25 @@ def test_the_served_logits_are_the_original_models_bit_for_bit(served, fmnist_fe
         assert compiled is torchscript
 
 
+def test_a_response_with_logits_never_contradicts_itself(served, fmnist_feeds) -> None:
+    """A request that waits for the final layer (it asked for the logits) gets the final label for every row, even
+    where every row could have left at a ramp; those rows count as final answers, not exits."""
+    x = fmnist_feeds[:8]
+    with server(served, fixed_exits(served, 0, 1.0)) as (url, _):  # threshold 1: every row exits at the ramp
+        client = triton.InferenceServerClient(url.removeprefix("http://"))
+        both = client.infer(MODEL, [triton_input(served, x, True)],
+                            outputs=[triton.InferRequestedOutput("label"), triton.InferRequestedOutput("logits")])
+        label_only = client.infer(MODEL, [triton_input(served, x, True)])
+        deadline = time.monotonic() + 30  # the label-only answer leaves before its batch is recorded
+        while len(batches := get_json(url + "/status")["models"][MODEL]["recent_batches"]) < 2:
+            assert time.monotonic() < deadline, "the second batch was never recorded"
+            time.sleep(0.01)
+    np.testing.assert_array_equal(both.as_numpy("label"), both.as_numpy("logits").argmax(axis=1))
+    assert both.get_response()["parameters"]["early"] is False
+    assert label_only.get_response()["parameters"]["early"] is True  # without logits it leaves at the ramp
+    assert [b["early"] for b in batches[-2:]] == [0, len(x)]
+
+
 def test_tritonclient_infers_with_binary_data_and_with_json(served, fmnist_feeds) -> None:
     x = fmnist_feeds[:4]
     with server(served, ModelSettings(vanilla=True)) as (url, _):

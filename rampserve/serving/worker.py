@@ -354,10 +354,12 @@ class ModelWorker:
             if final is None:  # every input of the request exited at a ramp
                 released, released_errors = labels[rows, at], errors[rows, at]
             else:
+                # Released after the final layer (it asked for the logits, or a row did not exit): every row gets
+                # the final answer, which it has waited for and which a ramp's can only differ from; the record
+                # then counts those rows as final answers, since the controller must judge what was released.
                 released, released_errors = final[rows], final_errors[rows]
-                exited = at != NO_EXIT
-                released[exited] = labels[rows[exited], at[exited]]
-                released_errors[exited] = errors[rows[exited], at[exited]]
+                exits[rows] = NO_EXIT
+                at = exits[rows]
             now = time.monotonic()
             pending.settle(Answer(
                 labels=released,
