@@ -200,6 +200,8 @@ def serve(
     = 1,
     torchscript: Annotated[bool, typer.Option(help="run torch models' stages as TorchScript where they trace "
                                                    "to the same outputs")] = True,
+    preload_s: Annotated[float, typer.Option(help="seconds a starting server waits for the sets its controller may "
+                                                  "ask for next to compile, to load them before serving")] = 30.0,
     vanilla: Annotated[bool, typer.Option(help="serve the original model, no early exits")] = False,
     cache_updates: Annotated[bool, typer.Option(help="active cache ramps learn from served final answers")] = True,
     cache_mb: Annotated[float, typer.Option(help="prediction cache per model in MiB (0: off)")] = 0.0,
@@ -232,7 +234,7 @@ def serve(
         model_settings = ModelSettings(
             slo_ms=slo_ms, max_batch=max_batch, max_delay_ms=max_delay_ms, adaptive_batching=adaptive_batching,
             max_queue=max_queue, deadline_ms=deadline_ms, vanilla=vanilla, torch_threads=torch_threads or None,
-            torchscript=torchscript, cache_updates=cache_updates,
+            torchscript=torchscript, cache_updates=cache_updates, preload_s=preload_s,
             controller=ControllerSettings(accuracy_constraint=accuracy_constraint, ramp_budget=ramp_budget))
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc

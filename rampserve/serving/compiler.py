@@ -144,9 +144,10 @@ class CompileService:
             heapq.heappush(self._queue, (priority, next(self._order), ordered, time.monotonic()))
             self._pump()
 
-    def wait(self, sites: Sequence[str], timeout_s: float) -> bool:
-        """Ask for `sites` urgently and wait until it is ready; whether it became ready in time."""
-        self.request(sites, urgent=True)
+    def wait(self, sites: Sequence[str], timeout_s: float, urgent: bool = True) -> bool:
+        """Ask for `sites` (urgently, unless told otherwise) and wait until it is ready; whether it became ready
+        in time."""
+        self.request(sites, urgent=urgent)
         deadline = time.monotonic() + timeout_s
         with self._cond:
             while not self.ready(sites):

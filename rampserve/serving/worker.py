@@ -31,6 +31,7 @@ from rampserve.control.records import NO_EXIT, BatchRecord, Configuration
 from rampserve.ramps.scores import top_label_and_error
 from rampserve.runtime.profile import max_batch_for_slo
 from rampserve.runtime.compiled import CompiledSet
+from rampserve.runtime.prepared import COMPILED_SETS_KEPT
 from rampserve.serving.batching import AdaptiveBatchSize, BatchTimeEstimate, expected_wait_ms
 from rampserve.serving.compiler import CompileOutcome, CompileService, likely_next_sets
 from rampserve.serving.metrics import ServerMetrics
@@ -65,6 +66,9 @@ class ModelSettings:
     vanilla: bool = False  # no ramps, no controller: the original model as any server would run it
     # Active cache ramps learn from every batch's final labels (Freeze's caches, kept current by live traffic).
     cache_updates: bool = True
+    # How long a starting server waits for the sets its controller may ask for next to compile (in the worker
+    # process) so that it loads them before it serves; the rest load when needed
+    preload_s: float = 30.0
     controller: ControllerSettings = field(default_factory=ControllerSettings)
 
 
@@ -229,8 +233,7 @@ class ModelWorker:
             self._pending = config  # the control thread adopts it compiled once it is
         self._adopt(config)
         if self._compiler is not None and self.control is not None:
-            for sites in likely_next_sets(config.sites, self.served.model.site_names):
-                self._compiler.request(sites)
+            self._preload(config.sites)
         self._executor.start()
         if self._control is not None:
             self._control.start()
@@ -452,6 +455,20 @@ class ModelWorker:
         self.metrics.compiles.labels(outcome=outcome.outcome, **self._labels).inc()
         self.metrics.compile_time.labels(**self._labels).observe(outcome.seconds)
         self._records.put(outcome)
+
+    def _preload(self, active: tuple[str, ...]) -> None:
+        """Compile the sets the controller's next decisions may ask for and load them before serving starts: a
+        load holds the GIL for 10-25 ms on the zoo's CNNs (measured), which would stall the event loop if it came
+        with a configuration change under load. Waits at most `preload_s`; later sets go on compiling in the
+        background and load when they are needed."""
+        model = self.served.model
+        upcoming = likely_next_sets(active, model.site_names, limit=COMPILED_SETS_KEPT - 1)
+        for sites in upcoming:
+            self._compiler.request(sites)
+        deadline = time.monotonic() + self.settings.preload_s
+        for sites in upcoming:
+            if self._compiler.wait(sites, deadline - time.monotonic(), urgent=False):
+                self._ready(Configuration(0, sites, (0.0,) * len(sites)))
 
     def _ready(self, config: Configuration) -> bool:
         """Whether `config` can run now: its compiled set is loaded (from the compile service's stages on disk,
