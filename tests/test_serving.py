@@ -312,6 +312,32 @@ def test_cli_server_answers_what_it_accepted_when_stopped(resnet_bundle, served,
         urllib.request.urlopen(f"{url}/v2/health/live")
 
 
+def test_status_counts_every_answer_by_the_path_it_took(served, fmnist_feeds) -> None:
+    """Early, final and cached answers (one per input) sum to every answer given, in /status and /metrics."""
+    sizes = [1, 3, 1, 1, 3, 1]  # requests of several inputs count each; the last three repeat the first three
+    starts = [0, 1, 4, 0, 1, 4]
+    # This small model's ramps are unsure (error scores near 0.85): a threshold among them mixes exits and finals
+    with server(served, fixed_exits(served, 2, 0.87), ServerSettings(port=0, cache_mb=1.0)) as (url, _):
+        responses = [post(f"{url}/v2/models/{MODEL}/infer", infer_body(served, fmnist_feeds[a:a + n]))[2]
+                     for a, n in zip(starts, sizes)]
+        given = sum(sizes)
+        deadline = time.monotonic() + 30  # an early answer leaves before its batch is counted
+        while sum((answers := get_json(url + "/status")["models"][MODEL]["answers"]).values()) < given:
+            assert time.monotonic() < deadline, f"answers never added up to {given}: {answers}"
+            time.sleep(0.01)
+        with urllib.request.urlopen(url + "/metrics", timeout=10) as response:
+            metrics = response.read().decode()
+    cached = sum(n for n, r in zip(sizes, responses) if r["parameters"].get("cached"))
+    assert cached == sum(sizes[3:]) and answers["cached"] == cached and answers["unverified"] == 0
+    assert sum(answers.values()) == given
+    early = sum(site is not None for r in responses[:3]
+                for site in np.atleast_1d(np.array(r["parameters"]["exit_site"], dtype=object)))
+    assert answers["early"] == early and answers["final"] == sum(sizes[:3]) - early
+    for path, count in answers.items():
+        if count:
+            assert f'rampserve_answers_total{{model="{MODEL}",path="{path}"}} {float(count)}' in metrics
+
+
 @pytest.mark.parametrize("updates", [True, False])
 def test_served_cache_ramp_answers_early_and_learns_from_final_answers(cache_bundle, fmnist_feeds, updates) -> None:
     served = load_served(str(cache_bundle))  # a fresh copy per case: learning changes it

@@ -265,6 +265,7 @@ def create_app(state: ServerState) -> FastAPI:
             metrics.cache.labels(model=served.name, result="hit" if cached else "miss").inc()
         if cached is not None and all(o.name in cached.outputs for o in wanted):
             tensors, parameters, outcome = cached.outputs, {**cached.parameters, "cached": True}, "cached"
+            worker.count_answers("cached", parsed.batch_size)
         else:
             future = worker.submit(parsed.inputs, parsed.batch_size, needs_final, deadline_ms, priority)
             answer: Answer = await future

@@ -89,6 +89,9 @@ class ServerMetrics:
         self.compile_time = Histogram("rampserve_compile_seconds", "Time from asking for an active-ramp set's "
                                       "compiled stages to having them ready", ["model"],
                                       buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30), registry=r)
+        self.answers = Counter("rampserve_answers", "Answers given, one per input, by path (early: at a ramp; final: "
+                               "at the last layer; cached: from the prediction cache; unverified: released before "
+                               "its batch failed)", ["model", "path"], registry=r)
         self.config_changes = Counter("rampserve_configuration_changes", "Configurations adopted by the executor",
                                       ["model"], registry=r)
         self.loop_lag = LagTracker()

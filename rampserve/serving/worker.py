@@ -39,6 +39,7 @@ from rampserve.serving.models import ServedModel, stack_inputs
 
 log = logging.getLogger("rampserve.serving")
 
+ANSWER_PATHS = ("early", "final", "cached", "unverified")
 RECENT_BATCHES = 64  # batch summaries kept for the status endpoint
 CONTROL_POLL_S = 1.0  # how often an idle worker asks its controller for a configuration published meanwhile
 # How long a starting server waits for its first configuration's set to compile (in the worker process) before
@@ -200,6 +201,9 @@ class ModelWorker:
         self.batches = 0
         self.inputs_served = 0
         self.requests_served = 0
+        # Answers given, one per input, by the path they took: what /status and /metrics report as the books
+        self.answers = dict.fromkeys(ANSWER_PATHS, 0)
+        self._answers_lock = threading.Lock()
         self.recent_batches: deque[dict] = deque(maxlen=RECENT_BATCHES)
         self._published_sites: tuple[str, ...] = ()
         self._heap: list[tuple[int, int, _Pending]] = []
@@ -299,6 +303,8 @@ class ModelWorker:
                 self._run(batch)
             except Exception as exc:  # a model failure must not strand the batch's requests
                 log.exception("model %s failed on a batch of %d", self.served.name, len(batch))
+                # Answers released before the failure were never checked against a final answer
+                self.count_answers("unverified", sum(p.rows for p in batch if p.settled))
                 for pending in batch:
                     if not pending.settled:
                         pending.settle(ExecutionFailed(f"model {self.served.name} failed: {exc}"))
@@ -412,6 +418,9 @@ class ModelWorker:
         self.batches += 1
         self.inputs_served += n
         self.requests_served += len(batch)
+        early = int((exits != NO_EXIT).sum())
+        self.count_answers("early", early)
+        self.count_answers("final", n - early)
         self.recent_batches.append({"id": self.batches - 1, "size": n, "config_version": config.version,
                                     "started": started, "finished": finished, "queue_ms": queue_ms,
                                     "compute_ms": compute_ms, "early": int((exits != NO_EXIT).sum())})
@@ -425,6 +434,13 @@ class ModelWorker:
         if self.control is not None:
             self._records.put(BatchRecord(config.version, config.sites, labels, errors, final, exits,
                                           queue_ms, compute_ms))
+
+    def count_answers(self, path: str, inputs: int) -> None:
+        """Count answers given by `path` (early, final, cached, unverified), one per input; any thread."""
+        if inputs:
+            with self._answers_lock:
+                self.answers[path] += inputs
+            self.metrics.answers.labels(path=path, **self._labels).inc(inputs)
 
     # ---- control (controller thread) -------------------------------------------------------------------------
 
@@ -523,6 +539,7 @@ class ModelWorker:
             "batches": self.batches,
             "requests": self.requests_served,
             "inputs": self.inputs_served,
+            "answers": dict(self.answers),
             "mean_batch_size": self.inputs_served / self.batches if self.batches else None,
             "configuration": self.configuration.to_json(),
             "recent_batches": list(self.recent_batches),
