@@ -312,6 +312,21 @@ def test_cli_server_answers_what_it_accepted_when_stopped(resnet_bundle, served,
         urllib.request.urlopen(f"{url}/v2/health/live")
 
 
+def test_the_cache_keeps_final_answers_never_a_ramps(served, fmnist_feeds) -> None:
+    """An answer released at a ramp is cached as the original model's final answer, so a repeat gets that."""
+    x = fmnist_feeds[:8]
+    with server(served, fixed_exits(served, 0, 1.0), ServerSettings(port=0, cache_mb=1.0)) as (url, state):
+        first = post(f"{url}/v2/models/{MODEL}/infer", infer_body(served, x))[2]
+        deadline = time.monotonic() + 30  # the early answer leaves before its batch ends and is cached
+        while len(state.caches[MODEL]) == 0:
+            assert time.monotonic() < deadline, "the final answer was never cached"
+            time.sleep(0.01)
+        again = post(f"{url}/v2/models/{MODEL}/infer", infer_body(served, x))[2]
+    assert first["parameters"]["early"] is True  # threshold 1: every row left at the first ramp
+    assert again["parameters"]["cached"] is True and again["parameters"]["early"] is False
+    np.testing.assert_array_equal(again["outputs"][0]["data"], original_labels(served, x))
+
+
 def test_status_counts_every_answer_by_the_path_it_took(served, fmnist_feeds) -> None:
     """Early, final and cached answers (one per input) sum to every answer given, in /status and /metrics."""
     sizes = [1, 3, 1, 1, 3, 1]  # requests of several inputs count each; the last three repeat the first three

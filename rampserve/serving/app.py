@@ -118,6 +118,17 @@ def answer_parameters(answer: Answer) -> dict:
     }
 
 
+def answer_tensors(answer: Answer) -> dict[str, np.ndarray]:
+    tensors = {LABEL_OUTPUT: answer.labels}
+    if answer.logits is not None:
+        tensors[LOGITS_OUTPUT] = answer.logits.astype(np.float32)
+    return tensors
+
+
+def cached_answer(final: Answer) -> CachedAnswer:
+    return CachedAnswer(answer_tensors(final), answer_parameters(final))
+
+
 def create_app(state: ServerState) -> FastAPI:
     catalogue = state.catalogue
 
@@ -267,14 +278,15 @@ def create_app(state: ServerState) -> FastAPI:
             tensors, parameters, outcome = cached.outputs, {**cached.parameters, "cached": True}, "cached"
             worker.count_answers("cached", parsed.batch_size)
         else:
-            future = worker.submit(parsed.inputs, parsed.batch_size, needs_final, deadline_ms, priority)
+            # The cache keeps the final answer, known once the batch has run to the end, never a ramp's label:
+            # thresholds move, and a cached early answer would be replayed unchecked
+            loop = asyncio.get_running_loop()
+            on_final = None if cache is None else (
+                lambda final: loop.call_soon_threadsafe(cache.put, key, cached_answer(final)))
+            future = worker.submit(parsed.inputs, parsed.batch_size, needs_final, deadline_ms, priority, on_final)
             answer: Answer = await future
-            tensors = {LABEL_OUTPUT: answer.labels}
-            if answer.logits is not None:
-                tensors[LOGITS_OUTPUT] = answer.logits.astype(np.float32)
+            tensors = answer_tensors(answer)
             parameters, outcome = answer_parameters(answer), "early" if answer.early else "final"
-            if cache is not None:
-                cache.put(key, CachedAnswer(tensors, parameters))
         datatypes = {o.name: o.datatype for o in served.outputs}
         return label_response(served.name, served.version, parsed, wanted,
                               [(o.name, datatypes[o.name], tensors[o.name]) for o in wanted], parameters), outcome

@@ -19,7 +19,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -155,6 +155,9 @@ class _Pending:
     needs_final: bool  # asked for the logits: answered at the end of its batch
     future: asyncio.Future
     loop: asyncio.AbstractEventLoop
+    # Called on the executor thread with the request's final answer (every row's final label and the logits)
+    # once its batch has run to the end, however early its response left: what a prediction cache may keep
+    on_final: Callable[[Answer], None] | None = None
     settled: bool = False
 
     def settle(self, result: Answer | BaseException) -> None:
@@ -257,7 +260,8 @@ class ModelWorker:
     # ---- admission (event loop thread) -------------------------------------------------------------------
 
     def submit(self, inputs: Mapping[str, np.ndarray], rows: int, needs_final: bool,
-               deadline_ms: float | None = None, priority: int = 0) -> asyncio.Future:
+               deadline_ms: float | None = None, priority: int = 0,
+               on_final: Callable[[Answer], None] | None = None) -> asyncio.Future:
         loop = asyncio.get_running_loop()
         now = time.monotonic()
         budget_ms = self.deadline_ms if deadline_ms is None else deadline_ms
@@ -281,7 +285,7 @@ class ModelWorker:
                            f"after the request's deadline of {budget_ms:.1f} ms",
                            max(1, math.ceil(wait_ms / 1000.0)))
             deadline = math.inf if budget_ms is None else now + budget_ms / 1000.0
-            pending = _Pending(inputs, rows, now, deadline, needs_final, loop.create_future(), loop)
+            pending = _Pending(inputs, rows, now, deadline, needs_final, loop.create_future(), loop, on_final)
             heapq.heappush(self._heap, (-priority, next(self._order), pending))
             self._rows_queued += rows
             self.metrics.queued.labels(**self._labels).set(self._rows_queued)
@@ -403,6 +407,11 @@ class ModelWorker:
                 answer(pending, int(starts[index]), final, logits)
         finished = time.monotonic()
         model.report_late(late, on_ramp)  # ramps no input exited at: for the record, after the answers are out
+        for index, pending in enumerate(batch):
+            if pending.on_final is not None:
+                rows = slice(int(starts[index]), int(starts[index]) + pending.rows)
+                pending.on_final(Answer(final[rows], (None,) * pending.rows, (None,) * pending.rows,
+                                        1.0 - final_errors[rows], logits[rows], config.version, batch_id, finished))
         compute_ms = (finished - started) * 1000.0
         if self.settings.cache_updates and r:  # after every answer is out: off the requests' path
             model.learn(final)
