@@ -11,7 +11,7 @@ from rampserve.control.controller import Controller, ControllerSettings
 from rampserve.control.costs import CostModel
 from rampserve.control.monitor import AccuracyWindow, RampHistory
 from rampserve.control.ramps import adjust_ramps, evenly_spaced, fits_budget, initial_sites, ramp_utilities
-from rampserve.control.records import NO_EXIT, BatchRecord, Configuration
+from rampserve.control.records import NO_EXIT, NO_LABEL, BatchRecord, Configuration
 from rampserve.runtime.profile import LatencyProfile
 
 SITES = tuple(f"s{i}" for i in range(8))
@@ -244,3 +244,40 @@ def test_a_new_ramp_is_judged_on_the_inputs_that_reached_it():
     drive(controller, [(slip, np.full((8, 8), 0.01), final)] * 3 + [sure] * 5)
     # 3 mistakes are 0.6% of the 512 inputs kept, but 4.7% of the 64 that reached s5
     assert controller.tuned_thresholds().tolist() == [0.0, 0.1]  # s6 alone: always right
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_a_failed_batch_counts_its_released_answers_as_disagreements_and_never_loosens_thresholds(seed):
+    """Answers released before their batch failed reach the controller unverified: they count against the window
+    and in total, teach the history nothing, and the next configuration's thresholds are no looser, on a stream
+    where an identical controller that saw no failure loosens them."""
+    rng = np.random.default_rng(seed)
+    site = SITES[3]
+    scores = rng.uniform(0.0, 0.6, 400)
+    right = rng.random(400) < 0.995
+
+    def fed(fail: bool) -> tuple[Controller, Configuration, Configuration | None]:
+        control = Controller(profile(), ControllerSettings(initial=(site,), start_thresholds={site: 0.02},
+                                                           ramp_adjustment=False))
+        for score, ok in zip(scores[:100], right[:100]):  # before the first periodic retune (128 inputs)
+            control.observe(record(control.configuration(), np.array([[1 if ok else 2]]), np.array([[score]]),
+                                   np.array([1])))
+        before = control.configuration()
+        if fail:
+            served, history = control.window.served, control.history.size
+            failed = BatchRecord(before.version, before.sites, np.ones((3, 1), int), np.zeros((3, 1)),
+                                 np.full(3, NO_LABEL), np.zeros(3, int), unverified=True)
+            assert control.observe(failed) is None
+            assert control.unverified == 3 and control.window.served == served + 3
+            assert control.history.size == history  # nothing to learn from answers with no final label
+        for score, ok in zip(scores[100:], right[100:]):
+            new = control.observe(record(control.configuration(), np.array([[1 if ok else 2]]),
+                                         np.array([[score]]), np.array([1])))
+            if new is not None:
+                return control, before, new
+        return control, before, None
+
+    _, before, unchecked = fed(fail=False)
+    assert unchecked is not None and unchecked.thresholds[0] > before.thresholds[0]  # this stream loosens
+    _, before, new = fed(fail=True)
+    assert new is None or new.thresholds[0] <= before.thresholds[0]

@@ -327,6 +327,41 @@ def test_the_cache_keeps_final_answers_never_a_ramps(served, fmnist_feeds) -> No
     np.testing.assert_array_equal(again["outputs"][0]["data"], original_labels(served, x))
 
 
+class _FailsAfterTheFirstRamp:
+    """A compiled runner whose model fails once the first ramp has released its answers (a fault injected where
+    a real one, out of memory or a native crash, could strike)."""
+
+    def __init__(self, runner) -> None:
+        self.runner = runner
+
+    def __call__(self, activation, side, floors, start):
+        if start > 0:
+            raise RuntimeError("injected failure after the first ramp")
+        return self.runner(activation, side, floors, start)
+
+
+def test_answers_released_before_a_failure_reach_the_controller_unverified(served, fmnist_feeds) -> None:
+    from dataclasses import replace as replaced
+
+    x = fmnist_feeds[:4]
+    with server(served, fixed_exits(served, 0, 1.0)) as (url, state):  # threshold 1: every row exits at once
+        worker = state.catalogue.workers[MODEL]
+        config, compiled = worker._serving
+        assert compiled is not None
+        worker._serving = (config, replaced(compiled, runner=_FailsAfterTheFirstRamp(compiled.runner)))
+        early = post(f"{url}/v2/models/{MODEL}/infer", infer_body(served, x))
+        deadline = time.monotonic() + 30
+        while (model := get_json(url + "/status")["models"][MODEL])["unverified_answers"] < len(x):
+            assert time.monotonic() < deadline, f"the controller never heard of the released answers: {model}"
+            time.sleep(0.01)
+        worker._serving = (config, compiled)
+        after = post(f"{url}/v2/models/{MODEL}/infer", infer_body(served, x))
+    assert early[0] == 200 and early[2]["parameters"]["early"] is True  # released before the failure
+    assert model["unverified_answers"] == len(x) and model["answers"]["unverified"] == len(x)
+    assert model["cumulative_accuracy"] <= 1.0 - len(x) / model["inputs_observed"]
+    assert after[0] == 200  # the server keeps serving
+
+
 def test_status_counts_every_answer_by_the_path_it_took(served, fmnist_feeds) -> None:
     """Early, final and cached answers (one per input) sum to every answer given, in /status and /metrics."""
     sizes = [1, 3, 1, 1, 3, 1]  # requests of several inputs count each; the last three repeat the first three

@@ -96,6 +96,8 @@ class Controller:
         self.times = DecisionTimes()
         self.last_decision_ms = 0.0  # time the latest observe() spent deciding
         self._since_adjust = 0
+        self.unverified = 0  # answers released before their batch failed (counted as disagreements)
+        self._tighten_only = False
         self._measured: dict[tuple[str, ...], tuple[float, tuple[float, ...]]] = {}  # see ramps.Known
 
     def configuration(self) -> Configuration:
@@ -106,6 +108,12 @@ class Controller:
         self.last_decision_ms = 0.0
         current = self.configuration()
         self.window.add(record.correct())
+        if record.unverified:
+            # Answers nobody can check count against the constraint; until the next configuration, thresholds
+            # may only tighten: a failure must never be what loosens them
+            self.unverified += record.batch_size
+            self._tighten_only = True
+            return None
         if record.sites != current.sites:
             return None  # served by an active set already replaced: its rows fit no column of the history
         self.history.add(record)
@@ -131,8 +139,11 @@ class Controller:
             return None
         sites, thresholds, detail = change
         current = self.configuration()
+        if self._tighten_only and sites == current.sites:
+            thresholds = np.minimum(thresholds, current.thresholds)
         if sites == current.sites and tuple(thresholds) == current.thresholds:
             return None
+        self._tighten_only = False
         configuration = Configuration(current.version + 1, sites, tuple(float(t) for t in thresholds))
         self.decisions.append(Decision(configuration, self.window.served, f"{reason}: {detail}", elapsed))
         self.window.clear()

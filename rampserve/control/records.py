@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 
 NO_EXIT = -1
+NO_LABEL = -1  # a final label that is not known (the batch failed before its last layer)
 
 
 def first_exits(errors: np.ndarray, thresholds: np.ndarray) -> np.ndarray:
@@ -54,6 +55,9 @@ class BatchRecord:
     exits: np.ndarray  # (n,) index into `sites` where the answer was released, or NO_EXIT
     queue_ms: float = 0.0  # oldest input's wait before the batch started
     compute_ms: float = 0.0  # batch start to the end of the last stage
+    # Answers released before the batch failed: their final label is unknown (`final` holds NO_LABEL there), so
+    # they count as disagreeing with the original model and teach the controller nothing else
+    unverified: bool = False
 
     def __post_init__(self) -> None:
         n, r = len(self.final), len(self.sites)
@@ -73,4 +77,6 @@ class BatchRecord:
         return np.where(self.exits == NO_EXIT, self.final, at_ramp)
 
     def correct(self) -> np.ndarray:
+        if self.unverified:
+            return np.zeros(len(self.final), dtype=bool)
         return self.released() == self.final

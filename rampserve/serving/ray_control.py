@@ -43,7 +43,8 @@ class ControllerActor:
     def status(self) -> dict:
         window = self.controller.window
         return {"window_accuracy": window.accuracy, "cumulative_accuracy": window.cumulative,
-                "inputs_observed": window.served, "decisions": [d.to_json() for d in self.controller.decisions]}
+                "inputs_observed": window.served, "unverified_answers": self.controller.unverified,
+                "decisions": [d.to_json() for d in self.controller.decisions]}
 
 
 def controller_name(model: str) -> str:

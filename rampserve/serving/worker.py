@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from rampserve.control.controller import Controller, ControllerSettings
-from rampserve.control.records import NO_EXIT, BatchRecord, Configuration
+from rampserve.control.records import NO_EXIT, NO_LABEL, BatchRecord, Configuration
 from rampserve.ramps.scores import top_label_and_error
 from rampserve.runtime.profile import max_batch_for_slo
 from rampserve.runtime.compiled import CompiledSet
@@ -114,6 +114,7 @@ class LocalControl:
         with self._lock:
             window = self.controller.window
             return {"window_accuracy": window.accuracy, "cumulative_accuracy": window.cumulative,
+                    "inputs_observed": window.served, "unverified_answers": self.controller.unverified,
                     "decisions": [d.to_json() for d in self.controller.decisions]}
 
 
@@ -399,8 +400,12 @@ class ModelWorker:
         started = time.monotonic()
         for pending in batch:
             self.metrics.queue.labels(**self._labels).observe(started - pending.arrival)
-        logits, late = model.run_serving(feeds, config.sites, on_ramp if r else None, compiled or False,
-                                         config.thresholds)
+        try:
+            logits, late = model.run_serving(feeds, config.sites, on_ramp if r else None, compiled or False,
+                                             config.thresholds)
+        except Exception:
+            self._record_unverified(config, batch, starts, labels, errors, exits, started)
+            raise
         final, final_errors = top_label_and_error(logits)
         for index, pending in enumerate(batch):
             if not pending.settled:
@@ -416,6 +421,19 @@ class ModelWorker:
         if self.settings.cache_updates and r:  # after every answer is out: off the requests' path
             model.learn(final)
         self._after_batch(config, labels, errors, final, exits, started, finished, compute_ms, batch)
+
+    def _record_unverified(self, config: Configuration, batch: list[_Pending], starts: np.ndarray,
+                           labels: np.ndarray, errors: np.ndarray, exits: np.ndarray, started: float) -> None:
+        """The model failed after some answers left at a ramp: the controller still hears of them, as answers
+        that could not be checked (it counts them as disagreements)."""
+        rows = np.concatenate([np.arange(start, start + p.rows) for start, p in zip(starts, batch) if p.settled]
+                              or [np.zeros(0, dtype=int)])
+        if self.control is None or not len(rows):
+            return
+        self._records.put(BatchRecord(config.version, config.sites, labels[rows], errors[rows],
+                                      np.full(len(rows), NO_LABEL), exits[rows],
+                                      (started - min(p.arrival for p in batch)) * 1000.0,
+                                      (time.monotonic() - started) * 1000.0, unverified=True))
 
     def _after_batch(self, config: Configuration, labels: np.ndarray, errors: np.ndarray, final: np.ndarray,
                      exits: np.ndarray, started: float, finished: float, compute_ms: float,
