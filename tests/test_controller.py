@@ -281,3 +281,20 @@ def test_a_failed_batch_counts_its_released_answers_as_disagreements_and_never_l
     assert unchecked is not None and unchecked.thresholds[0] > before.thresholds[0]  # this stream loosens
     _, before, new = fed(fail=True)
     assert new is None or new.thresholds[0] <= before.thresholds[0]
+
+
+def test_a_successor_catches_up_with_its_predecessors_counts_once():
+    """Each replica brings the latest checkpoint it saw; only what one adds beyond those taken counts."""
+    predecessor = Controller(profile(), ControllerSettings(initial=(SITES[2],), start_thresholds={SITES[2]: 1.0}))
+    config = predecessor.configuration()
+    checkpoints = []
+    for right in ([1, 1, 2], [1, 2, 2, 2], [1]):
+        predecessor.observe(record(config, np.array([[label] for label in right]), np.zeros((len(right), 1)),
+                                   np.ones(len(right), int)))
+        checkpoints.append(predecessor.checkpoint())
+    successor = Controller(profile(), ControllerSettings(initial=(SITES[2],), start_thresholds={SITES[2]: 1.0}))
+    successor.observe(record(config, np.array([[1]]), np.zeros((1, 1)), np.ones(1, int)))  # its own first record
+    for checkpoint in (checkpoints[1], checkpoints[0], checkpoints[2], checkpoints[1]):  # replicas in any order
+        successor.catch_up(checkpoint)
+    assert successor.window.served == predecessor.window.served + 1
+    assert successor.window.correct == predecessor.window.correct + 1

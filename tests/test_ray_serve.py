@@ -137,6 +137,9 @@ def test_killing_the_controller_fails_no_request_and_accuracy_holds(deployed, re
         except ValueError:  # no successor started yet
             return 0
 
-    # Replicas hand their records over after answering: the successor sees them a moment after the last answer
-    wait_for(lambda: successor_observed() > 0, "a successor controller to observe records")
-    assert 0 < successor_observed() <= 200  # a new controller took over from the records that followed
+    # The successor counts every answer given, before the kill too: the replicas bring the predecessor's counts
+    # and the records it never acknowledged. Records in flight at the kill (one per replica, a batch of at most
+    # the four clients' requests each) may be lost with it or counted twice.
+    in_flight = 2 * 4
+    wait_for(lambda: successor_observed() >= 400 - in_flight, "the successor to count the answers given")
+    assert 400 - in_flight <= successor_observed() <= 400 + in_flight

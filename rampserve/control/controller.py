@@ -98,10 +98,26 @@ class Controller:
         self._since_adjust = 0
         self.unverified = 0  # answers released before their batch failed (counted as disagreements)
         self._tighten_only = False
+        self._caught_up = {"recent": [], "served": 0, "correct": 0, "unverified": 0}  # see catch_up
         self._measured: dict[tuple[str, ...], tuple[float, tuple[float, ...]]] = {}  # see ramps.Known
 
     def configuration(self) -> Configuration:
         return self.decisions[-1].configuration
+
+    def checkpoint(self) -> dict:
+        """What a successor needs to report accuracy over every answer given before it took over: the window's
+        and the total counts (its configuration travels apart, as its initial one)."""
+        return {**self.window.checkpoint(), "unverified": self.unverified}
+
+    def catch_up(self, checkpoint: dict) -> None:
+        """Count the answers a lost predecessor had counted, as of `checkpoint`; safe to call with several
+        checkpoints of the same predecessor (each replica holds the latest it saw): only what a later one adds
+        beyond those already taken counts."""
+        if checkpoint["served"] <= self._caught_up["served"]:
+            return
+        self.window.catch_up(checkpoint, self._caught_up)
+        self.unverified += checkpoint["unverified"] - self._caught_up["unverified"]
+        self._caught_up = checkpoint
 
     def observe(self, record: BatchRecord) -> Configuration | None:
         """Learn from one served batch; returns the new configuration when this record changed it."""

@@ -29,6 +29,19 @@ class AccuracyWindow:
         """Forget the window (not the totals): a new configuration is judged on its own answers."""
         self._recent.clear()
 
+    def checkpoint(self) -> dict:
+        """The window and the totals as plain data, for a successor controller to start from."""
+        return {"recent": list(self._recent), "served": self.served, "correct": self.correct}
+
+    def catch_up(self, checkpoint: dict, since: dict) -> None:
+        """Add what `checkpoint` counted beyond `since` (an earlier checkpoint of the same controller, already
+        counted here), and take its window where it is ahead."""
+        self.served += checkpoint["served"] - since["served"]
+        self.correct += checkpoint["correct"] - since["correct"]
+        if checkpoint["served"] > since["served"]:
+            self._recent.clear()
+            self._recent.extend(bool(c) for c in checkpoint["recent"])
+
     @property
     def full(self) -> bool:
         return len(self._recent) == self._recent.maxlen

@@ -11,6 +11,7 @@ Ray is an optional dependency (`pip install rampserve[ray]`); this module import
 from __future__ import annotations
 
 import logging
+from collections import deque
 from dataclasses import replace
 
 import ray
@@ -25,6 +26,9 @@ log = logging.getLogger("rampserve.serving")
 # How long a replica waits for the controller before it takes it for lost; a batch record is small and the
 # controller's work per record is well under a millisecond, so seconds mean the actor is gone or stuck.
 CONTROLLER_TIMEOUT_S = 5.0
+# Records kept for a lost controller's successor, at most (a replica keeps serving meanwhile; beyond this the
+# oldest are dropped, and the successor's counts miss them)
+UNDELIVERED_RECORDS = 4096
 
 
 @ray.remote(num_cpus=0)  # bookkeeping only: it must not take a CPU from the replicas
@@ -32,10 +36,15 @@ class ControllerActor:
     def __init__(self, profile: dict, settings: ControllerSettings) -> None:
         self.controller = Controller(LatencyProfile.from_json(profile), settings)
 
-    def observe(self, record: BatchRecord) -> tuple[Configuration, float]:
-        """The configuration in force after this record, whoever's it was, and the window's accuracy."""
+    def observe(self, record: BatchRecord) -> tuple[Configuration, float, dict]:
+        """The configuration in force after this record, whoever's it was, the window's accuracy, and the counts
+        a successor would start from."""
         self.controller.observe(record)
-        return self.controller.configuration(), self.controller.window.accuracy
+        return self.controller.configuration(), self.controller.window.accuracy, self.controller.checkpoint()
+
+    def catch_up(self, checkpoint: dict) -> None:
+        """Count what a lost predecessor had counted (each replica that takes over brings the latest it saw)."""
+        self.controller.catch_up(checkpoint)
 
     def configuration(self) -> Configuration:
         return self.controller.configuration()
@@ -59,6 +68,9 @@ class RayControl:
         self.name = controller_name(model)
         self.profile, self.settings, self.timeout_s = profile.to_json(), settings, timeout_s
         self.takeovers = 0
+        # Records the controller has not acknowledged, delivered (in order) to it or to its successor
+        self._undelivered: deque[BatchRecord] = deque(maxlen=UNDELIVERED_RECORDS)
+        self._checkpoint: dict | None = None  # the counts in the controller's latest answer to this replica
         self._actor = self._connect(settings)
         self._current = ray.get(self._actor.configuration.remote(), timeout=timeout_s)
         self._accuracy = 1.0
@@ -77,19 +89,36 @@ class RayControl:
         start = replace(self.settings, initial=self._current.sites,
                         start_thresholds=dict(zip(self._current.sites, self._current.thresholds)))
         self._actor = self._connect(start)
+        if self._checkpoint is not None:
+            try:
+                ray.get(self._actor.catch_up.remote(self._checkpoint), timeout=self.timeout_s)
+            except (RayActorError, GetTimeoutError):
+                pass  # the successor is gone too: the next record takes over again
 
     def configuration(self) -> Configuration:
         return self._current
 
     def observe(self, record: BatchRecord) -> Configuration | None:
-        try:
-            latest, self._accuracy = ray.get(self._actor.observe.remote(record), timeout=self.timeout_s)
-        except (RayActorError, GetTimeoutError) as exc:
-            self._take_over(exc)
-            return None
-        return self._adopt(latest)
+        self._undelivered.append(record)
+        return self._deliver()
+
+    def _deliver(self) -> Configuration | None:
+        """Hand every undelivered record over, oldest first; one the controller did not acknowledge stays for
+        its successor (a record lost with the actor would be answers nobody counts)."""
+        latest = None
+        while self._undelivered:
+            try:
+                latest, self._accuracy, self._checkpoint = ray.get(
+                    self._actor.observe.remote(self._undelivered[0]), timeout=self.timeout_s)
+            except (RayActorError, GetTimeoutError) as exc:
+                self._take_over(exc)
+                return None
+            self._undelivered.popleft()
+        return None if latest is None else self._adopt(latest)
 
     def refresh(self) -> Configuration | None:
+        if self._undelivered:
+            return self._deliver()
         try:
             return self._adopt(ray.get(self._actor.configuration.remote(), timeout=self.timeout_s))
         except (RayActorError, GetTimeoutError) as exc:
