@@ -124,6 +124,8 @@ class Controller:
         self.last_decision_ms = 0.0
         current = self.configuration()
         self.window.add(record.correct())
+        if record.cached:
+            return None
         if record.unverified:
             # Answers nobody can check count against the constraint; until the next configuration, thresholds
             # may only tighten: a failure must never be what loosens them

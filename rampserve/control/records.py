@@ -58,6 +58,9 @@ class BatchRecord:
     # Answers released before the batch failed: their final label is unknown (`final` holds NO_LABEL there), so
     # they count as disagreeing with the original model and teach the controller nothing else
     unverified: bool = False
+    # Answers given from the prediction cache: final answers by construction (the cache keeps only those), so they
+    # count as agreeing and teach nothing else; `final` holds their labels, `labels` and `errors` have no columns
+    cached: bool = False
 
     def __post_init__(self) -> None:
         n, r = len(self.final), len(self.sites)

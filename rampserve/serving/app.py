@@ -276,7 +276,7 @@ def create_app(state: ServerState) -> FastAPI:
             metrics.cache.labels(model=served.name, result="hit" if cached else "miss").inc()
         if cached is not None and all(o.name in cached.outputs for o in wanted):
             tensors, parameters, outcome = cached.outputs, {**cached.parameters, "cached": True}, "cached"
-            worker.count_answers("cached", parsed.batch_size)
+            worker.count_cached(cached.outputs[LABEL_OUTPUT])
         else:
             # The cache keeps the final answer, known once the batch has run to the end, never a ramp's label:
             # thresholds move, and a cached early answer would be replayed unchecked

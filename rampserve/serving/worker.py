@@ -469,6 +469,16 @@ class ModelWorker:
                 self.answers[path] += inputs
             self.metrics.answers.labels(path=path, **self._labels).inc(inputs)
 
+    def count_cached(self, labels: np.ndarray) -> None:
+        """Answers the prediction cache gave (final labels): counted here and, through the control thread, by
+        the controller, whose accuracy covers every answer released."""
+        self.count_answers("cached", len(labels))
+        if self.control is not None:
+            config = self.configuration
+            self._records.put(BatchRecord(config.version, (), np.zeros((len(labels), 0), dtype=np.int64),
+                                          np.zeros((len(labels), 0)), np.asarray(labels), np.full(len(labels), NO_EXIT),
+                                          cached=True))
+
     # ---- control (controller thread) -------------------------------------------------------------------------
 
     def _control_loop(self, control: ControlLink) -> None:
