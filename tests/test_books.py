@@ -59,3 +59,57 @@ def test_every_released_answer_is_counted_and_the_books_match_what_clients_saw(r
     assert model["answers"]["early"] > 0  # the controller kept ramps active: some answers left early
     assert sum(model["answers"].values()) == REQUESTS and model["answers"]["cached"] == cached.sum()
     assert abs(model["cumulative_accuracy"] - measured) <= 0.005, (model["cumulative_accuracy"], measured)
+
+
+def test_the_executor_releases_every_row_once_consistently_and_records_the_paths_taken(resnet_prepared,
+                                                                                     fmnist_feeds) -> None:
+    """Over batch compositions (inputs per request, requests that want the logits, thresholds), compiled and
+    eager: every request gets one answer with one label per input, an answer with logits has the final labels,
+    and the batch record's exits are the paths the answers took."""
+    import asyncio
+    from dataclasses import replace
+
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    from rampserve.control.records import NO_EXIT, Configuration
+    from rampserve.serving.metrics import ServerMetrics
+    from rampserve.serving.models import served as make_served
+    from rampserve.serving.worker import _Pending, ModelWorker
+
+    model = replace(resnet_prepared)
+    served = make_served("m", model)
+    sites = tuple(model.site_names[2:5])
+    name = model.backend.input_names[0]
+    assert model.compile(sites, {name: fmnist_feeds[-2:]})
+    worker = ModelWorker(served, ModelSettings(controller=ControllerSettings(initial=sites)), ServerMetrics())
+
+    @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+    @given(st.lists(st.tuples(st.integers(1, 3), st.booleans()), min_size=1, max_size=5),
+           st.lists(st.sampled_from([0.0, 0.5, 0.85, 0.9, 1.0]), min_size=3, max_size=3), st.booleans())
+    def check(requests: list[tuple[int, bool]], thresholds: list[float], compiled: bool) -> None:
+        loop = asyncio.new_event_loop()
+        try:
+            starts = np.cumsum([0] + [rows for rows, _ in requests])
+            batch = [_Pending({name: fmnist_feeds[a:a + rows]}, rows, 0.0, float("inf"), wants, loop.create_future(),
+                              loop) for a, (rows, wants) in zip(starts, requests)]
+            config = Configuration(1, sites, tuple(thresholds))
+            worker._serving = (config, model.compiled_set(sites) if compiled else None)
+            worker._run(batch)
+            loop.run_until_complete(asyncio.sleep(0))  # the answers were handed to the loop thread-safely
+            answers = [p.future.result() for p in batch]
+        finally:
+            loop.close()
+        record = worker._records.get_nowait()
+        final = model.run({name: fmnist_feeds[:starts[-1]]}).argmax(axis=1)
+        taken = []
+        for answer, (a, (rows, wants)) in zip(answers, zip(starts, requests)):
+            assert len(answer.labels) == rows == len(answer.exit_sites)
+            if wants:
+                assert np.array_equal(answer.labels, answer.logits.argmax(axis=1))
+                assert np.array_equal(answer.labels, final[a:a + rows]) and not any(answer.exit_sites)
+            taken += [NO_EXIT if site is None else sites.index(site) for site in answer.exit_sites]
+        assert np.array_equal(record.exits, taken)
+        assert np.array_equal(np.concatenate([a.labels for a in answers]), record.released())
+
+    check()
