@@ -280,11 +280,15 @@ def export_onnx(
     module: torch.nn.Module, example: tuple[torch.Tensor, ...], input_names: Sequence[str], path: str | Path
 ) -> Path:
     """Export with the TorchScript exporter, whose node names carry module paths (see `scope_from_node_name`),
-    with a dynamic batch dimension on every input and on the output ("logits")."""
+    with a dynamic batch dimension on every input and on the output ("logits"), and a dynamic second dimension
+    on integer inputs (token ids and attention masks: sentences come in any length)."""
     import torch  # here, so that serving an ONNX model does not import torch
 
     path = Path(path)
     dynamic = {name: {0: "batch"} for name in [*input_names, "logits"]}
+    for name, tensor in zip(input_names, example):
+        if tensor.dim() == 2 and not tensor.is_floating_point():
+            dynamic[name][1] = "positions"
     torch.onnx.export(
         module, example, str(path), dynamo=False, opset_version=17,
         input_names=list(input_names), output_names=["logits"], dynamic_axes=dynamic,
