@@ -318,8 +318,9 @@ def demo_verdict(vanilla: dict, served: dict) -> str:
              f"({p50:.2f}x), p99 {served['p99_ms']:.1f} against {vanilla['p99_ms']:.1f} ms ({p99:.2f}x); "
              f"throughput {served['throughput_rps']:.0f} against {vanilla['throughput_rps']:.0f} rps."]
     if served["exit_share"] == 0:
-        lines.append("No ramp was active or confident enough in this run, so early exits saved nothing here: the "
-                     "latency difference is the machine's noise.")
+        lines.append("No answer left at a ramp in this run (no ramp fit the budget, or none was confident enough), "
+                     "so early exits saved nothing here; the difference from vanilla is the managed server's own "
+                     "cost and this machine's noise.")
     elif p50 < 1.0:
         lines.append(f"Early exits cut the median by {1 - p50:.0%} in this run.")
     else:

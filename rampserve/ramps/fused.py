@@ -32,13 +32,13 @@ class FoldedPoolingHead(nn.Module):
         channels, classes = activation_shape[0], arrays.weight_t.shape[1]
         per_channel = arrays.weight_t.reshape(channels, -1, classes)  # (channels, pooled positions, classes)
         folded = torch.einsum("pq,cqk->cpk", torch.from_numpy(arrays.pool_t), torch.from_numpy(per_channel))
-        # (classes, inputs), multiplied as weight @ activation^T: for ten outputs BLAS runs that 3-4x faster than
-        # activation @ (inputs, classes) at batch 16-64, and as fast at batch 1 (measured)
+        # (classes, inputs), as `linear` takes it: one operator, and for ten outputs BLAS runs its transposed
+        # product 2x faster than activation @ (inputs, classes) at batch 16-64 (measured)
         self.register_buffer("weight", folded.reshape(channels * arrays.positions, classes).T.contiguous())
-        self.register_buffer("bias_column", head.bias.detach().clone()[:, None])
+        self.register_buffer("bias", head.bias.detach().clone())
 
     def forward(self, activation: torch.Tensor) -> torch.Tensor:
-        return torch.addmm(self.bias_column, self.weight, activation.flatten(1).t()).t()
+        return nn.functional.linear(activation.flatten(1), self.weight, self.bias)
 
 
 class ScoredRamp(nn.Module):

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-FORMAT = 2
+FORMAT = 3
 
 
 class FusedStage(nn.Module):
@@ -54,13 +54,17 @@ class UniformStage(nn.Module):
     def __init__(self, stage: nn.Module, reads_side: bool, fused: bool) -> None:
         super().__init__()
         self.stage, self.reads_side, self.fused = stage, reads_side, fused
+        # Without a fused ramp: no labels, and a confidence above every exit floor, so that a runner returns to
+        # Python after this stage (constants of the frozen graph: no operator runs for them)
+        self.register_buffer("no_labels", torch.zeros(0, dtype=torch.long))
+        self.register_buffer("returns", torch.full((1,), 2.0))
 
     def forward(self, activation: torch.Tensor, side: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         out = self.stage(activation, side) if self.reads_side else self.stage(activation)
         if self.fused:
             return out
-        return out, torch.zeros(0, dtype=torch.long), torch.zeros(0)
+        return out, self.no_labels, self.returns
 
 
 class SetRunner(nn.Module):
@@ -68,9 +72,12 @@ class SetRunner(nn.Module):
     `floors[i]` or the stage has no fused ramp. Returns the number of stages run so far, the last activation (the
     model's output once every stage ran), and the labels and confidences of the sites passed in this call."""
 
+    __constants__ = ["sites"]
+
     def __init__(self, stages: Sequence[nn.Module]) -> None:
         super().__init__()
         self.stages = nn.ModuleList(stages)
+        self.sites = len(stages) - 1  # a constant: the loop is unrolled and `i < self.sites` folds away
 
     def forward(self, activation: torch.Tensor, side: torch.Tensor, floors: list[float], start: int
                 ) -> tuple[int, torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
@@ -80,10 +87,10 @@ class SetRunner(nn.Module):
         for stage in self.stages:
             if i >= start:
                 activation, site_labels, site_confidences = stage(activation, side)
-                if i < len(floors):
+                if i < self.sites:
                     labels.append(site_labels)
                     confidences.append(site_confidences)
-                    if site_confidences.numel() == 0 or bool((site_confidences > floors[i]).any()):
+                    if bool((site_confidences > floors[i]).any()):
                         return i + 1, activation, labels, confidences
             i += 1
         return i, activation, labels, confidences

@@ -308,8 +308,6 @@ class ModelWorker:
                 self._run(batch)
             except Exception as exc:  # a model failure must not strand the batch's requests
                 log.exception("model %s failed on a batch of %d", self.served.name, len(batch))
-                # Answers released before the failure were never checked against a final answer
-                self.count_answers("unverified", sum(p.rows for p in batch if p.settled))
                 for pending in batch:
                     if not pending.settled:
                         pending.settle(ExecutionFailed(f"model {self.served.name} failed: {exc}"))
@@ -428,6 +426,7 @@ class ModelWorker:
         that could not be checked (it counts them as disagreements)."""
         rows = np.concatenate([np.arange(start, start + p.rows) for start, p in zip(starts, batch) if p.settled]
                               or [np.zeros(0, dtype=int)])
+        self.count_answers("unverified", len(rows))  # before the controller can hear of them
         if self.control is None or not len(rows):
             return
         self._records.put(BatchRecord(config.version, config.sites, labels[rows], errors[rows],
