@@ -26,7 +26,7 @@ LateReports = list[tuple[str, torch.Tensor, torch.Tensor]]
 # Compiled sets kept in memory per model. A set loaded from disk holds its own copy of the weights, so this
 # bounds memory; the set a server is running is held by the server, whatever is evicted here.
 COMPILED_SETS_KEPT = 16
-# Slack on "no input of this ramp can exit" (see `PreparedModel.run`): well above float32's rounding near 1
+# Slack on "no input of this ramp can exit" (see `PreparedModel.run_serving`): well above float32's rounding near 1
 EXIT_MARGIN = 1e-6
 # Exit floors for a `SetRunner`: confidences lie in [0, 1], so it stops at every ramp or at none
 ALWAYS_STOP, NEVER_STOP = -1.0, 2.0
@@ -172,13 +172,12 @@ class PreparedModel:
         already run outside the interpreter)."""
         return self.backend.kind == "torch"
 
-    def build_compiled(self, active: Sequence[str], example: dict[str, np.ndarray], fuse: bool = True
-                       ) -> CompiledSet | None:
+    def build_compiled(self, active: Sequence[str], example: dict[str, np.ndarray]) -> CompiledSet | None:
         """Compile the serving path for `active` with `example` as the example input: its stages traced, each
-        stage that ends at an active site with that site's ramp fused in (`fuse`, and unless the ramp stays in
-        Python), run by one scripted `SetRunner`, frozen. None where the model does not compile: a stage that
-        does not trace faithfully (see `trace_stages`), a model with more than one side input, or a frozen
-        runner whose output is not bit for bit the eager model's on the example."""
+        stage that ends at an active site with that site's ramp fused in (unless the ramp stays in Python), run
+        by one scripted `SetRunner`, frozen. None where the model does not compile: a stage that does not trace
+        faithfully (see `trace_stages`), a model with more than one side input, or a frozen runner whose output
+        is not bit for bit the eager model's on the example."""
         primary, *side_names = self.backend.input_names
         if not self.compiles or len(side_names) > 1:
             return None
@@ -189,7 +188,7 @@ class PreparedModel:
         uniform, fused = [], []
         for i, stage in enumerate(self.backend.split.build(sites)):
             ramp = scored_ramp(self.ramps[sites[i]], self.error_score, shapes[sites[i]]) \
-                if fuse and i < len(sites) else None
+                if i < len(sites) else None
             module = stage.module if ramp is None else FusedStage(stage.module, ramp)
             uniform.append(ModuleStage(UniformStage(module, bool(stage.side_names), ramp is not None),
                                        (RUNNER_SIDE,)))

@@ -474,9 +474,9 @@ class ModelWorker:
         self.count_answers("cached", len(labels))
         if self.control is not None:
             config = self.configuration
-            self._records.put(BatchRecord(config.version, (), np.zeros((len(labels), 0), dtype=np.int64),
-                                          np.zeros((len(labels), 0)), np.asarray(labels), np.full(len(labels), NO_EXIT),
-                                          cached=True))
+            n = len(labels)
+            self._records.put(BatchRecord(config.version, (), np.zeros((n, 0), dtype=np.int64), np.zeros((n, 0)),
+                                          np.asarray(labels), np.full(n, NO_EXIT), cached=True))
 
     # ---- control (controller thread) -------------------------------------------------------------------------
 
@@ -523,8 +523,8 @@ class ModelWorker:
                 self._ready(Configuration(0, sites, (0.0,) * len(sites)))
 
     def _ready(self, config: Configuration) -> bool:
-        """Whether `config` can run now: its compiled set is loaded (from the compile service's stages on disk,
-        loaded here, in the control thread), or it does not compile and runs eagerly. A set still compiling is
+        """Whether `config` can run now: its compiled set is loaded (the compile service's set on disk, loaded
+        here, in the control thread), or it does not compile and runs eagerly. A set still compiling is
         asked for, urgently, and the configuration waits; the executor serves the one in force meanwhile."""
         model = self.served.model
         if not self.settings.torchscript or model.has_compiled(config.sites):
