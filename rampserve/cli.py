@@ -160,7 +160,8 @@ def inspect(
 @app.command()
 def profile(
     bundle: Annotated[Path, typer.Argument(help="a bundle written by `rampserve prepare`")],
-    repeats: Annotated[int, typer.Option(help="interleaved runs per measurement (medians are kept)")] = 7,
+    repeats: Annotated[int, typer.Option(help="paired rounds per batch size at least, more as the time budget "
+                                              "allows (medians are kept)")] = 3,
 ) -> None:
     """Measure a bundle's latency profile again on this machine, at the batch sizes it was profiled at (run it
     on a quiet machine: the controller and the simulator take every ramp's cost from it)."""

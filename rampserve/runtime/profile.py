@@ -124,7 +124,7 @@ def _decision(batch_size: int, sites: Sequence[str]) -> Callable[[str, np.ndarra
 
 
 def measure_profile(model, sample_feeds: Callable[[int], dict[str, np.ndarray]],
-                    batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES, repeats: int = 7,
+                    batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES, repeats: int = 3,
                     progress: bool = True, compiled: bool = True,
                     budget_s: float = PROFILE_BUDGET_S) -> LatencyProfile:
     """Per batch size: the whole model, each segment between consecutive sites, and each ramp's marginal cost.
