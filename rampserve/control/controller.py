@@ -104,6 +104,14 @@ class Controller:
     def configuration(self) -> Configuration:
         return self.decisions[-1].configuration
 
+    def status(self) -> dict:
+        """What a server reports of its controller: accuracy over the window and over every answer counted, the
+        answers counted, those that could not be verified, and the decisions."""
+        window = self.window
+        return {"window_accuracy": window.accuracy, "cumulative_accuracy": window.cumulative,
+                "inputs_observed": window.served, "unverified_answers": self.unverified,
+                "decisions": [d.to_json() for d in self.decisions]}
+
     def checkpoint(self) -> dict:
         """What a successor needs to report accuracy over every answer given before it took over: the window's
         and the total counts (its configuration travels apart, as its initial one)."""

@@ -83,6 +83,15 @@ class TraceGuard:
 TRACE_GUARD = TraceGuard()
 
 
+@contextmanager
+def torchscript_quietly() -> Iterator[None]:
+    """Silence the pinned torch's deprecation of TorchScript for torch.compile and torch.export, whose CPU code
+    fuses kernels (not bit-equal) and compiles for tens of seconds per set of ramps: TorchScript is chosen."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        yield
+
+
 def trace(module: nn.Module) -> fx.GraphModule:
     leaf_types = tuple(getattr(module, "rampserve_leaf_types", ()))
     tracer = _LeafTracer(leaf_types)
@@ -304,11 +313,8 @@ def trace_stages(stages: Sequence[ModuleStage], activation: torch.Tensor, side: 
     with torch.no_grad():
         for stage in stages:
             try:
-                with warnings.catch_warnings():
+                with torchscript_quietly():
                     warnings.simplefilter("error", torch.jit.TracerWarning)
-                    # The pinned torch marks TorchScript deprecated for torch.compile and torch.export, whose CPU
-                    # code fuses kernels (not bit-equal) and compiles for tens of seconds per set of ramps.
-                    warnings.simplefilter("ignore", DeprecationWarning)
                     activation, side = examples[0]
                     module = torch.jit.trace(stage.module, (activation, *(side[n] for n in stage.side_names)),
                                              check_trace=False)

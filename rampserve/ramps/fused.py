@@ -67,13 +67,8 @@ class ScoredRamp(nn.Module):
         return labels, 1.0 - (entropy / self.log_classes).clamp(0.0, 1.0)
 
 
-def fuses(ramp: Ramp | CacheRamp) -> bool:
-    """Whether `ramp` runs fused into its stage. A cache ramp stays in Python: its centroids and label counts
-    change with every batch it learns from, and a compiled stage holds its tensors as constants."""
-    return not isinstance(ramp, CacheRamp)
-
-
 def scored_ramp(ramp: Ramp | CacheRamp, score: str, activation_shape: tuple[int, ...]) -> ScoredRamp | None:
     """The fusable form of `ramp` for its site's per-input activation shape, or None for a ramp that stays in
-    Python."""
-    return ScoredRamp(ramp, score, activation_shape) if fuses(ramp) else None
+    Python: a cache ramp, whose centroids and label counts change with every batch it learns from, where a
+    compiled stage holds its tensors as constants."""
+    return None if isinstance(ramp, CacheRamp) else ScoredRamp(ramp, score, activation_shape)

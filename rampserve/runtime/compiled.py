@@ -20,7 +20,6 @@ import io
 import json
 import os
 import tempfile
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,48 +27,37 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from rampserve.graph.torch_graph import torchscript_quietly
+
 FORMAT = 3
 
 
-class FusedStage(nn.Module):
-    """A stage and the ramp at the site it ends at, as one graph: returns the activation, then each row's top
-    label and confidence (1 - its error score; see `ScoredRamp`)."""
+class RunnerStage(nn.Module):
+    """A stage, with the ramp at the site it ends at fused in (a `ScoredRamp`, or None), in the one signature a
+    `SetRunner` calls: (activation, side input) -> (activation, each row's top label, its confidence = 1 - error
+    score). `side` is the model's side input (an attention mask) or an empty tensor for models without one,
+    passed on only to a stage that reads it. Without a fused ramp there are no labels and the confidence is above
+    every exit floor, so that a runner returns to Python after this stage (both constants of the frozen graph:
+    no operator runs for them)."""
 
-    def __init__(self, stage: nn.Module, ramp: nn.Module) -> None:
+    def __init__(self, stage: nn.Module, reads_side: bool, ramp: nn.Module | None) -> None:
         super().__init__()
-        self.stage, self.ramp = stage, ramp
-
-    def forward(self, activation: torch.Tensor, *side: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        out = self.stage(activation, *side)
-        labels, confidences = self.ramp(out)
-        return out, labels, confidences
-
-
-class UniformStage(nn.Module):
-    """Any stage with the one signature a `SetRunner` calls: (activation, side input) -> (activation, labels,
-    confidences), the last two empty where no ramp is fused in. `side` is the model's side input (an attention
-    mask) or an empty tensor for models without one, passed on only to stages that read it."""
-
-    def __init__(self, stage: nn.Module, reads_side: bool, fused: bool) -> None:
-        super().__init__()
-        self.stage, self.reads_side, self.fused = stage, reads_side, fused
-        # Without a fused ramp: no labels, and a confidence above every exit floor, so that a runner returns to
-        # Python after this stage (constants of the frozen graph: no operator runs for them)
+        self.stage, self.reads_side, self.ramp = stage, reads_side, ramp
         self.register_buffer("no_labels", torch.zeros(0, dtype=torch.long))
         self.register_buffer("returns", torch.full((1,), 2.0))
 
     def forward(self, activation: torch.Tensor, side: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         out = self.stage(activation, side) if self.reads_side else self.stage(activation)
-        if self.fused:
-            return out
-        return out, self.no_labels, self.returns
+        if self.ramp is None:
+            return out, self.no_labels, self.returns
+        labels, confidences = self.ramp(out)
+        return out, labels, confidences
 
 
 class SetRunner(nn.Module):
-    """Runs uniform stages from `start`; after stage i < len(floors) it returns when a row's confidence exceeds
-    `floors[i]` or the stage has no fused ramp. Returns the number of stages run so far, the last activation (the
+    """Runs `RunnerStage`s from `start`; after each stage but the last it returns when a row's confidence exceeds
+    `floors[i]` (always, for a stage with no fused ramp). Returns the number of stages run so far, the last activation (the
     model's output once every stage ran), and the labels and confidences of the sites passed in this call."""
 
     __constants__ = ["sites"]
@@ -133,8 +121,7 @@ def save_compiled(directory: Path, key: str, compiled: CompiledSet | None, refus
         index: dict = {"format": FORMAT, "refused": refusal or "refused"}
     else:
         buffer = io.BytesIO()
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", DeprecationWarning)
+        with torchscript_quietly():
             torch.jit.save(compiled.runner, buffer)
         data = buffer.getvalue()
         _write_atomically(directory / f"{key}.pt", data)
@@ -163,8 +150,7 @@ def load_compiled(directory: Path, key: str) -> CompiledSet | str:
         data = (directory / f"{key}.pt").read_bytes()
         if hashlib.sha256(data).hexdigest() != index.get("sha256"):
             raise CorruptEntry(f"{directory}/{key}.pt: its sha256 does not match {index_path.name}")
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", DeprecationWarning)  # TorchScript's, see `trace_stages`
+        with torchscript_quietly():
             runner = torch.jit.load(io.BytesIO(data))
         return CompiledSet(tuple(index["sites"]), runner, tuple(bool(f) for f in index["fused"]))
     except CorruptEntry:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -11,12 +10,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from rampserve.graph.torch_graph import TRACE_GUARD, ModuleStage, trace_stages
+from rampserve.graph.torch_graph import TRACE_GUARD, ModuleStage, torchscript_quietly, trace_stages
 from rampserve.ramps.cache import CacheRamp
 from rampserve.ramps.fused import scored_ramp
 from rampserve.ramps.kinds import Ramp, RampSpec
 from rampserve.runtime.backends import Backend
-from rampserve.runtime.compiled import CompiledSet, FusedStage, SetRunner, UniformStage
+from rampserve.runtime.compiled import CompiledSet, RunnerStage, SetRunner
 from rampserve.runtime.profile import LatencyProfile
 
 # Called after each active ramp with the site's name, every input's top label and error score.
@@ -185,20 +184,17 @@ class PreparedModel:
         shapes = {s.name: s.activation_shape for s in self.sites}
         native = self.backend.native_feeds(example)
         side = {RUNNER_SIDE: native[side_names[0]] if side_names else NO_SIDE_INPUT}
-        uniform, fused = [], []
+        runner_stages, fused = [], []
         for i, stage in enumerate(self.backend.split.build(sites)):
             ramp = scored_ramp(self.ramps[sites[i]], self.error_score, shapes[sites[i]]) \
                 if i < len(sites) else None
-            module = stage.module if ramp is None else FusedStage(stage.module, ramp)
-            uniform.append(ModuleStage(UniformStage(module, bool(stage.side_names), ramp is not None),
-                                       (RUNNER_SIDE,)))
+            runner_stages.append(ModuleStage(RunnerStage(stage.module, bool(stage.side_names), ramp), (RUNNER_SIDE,)))
             fused.append(ramp is not None)
         with TRACE_GUARD.running():  # torch.jit.trace runs the model; fx's tracer must not patch it meanwhile
-            traced = trace_stages(uniform, native[primary], side)
+            traced = trace_stages(runner_stages, native[primary], side)
             if traced is None:
                 return None
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", DeprecationWarning)  # see `trace_stages`
+            with torchscript_quietly():
                 runner = torch.jit.script(SetRunner([stage.module for stage in traced]))
                 # Frozen, the runner is one graph with its weights as constants: it loads in half the time, and
                 # without the numeric optimizations it computes what its stages do (checked below)

@@ -50,10 +50,7 @@ class ControllerActor:
         return self.controller.configuration()
 
     def status(self) -> dict:
-        window = self.controller.window
-        return {"window_accuracy": window.accuracy, "cumulative_accuracy": window.cumulative,
-                "inputs_observed": window.served, "unverified_answers": self.controller.unverified,
-                "decisions": [d.to_json() for d in self.controller.decisions]}
+        return self.controller.status()
 
 
 def controller_name(model: str) -> str:

@@ -112,10 +112,7 @@ class LocalControl:
 
     def status(self) -> dict:
         with self._lock:
-            window = self.controller.window
-            return {"window_accuracy": window.accuracy, "cumulative_accuracy": window.cumulative,
-                    "inputs_observed": window.served, "unverified_answers": self.controller.unverified,
-                    "decisions": [d.to_json() for d in self.controller.decisions]}
+            return self.controller.status()
 
 
 class Shed(Exception):
