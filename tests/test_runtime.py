@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 
 import numpy as np
@@ -14,6 +15,7 @@ from torch import nn
 from rampserve.graph.sites import block_of
 from rampserve.graph.torch_graph import TorchSplitModel
 from rampserve.ramps.kinds import make_ramp, spec_for
+from rampserve.ramps.scores import top_label_and_error
 from rampserve.runtime.backends import TorchBackend
 from rampserve.runtime.prepared import PreparedModel, SiteInfo
 from rampserve.zoo.registry import get_entry
@@ -37,26 +39,23 @@ def test_compiled_runs_equal_the_original_model_and_fused_ramps_equal_the_eager_
                                                                                     fmnist_feeds) -> None:
     """Compiled sets (the serving path: traced stages with the ramps fused in, one scripted runner) give bit for bit
     the original model's output, and every fused ramp the eager ramp's labels exactly and its error scores to
-    float32 rounding, for any active ramps, batch size and thresholds (which only decide when a ramp is reported:
-    every ramp is reported once, in model order among those reported at once)."""
+    float32 rounding, for any active ramps and batch size; every ramp is reported once, in model order."""
     model = replace(resnet_prepared)  # compiled sets of its own
     name = model.backend.input_names[0]
 
     @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-    @given(st.sets(st.sampled_from(model.site_names)), st.integers(1, 16),
-           st.none() | st.lists(st.sampled_from([0.0, 0.05, 0.3, 1.0]), min_size=8, max_size=8))
-    def check(active: set[str], batch: int, thresholds: list[float] | None) -> None:
+    @given(st.sets(st.sampled_from(model.site_names)), st.integers(1, 16))
+    def check(active: set[str], batch: int) -> None:
         feeds = {name: fmnist_feeds[:batch]}
         ordered = sorted(active, key=model.site_names.index)
         assert model.compile(ordered, {name: fmnist_feeds[-2:]})
         ramps: dict[bool, list] = {True: [], False: []}
-        given_thresholds = None if thresholds is None else thresholds[:len(ordered)]
         outputs = {compiled: model.run(feeds, ordered, lambda *seen, c=compiled: ramps[c].append(seen),
-                                       compiled=compiled, thresholds=given_thresholds)
+                                       compiled=compiled)
                    for compiled in (True, False)}
         reference = model.backend.module(torch.from_numpy(fmnist_feeds[:batch])).detach().numpy()
         assert np.array_equal(outputs[True], reference) and np.array_equal(outputs[False], reference)
-        assert sorted(site for site, *_ in ramps[True]) == sorted(ordered)
+        assert [site for site, *_ in ramps[True]] == ordered
         eager = {site: (labels, errors) for site, labels, errors in ramps[False]}
         for site, labels, errors in ramps[True]:
             assert np.array_equal(labels, eager[site][0])
@@ -65,25 +64,35 @@ def test_compiled_runs_equal_the_original_model_and_fused_ramps_equal_the_eager_
     check()
 
 
-def test_a_ramp_reported_late_has_no_input_below_its_threshold(resnet_prepared, fmnist_feeds) -> None:
-    """`run_serving` returns to Python only where an input may exit: the ramps it leaves unreported have every
-    input's error score at or above their threshold, so no early release is missed."""
+def test_a_compiled_run_signals_exactly_the_ramps_where_an_input_may_exit(resnet_prepared, fmnist_feeds) -> None:
+    """A compiled run writes a ramp's column to the pipe where some input's error score is under the ramp's
+    threshold (so the releasing thread can release it while the model runs on), and nowhere else."""
     model = replace(resnet_prepared)
     name = model.backend.input_names[0]
     sites = model.site_names
     assert model.compile(sites, {name: fmnist_feeds[-2:]})
+    compiled = model.compiled_set(sites)
+    read, write = os.pipe()
+    os.set_blocking(read, False)
 
     @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
     @given(st.lists(st.floats(0.0, 1.0), min_size=len(sites), max_size=len(sites)), st.integers(1, 16))
     def check(thresholds: list[float], batch: int) -> None:
-        now: list[str] = []
-        _, late = model.run_serving({name: fmnist_feeds[:batch]}, sites, lambda site, *_: now.append(site),
-                                    compiled=True, thresholds=thresholds)
-        assert sorted(now + [site for site, *_ in late]) == sorted(sites)
-        for site, _, confidences in late:
-            assert np.all(1.0 - confidences.numpy() >= thresholds[sites.index(site)])
+        outputs = model.ramp_outputs(compiled, batch)
+        with torch.inference_mode():
+            model.run_compiled(compiled, {name: fmnist_feeds[:batch]}, outputs, thresholds, write)
+        try:
+            signalled = list(os.read(read, 4096))
+        except BlockingIOError:
+            signalled = []
+        exits = [j for j in range(len(sites)) if np.any(outputs.scores(j)[1] < thresholds[j])]
+        assert signalled == exits
 
-    check()
+    try:
+        check()
+    finally:
+        os.close(read)
+        os.close(write)
 
 
 class _DataDependent(nn.Module):

@@ -9,6 +9,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -327,17 +328,18 @@ def test_the_cache_keeps_final_answers_never_a_ramps(served, fmnist_feeds) -> No
     np.testing.assert_array_equal(again["outputs"][0]["data"], original_labels(served, x))
 
 
-class _FailsAfterTheFirstRamp:
-    """A compiled runner whose model fails once the first ramp has released its answers (a fault injected where
-    a real one, out of memory or a native crash, could strike)."""
+class _FailsAfterItsRampsReleased:
+    """A compiled runner whose model fails once its ramps have released their answers (a fault injected where a
+    real one, out of memory or a native crash, could strike): it runs the model, waits until the releasing
+    thread has handed the batch's signalled columns over, then raises."""
 
-    def __init__(self, runner) -> None:
-        self.runner = runner
+    def __init__(self, runner, released: threading.Event) -> None:
+        self.runner, self.released = runner, released
 
-    def __call__(self, activation, side, floors, start):
-        if start > 0:
-            raise RuntimeError("injected failure after the first ramp")
-        return self.runner(activation, side, floors, start)
+    def forward(self, *args):
+        self.runner.forward(*args)
+        assert self.released.wait(30), "the releasing thread never handled the ramp's column"
+        raise RuntimeError("injected failure after the ramps")
 
 
 def test_answers_released_before_a_failure_reach_the_controller_unverified(served, fmnist_feeds) -> None:
@@ -348,13 +350,24 @@ def test_answers_released_before_a_failure_reach_the_controller_unverified(serve
         worker = state.catalogue.workers[MODEL]
         config, compiled = worker._serving
         assert compiled is not None
-        worker._serving = (config, replaced(compiled, runner=_FailsAfterTheFirstRamp(compiled.runner)))
+        released = threading.Event()
+        begin = worker._signals.begin
+
+        def begin_and_tell(on_column):
+            def handled(column: int) -> None:
+                on_column(column)
+                released.set()
+            begin(handled)
+
+        worker._signals.begin = begin_and_tell
+        worker._serving = (config, replaced(compiled, runner=_FailsAfterItsRampsReleased(compiled.runner, released)))
         early = post(f"{url}/v2/models/{MODEL}/infer", infer_body(served, x))
         deadline = time.monotonic() + 30
         while (model := get_json(url + "/status")["models"][MODEL])["unverified_answers"] < len(x):
             assert time.monotonic() < deadline, f"the controller never heard of the released answers: {model}"
             time.sleep(0.01)
         worker._serving = (config, compiled)
+        worker._signals.begin = begin
         after = post(f"{url}/v2/models/{MODEL}/infer", infer_body(served, x))
     assert early[0] == 200 and early[2]["parameters"]["early"] is True  # released before the failure
     assert model["unverified_answers"] == len(x) and model["answers"]["unverified"] == len(x)

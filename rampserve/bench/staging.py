@@ -3,14 +3,13 @@
 With no active ramp the executor must run the model as one piece, at the original model's speed. The same
 run also reports, for information, the cost of cutting at every site (without ramps): the price of the
 finest split the controller could ever ask for. `ramp_cases` measure what active ramps cost on the serving path
-(`PreparedModel.run_serving`, compiled where the model compiles): 1, 4 and every ramp active against none, as a
+(the executor's path, compiled where the model compiles): 1, 4 and every ramp active against none, as a
 share of the model's time per ramp.
 """
 
 from __future__ import annotations
 
 import tempfile
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -23,6 +22,7 @@ from rampserve.runtime.bundle import load_bundle
 from rampserve.runtime.prepared import PreparedModel
 from rampserve.runtime.zoo_bundles import zoo_bundle
 from rampserve.runtime.prepare import bootstrap_inputs, default_workload, feeds_for
+from rampserve.runtime.profile import serving_path
 from rampserve.runtime.sources import ModelSource, load_trained
 
 
@@ -61,6 +61,11 @@ def measure_backend(backend: Backend, feeds: dict[str, np.ndarray], rounds: int)
     ]
 
 
+# Runs of one set in a row per turn: a server runs the set in force batch after batch, while a set timed between
+# other sets (each with its own copy of the model's weights) finds them out of cache
+RAMP_BLOCK = 5
+
+
 @dataclass(frozen=True)
 class RampCase:
     model: str
@@ -83,20 +88,16 @@ def _spread(sites: list[str], count: int) -> tuple[str, ...]:
 
 def measure_ramps(name: str, model: PreparedModel, feeds: dict[str, np.ndarray], example: dict[str, np.ndarray],
                   rounds: int) -> list[RampCase]:
-    """Serving-path time with 1, 4 and every ramp active against none, interleaved, on the compiled path where
-    the model compiles (else the eager one, as the server runs it)."""
+    """Serving-path time with 1, 4 and every ramp active against none (no input exiting), interleaved, on the
+    compiled path where the model compiles (else the eager one, as the server runs it)."""
     sites = model.site_names
     batch_size = len(next(iter(feeds.values())))
     sets = {count: _spread(sites, count) for count in sorted({1, min(4, len(sites)), len(sites)})}
-    paths = {key: model.build_compiled(active, example) or False for key, active in [(0, ()), *sets.items()]}
-
-    def timed(count: int) -> Callable[[], object]:
-        active = sets.get(count, ())
-        on_ramp = None if not active else (lambda *_: None)
-        return lambda: model.run_serving(feeds, active, on_ramp, paths[count], (0.0,) * len(active))
-
-    medians = interleaved_medians({str(k): timed(k) for k in paths}, rounds=rounds,
-                                  desc=f"{model.backend.kind} ramps batch {batch_size}")
+    runs = {str(count): serving_path(model, active, model.build_compiled(active, example) or False, feeds)
+            for count, active in [(0, ()), *sets.items()]}
+    with torch.inference_mode():  # as the executor runs
+        medians = interleaved_medians(runs, rounds=rounds, desc=f"{model.backend.kind} ramps batch {batch_size}",
+                                      block=RAMP_BLOCK)
     none = medians["0"]
     return [RampCase(name, model.backend.kind, batch_size, count, active, none, medians[str(count)],
                      (medians[str(count)] - none) / (count * none)) for count, active in sets.items()]

@@ -20,8 +20,7 @@ from rampserve.graph.sites import Dataflow, Op, SiteCandidate, SitePolicy, find_
 
 log = logging.getLogger("rampserve.graph")
 
-TRACE_WARM_RUNS = 3
-RAMP_SCORE_TOLERANCE = 1e-5  # a fused ramp's score may differ from eager by float32 rounding  # runs of a traced stage before its output is compared (profiling, then optimized)
+TRACE_WARM_RUNS = 3  # runs of a traced stage before its output is compared (profiling, then optimized)
 _CONTRACTIONS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.Linear)
 _CONTRACTION_FUNCTIONS = {torch.matmul, torch.bmm, torch.mm, torch.conv2d, torch.nn.functional.linear,
                           torch.nn.functional.conv2d, torch.einsum}
@@ -204,7 +203,7 @@ class TorchSplitModel:
         return self._stages[key]
 
     def traced(self, stages: Sequence[ModuleStage], inputs: dict[str, torch.Tensor]) -> list[ModuleStage] | None:
-        """`stages` (built by `build`, possibly with ramps fused in) traced to TorchScript with `inputs` as the
+        """`stages` (built by `build`) traced to TorchScript with `inputs` as the
         example, or None where tracing is not faithful (see `trace_stages`)."""
         primary, *side = self.input_names
         return trace_stages(stages, inputs[primary], {n: inputs[n] for n in side})
@@ -301,9 +300,7 @@ def trace_stages(stages: Sequence[ModuleStage], activation: torch.Tensor, side: 
     after every operator, and with the event loop busy on the same interpreter each retake can wait, which made
     a batch of one on resnet18-fmnist twice as slow under load; traced, it is also 40% faster alone.
 
-    A stage returns its activation, or a tuple of tensors whose first is the activation (a stage with its ramp
-    fused in: the activation, then the ramp's outputs); the next stage takes the activation. The activation must
-    be bit-equal; the ramp's outputs equal up to float rounding (see `_faithful`).
+    A stage returns its activation, which the next stage takes, and which must be bit-equal to the eager one.
 
     A trace records one run, so it is refused where that run may not stand for others: a tracer warning (Python
     control flow or shapes read as constants), an exception, an output other than tensors, or a different
@@ -333,25 +330,15 @@ def trace_stages(stages: Sequence[ModuleStage], activation: torch.Tensor, side: 
                     log.info("stage %d of %d traced to a different function; serving it eagerly", len(traced) + 1,
                              len(stages))
                     return None
-                advanced.append((expected[0] if isinstance(expected, tuple) else expected, example_side))
+                advanced.append((expected, example_side))
             examples = advanced
             traced.append(candidate)
     return traced
 
 
-def _faithful(got: object, expected: object) -> bool:
-    """Whether a traced stage's output is the eager stage's: the activation bit for bit, and any further outputs
-    (a fused ramp's labels and scores) equal where they are integers and within float32 rounding where they are
-    floats (TorchScript may pick another kernel for a small matmul or softmax)."""
-    if isinstance(expected, torch.Tensor):
-        return isinstance(got, torch.Tensor) and torch.equal(got, expected)
-    if not (isinstance(expected, tuple) and isinstance(got, tuple) and len(got) == len(expected)
-            and all(isinstance(t, torch.Tensor) for t in (*got, *expected))):
-        return False
-    first, *rest = zip(got, expected)
-    return torch.equal(*first) and all(
-        g.shape == e.shape and (torch.allclose(g, e, rtol=0.0, atol=RAMP_SCORE_TOLERANCE)
-                                if e.is_floating_point() else torch.equal(g, e)) for g, e in rest)
+def _faithful(got: object, expected: torch.Tensor) -> bool:
+    """Whether a traced stage's output is the eager stage's, bit for bit."""
+    return isinstance(got, torch.Tensor) and torch.equal(got, expected)
 
 
 def _one_row_more(tensor: torch.Tensor) -> torch.Tensor:

@@ -328,8 +328,8 @@ class CacheRamp(nn.Module):
         index = serving.index or self.index()
         if self.spec.reduce in POOLING_REDUCTIONS:
             buffers = self._buffers  # without nn.Module.__getattr__ (~1 us each)
-            serving.pooled = pooled = PooledLinear.current(serving.pooled, activation, self.spec.reduce,
-                                                           buffers["projection"], buffers["bias"])
+            serving.pooled = pooled = PooledLinear.current(
+                serving.pooled, activation, self.spec.reduce, {"weight": buffers["projection"], "bias": buffers["bias"]})
             embedded = pooled(activation)
             if index.state.relu:
                 np.maximum(embedded, 0.0, out=embedded)

@@ -1,74 +1,79 @@
-"""Ramps as torch modules that score their own logits, for fusing into the compiled stage that ends at their site.
+"""Ramps fused into the compiled serving path: each one a single call of a ramp operator (`kernel.py`).
 
-On the serving path a ramp's arithmetic is tiny (a pooling, one small matmul); what costs is every call from
-Python between two compiled stages. Fused into the stage's TorchScript graph, a ramp adds a handful of operators
-to a graph that runs in C++, and the stage hands Python each row's top label and error score: Python only
-compares them with thresholds.
+On the serving path a ramp's arithmetic is small (a pooling and one matmul); what costs is dispatch. As torch
+operators in a TorchScript graph, a pooling linear ramp with its softmax, max and exit test was seven operators
+at about a microsecond each: 2-5% of resnet18-fmnist's 0.7 ms per ramp at batch 1. As one operator that
+allocates nothing it is one dispatch and the multiply-adds. The operator writes the ramp's logits into the
+batch's buffer (Python scores them exactly as the eager ramp's logits are scored) and, where some input may exit,
+tells a releasing thread through a pipe, so that the model never stops for a ramp.
+
+A ramp that runs in Python (a cache ramp: its centroids and label counts change with every batch it learns from,
+where a compiled set holds constants; a deeper head) is fused as a stash: its activation is copied for the
+releasing thread, which evaluates the ramp while the model runs on.
 """
 
 from __future__ import annotations
 
-import math
-
+import numpy as np
 import torch
 from torch import nn
 
+from rampserve.ramps import kernel
 from rampserve.ramps.cache import CacheRamp
 from rampserve.ramps.kinds import Ramp
-from rampserve.ramps.pooling import POOLING_REDUCTIONS, PooledLinear
+from rampserve.ramps.pooling import POOLING_REDUCTIONS, pooling_matrix
 from rampserve.ramps.scores import ERROR_SCORES
 
 
-class FoldedPoolingHead(nn.Module):
-    """A pooling linear ramp as one matmul over the flat activation: the pooling's fixed weights folded into the
-    head's (equal to pooling then the head up to float rounding). At batch 1 an operator's dispatch costs more
-    than its arithmetic, and this is one operator where pooling, flattening and the head were three."""
+class FusedRamp(nn.Module):
+    """A linear ramp as one `rampserve::ramp_exit` call. `forward(activation, out, floor, notify, stashes)` writes
+    the ramp's logits into `out[:, column]` and, where some row's confidence (1 - error score) exceeds `floor`,
+    writes `column` to the pipe `notify`. A pooling ramp's pooling runs in the operator as a (positions, cells)
+    matrix of one channel's weights, its cells padded to whole vectors with zeros."""
 
-    def __init__(self, ramp: Ramp, activation_shape: tuple[int, ...]) -> None:
+    __constants__ = ["reduce", "column", "score"]
+
+    def __init__(self, ramp: Ramp, activation_shape: tuple[int, ...], column: int, score: int) -> None:
         super().__init__()
-        head = ramp.head
-        key = (tuple(activation_shape), head.weight.data_ptr(), head.bias.data_ptr())
-        arrays = PooledLinear.build(key, ramp.spec.reduce, {"weight": head.weight, "bias": head.bias})
-        channels, classes = activation_shape[0], arrays.weight_t.shape[1]
-        per_channel = arrays.weight_t.reshape(channels, -1, classes)  # (channels, pooled positions, classes)
-        folded = torch.einsum("pq,cqk->cpk", torch.from_numpy(arrays.pool_t), torch.from_numpy(per_channel))
-        # (classes, inputs), as `linear` takes it: one operator, and for ten outputs BLAS runs its transposed
-        # product 2x faster than activation @ (inputs, classes) at batch 16-64 (measured)
-        self.register_buffer("weight", folded.reshape(channels * arrays.positions, classes).T.contiguous())
-        self.register_buffer("bias", head.bias.detach().clone())
+        pools = ramp.spec.reduce in POOLING_REDUCTIONS
+        pool = pooling_matrix(activation_shape, ramp.spec.reduce) if pools else np.zeros((0, 0))
+        lanes = kernel.LANES * -(-pool.shape[1] // kernel.LANES)  # cells, rounded up to whole vectors
+        padded = np.zeros((pool.shape[0], lanes), dtype=np.float32)
+        padded[:, :pool.shape[1]] = pool
+        self.register_buffer("pool", torch.from_numpy(padded))
+        for name, tensor in (("weight", ramp.head.weight), ("bias", ramp.head.bias), ("center", ramp.center)):
+            self.register_buffer(name, tensor.detach().contiguous().clone())
+        self.reduce = kernel.POOLED if pools else kernel.REDUCE_CODES[ramp.spec.reduce]
+        self.column, self.score = column, score
 
-    def forward(self, activation: torch.Tensor) -> torch.Tensor:
-        return nn.functional.linear(activation.flatten(1), self.weight, self.bias)
+    def forward(self, activation: torch.Tensor, out: torch.Tensor, floor: float, notify: int,
+                stashes: list[torch.Tensor]) -> bool:
+        return torch.ops.rampserve.ramp_exit(activation, self.pool, self.weight, self.bias, self.center, self.reduce,
+                                             out, self.column, floor, self.score, notify)
 
 
-class ScoredRamp(nn.Module):
-    """`ramp`'s top label and confidence per row, computed by torch from its logits: the fused counterpart of
-    `Ramp.evaluate`, whose error score is 1 - confidence (labels equal; scores equal up to float32 rounding, where
-    `evaluate` scores in float64). The subtraction is left to the caller: NumPy does it for a third of what one
-    more operator in the graph costs at batch 1."""
+class StashedRamp(nn.Module):
+    """A ramp that runs in Python, in the compiled path: its activation copied into `stashes[column]` (resized to
+    fit) and `column` written to `notify`, for the releasing thread to evaluate it."""
 
-    def __init__(self, ramp: Ramp, score: str, activation_shape: tuple[int, ...]) -> None:
+    __constants__ = ["column"]
+
+    def __init__(self, column: int) -> None:
         super().__init__()
-        if score not in ERROR_SCORES:
-            raise ValueError(f"unknown error score {score!r}; known: {ERROR_SCORES}")
-        folds = ramp.spec.kind == "linear" and ramp.spec.reduce in POOLING_REDUCTIONS
-        self.ramp = FoldedPoolingHead(ramp, activation_shape) if folds else ramp
-        self.score = score
-        self.log_classes = math.log(ramp.spec.num_classes)  # a constant: a trace must not read a shape as a number
+        self.column = column
 
-    def forward(self, activation: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = self.ramp(activation)
-        # One softmax kernel and one max (values and indices together): the fewest operators for the score
-        probs = torch.softmax(logits, 1)
-        top, labels = probs.max(1)
-        if self.score == "max_prob":
-            return labels, top
-        entropy = -(probs * torch.log_softmax(logits, 1)).sum(1)
-        return labels, 1.0 - (entropy / self.log_classes).clamp(0.0, 1.0)
+    def forward(self, activation: torch.Tensor, out: torch.Tensor, floor: float, notify: int,
+                stashes: list[torch.Tensor]) -> bool:
+        return torch.ops.rampserve.stash(activation, stashes[self.column], self.column, notify)
 
 
-def scored_ramp(ramp: Ramp | CacheRamp, score: str, activation_shape: tuple[int, ...]) -> ScoredRamp | None:
-    """The fusable form of `ramp` for its site's per-input activation shape, or None for a ramp that stays in
-    Python: a cache ramp, whose centroids and label counts change with every batch it learns from, where a
-    compiled stage holds its tensors as constants."""
-    return None if isinstance(ramp, CacheRamp) else ScoredRamp(ramp, score, activation_shape)
+def fused_ramp(ramp: Ramp | CacheRamp, score: str, activation_shape: tuple[int, ...], column: int
+               ) -> FusedRamp | StashedRamp:
+    """The fused form of `ramp` for its site's per-input activation shape, in column `column` of the batch's
+    buffers: the ramp operator for a linear ramp, a stash for a ramp that runs in Python. Needs the ramp operators
+    (`kernel.available()`)."""
+    if score not in ERROR_SCORES:
+        raise ValueError(f"unknown error score {score!r}; known: {ERROR_SCORES}")
+    if isinstance(ramp, Ramp) and ramp.spec.kind == "linear":
+        return FusedRamp(ramp, activation_shape, column, kernel.SCORE_CODES[score])
+    return StashedRamp(column)

@@ -40,45 +40,54 @@ def reduce_activation(activation: torch.Tensor, how: str) -> torch.Tensor:
     raise ValueError(f"unknown reduction {how!r}")
 
 
+def pooling_matrix(activation_shape: tuple[int, ...], reduce: str) -> np.ndarray:
+    """(positions, pooled positions) in float64: a pooling reduction of one channel's map as a matrix, exact to
+    float64 (the weights 1/3, 1/5... then round once, to whatever precision their user computes in)."""
+    with torch.inference_mode(False):  # the serving path runs under inference mode, without autograd
+        probe = torch.zeros((1, 1, *activation_shape[1:]), dtype=torch.float64)  # every channel is pooled alike
+        jacobian = torch.autograd.functional.jacobian(lambda x: reduce_activation(x, reduce), probe)
+    return jacobian.reshape(jacobian.shape[1], probe.numel()).numpy().T
+
+
 @dataclass(frozen=True, eq=False)  # holds arrays, which do not compare to a bool
 class PooledLinear:
     """A pooling linear ramp as arrays for one activation shape: reduce(x) == (x.reshape(n * channels,
     positions) @ pool_t).reshape(n, -1), and views of the head's parameters, through which in-place updates
-    (optimiser steps, load_state_dict) show. `key` holds the shape and the parameters' storage addresses: a
-    parameter replaced or moved to new storage makes it stale (the views keep the old storage alive, so its
-    address cannot come back)."""
+    (optimiser steps, load_state_dict) show: the map is (reduce(x) - center) @ weight_t + bias, without a center
+    for a map that has none. `key` holds the shape and the parameters' storage addresses: a parameter replaced
+    or moved to new storage makes it stale (the views keep the old storage alive, so its address cannot come
+    back)."""
 
-    key: tuple[tuple[int, ...], int, int]
+    key: tuple
     positions: int
     pool_t: np.ndarray  # (positions, pooled positions)
     weight_t: np.ndarray  # (features, classes)
     bias: np.ndarray
+    center: np.ndarray | None = None  # (features,)
 
     @classmethod
-    def build(cls, key: tuple[tuple[int, ...], int, int], reduce: str, params: dict[str, torch.Tensor]
-              ) -> PooledLinear:
-        sample_shape = key[0]
-        with torch.inference_mode(False):  # the serving path runs under inference mode, without autograd
-            probe = torch.zeros((1, 1, *sample_shape[1:]))  # one channel: every channel is pooled alike
-            jacobian = torch.autograd.functional.jacobian(lambda x: reduce_activation(x, reduce), probe)
-        pooled_positions, positions = jacobian.shape[1], probe.numel()
-        pool_t = jacobian.reshape(pooled_positions, positions).numpy().T
-        return cls(key, positions, pool_t, params["weight"].detach().numpy().T, params["bias"].detach().numpy())
+    def build(cls, key: tuple, reduce: str, params: dict[str, torch.Tensor]) -> PooledLinear:
+        pool_t = pooling_matrix(key[0], reduce).astype(np.float32)
+        center = params.get("center")
+        return cls(key, len(pool_t), pool_t, params["weight"].detach().numpy().T, params["bias"].detach().numpy(),
+                   None if center is None else center.detach().numpy())
 
     @classmethod
-    def current(cls, arrays: PooledLinear | None, activation: torch.Tensor, reduce: str, weight: torch.Tensor,
-                bias: torch.Tensor) -> PooledLinear:
-        """`arrays` if they still fit this activation's shape and these parameters, else new ones. `weight` is
-        (outputs, features), as in nn.Linear."""
-        key = (tuple(activation.shape[1:]), weight.data_ptr(), bias.data_ptr())
+    def current(cls, arrays: PooledLinear | None, activation: torch.Tensor, reduce: str,
+                params: dict[str, torch.Tensor]) -> PooledLinear:
+        """`arrays` if they still fit this activation's shape and these parameters (`weight` (outputs, features)
+        as in nn.Linear, `bias`, and an optional `center`), else new ones."""
+        key = (tuple(activation.shape[1:]), *(params[name].data_ptr() for name in sorted(params)))
         if arrays is None or arrays.key != key:
-            arrays = cls.build(key, reduce, {"weight": weight, "bias": bias})
+            arrays = cls.build(key, reduce, params)
         return arrays
 
     def __call__(self, activation: torch.Tensor) -> np.ndarray:
         """(n, outputs): the linear map of the pooled activation."""
         flat = activation.numpy(force=True)
         pooled = (flat.reshape(-1, self.positions) @ self.pool_t).reshape(len(flat), -1)
+        if self.center is not None:
+            pooled -= self.center
         out = pooled @ self.weight_t
         out += self.bias
         return out

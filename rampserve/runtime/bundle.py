@@ -20,7 +20,7 @@ from rampserve.runtime.profile import LatencyProfile
 from rampserve.runtime.sources import ModelSource, build_architecture
 
 FORMAT = "rampserve-bundle"
-FORMAT_VERSION = 2  # 2: linear ramp heads are a bare Linear
+FORMAT_VERSION = 3  # 2: linear ramp heads are a bare Linear; 3: and keep their center
 MANIFEST = "manifest.json"
 RAMPS_FILE = "ramps.safetensors"
 TORCH_WEIGHTS = "model.safetensors"

@@ -1,16 +1,20 @@
 """Compiled serving paths: one active-ramp set as a single TorchScript module that runs its stages, with each
-ramp fused into the stage that ends at its site, and hands control back to Python only where an input may exit.
+ramp fused into the stage that ends at its site, straight through from the input to the output.
 
-Measured on resnet18-fmnist at batch 1 (1.2 ms), every Python step between two compiled stages costs several
-times what it costs in a loop, because the stage before it has evicted the interpreter's working set: a stage
-call, two `.numpy()` calls and the executor's threshold comparison came to about 0.1 ms per ramp (8% of the
-model), where the ramp's own operators take about 0.012 ms. A `SetRunner` keeps that loop inside TorchScript:
-after each fused ramp it compares the rows' confidences with the exit floor it was given, and returns to Python
-only when some row clears it (an early release is due) or at a ramp that stays in Python (a cache ramp).
+Every Python step between two compiled stages costs several times what it costs in a loop, because the stage
+before it has evicted the interpreter's working set: on resnet18-fmnist at batch 1 a stage call, two `.numpy()`
+calls and the executor's threshold comparison came to about 0.1 ms per ramp (8% of the model). And a runner that
+returns to Python where an input might exit needs control flow around every stage, which cost more than the
+ramps themselves (10 us at batch 1 and 45-60 us at batch 16 on resnet18-fmnist, with ramps that did nothing).
+So a `SetRunner` never stops: each fused ramp (one `rampserve::ramp_exit` call, see `ramps.fused`) writes its
+logits into the batch's ramp buffer and, where some row's confidence clears the exit floor it was given, writes
+its column to a pipe; a releasing thread reads it, scores the column and releases those rows while the model
+runs on (`serving.worker`). A ramp that runs in Python is stashed (its activation copied) for that thread.
 
 A compiled set is made once (in a compile worker process, see `serving.compiler`) and loaded by every server
-that serves the same bundle with the same torch: an entry is keyed by the bundle's digest, the set, the error
-score and the torch version, and its sha256 is checked before it is loaded. A corrupt entry is never loaded.
+that serves the same bundle with the same torch and ramp operator: an entry is keyed by the bundle's digest, the
+set, the error score, the torch version and the operator's build, and its sha256 is checked before it is
+loaded. A corrupt entry is never loaded.
 """
 
 from __future__ import annotations
@@ -20,78 +24,122 @@ import io
 import json
 import os
 import tempfile
-from collections.abc import Sequence
-from dataclasses import dataclass
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import nn
 
 from rampserve.graph.torch_graph import torchscript_quietly
+from rampserve.ramps import kernel
 
-FORMAT = 3
+FORMAT = 5
+# An exit floor above every confidence (they lie in [0, 1]): no input exits there
+NEVER_STOP = 2.0
+# Slack on "no input of this ramp can exit": the ramp operator and Python score the same float32 logits in
+# double, so this only covers two double computations of the same numbers
+EXIT_MARGIN = 1e-9
 
 
 class RunnerStage(nn.Module):
-    """A stage, with the ramp at the site it ends at fused in (a `ScoredRamp`, or None), in the one signature a
-    `SetRunner` calls: (activation, side input) -> (activation, each row's top label, its confidence = 1 - error
-    score). `side` is the model's side input (an attention mask) or an empty tensor for models without one,
-    passed on only to a stage that reads it. Without a fused ramp there are no labels and the confidence is above
-    every exit floor, so that a runner returns to Python after this stage (both constants of the frozen graph:
-    no operator runs for them)."""
+    """A traced stage, with the ramp at the site it ends at fused in (a `FusedRamp` or `StashedRamp`; None for the
+    last stage), in the one signature a `SetRunner` calls: (activation, side input, ramp buffer, exit floor,
+    notify pipe, stashes) -> activation. `side` is the model's side input (an attention mask) or an empty tensor
+    for models without one, passed on only to a stage that reads it (a constant of the frozen graph)."""
+
+    __constants__ = ["reads_side"]  # the stage is called one way only: the other is never compiled
 
     def __init__(self, stage: nn.Module, reads_side: bool, ramp: nn.Module | None) -> None:
         super().__init__()
         self.stage, self.reads_side, self.ramp = stage, reads_side, ramp
-        self.register_buffer("no_labels", torch.zeros(0, dtype=torch.long))
-        self.register_buffer("returns", torch.full((1,), 2.0))
 
-    def forward(self, activation: torch.Tensor, side: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        out = self.stage(activation, side) if self.reads_side else self.stage(activation)
-        if self.ramp is None:
-            return out, self.no_labels, self.returns
-        labels, confidences = self.ramp(out)
-        return out, labels, confidences
+    def forward(self, activation: torch.Tensor, side: torch.Tensor, out: torch.Tensor, floor: float, notify: int,
+                stashes: list[torch.Tensor]) -> torch.Tensor:
+        if self.reads_side:
+            activation = self.stage(activation, side)
+        else:
+            activation = self.stage(activation)
+        if self.ramp is not None:
+            self.ramp(activation, out, floor, notify, stashes)
+        return activation
 
 
 class SetRunner(nn.Module):
-    """Runs `RunnerStage`s from `start`; after each stage but the last it returns when a row's confidence exceeds
-    `floors[i]` (always, for a stage with no fused ramp). Returns the number of stages run so far, the last activation (the
-    model's output once every stage ran), and the labels and confidences of the sites passed in this call."""
-
-    __constants__ = ["sites"]
+    """Runs `RunnerStage`s in order, stage i's ramp with exit floor `floors[i]` (one more floor than sites, for the
+    last stage); returns the model's output. The ramps wrote their logits into `out` (or stashed their
+    activations into `stashes`) and their columns to `notify` where some input may exit (< 0: nobody listens)."""
 
     def __init__(self, stages: Sequence[nn.Module]) -> None:
         super().__init__()
         self.stages = nn.ModuleList(stages)
-        self.sites = len(stages) - 1  # a constant: the loop is unrolled and `i < self.sites` folds away
 
-    def forward(self, activation: torch.Tensor, side: torch.Tensor, floors: list[float], start: int
-                ) -> tuple[int, torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
-        labels: list[torch.Tensor] = []
-        confidences: list[torch.Tensor] = []
+    def forward(self, activation: torch.Tensor, side: torch.Tensor, out: torch.Tensor, floors: list[float],
+                notify: int, stashes: list[torch.Tensor]) -> torch.Tensor:
         i = 0
         for stage in self.stages:
-            if i >= start:
-                activation, site_labels, site_confidences = stage(activation, side)
-                if i < self.sites:
-                    labels.append(site_labels)
-                    confidences.append(site_confidences)
-                    if bool((site_confidences > floors[i]).any()):
-                        return i + 1, activation, labels, confidences
+            activation = stage(activation, side, out, floors[i], notify, stashes)
             i += 1
-        return i, activation, labels, confidences
+        return activation
+
+
+@dataclass(frozen=True, eq=False)
+class RampBuffers:
+    """Where a compiled run's ramps leave their outputs: the ramps' logits, (rows, sites, classes), as a tensor
+    and an array over the same memory, and per site the stash a ramp in Python gets its activation in (a tensor
+    the stash resizes; empty for a fused ramp's site)."""
+
+    logits_tensor: torch.Tensor
+    logits: np.ndarray
+    stashes: list[torch.Tensor]
 
 
 @dataclass(frozen=True, eq=False)
 class CompiledSet:
-    """The serving path for one set of active sites (in model order): a scripted `SetRunner`, and per site
-    whether its ramp is fused into the runner (else Python evaluates it on the activation the runner returns)."""
+    """The serving path for one set of active sites (in model order): a scripted `SetRunner`, per site whether
+    its ramp is fused into the runner as the ramp operator (else it is stashed for Python to evaluate), and the
+    width of the ramps' logits.
+
+    It also keeps what a batch would otherwise build again on the serving path: the runner's script method
+    (called directly, it skips `nn.Module.__call__`, and with it fx's patch of that while a model is traced),
+    the exit floors for the thresholds in force, and the ramp buffers per thread and batch size, reused from
+    batch to batch (a fresh buffer made each batch 10 us slower at batch 1: measured)."""
 
     sites: tuple[str, ...]
     runner: torch.jit.ScriptModule
     fused: tuple[bool, ...]
+    classes: int
+    run: Callable = field(init=False, repr=False)
+    _floors: list = field(default_factory=lambda: [(None, [])], init=False, repr=False)  # [(key, floors)]
+    _buffers: dict = field(default_factory=dict, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "run", self.runner.forward)
+
+    def floors(self, thresholds: tuple[float, ...] | None) -> list[float]:
+        """The runner's exit floor per site for `thresholds` (in `sites`' order; None: no input exits anywhere),
+        and one for the last stage. An input exits where 1 - confidence < threshold, never at threshold 0; the
+        margin covers the rounding of two computations of the confidence from the same logits."""
+        cached_key, floors = self._floors[0]  # one item, read and replaced whole: threads may share a set
+        if cached_key != thresholds or not floors:
+            if thresholds is None:
+                floors = [NEVER_STOP] * (len(self.sites) + 1)
+            else:
+                floors = [1.0 - t - EXIT_MARGIN if t > 0 else NEVER_STOP for t in thresholds] + [NEVER_STOP]
+            self._floors[0] = (thresholds, floors)
+        return floors
+
+    def buffers(self, rows: int) -> RampBuffers:
+        """The ramp buffers for a batch of `rows` on this thread. Their contents last until this thread's next
+        batch of that size on this set."""
+        key = (threading.get_ident(), rows)
+        found = self._buffers.get(key)
+        if found is None:
+            logits = torch.empty((rows, len(self.sites), self.classes)) if self.sites else torch.zeros(0)
+            found = self._buffers[key] = RampBuffers(logits, logits.numpy(), [torch.zeros(0) for _ in self.sites])
+        return found
 
 
 class CorruptEntry(Exception):
@@ -101,7 +149,7 @@ class CorruptEntry(Exception):
 def set_key(bundle_digest: str, sites: Sequence[str], score: str) -> str:
     """The on-disk name of a compiled set: what it was compiled from, and the torch that compiled it."""
     what = {"format": FORMAT, "bundle": bundle_digest, "sites": list(sites), "score": score,
-            "torch": torch.__version__}
+            "torch": torch.__version__, "ramp_operator": kernel.build_id() if kernel.available() else None}
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:32]
 
 
@@ -126,7 +174,7 @@ def save_compiled(directory: Path, key: str, compiled: CompiledSet | None, refus
         data = buffer.getvalue()
         _write_atomically(directory / f"{key}.pt", data)
         index = {"format": FORMAT, "sha256": hashlib.sha256(data).hexdigest(), "sites": list(compiled.sites),
-                 "fused": list(compiled.fused)}
+                 "fused": list(compiled.fused), "classes": compiled.classes}
     _write_atomically(directory / f"{key}.json", json.dumps(index).encode())
 
 
@@ -150,9 +198,11 @@ def load_compiled(directory: Path, key: str) -> CompiledSet | str:
         data = (directory / f"{key}.pt").read_bytes()
         if hashlib.sha256(data).hexdigest() != index.get("sha256"):
             raise CorruptEntry(f"{directory}/{key}.pt: its sha256 does not match {index_path.name}")
+        kernel.available()  # a fused ramp calls the ramp operator: it must be registered before the archive loads
         with torchscript_quietly():
             runner = torch.jit.load(io.BytesIO(data))
-        return CompiledSet(tuple(index["sites"]), runner, tuple(bool(f) for f in index["fused"]))
+        return CompiledSet(tuple(index["sites"]), runner, tuple(bool(f) for f in index["fused"]),
+                           int(index["classes"]))
     except CorruptEntry:
         raise
     except (OSError, ValueError, KeyError, TypeError, RuntimeError) as exc:

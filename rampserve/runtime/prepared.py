@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import logging
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -10,27 +12,27 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from rampserve.graph.torch_graph import TRACE_GUARD, ModuleStage, torchscript_quietly, trace_stages
+from rampserve.graph.torch_graph import TRACE_GUARD, torchscript_quietly
+from rampserve.ramps import kernel
 from rampserve.ramps.cache import CacheRamp
-from rampserve.ramps.fused import scored_ramp
+from rampserve.ramps.fused import FusedRamp, fused_ramp
 from rampserve.ramps.kinds import Ramp, RampSpec
+from rampserve.ramps.scores import top_label_and_error
 from rampserve.runtime.backends import Backend
-from rampserve.runtime.compiled import CompiledSet, RunnerStage, SetRunner
+from rampserve.runtime.compiled import CompiledSet, RampBuffers, RunnerStage, SetRunner
 from rampserve.runtime.profile import LatencyProfile
+
+log = logging.getLogger("rampserve.runtime")
 
 # Called after each active ramp with the site's name, every input's top label and error score.
 RampCallback = Callable[[str, np.ndarray, np.ndarray], None]
-# Fused ramps a compiled run passed without returning to Python: (site, labels, confidences)
-LateReports = list[tuple[str, torch.Tensor, torch.Tensor]]
 # Compiled sets kept in memory per model. A set loaded from disk holds its own copy of the weights, so this
 # bounds memory; the set a server is running is held by the server, whatever is evicted here.
 COMPILED_SETS_KEPT = 16
-# Slack on "no input of this ramp can exit" (see `PreparedModel.run_serving`): well above float32's rounding near 1
-EXIT_MARGIN = 1e-6
-# Exit floors for a `SetRunner`: confidences lie in [0, 1], so it stops at every ramp or at none
-ALWAYS_STOP, NEVER_STOP = -1.0, 2.0
-RUNNER_SIDE = "side"  # the name a runner's stages take the model's side input under while they are traced
-NO_SIDE_INPUT = torch.zeros(0)
+# How far a fused ramp's error scores may be from the eager ramp's: the two sum the same products in another
+# order in float32 (the pooling folded into the head), a few units of float32 rounding on logits of size ~10
+FUSED_SCORE_TOLERANCE = 1e-5
+NO_TENSOR = torch.zeros(0)  # the side input a runner takes for a model without one
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,23 @@ class SiteInfo:
         )
 
 
+@dataclass(frozen=True, eq=False)
+class RampOutputs:
+    """A compiled run's ramp outputs: column j (the set's j-th site) scored on demand, by any thread, once the run
+    has passed that site (its column was written to the run's pipe) or ended."""
+
+    model: PreparedModel
+    compiled: CompiledSet
+    buffers: RampBuffers
+
+    def scores(self, column: int) -> tuple[np.ndarray, np.ndarray]:
+        """Every input's top label and error score at the set's `column`-th ramp: a fused ramp's logits scored as
+        the eager ramp's are, or a ramp in Python evaluated on its stashed activation."""
+        if self.compiled.fused[column]:
+            return top_label_and_error(self.buffers.logits[:, column], self.model.error_score)
+        return self.model.evaluate_ramp(self.compiled.sites[column], self.buffers.stashes[column])
+
+
 @dataclass
 class PreparedModel:
     backend: Backend
@@ -90,80 +109,63 @@ class PreparedModel:
         return self.ramps[site].evaluate(self.backend.to_tensor(activation), self.error_score)
 
     def run(self, feeds: dict[str, np.ndarray], active: Sequence[str] = (),
-            on_ramp: RampCallback | None = None, compiled: bool | CompiledSet = False,
-            thresholds: Sequence[float] | None = None) -> np.ndarray:
-        """Run the model, evaluating the active ramps as their sites are computed and reporting every input's
-        top label and error score to `on_ramp`. Returns the original model's output (logits). `compiled`: run
-        the compiled set made for these ramps (True: the one `compile` or `install` left, if any; or the set
-        itself), else the eager path. `thresholds`: see `run_serving`."""
-        logits, late = self.run_serving(feeds, active, on_ramp, compiled, thresholds)
-        self.report_late(late, on_ramp)
-        return logits
-
-    def run_serving(self, feeds: dict[str, np.ndarray], active: Sequence[str] = (),
-                    on_ramp: RampCallback | None = None, compiled: bool | CompiledSet = False,
-                    thresholds: Sequence[float] | None = None) -> tuple[np.ndarray, LateReports]:
-        """`run` as the executor runs it. Given `thresholds` (per active site, in `active`'s order), a compiled
-        set returns to Python only after a fused ramp where some input may exit (one whose confidence clears
-        1 - threshold, less a margin for rounding) and at ramps that stay in Python; `on_ramp` hears of those at
-        once. The other fused ramps, where no input can exit, are returned unreported with the logits: their
-        labels and scores only feed the batch's record, so the executor releases the final answers first and
-        reports them after (`report_late`). Each Python step between compiled stages costs several times its
-        cost in a loop (the stage before evicted the interpreter's working set), so this keeps them off the
-        path of inputs that do not exit."""
+            on_ramp: RampCallback | None = None, compiled: bool | CompiledSet = False) -> np.ndarray:
+        """Run the model, reporting every active ramp's top label and error score per input to `on_ramp`, in model
+        order. Returns the original model's output (logits). `compiled`: run the compiled set made for these ramps
+        (True: the one `compile` or `install` left, if any; or the set itself; its ramps are reported after the
+        run), else the eager path (each ramp as its site is computed)."""
         if compiled is True:
             compiled = self.compiled_set(active)
+        if not isinstance(compiled, CompiledSet):
+            return self.run_eager(feeds, active, on_ramp)
+        outputs = self.ramp_outputs(compiled, len(next(iter(feeds.values()))))
+        with torch.inference_mode():
+            output = self.run_compiled(compiled, feeds, outputs)
+        if on_ramp is not None:
+            for column, site in enumerate(compiled.sites):
+                on_ramp(site, *outputs.scores(column))
+        return output
+
+    def run_eager(self, feeds: dict[str, np.ndarray], active: Sequence[str], on_ramp: RampCallback | None
+                  ) -> np.ndarray:
+        """The reference path: the model's stages as the backend runs them, each active ramp evaluated in Python
+        as its site is computed and reported to `on_ramp` at once (model order)."""
         with TRACE_GUARD.running(), torch.inference_mode():
-            if isinstance(compiled, CompiledSet):
-                floors = None if thresholds is None else dict(zip(active, thresholds))
-                return self._run_compiled(compiled, feeds, on_ramp, floors)
 
             def report(site: str, activation: object) -> None:
                 labels, errors = self.evaluate_ramp(site, activation)
                 if on_ramp is not None:
                     on_ramp(site, labels, errors)
 
-            return self.backend.to_tensor(self.backend.run_hooked(feeds, active, report)).numpy(), []
+            return self.backend.to_tensor(self.backend.run_hooked(feeds, active, report)).numpy()
 
-    @staticmethod
-    def report_late(late: LateReports, on_ramp: RampCallback | None) -> None:
-        """Report the ramps `run_serving` returned unreported, in model order."""
-        if on_ramp is not None:
-            for site, labels, confidences in late:
-                on_ramp(site, labels.numpy(), 1.0 - confidences.numpy())
+    def ramp_outputs(self, compiled: CompiledSet, rows: int) -> RampOutputs:
+        """Where a compiled run of `rows` inputs on this thread leaves its ramps' outputs, to be scored by any
+        thread (the run's buffers, reused by this thread's next run of that size)."""
+        return RampOutputs(self, compiled, compiled.buffers(rows))
 
-    def _run_compiled(self, compiled: CompiledSet, feeds: dict[str, np.ndarray], on_ramp: RampCallback | None,
-                      thresholds: dict[str, float] | None) -> tuple[np.ndarray, LateReports]:
-        activation, side = self._runner_inputs(feeds)
-        if on_ramp is None:
-            floors = [NEVER_STOP] * len(compiled.sites)
-        elif thresholds is None:
-            floors = [ALWAYS_STOP] * len(compiled.sites)
-        else:  # an input exits where 1 - confidence < threshold (never at threshold 0); the margin covers
-            # the float32 rounding of 1 - confidence
-            floors = [1.0 - thresholds[site] - EXIT_MARGIN if thresholds[site] > 0 else NEVER_STOP
-                      for site in compiled.sites]
-        late: LateReports = []
-        start = 0
-        while True:
-            reached, activation, labels, confidences = compiled.runner(activation, side, floors, start)
-            passed = list(zip(compiled.sites[start:reached], labels, confidences))
-            if reached > len(compiled.sites):  # the runner ran to the output
-                late += passed
-                return activation.numpy(), late
-            late += passed[:-1]  # sites it passed without stopping: no input can exit there
-            site = compiled.sites[reached - 1]
-            if on_ramp is not None:
-                if compiled.fused[reached - 1]:
-                    on_ramp(site, labels[-1].numpy(), 1.0 - confidences[-1].numpy())
-                else:
-                    on_ramp(site, *self.evaluate_ramp(site, activation))
-            start = reached
+    def run_compiled(self, compiled: CompiledSet, feeds: dict[str, np.ndarray], outputs: RampOutputs,
+                     thresholds: Sequence[float] | None = None, notify: int = -1) -> np.ndarray:
+        """Run `compiled` straight through on `feeds`; returns the model's output. Its ramps leave their outputs in
+        `outputs` (from `ramp_outputs` for this thread and batch size) and, given `thresholds` (per site, in the
+        set's order), write their column to the pipe `notify` as soon as some input may exit there (one whose
+        confidence clears 1 - threshold, less a margin for rounding); a ramp in Python writes its column always.
+        Each Python step between compiled stages costs several times its cost in a loop (the stage before
+        evicted the interpreter's working set), so nothing is done here that can be done once per set or per
+        configuration. Run it under `torch.inference_mode()`, as the executor does: the runner's operators then
+        skip autograd's dispatch."""
+        primary, side_name = self._runner_names
+        activation = torch.from_numpy(np.ascontiguousarray(feeds[primary]))
+        side = NO_TENSOR if side_name is None else torch.from_numpy(np.ascontiguousarray(feeds[side_name]))
+        floors = compiled.floors(None if thresholds is None else tuple(thresholds))
+        buffers = outputs.buffers
+        return compiled.run(activation, side, buffers.logits_tensor, floors, notify, buffers.stashes).numpy()
 
-    def _runner_inputs(self, feeds: dict[str, np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The primary input and the one side input a `SetRunner` takes (empty for a model without one)."""
-        primary, side = self.backend.split_feeds(feeds)
-        return primary, next(iter(side.values())) if side else NO_SIDE_INPUT
+    @functools.cached_property
+    def _runner_names(self) -> tuple[str, str | None]:
+        """The model's primary input and the one side input a `SetRunner` takes (None for a model without one)."""
+        primary, *side = self.backend.input_names
+        return primary, side[0] if side else None
 
     @property
     def compiles(self) -> bool:
@@ -173,37 +175,51 @@ class PreparedModel:
 
     def build_compiled(self, active: Sequence[str], example: dict[str, np.ndarray]) -> CompiledSet | None:
         """Compile the serving path for `active` with `example` as the example input: its stages traced, each
-        stage that ends at an active site with that site's ramp fused in (unless the ramp stays in Python), run
-        by one scripted `SetRunner`, frozen. None where the model does not compile: a stage that does not trace
-        faithfully (see `trace_stages`), a model with more than one side input, or a frozen runner whose output
-        is not bit for bit the eager model's on the example."""
+        stage that ends at an active site with that site's ramp fused in (the ramp operator, or a stash for a ramp
+        that runs in Python), run by one scripted `SetRunner`, frozen. None where the model does not compile: a
+        stage that does not trace faithfully (see `trace_stages`), a model with more than one side input, ramps
+        where the ramp operators could not be built (or more than a pipe byte can number), or a frozen runner
+        whose output is not bit for bit the eager model's on the example, or whose fused ramps do not score the
+        example as the eager ramps do (labels equal, error scores within `FUSED_SCORE_TOLERANCE`)."""
         primary, *side_names = self.backend.input_names
-        if not self.compiles or len(side_names) > 1:
+        if not self.compiles or len(side_names) > 1 or (active and not kernel.available()) or len(active) > 255:
             return None
         sites = self.backend.ordered_cuts(active)
         shapes = {s.name: s.activation_shape for s in self.sites}
         native = self.backend.native_feeds(example)
-        side = {RUNNER_SIDE: native[side_names[0]] if side_names else NO_SIDE_INPUT}
-        runner_stages, fused = [], []
-        for i, stage in enumerate(self.backend.split.build(sites)):
-            ramp = scored_ramp(self.ramps[sites[i]], self.error_score, shapes[sites[i]]) \
-                if i < len(sites) else None
-            runner_stages.append(ModuleStage(RunnerStage(stage.module, bool(stage.side_names), ramp), (RUNNER_SIDE,)))
-            fused.append(ramp is not None)
         with TRACE_GUARD.running():  # torch.jit.trace runs the model; fx's tracer must not patch it meanwhile
-            traced = trace_stages(runner_stages, native[primary], side)
+            traced = self.backend.split.traced(self.backend.split.build(sites), native)
             if traced is None:
                 return None
+            ramps = [fused_ramp(self.ramps[site], self.error_score, shapes[site], j) for j, site in enumerate(sites)]
+            stages = [RunnerStage(stage.module, bool(stage.side_names), ramp)
+                      for stage, ramp in zip(traced, [*ramps, None])]
             with torchscript_quietly():
-                runner = torch.jit.script(SetRunner([stage.module for stage in traced]))
+                runner = torch.jit.script(SetRunner(stages))
                 # Frozen, the runner is one graph with its weights as constants: it loads in half the time, and
                 # without the numeric optimizations it computes what its stages do (checked below)
                 runner = torch.jit.freeze(runner.eval(), optimize_numerics=False)
-            compiled = CompiledSet(sites, runner, tuple(fused[:len(sites)]))
-            with torch.inference_mode():
-                faithful = np.array_equal(self._run_compiled(compiled, example, None, None)[0],
-                                          self.backend.to_tensor(self.backend.split.full(native)).numpy())
-        return compiled if faithful else None
+        classes = next((s.ramp.num_classes for s in self.sites), 0)
+        compiled = CompiledSet(sites, runner, tuple(isinstance(ramp, FusedRamp) for ramp in ramps), classes)
+        return compiled if self._faithful(compiled, example) else None
+
+    def _faithful(self, compiled: CompiledSet, example: dict[str, np.ndarray]) -> bool:
+        """Whether `compiled` gives the eager model's output bit for bit on `example` (the eager stages give the
+        original model's) and each fused ramp the eager ramp's labels and error scores (to float rounding)."""
+        fused: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        eager: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        output = self.run(example, compiled.sites, lambda site, *seen: fused.setdefault(site, seen), compiled)
+        reference = self.run(example, compiled.sites, lambda site, *seen: eager.setdefault(site, seen))
+        if not np.array_equal(output, reference):
+            log.info("a compiled set of %s gives another output than the model; serving it eagerly", compiled.sites)
+            return False
+        for site, (labels, errors) in fused.items():
+            if not (np.array_equal(labels, eager[site][0])
+                    and np.allclose(errors, eager[site][1], rtol=0.0, atol=FUSED_SCORE_TOLERANCE)):
+                log.warning("the fused ramp at %s scores the example otherwise than the eager ramp; serving the set "
+                            "eagerly", site)
+                return False
+        return True
 
     def compile(self, active: Sequence[str], example: dict[str, np.ndarray]) -> bool:
         """Compile the serving path for these active ramps in this process, unless done before; whether

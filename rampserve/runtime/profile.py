@@ -15,7 +15,8 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from rampserve.ramps.fused import scored_ramp
+from rampserve.ramps.fused import fused_ramp
+from rampserve.runtime.compiled import NEVER_STOP, CompiledSet
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
 
@@ -82,27 +83,45 @@ PROFILE_BUDGET_S = 5.0
 MAX_ROUNDS = 400
 
 
-def _warm_abba(run: Callable[..., object], a: tuple, b: tuple) -> tuple[float, float, float, float]:
-    """Times of `run(*a)`, `run(*b)`, `run(*b)`, `run(*a)` back to back, each after an untimed run of the same
-    path where the other path ran before it: compiled sets hold their own weights, and a server runs one set
-    batch after batch with its weights in cache."""
-    run(*a)
-    a1 = _timed(run, *a)[1]
-    run(*b)
-    b1 = _timed(run, *b)[1]
-    b2 = _timed(run, *b)[1]
-    run(*a)
-    return a1, b1, b2, _timed(run, *a)[1]
+# Runs of one path in a row, after one untimed run: a server runs the set in force batch after batch with its
+# weights in cache, where a set timed right after another (each holds its own copy of the weights) finds them out
+BLOCK = 4
 
 
-def _ramp_alone(model, site: str, fused: bool) -> Callable[[object], object]:
-    """The ramp at `site` on its own, as the serving path runs it: its fused torch form where the model compiles
-    (the operators a compiled set adds), else the eager evaluation."""
-    shape = next(s.activation_shape for s in model.sites if s.name == site)
-    head = scored_ramp(model.ramps[site], model.error_score, shape) if fused else None
-    if head is None:
+def _block(run: Callable[[], object]) -> float:
+    """Median milliseconds of `BLOCK` runs of `run` in a row, after an untimed one."""
+    run()
+    return float(np.median([_timed(run)[1] for _ in range(BLOCK)]))
+
+
+def serving_path(model, active: tuple[str, ...], compiled: object, feeds: dict[str, np.ndarray]
+                  ) -> Callable[[], object]:
+    """A batch of `active` as the executor runs it when no input exits (thresholds 0): the compiled set, or the
+    eager path where there is none."""
+    if isinstance(compiled, CompiledSet):
+        outputs = model.ramp_outputs(compiled, len(next(iter(feeds.values()))))
+        thresholds = (0.0,) * len(compiled.sites)
+        return lambda: model.run_compiled(compiled, feeds, outputs, thresholds)
+    return lambda: model.run_eager(feeds, active, None)
+
+
+def _ramp_alone(model, site: str, fused: bool) -> Callable[[torch.Tensor], object]:
+    """The ramp at `site` on its own, as the serving path runs it: its fused form where the model compiles (the
+    ramp operator, or the stash of a ramp that runs in Python), else the eager evaluation."""
+    if not fused:
         return lambda activation: model.evaluate_ramp(site, activation)
-    return head
+    shape = next(s.activation_shape for s in model.sites if s.name == site)
+    ramp = fused_ramp(model.ramps[site], model.error_score, shape, 0)
+    buffers: dict[int, torch.Tensor] = {}  # one per batch size, as a batch has one for all its ramps
+    stashes = [torch.zeros(0)]
+
+    def alone(activation: torch.Tensor) -> bool:
+        rows = len(activation)
+        if rows not in buffers:
+            buffers[rows] = torch.empty((rows, 1, model.sites[0].ramp.num_classes))
+        return ramp.forward(activation, buffers[rows], NEVER_STOP, -1, stashes)
+
+    return alone
 
 
 def measure_profile(model, sample_feeds: Callable[[int], dict[str, np.ndarray]],
@@ -114,11 +133,12 @@ def measure_profile(model, sample_feeds: Callable[[int], dict[str, np.ndarray]],
     `model` is a `PreparedModel`; `sample_feeds(b)` gives real inputs of batch size b. `compiled`: time the paths
     the server runs by default (each set's stages compiled with its ramps fused in, see
     `PreparedModel.build_compiled`), since that is what a ramp costs when served. A ramp's cost is the marginal
-    time of activating it: the serving path with that ramp alone active against the same path with none, run
-    back to back (ABBA) in each round so that drift and noise cancel in the difference, median over at least
-    `repeats` and as many rounds as `budget_s` allows. It is everything the ramp adds to an input that does not
-    exit until its answer: the cut, the fused head, score and exit test (`PreparedModel.run_serving`); the record's
-    bookkeeping of a ramp no input exited at comes after the batch's answers are out (throughput, not latency)."""
+    time of activating it: the serving path with that ramp alone active against the same path with none, each run
+    in a block (see `BLOCK`) in each round, in an order that alternates from round to round so that drift cancels
+    in the difference; median over at least `repeats` and as many rounds as `budget_s` allows. It is everything
+    the ramp adds to an input that does not exit until its answer: its stage's cut and the fused ramp (threshold
+    0: no input exits, so the releasing thread is not woken); the record's bookkeeping comes after the batch's
+    answers are out (throughput, not latency)."""
     sites = model.site_names
     example = sample_feeds(2)
 
@@ -133,7 +153,7 @@ def measure_profile(model, sample_feeds: Callable[[int], dict[str, np.ndarray]],
     traced = split.traced(split.build(sites), model.backend.native_feeds(example)) \
         if compiled and model.compiles else None
     stages = traced or model.backend.plan(sites)[1]
-    heads = {site: _ramp_alone(model, site, bool(traced)) for site in sites}
+    heads = {site: _ramp_alone(model, site, isinstance(alone[site], CompiledSet)) for site in sites}
     full: list[float] = []
     segment: dict[str, list[float]] = {s: [] for s in (*sites, "output")}
     ramp: dict[str, list[float]] = {s: [] for s in sites}
@@ -141,19 +161,21 @@ def measure_profile(model, sample_feeds: Callable[[int], dict[str, np.ndarray]],
     for batch_size in tqdm(batch_sizes, desc="profiling latency", unit="batch size", disable=not progress):
         feeds = sample_feeds(batch_size)
         primary, side = model.backend.split_feeds(feeds)
+        none = serving_path(model, (), whole, feeds)
+        one = {site: serving_path(model, (site,), alone[site], feeds) for site in sites}
         with torch.inference_mode():
-            _, once = _timed(model.run_serving, feeds, (), None, whole)
-            rounds = int(np.clip(budget_s * 1000.0 / (max(once, 1e-3) * (6 * len(sites) + 2)), repeats, MAX_ROUNDS))
+            _, once = _timed(none)
+            rounds = int(np.clip(budget_s * 1000.0 / (max(once, 1e-3) * ((2 * len(sites) + 1) * (BLOCK + 1) + 2)),
+                                 repeats, MAX_ROUNDS))
             runs: dict[str, list[float]] = {k: [] for k in ("full", *segment, *(f"ramp:{s}" for s in sites),
                                                               *(f"head:{s}" for s in sites))}
             for rep in range(rounds + 2):  # two warm-up rounds, discarded
-                timings = {"full": _timed(model.run_serving, feeds, (), None, whole)[1]}
+                timings = {"full": _block(none)}
                 for site in sites:
-                    # At threshold 0 no input exits: the runner never returns to Python for the ramp, and the
-                    # record's bookkeeping of its outputs comes after the answers (not part of its latency)
-                    none_a, alone_a, alone_b, none_b = _warm_abba(
-                        model.run_serving, (feeds, (), None, whole), (feeds, (site,), None, alone[site], (0.0,)))
-                    timings[f"ramp:{site}"] = (alone_a + alone_b - none_a - none_b) / 2
+                    if rep % 2:
+                        timings[f"ramp:{site}"] = _block(one[site]) - _block(none)
+                    else:
+                        timings[f"ramp:{site}"] = -(_block(none) - _block(one[site]))
                 activation = primary
                 for name, stage in zip((*sites, "output"), stages):
                     activation, timings[name] = _timed(stage, activation, side)

@@ -15,7 +15,9 @@ import heapq
 import itertools
 import logging
 import math
+import os
 import queue
+import selectors
 import threading
 import time
 from collections import deque
@@ -172,6 +174,133 @@ def _set_future(future: asyncio.Future, result: Answer | BaseException) -> None:
         future.set_result(result)
 
 
+class _BatchState:
+    """One batch's ramp outputs, exits and answers. `ramp` runs on the executor (eager path, and the record's
+    pass after the run) or on the releasing thread while the model runs (compiled path), never on both at once
+    (`RampSignals` holds its lock around the releasing thread's calls, and `end` waits for them)."""
+
+    def __init__(self, config: Configuration, batch: list[_Pending], batch_id: int, answer_time: object) -> None:
+        self.config, self.batch, self.batch_id, self.answer_time = config, batch, batch_id, answer_time
+        self.starts = np.cumsum([0] + [p.rows for p in batch])[:-1]
+        self.n = int(self.starts[-1] + batch[-1].rows)
+        r = len(config.sites)
+        self.labels = np.zeros((self.n, r), dtype=np.int64)
+        self.errors = np.ones((self.n, r))
+        self.exits = np.full(self.n, NO_EXIT)  # where each input's released answer came from
+        self.scored = np.zeros(r, dtype=bool)
+        self.column = {site: j for j, site in enumerate(config.sites)}
+        self.thresholds = np.array(config.thresholds)
+
+    def ramp(self, j: int, ramp_labels: np.ndarray, ramp_errors: np.ndarray) -> None:
+        """Ramp j's outputs: inputs not answered yet whose error score is under its threshold exit there, and
+        requests whose every input has exited are answered (unless they wait for the logits)."""
+        self.labels[:, j], self.errors[:, j] = ramp_labels, ramp_errors
+        self.scored[j] = True
+        leaving = (self.exits == NO_EXIT) & (ramp_errors < self.thresholds[j]) & self._open_rows()
+        if not leaving.any():
+            return
+        self.exits[leaving] = j
+        decided = np.logical_and.reduceat(self.exits != NO_EXIT, self.starts)
+        for index, pending in enumerate(self.batch):
+            if decided[index] and not pending.settled and not pending.needs_final:
+                self._answer(pending, int(self.starts[index]), None, None, None)
+
+    def site_ramp(self, site: str, ramp_labels: np.ndarray, ramp_errors: np.ndarray) -> None:
+        self.ramp(self.column[site], ramp_labels, ramp_errors)
+
+    def _open_rows(self) -> np.ndarray:
+        """Inputs of requests not answered yet (a request answered with the final layer's labels keeps them)."""
+        return np.repeat([not p.settled for p in self.batch], [p.rows for p in self.batch])
+
+    def finish(self, final: np.ndarray, final_errors: np.ndarray, logits: np.ndarray) -> None:
+        """Answer every request still open with the final layer's answers."""
+        for index, pending in enumerate(self.batch):
+            if not pending.settled:
+                self._answer(pending, int(self.starts[index]), final, final_errors, logits)
+
+    def _answer(self, pending: _Pending, start: int, final: np.ndarray | None, final_errors: np.ndarray | None,
+                logits: np.ndarray | None) -> None:
+        rows = np.arange(start, start + pending.rows)
+        config = self.config
+        if final is None:  # every input of the request exited at a ramp
+            at = self.exits[rows]
+            released, released_errors = self.labels[rows, at], self.errors[rows, at]
+        else:
+            # Released after the final layer (it asked for the logits, or a row did not exit): every row gets
+            # the final answer, which it has waited for and which a ramp's can only differ from; the record
+            # then counts those rows as final answers, since the controller must judge what was released.
+            released, released_errors = final[rows], final_errors[rows]
+            self.exits[rows] = NO_EXIT
+            at = self.exits[rows]
+        now = time.monotonic()
+        pending.settle(Answer(
+            labels=released,
+            exit_sites=tuple(None if j == NO_EXIT else config.sites[j] for j in at),
+            error_scores=tuple(None if j == NO_EXIT else float(self.errors[i, j]) for i, j in zip(rows, at)),
+            confidences=1.0 - released_errors,
+            logits=None if logits is None or not pending.needs_final else logits[rows],
+            config_version=config.version, batch_id=self.batch_id, released_at=now))
+        self.answer_time.observe(now - pending.arrival)
+
+
+class RampSignals:
+    """The pipe a compiled run's ramps write their column to where some input may exit (see `ramps.fused`), and
+    the releasing thread that reads it and hands each column to the batch in progress, so that early answers
+    leave while the model runs on, from the other core. Columns are read only under the lock, and `end` takes
+    what is left before the next batch begins, so that no column reaches a batch it does not belong to."""
+
+    def __init__(self, name: str) -> None:
+        self._read_fd, self.write_fd = os.pipe()
+        os.set_blocking(self._read_fd, False)
+        self._lock = threading.Lock()
+        self._on_column: Callable[[int], None] | None = None
+        self._closed = False
+        self._thread = threading.Thread(target=self._listen, name=f"releaser-{name}", daemon=True)
+        self._thread.start()
+
+    def begin(self, on_column: Callable[[int], None]) -> None:
+        with self._lock:
+            self._on_column = on_column
+
+    def end(self) -> bytes:
+        """The run is over: wait for the column being handled; returns the columns signalled but not taken, which
+        the caller handles itself, so that what a batch answers never depends on this thread's timing."""
+        with self._lock:
+            self._on_column = None
+            return self._take()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+        os.close(self.write_fd)  # wakes the thread, which closes the read end
+        self._thread.join()
+
+    def _take(self) -> bytes:
+        try:
+            return os.read(self._read_fd, 4096)
+        except BlockingIOError:
+            return b""
+
+    def _listen(self) -> None:
+        with selectors.DefaultSelector() as selector:
+            selector.register(self._read_fd, selectors.EVENT_READ)
+            while True:
+                selector.select()
+                with self._lock:
+                    if self._closed:
+                        os.close(self._read_fd)
+                        return
+                    columns = self._take()
+                    if self._on_column is None:
+                        continue
+                    try:
+                        for column in columns:
+                            self._on_column(column)
+                    except Exception:  # the executor answers what was not released, with the final layer's answers
+                        log.exception("releasing early answers failed; they are answered at the end of the batch")
+                        self._on_column = None
+
+
 class ModelWorker:
     def __init__(self, served: ServedModel, settings: ModelSettings, metrics: ServerMetrics,
                  control: ControlLink | None = None) -> None:
@@ -199,6 +328,9 @@ class ModelWorker:
         model = served.model
         self._compiler = CompileService(model, served.example, self._compile_finished) if (
             settings.torchscript and model.compiles and model.bundle_dir is not None) else None
+        # Compiled runs with ramps report where inputs may exit through a pipe, read by a releasing thread
+        self._signals = RampSignals(served.name) if (
+            settings.torchscript and model.compiles and control is not None) else None
         self.batches = 0
         self.inputs_served = 0
         self.requests_served = 0
@@ -254,6 +386,8 @@ class ModelWorker:
             self._control.join()
         if self._compiler is not None:
             self._compiler.close()
+        if self._signals is not None:
+            self._signals.close()
 
     # ---- admission (event loop thread) -------------------------------------------------------------------
 
@@ -300,6 +434,12 @@ class ModelWorker:
         # and torch's intra-op threads contending with them made a batch of one 1.5-3x slower on two cores.
         if self.settings.torch_threads is not None:
             torch.set_num_threads(self.settings.torch_threads)
+        # Inference mode for the thread's life rather than per batch: the runner's operators skip autograd, and
+        # the batch's path takes one step fewer
+        with torch.inference_mode():
+            self._serve_until_stopped()
+
+    def _serve_until_stopped(self) -> None:
         while (batch := self._next_batch()) is not None:
             try:
                 self._run(batch)
@@ -348,74 +488,56 @@ class ModelWorker:
         config, compiled = self._serving
         model = self.served.model
         feeds = stack_inputs(self.served.inputs, [p.inputs for p in batch])
-        starts = np.cumsum([0] + [p.rows for p in batch])[:-1]
-        n, r = int(starts[-1] + batch[-1].rows), len(config.sites)
-        labels = np.zeros((n, r), dtype=np.int64)
-        errors = np.ones((n, r))
-        exits = np.full(n, NO_EXIT)
-        column = {site: j for j, site in enumerate(config.sites)}
-        thresholds = np.array(config.thresholds)
-        batch_id = self.batches
-
-        def answer(pending: _Pending, start: int, final: np.ndarray | None, logits: np.ndarray | None) -> None:
-            rows = np.arange(start, start + pending.rows)
-            at = exits[rows]
-            if final is None:  # every input of the request exited at a ramp
-                released, released_errors = labels[rows, at], errors[rows, at]
-            else:
-                # Released after the final layer (it asked for the logits, or a row did not exit): every row gets
-                # the final answer, which it has waited for and which a ramp's can only differ from; the record
-                # then counts those rows as final answers, since the controller must judge what was released.
-                released, released_errors = final[rows], final_errors[rows]
-                exits[rows] = NO_EXIT
-                at = exits[rows]
-            now = time.monotonic()
-            pending.settle(Answer(
-                labels=released,
-                exit_sites=tuple(None if j == NO_EXIT else config.sites[j] for j in at),
-                error_scores=tuple(None if j == NO_EXIT else float(errors[i, j])
-                                   for i, j in zip(rows, at)),
-                confidences=1.0 - released_errors,
-                logits=None if logits is None or not pending.needs_final else logits[rows],
-                config_version=config.version, batch_id=batch_id, released_at=now))
-            self.metrics.answer.labels(**self._labels).observe(now - pending.arrival)
-
-        def on_ramp(site: str, ramp_labels: np.ndarray, ramp_errors: np.ndarray) -> None:
-            j = column[site]
-            labels[:, j], errors[:, j] = ramp_labels, ramp_errors
-            leaving = (exits == NO_EXIT) & (ramp_errors < thresholds[j])
-            if not leaving.any():
-                return
-            exits[leaving] = j
-            decided = np.logical_and.reduceat(exits != NO_EXIT, starts)
-            for index, pending in enumerate(batch):
-                if decided[index] and not pending.settled and not pending.needs_final:
-                    answer(pending, int(starts[index]), None, None)
-
+        state = _BatchState(config, batch, self.batches, self.metrics.answer.labels(**self._labels))
         started = time.monotonic()
         for pending in batch:
             self.metrics.queue.labels(**self._labels).observe(started - pending.arrival)
         try:
-            logits, late = model.run_serving(feeds, config.sites, on_ramp if r else None, compiled or False,
-                                             config.thresholds)
+            if compiled is None:
+                logits = model.run_eager(feeds, config.sites, state.site_ramp if config.sites else None)
+            else:
+                # The releasing thread scores each column a ramp reports (one where some input may exit) and
+                # releases what exits there while the model runs on; what it has not taken when the run ends, this
+                # thread handles; the other columns are scored for the record once every answer is out
+                outputs = model.ramp_outputs(compiled, state.n)
+                columns = [state.column[site] for site in compiled.sites]
+                signals = self._signals if config.sites else None  # a vanilla set has no ramp to report
+
+                def ramp(j: int) -> None:
+                    state.ramp(columns[j], *outputs.scores(j))
+
+                if signals is not None:
+                    signals.begin(ramp)
+                thresholds = config.thresholds if config.sites == compiled.sites else \
+                    tuple(config.thresholds[j] for j in columns)
+                try:
+                    logits = model.run_compiled(compiled, feeds, outputs, thresholds,
+                                                -1 if signals is None else signals.write_fd)
+                finally:
+                    left = b"" if signals is None else signals.end()
+                for j in left:
+                    ramp(j)
         except Exception:
-            self._record_unverified(config, batch, starts, labels, errors, exits, started)
+            self._record_unverified(config, batch, state.starts, state.labels, state.errors, state.exits, started)
             raise
         final, final_errors = top_label_and_error(logits)
-        for index, pending in enumerate(batch):
-            if not pending.settled:
-                answer(pending, int(starts[index]), final, logits)
+        state.finish(final, final_errors, logits)
         finished = time.monotonic()
-        model.report_late(late, on_ramp)  # ramps no input exited at: for the record, after the answers are out
+        if compiled is not None:  # the ramps' outputs, for the record: after the answers are out
+            for j, site in enumerate(compiled.sites):
+                if not state.scored[state.column[site]]:
+                    state.ramp(state.column[site], *outputs.scores(j))
         for index, pending in enumerate(batch):
             if pending.on_final is not None:
-                rows = slice(int(starts[index]), int(starts[index]) + pending.rows)
+                rows = slice(int(state.starts[index]), int(state.starts[index]) + pending.rows)
                 pending.on_final(Answer(final[rows], (None,) * pending.rows, (None,) * pending.rows,
-                                        1.0 - final_errors[rows], logits[rows], config.version, batch_id, finished))
+                                        1.0 - final_errors[rows], logits[rows], config.version, state.batch_id,
+                                        finished))
         compute_ms = (finished - started) * 1000.0
-        if self.settings.cache_updates and r:  # after every answer is out: off the requests' path
+        if self.settings.cache_updates and config.sites:  # after every answer is out: off the requests' path
             model.learn(final)
-        self._after_batch(config, labels, errors, final, exits, started, finished, compute_ms, batch)
+        self._after_batch(config, state.labels, state.errors, final, state.exits, started, finished, compute_ms,
+                          batch)
 
     def _record_unverified(self, config: Configuration, batch: list[_Pending], starts: np.ndarray,
                            labels: np.ndarray, errors: np.ndarray, exits: np.ndarray, started: float) -> None:

@@ -1,0 +1,91 @@
+"""The ramp operators (`kernels/ramp_exit.cpp`): built once per machine with the C++ compiler torch uses, kept in
+rampserve's artifact cache, and loaded into every process that runs compiled ramps.
+
+Where the build fails (no compiler), `available()` says so and ramps stay in Python on the serving path: correct,
+only slower. `python -m rampserve.ramps.kernel` builds it (the setup script does, so a server never waits).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import sys
+import threading
+from pathlib import Path
+
+import torch
+
+from rampserve.paths import home
+
+log = logging.getLogger("rampserve.kernel")
+
+SOURCE = Path(__file__).with_name("kernels") / "ramp_exit.cpp"
+# The reductions and error scores as the operators number them
+REDUCE_CODES = {"identity": 0, "first_token": 1, "token_mean": 2}
+POOLED = 3  # a pooling reduction, given to the operator as a matrix
+LANES = 16  # the operator's vector width: a pooling matrix's cells are padded to a multiple of it
+SCORE_CODES = {"max_prob": 0, "entropy": 1}
+DISABLE_ENV = "RAMPSERVE_NO_RAMP_KERNEL"  # set to 1 to serve without the operators (ramps stay in Python)
+
+_lock = threading.Lock()
+_state: dict[str, str | bool] = {}
+
+
+def _cpu() -> bytes:
+    """What the build is tuned for: it is compiled for this CPU's instruction set (`-march=native`), so a cache
+    shared with another machine must not hand it a library built elsewhere."""
+    try:
+        with open("/proc/cpuinfo", "rb") as info:
+            return next((line for line in info if line.startswith(b"flags")), b"")
+    except OSError:
+        return platform.processor().encode()
+
+
+def build_id() -> str:
+    """What a build depends on: the source, the torch it links against and the CPU it is tuned for (part of a
+    compiled set's key)."""
+    digest = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + _cpu()).hexdigest()[:16]
+    return f"ramp_exit-{digest}"
+
+
+def available() -> bool:
+    """Whether the operators are loaded into this process, building them first if needed (once per process)."""
+    with _lock:
+        if "loaded" not in _state:
+            _state["loaded"] = _load()
+        return bool(_state["loaded"])
+
+
+def unavailable_reason() -> str:
+    return str(_state.get("error", "")) if not available() else ""
+
+
+def _load() -> bool:
+    if os.environ.get(DISABLE_ENV) == "1":
+        _state["error"] = f"{DISABLE_ENV}=1"
+        return False
+    name = build_id().replace("-", "_")
+    directory = home() / "kernels" / name
+    directory.mkdir(parents=True, exist_ok=True)
+    # torch runs `ninja` from PATH; the pinned one is installed beside this interpreter
+    os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+    try:
+        from torch.utils import cpp_extension
+
+        # The build directory is locked by torch while one process builds; others wait and load its library
+        cpp_extension.load(name=name, sources=[str(SOURCE)], build_directory=str(directory), is_python_module=False,
+                           extra_cflags=["-O3", "-march=native", "-Wno-psabi"], verbose=False)
+    except Exception as exc:  # a missing compiler or headers: serve with ramps in Python
+        _state["error"] = f"{type(exc).__name__}: {exc}"
+        log.warning("the ramp operators could not be built (%s); ramps run in Python on the serving path",
+                    _state["error"])
+        return False
+    return True
+
+
+if __name__ == "__main__":
+    if not available():
+        raise SystemExit(f"the ramp operators did not build: {unavailable_reason()}")
+    print(f"ramp operators ready ({build_id()})")
