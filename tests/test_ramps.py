@@ -169,3 +169,30 @@ def test_linear_ramps_learn_the_same_whatever_the_scale_of_their_features() -> N
     with torch.no_grad():
         np.testing.assert_allclose(scaled_ramp.head_logits(scaled.by_site["a"]).numpy(),
                                    ramp.head_logits(feats.by_site["a"]).numpy(), rtol=1e-3, atol=1e-3)
+
+
+def test_distilled_ramps_learn_the_models_confidence_not_only_its_labels() -> None:
+    """Given the original model's logits, a ramp learns its softened answers: on held-out inputs its probabilities
+    are closer to the model's than those of a ramp taught the top labels only, at the same agreement."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(3000, 72, generator=g)
+    teacher_logits = x @ (0.4 * torch.randn(4, 72, generator=g)).T  # a model that is often unsure
+    train, held_out = slice(0, 2000), slice(2000, None)
+    features = Features({"a": x[train]}, teacher_logits[train].argmax(1), 0.0, teacher=teacher_logits[train])
+    specs = {"a": spec_for("linear", (8, 3, 3), 4)}
+    distilled = train_ramps(features, specs, TrainConfig(seed=0, max_epochs=40), progress=False)[0]["a"]
+    labels_only = train_ramps(features, specs, TrainConfig(seed=0, max_epochs=40, distill_temperature=0.0),
+                              progress=False)[0]["a"]
+    target = torch.softmax(teacher_logits[held_out], 1)
+
+    def divergence(ramp) -> float:
+        with torch.no_grad():
+            return float(torch.nn.functional.kl_div(torch.log_softmax(ramp.head_logits(x[held_out]), 1), target,
+                                                    reduction="batchmean"))
+
+    def agreement(ramp) -> float:
+        with torch.no_grad():
+            return float((ramp.head_logits(x[held_out]).argmax(1) == target.argmax(1)).float().mean())
+
+    assert divergence(distilled) < 0.5 * divergence(labels_only)
+    assert agreement(distilled) >= agreement(labels_only) - 0.02 and agreement(distilled) > 0.8

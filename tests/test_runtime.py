@@ -15,7 +15,6 @@ from torch import nn
 from rampserve.graph.sites import block_of
 from rampserve.graph.torch_graph import TorchSplitModel
 from rampserve.ramps.kinds import make_ramp, spec_for
-from rampserve.ramps.scores import top_label_and_error
 from rampserve.runtime.backends import TorchBackend
 from rampserve.runtime.prepared import PreparedModel, SiteInfo
 from rampserve.zoo.registry import get_entry

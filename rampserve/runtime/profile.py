@@ -13,8 +13,10 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 import torch
+from torch import nn
 from tqdm.auto import tqdm
 
+from rampserve.graph.torch_graph import torchscript_quietly
 from rampserve.ramps.fused import fused_ramp
 from rampserve.runtime.compiled import NEVER_STOP, CompiledSet
 
@@ -28,10 +30,13 @@ class LatencyProfile:
     full_ms: tuple[float, ...]  # whole model, per batch size
     segment_ms: dict[str, tuple[float, ...]]  # segment ending at each site, and "output" for the last one
     # Per batch size, what having the ramp at a site active costs an input that does not exit, which the
-    # controller charges against its ramp budget: the marginal time of the serving path with that ramp alone
+    # controller charges against its ramp budget: its share of the marginal time of the serving path with ramps
     # against the path with none, measured paired (see `measure_profile`), and never less than the ramp's own
     # operators timed alone.
     ramp_ms: dict[str, tuple[float, ...]]
+    # Per batch size, what any set of ramps costs once on top of its ramps' own (a runner taking a ramp buffer
+    # and exit floors); charged to the first active ramp. Profiles measured before it was kept have none.
+    set_ms: tuple[float, ...] = ()
 
     def _column(self, batch_size: int) -> int:
         """The profiled batch size at or above `batch_size` (the largest when beyond)."""
@@ -42,6 +47,9 @@ class LatencyProfile:
 
     def ramp(self, site: str, batch_size: int) -> float:
         return self.ramp_ms[site][self._column(batch_size)]
+
+    def set_cost(self, batch_size: int) -> float:
+        return self.set_ms[self._column(batch_size)] if self.set_ms else 0.0
 
     def reach(self, batch_size: int) -> np.ndarray:
         """Time from the start of the model to each site, in site order, scaled so that reaching the output
@@ -62,6 +70,7 @@ class LatencyProfile:
             full_ms=tuple(float(v) for v in data["full_ms"]),
             segment_ms={k: tuple(float(x) for x in v) for k, v in data["segment_ms"].items()},
             ramp_ms={k: tuple(float(x) for x in v) for k, v in data["ramp_ms"].items()},
+            set_ms=tuple(float(v) for v in data.get("set_ms", ())),
         )
 
 
@@ -105,40 +114,77 @@ def serving_path(model, active: tuple[str, ...], compiled: object, feeds: dict[s
     return lambda: model.run_eager(feeds, active, None)
 
 
-def _ramp_alone(model, site: str, fused: bool) -> Callable[[torch.Tensor], object]:
-    """The ramp at `site` on its own, as the serving path runs it: its fused form where the model compiles (the
-    ramp operator, or the stash of a ramp that runs in Python), else the eager evaluation."""
+class _Repeated(nn.Module):
+    """A fused ramp called `times` times in a row inside TorchScript: its own time, free of Python's."""
+
+    __constants__ = ["times"]
+
+    def __init__(self, ramp: nn.Module, times: int) -> None:
+        super().__init__()
+        self.ramp, self.times = ramp, times
+
+    def forward(self, activation: torch.Tensor, out: torch.Tensor, floor: float, stashes: list[torch.Tensor]) -> bool:
+        stop = False
+        for _ in range(self.times):
+            stop = self.ramp(activation, out, floor, -1, stashes)
+        return stop
+
+
+REPEATS_ALONE = 20
+
+
+def _ramp_alone(model, site: str, fused: bool) -> Callable[[torch.Tensor], float]:
+    """Milliseconds of the ramp at `site` on its own, as the serving path runs it: its fused form where the model
+    compiles (the ramp operator, or the stash of a ramp that runs in Python; timed over `REPEATS_ALONE` calls in
+    TorchScript), else the eager evaluation."""
     if not fused:
-        return lambda activation: model.evaluate_ramp(site, activation)
+        return lambda activation: _timed(model.evaluate_ramp, site, activation)[1]
     shape = next(s.activation_shape for s in model.sites if s.name == site)
-    ramp = fused_ramp(model.ramps[site], model.error_score, shape, 0)
+    with torchscript_quietly():
+        repeated = torch.jit.script(_Repeated(fused_ramp(model.ramps[site], model.error_score, shape, 0),
+                                              REPEATS_ALONE)).forward
     buffers: dict[int, torch.Tensor] = {}  # one per batch size, as a batch has one for all its ramps
     stashes = [torch.zeros(0)]
 
-    def alone(activation: torch.Tensor) -> bool:
+    def alone(activation: torch.Tensor) -> float:
         rows = len(activation)
         if rows not in buffers:
             buffers[rows] = torch.empty((rows, 1, model.sites[0].ramp.num_classes))
-        return ramp.forward(activation, buffers[rows], NEVER_STOP, -1, stashes)
+        return _timed(repeated, activation, buffers[rows], NEVER_STOP, stashes)[1] / REPEATS_ALONE
 
     return alone
+
+
+def _fit_costs(alone: list[float], every: float | None, own: float) -> tuple[float, float]:
+    """(what any set costs, the factor from a ramp's own time to what it adds to the serving path), fitted to the
+    marginal times of each ramp alone and of every ramp at once: n * set + scale * own = sum(alone) and
+    set + scale * own = every. A single ramp's own time takes all of its marginal time. The factor is at least
+    1 (a ramp never costs the serving path less than its operators take alone), and the set's cost at least 0:
+    marginal times of a few microseconds on a millisecond's run are noisy, and their sum far less than each."""
+    if every is None or len(alone) < 2:
+        return 0.0, max(1.0, sum(alone) / own) if own > 0 else 1.0
+    shared = max(0.0, (sum(alone) - every) / (len(alone) - 1))
+    return shared, max(1.0, (every - shared) / own) if own > 0 else 1.0
 
 
 def measure_profile(model, sample_feeds: Callable[[int], dict[str, np.ndarray]],
                     batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES, repeats: int = 3,
                     progress: bool = True, compiled: bool = True,
                     budget_s: float = PROFILE_BUDGET_S) -> LatencyProfile:
-    """Per batch size: the whole model, each segment between consecutive sites, and each ramp's marginal cost.
+    """Per batch size: the whole model, each segment between consecutive sites, each ramp's cost and what any set
+    of ramps costs on top of its ramps'.
 
     `model` is a `PreparedModel`; `sample_feeds(b)` gives real inputs of batch size b. `compiled`: time the paths
     the server runs by default (each set's stages compiled with its ramps fused in, see
-    `PreparedModel.build_compiled`), since that is what a ramp costs when served. A ramp's cost is the marginal
-    time of activating it: the serving path with that ramp alone active against the same path with none, each run
-    in a block (see `BLOCK`) in each round, in an order that alternates from round to round so that drift cancels
-    in the difference; median over at least `repeats` and as many rounds as `budget_s` allows. It is everything
-    the ramp adds to an input that does not exit until its answer: its stage's cut and the fused ramp (threshold
-    0: no input exits, so the releasing thread is not woken); the record's bookkeeping comes after the batch's
-    answers are out (throughput, not latency)."""
+    `PreparedModel.build_compiled`), since that is what a ramp costs when served. Costs are marginal times on the
+    serving path with no input exiting (threshold 0: the releasing thread is not woken): each ramp alone, and
+    every ramp at once, against no ramp, each path run in a block (see `BLOCK`) in each round, in an order that
+    alternates from round to round so that drift cancels in the difference; median over at least `repeats`
+    rounds and as many as `budget_s` allows. Those marginal times (a few microseconds a ramp on a run of a
+    millisecond) are too noisy to tell one ramp from another, so each ramp is charged its own operators' time
+    (timed alone, free of noise) scaled by one factor, and any set a fixed part, both fitted to the marginal
+    times (see `_fit_costs`). The record's bookkeeping comes after the batch's answers are out (throughput, not
+    latency)."""
     sites = model.site_names
     example = sample_feeds(2)
 
@@ -147,6 +193,7 @@ def measure_profile(model, sample_feeds: Callable[[int], dict[str, np.ndarray]],
 
     whole = path(())
     alone = {site: path((site,)) for site in sites}
+    every = path(tuple(sites)) if len(sites) > 1 else None
     # Segments are timed as traced stages without ramps where the model compiles (their sum is scaled to the
     # whole model's time by `LatencyProfile.reach`)
     split = model.backend.split
@@ -155,6 +202,7 @@ def measure_profile(model, sample_feeds: Callable[[int], dict[str, np.ndarray]],
     stages = traced or model.backend.plan(sites)[1]
     heads = {site: _ramp_alone(model, site, isinstance(alone[site], CompiledSet)) for site in sites}
     full: list[float] = []
+    set_ms: list[float] = []
     segment: dict[str, list[float]] = {s: [] for s in (*sites, "output")}
     ramp: dict[str, list[float]] = {s: [] for s in sites}
 
@@ -162,38 +210,46 @@ def measure_profile(model, sample_feeds: Callable[[int], dict[str, np.ndarray]],
         feeds = sample_feeds(batch_size)
         primary, side = model.backend.split_feeds(feeds)
         none = serving_path(model, (), whole, feeds)
-        one = {site: serving_path(model, (site,), alone[site], feeds) for site in sites}
+        paths = {site: serving_path(model, (site,), alone[site], feeds) for site in sites}
+        if every is not None:
+            paths["*"] = serving_path(model, tuple(sites), every, feeds)
         with torch.inference_mode():
             _, once = _timed(none)
-            rounds = int(np.clip(budget_s * 1000.0 / (max(once, 1e-3) * ((2 * len(sites) + 1) * (BLOCK + 1) + 2)),
+            rounds = int(np.clip(budget_s * 1000.0 / (max(once, 1e-3) * (2 * len(paths) * (BLOCK + 1) + len(sites))),
                                  repeats, MAX_ROUNDS))
-            runs: dict[str, list[float]] = {k: [] for k in ("full", *segment, *(f"ramp:{s}" for s in sites),
-                                                              *(f"head:{s}" for s in sites))}
-            for rep in range(rounds + 2):  # two warm-up rounds, discarded
-                timings = {"full": _block(none)}
-                for site in sites:
+            marginal: dict[str, list[float]] = {key: [] for key in paths}
+            runs: dict[str, list[float]] = {k: [] for k in ("full", *segment, *(f"head:{s}" for s in sites))}
+            for rep in range(rounds + 1):  # a warm-up round, discarded
+                for key, run in paths.items():
                     if rep % 2:
-                        timings[f"ramp:{site}"] = _block(one[site]) - _block(none)
+                        with_ramps, without = _block(run), _block(none)
                     else:
-                        timings[f"ramp:{site}"] = -(_block(none) - _block(one[site]))
+                        without, with_ramps = _block(none), _block(run)
+                    if rep:
+                        marginal[key].append(with_ramps - without)
+                        runs["full"].append(without)
+            for _ in range(rounds):
                 activation = primary
                 for name, stage in zip((*sites, "output"), stages):
-                    activation, timings[name] = _timed(stage, activation, side)
+                    activation, elapsed = _timed(stage, activation, side)
+                    runs[name].append(elapsed)
                     if name in heads:
-                        timings[f"head:{name}"] = _timed(heads[name], activation)[1]
-                if rep >= 2:
-                    for key, value in timings.items():
-                        runs[key].append(value)
+                        runs[f"head:{name}"].append(heads[name](activation))
         full.append(float(np.median(runs["full"])))
         for name in segment:
             segment[name].append(float(np.median(runs[name])))
+        own = {site: float(np.median(runs[f"head:{site}"])) for site in sites}
+        shared, scale = _fit_costs([float(np.median(marginal[site])) for site in sites],
+                                   float(np.median(marginal["*"])) if every is not None else None,
+                                   sum(own.values()))
+        set_ms.append(shared)
         for name in sites:
-            # A ramp costs at least its own operators: the floor where noise buries its marginal time
-            ramp[name].append(max(float(np.median(runs[f"head:{name}"])), float(np.median(runs[f"ramp:{name}"]))))
+            ramp[name].append(own[name] * scale)
     return LatencyProfile(
         batch_sizes=tuple(batch_sizes),
         sites=tuple(sites),
         full_ms=tuple(full),
         segment_ms={k: tuple(v) for k, v in segment.items()},
         ramp_ms={k: tuple(v) for k, v in ramp.items()},
+        set_ms=tuple(set_ms),
     )
