@@ -348,11 +348,12 @@ def bench_staging(
                       f"{case['staged_ms']:.3f}", f"{case['ratio']:.3f}")
     console.print(table)
     ramps = Table(title=f"active ramps on the serving path, {model}: marginal share of the model's time per ramp")
-    for col in ("backend", "batch", "ramps", "none ms", "with ramps ms", "share per ramp"):
+    for col in ("backend", "batch", "ramps", "none ms", "with ramps ms", "share per ramp", "95% interval"):
         ramps.add_column(col, justify="right")
     for case in result["ramp_cases"]:
         ramps.add_row(case["backend"], str(case["batch_size"]), str(case["active"]), f"{case['none_ms']:.3f}",
-                      f"{case['ramps_ms']:.3f}", f"{case['marginal_share']:.4f}")
+                      f"{case['ramps_ms']:.3f}", f"{case['marginal_share']:.4f}",
+                      "{:.4f} to {:.4f}".format(*case["marginal_share_ci95"]))
     console.print(ramps)
     _write_json(result, json_out)
 

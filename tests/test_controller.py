@@ -11,7 +11,7 @@ from rampserve.control.controller import Controller, ControllerSettings
 from rampserve.control.costs import CostModel
 from rampserve.control.monitor import AccuracyWindow, RampHistory
 from rampserve.control.ramps import adjust_ramps, evenly_spaced, fits_budget, initial_sites, ramp_utilities
-from rampserve.control.records import NO_EXIT, NO_LABEL, BatchRecord, Configuration
+from rampserve.control.records import NO_EXIT, NO_LABEL, BatchRecord, Configuration, merged
 from rampserve.runtime.profile import LatencyProfile
 
 SITES = tuple(f"s{i}" for i in range(8))
@@ -298,3 +298,26 @@ def test_a_successor_catches_up_with_its_predecessors_counts_once():
         successor.catch_up(checkpoint)
     assert successor.window.served == predecessor.window.served + 1
     assert successor.window.correct == predecessor.window.correct + 1
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 2), st.integers(1, 4), st.booleans()), min_size=1, max_size=12))
+def test_merged_records_keep_every_input_in_order_with_its_batch_size(batches) -> None:
+    """Joining consecutive records of one configuration and kind loses no input, keeps their order, and each input
+    the size of the batch it was served in; records of another configuration or kind are never joined."""
+    rng = np.random.default_rng(0)
+    configs = [Configuration(v, ("a", "b")[:v % 2 + 1], (0.1, 0.2)[:v % 2 + 1]) for v in range(3)]
+    records = []
+    for version, size, unverified in batches:
+        config = configs[version]
+        errors = rng.random((size, len(config.sites)))
+        records.append(BatchRecord(config.version, config.sites, rng.integers(0, 3, (size, len(config.sites))),
+                                   errors, rng.integers(0, 3, size), config.exits(errors), unverified=unverified))
+    joined = merged(records)
+    assert np.array_equal(np.concatenate([r.final for r in joined]), np.concatenate([r.final for r in records]))
+    assert np.array_equal(np.concatenate([r.batch_sizes() for r in joined]),
+                          np.concatenate([np.full(r.inputs, r.inputs) for r in records]))
+    assert len(joined) == 1 + sum((a.version, a.unverified) != (b.version, b.unverified)
+                                  for a, b in zip(records, records[1:]))
+    for record in joined:
+        assert record.labels.shape == (record.inputs, len(record.sites))

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from rampserve.bench.timing import interleaved_medians
+from rampserve.bench.timing import interleaved_medians, interleaved_samples, paired_difference
 from rampserve.runtime.backends import Backend, OnnxBackend, TorchBackend
 from rampserve.runtime.bundle import load_bundle
 from rampserve.runtime.prepared import PreparedModel
@@ -76,6 +76,9 @@ class RampCase:
     none_ms: float  # the serving path with no ramp, median of interleaved runs
     ramps_ms: float  # the same with these ramps active (at threshold 0: no input exits)
     marginal_share: float  # (ramps_ms - none_ms) / (active * none_ms)
+    # 95% interval of the marginal share, from the rounds' paired differences: how far the machine's noise
+    # leaves the figure uncertain
+    marginal_share_ci95: tuple[float, float]
 
 
 def _spread(sites: list[str], count: int) -> tuple[str, ...]:
@@ -96,11 +99,16 @@ def measure_ramps(name: str, model: PreparedModel, feeds: dict[str, np.ndarray],
     runs = {str(count): serving_path(model, active, model.build_compiled(active, example) or False, feeds)
             for count, active in [(0, ()), *sets.items()]}
     with torch.inference_mode():  # as the executor runs
-        medians = interleaved_medians(runs, rounds=rounds, desc=f"{model.backend.kind} ramps batch {batch_size}",
+        samples = interleaved_samples(runs, rounds=rounds, desc=f"{model.backend.kind} ramps batch {batch_size}",
                                       block=RAMP_BLOCK)
-    none = medians["0"]
-    return [RampCase(name, model.backend.kind, batch_size, count, active, none, medians[str(count)],
-                     (medians[str(count)] - none) / (count * none)) for count, active in sets.items()]
+    none = float(np.median(samples["0"]))
+    cases = []
+    for count, active in sets.items():
+        _, low, high = paired_difference(samples[str(count)], samples["0"])
+        ramps_ms = float(np.median(samples[str(count)]))
+        cases.append(RampCase(name, model.backend.kind, batch_size, count, active, none, ramps_ms,
+                              (ramps_ms - none) / (count * none), (low / (count * none), high / (count * none))))
+    return cases
 
 
 def run_staging_bench(model: str = "resnet18-fmnist", batch_sizes: tuple[int, ...] = (1, 16),

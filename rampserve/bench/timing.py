@@ -9,25 +9,42 @@ import numpy as np
 from tqdm.auto import tqdm
 
 
-def interleaved_medians(candidates: dict[str, Callable[[], object]], rounds: int, warmup: int = 5,
-                        desc: str = "timing", block: int = 1) -> dict[str, float]:
-    """Median milliseconds of each callable over `rounds` rounds; within a round every callable runs once, in an
-    order that rotates from round to round so none always runs first. With `block` > 1 each runs `block` times in
-    a row in its turn, after one untimed run, as a server runs the path in force batch after batch with its
-    weights in cache (each compiled set holds its own copy of the model's)."""
+def interleaved_samples(candidates: dict[str, Callable[[], object]], rounds: int, warmup: int = 5,
+                        desc: str = "timing", block: int = 1) -> dict[str, np.ndarray]:
+    """Milliseconds of each callable, (rounds, block) per callable: within a round every callable runs once, in
+    an order that rotates from round to round so none always runs first. With `block` > 1 each runs `block`
+    times in a row in its turn, after one untimed run, as a server runs the path in force batch after batch with
+    its weights in cache (each compiled set holds its own copy of the model's)."""
     names = list(candidates)
     for _ in range(warmup):
         for name in names:
             candidates[name]()
-    samples: dict[str, list[float]] = {name: [] for name in names}
+    samples = {name: np.zeros((rounds, block)) for name in names}
     for r in tqdm(range(rounds), desc=desc, unit="round", leave=False):
         shift = r % len(names)
         for name in names[shift:] + names[:shift]:
             run = candidates[name]
             if block > 1:
                 run()
-            for _ in range(block):
+            for b in range(block):
                 start = time.perf_counter()
                 run()
-                samples[name].append((time.perf_counter() - start) * 1000.0)
+                samples[name][r, b] = (time.perf_counter() - start) * 1000.0
+    return samples
+
+
+def interleaved_medians(candidates: dict[str, Callable[[], object]], rounds: int, warmup: int = 5,
+                        desc: str = "timing", block: int = 1) -> dict[str, float]:
+    """Median milliseconds of each callable over `interleaved_samples`."""
+    samples = interleaved_samples(candidates, rounds, warmup, desc, block)
     return {name: float(np.median(values)) for name, values in samples.items()}
+
+
+def paired_difference(with_: np.ndarray, without: np.ndarray) -> tuple[float, float, float]:
+    """The median of per-round differences between two paths timed in the same rounds ((rounds, block) arrays,
+    each round's block summarised by its median), and a 95% interval for it (normal approximation of the
+    median's standard error): a difference inside the spread of the machine is no difference."""
+    differences = np.median(with_, axis=1) - np.median(without, axis=1)
+    median = float(np.median(differences))
+    error = 1.2533 * float(np.std(differences)) / max(1.0, np.sqrt(len(differences)))
+    return median, median - 1.96 * error, median + 1.96 * error

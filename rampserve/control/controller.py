@@ -137,16 +137,16 @@ class Controller:
         if record.unverified:
             # Answers nobody can check count against the constraint; until the next configuration, thresholds
             # may only tighten: a failure must never be what loosens them
-            self.unverified += record.batch_size
+            self.unverified += record.inputs
             self._tighten_only = True
             return None
         if record.sites != current.sites:
             return None  # served by an active set already replaced: its rows fit no column of the history
         self.history.add(record)
-        self._since_adjust += record.batch_size
+        self._since_adjust += record.inputs
         settings = self.settings
         if settings.threshold_tuning and self.window.accuracy < settings.target_accuracy:
-            return self._decide(self.times.tune_ms, self._retune, "window accuracy below the constraint")
+            return self._decide(self.times.tune_ms, self._retune_recent, "window accuracy below the constraint")
         if self._since_adjust >= settings.adjust_every:
             self._since_adjust = 0
             if settings.ramp_adjustment:
@@ -178,14 +178,15 @@ class Controller:
             self._since_adjust = 0
         return configuration
 
-    def _exit_data(self) -> ExitData:
-        correct, errors, batch = self.history.latest()
+    def _exit_data(self, count: int | None = None) -> ExitData:
+        correct, errors, batch = self.history.latest(count)
         return ExitData(correct, errors, self.costs.saved_ms(self.history.sites, batch))
 
-    def tuned_thresholds(self) -> np.ndarray:
+    def tuned_thresholds(self, recent: int | None = None) -> np.ndarray:
+        """Thresholds tuned on the newest `recent` inputs (every input kept by default)."""
         if not self.history.sites or not self.history.size:
             return np.zeros(len(self.history.sites))
-        data = self._exit_data()
+        data = self._exit_data(recent)
         complete = np.isfinite(data.errors).all(axis=1)
         if complete.sum() >= self.settings.min_ramp_outputs:
             # Judge every ramp on the inputs that saw all of them. Past inputs that never reached a new ramp
@@ -198,6 +199,13 @@ class Controller:
 
     def _retune(self) -> tuple[tuple[str, ...], np.ndarray, str]:
         return self.history.sites, self.tuned_thresholds(), "thresholds retuned"
+
+    def _retune_recent(self) -> tuple[tuple[str, ...], np.ndarray, str]:
+        """After an accuracy drop, thresholds that hold on the recent inputs as well as on the whole history: the
+        drop may be the workload changing, which the recent inputs show and the whole history still outweighs
+        (an abrupt change of look let five wrong answers out before tuning on the history alone reacted)."""
+        thresholds = np.minimum(self.tuned_thresholds(), self.tuned_thresholds(self.settings.adjust_every))
+        return self.history.sites, thresholds, "thresholds retuned"
 
     def budget_batch(self) -> int:
         if self.settings.budget_batch_size is not None or not self.history.size:

@@ -72,7 +72,7 @@ class RampHistory:
 
     def add(self, record: BatchRecord) -> None:
         correct = record.labels == record.final[:, None]
-        rows = (self._next + np.arange(record.batch_size)) % self.capacity
+        rows = (self._next + np.arange(record.inputs)) % self.capacity
         if len(rows) > self.capacity:  # a batch bigger than the buffer keeps its newest rows
             rows, correct = rows[-self.capacity:], correct[-self.capacity:]
             errors = record.errors[-self.capacity:]
@@ -80,7 +80,7 @@ class RampHistory:
             errors = record.errors
         self._correct[rows] = correct
         self._errors[rows] = errors
-        self._batch[rows] = record.batch_size
+        self._batch[rows] = record.batch_sizes()[-len(rows):]
         self._next = int((rows[-1] + 1) % self.capacity)
         self.size = min(self.capacity, self.size + len(rows))
 

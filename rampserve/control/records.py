@@ -61,6 +61,8 @@ class BatchRecord:
     # Answers given from the prediction cache: final answers by construction (the cache keeps only those), so they
     # count as agreeing and teach nothing else; `final` holds their labels, `labels` and `errors` have no columns
     cached: bool = False
+    # (n,) the size of the batch each input was served in, where the record joins several batches (see `merged`)
+    served_in: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         n, r = len(self.final), len(self.sites)
@@ -69,8 +71,12 @@ class BatchRecord:
                              f"exits {self.exits.shape} do not fit {n} inputs and {r} active ramps")
 
     @property
-    def batch_size(self) -> int:
+    def inputs(self) -> int:
         return len(self.final)
+
+    def batch_sizes(self) -> np.ndarray:
+        """(n,) the size of the batch each input was served in."""
+        return np.full(self.inputs, self.inputs) if self.served_in is None else self.served_in
 
     def released(self) -> np.ndarray:
         """The label each input was answered with."""
@@ -83,3 +89,23 @@ class BatchRecord:
         if self.unverified:
             return np.zeros(len(self.final), dtype=bool)
         return self.released() == self.final
+
+
+def merged(records: list[BatchRecord]) -> list[BatchRecord]:
+    """Consecutive records of one configuration and kind joined into one, in order (each input keeps the size of
+    the batch it was served in): what the controller learns is the same, at one call for many batches, where a
+    server under load at batch 1 would otherwise call it for every request."""
+    groups: list[list[BatchRecord]] = []
+    for record in records:
+        last = groups[-1][-1] if groups else None
+        if last is not None and (last.version, last.sites, last.unverified, last.cached) == \
+                (record.version, record.sites, record.unverified, record.cached):
+            groups[-1].append(record)
+        else:
+            groups.append([record])
+    return [group[0] if len(group) == 1 else BatchRecord(
+        group[0].version, group[0].sites, np.concatenate([r.labels for r in group]),
+        np.concatenate([r.errors for r in group]), np.concatenate([r.final for r in group]),
+        np.concatenate([r.exits for r in group]), max(r.queue_ms for r in group), sum(r.compute_ms for r in group),
+        group[0].unverified, group[0].cached, np.concatenate([r.batch_sizes() for r in group]))
+        for group in groups]

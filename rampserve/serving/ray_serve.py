@@ -20,7 +20,8 @@ from rampserve.serving.app import create_app
 from rampserve.serving.applications import ApplicationSpec
 from rampserve.serving.models import ServedModel, load_served
 from rampserve.serving.ray_control import RayControl
-from rampserve.serving.server import GIL_SWITCH_INTERVAL_S, ServerSettings, build_state, check_admin_access
+from rampserve.serving.server import (GIL_SWITCH_INTERVAL_S, ServerSettings, build_state, check_admin_access,
+                                     freeze_startup_objects)
 from rampserve.serving.worker import ControlLink, ModelSettings
 
 
@@ -46,7 +47,9 @@ def build_replica_app(refs: Sequence[str], model_settings: ModelSettings, settin
     """One replica's server, built on the replica (Ray Serve calls this there and runs its lifespan)."""
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     models = [load_served(ref) for ref in refs]
-    return create_app(build_state(models, model_settings, settings, apps, shared_controllers(model_settings)))
+    state = build_state(models, model_settings, settings, apps, shared_controllers(model_settings))
+    freeze_startup_objects()
+    return create_app(state)
 
 
 class RampserveReplica:
