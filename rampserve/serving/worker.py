@@ -244,6 +244,20 @@ class _BatchState:
         self.answer_time.observe(now - pending.arrival)
 
 
+@dataclass(eq=False)
+class _Answered:
+    """A batch whose answers are out, for its books: the ramps not scored during the run (their columns, and a
+    copy of their logits), the final labels and the batch's times."""
+
+    state: _BatchState
+    final: np.ndarray
+    unscored: list[int]
+    late: np.ndarray | None
+    started: float
+    finished: float
+    oldest_arrival: float
+
+
 class RampSignals:
     """The pipe a compiled run's ramps write their column to where some input may exit (see `ramps.fused`), and
     the releasing thread that reads it and hands each column to the batch in progress, so that early answers
@@ -333,7 +347,8 @@ class ModelWorker:
         # ramp operators are loaded now, before serving, not with the first set that needs them
         self._signals = RampSignals(served.name) if (
             settings.torchscript and model.compiles and control is not None and kernel.available()) else None
-        self.batches = 0
+        self.batches = 0  # run (each one's id is the count before it)
+        self.batches_booked = 0  # counted in the books, which lag the runs by a batch or two
         self.inputs_served = 0
         self.requests_served = 0
         # Answers given, one per input, by the path they took: what /status and /metrics report as the books
@@ -491,6 +506,7 @@ class ModelWorker:
         model = self.served.model
         feeds = stack_inputs(self.served.inputs, [p.inputs for p in batch])
         state = _BatchState(config, batch, self.batches, self.metrics.answer.labels(**self._labels))
+        self.batches += 1
         started = time.monotonic()
         for pending in batch:
             self.metrics.queue.labels(**self._labels).observe(started - pending.arrival)
@@ -525,21 +541,25 @@ class ModelWorker:
         final, final_errors = top_label_and_error(logits)
         state.finish(final, final_errors, logits)
         finished = time.monotonic()
-        if compiled is not None:  # the ramps' outputs, for the record: after the answers are out
-            for j, site in enumerate(compiled.sites):
-                if not state.scored[state.column[site]]:
-                    state.ramp(state.column[site], *outputs.scores(j))
+        # The ramps no input exited at are scored for the record by the control thread, from a copy of their
+        # logits: the buffer is this thread's next batch's
+        unscored = [] if compiled is None else [(state.column[site], j) for j, site in enumerate(compiled.sites)
+                                                if not state.scored[state.column[site]]]
+        late = None if not unscored else outputs.buffers.logits[:, [j for _, j in unscored]].copy()
         for index, pending in enumerate(batch):
             if pending.on_final is not None:
                 rows = slice(int(state.starts[index]), int(state.starts[index]) + pending.rows)
                 pending.on_final(Answer(final[rows], (None,) * pending.rows, (None,) * pending.rows,
                                         1.0 - final_errors[rows], logits[rows], config.version, state.batch_id,
                                         finished))
-        compute_ms = (finished - started) * 1000.0
         if self.settings.cache_updates and config.sites:  # after every answer is out: off the requests' path
             model.learn(final)
-        self._after_batch(config, state.labels, state.errors, final, state.exits, started, finished, compute_ms,
-                          batch)
+        done = _Answered(state, final, [column for column, _ in unscored], late, started, finished,
+                         min(p.arrival for p in batch))
+        if self._control is not None:  # the books, off this thread: the next batch is waiting
+            self._records.put(done)
+        else:
+            self._book(done)
 
     def _record_unverified(self, config: Configuration, batch: list[_Pending], starts: np.ndarray,
                            labels: np.ndarray, errors: np.ndarray, exits: np.ndarray, started: float) -> None:
@@ -555,22 +575,26 @@ class ModelWorker:
                                       (started - min(p.arrival for p in batch)) * 1000.0,
                                       (time.monotonic() - started) * 1000.0, unverified=True))
 
-    def _after_batch(self, config: Configuration, labels: np.ndarray, errors: np.ndarray, final: np.ndarray,
-                     exits: np.ndarray, started: float, finished: float, compute_ms: float,
-                     batch: list[_Pending]) -> None:
-        n = len(final)
-        queue_ms = (started - min(p.arrival for p in batch)) * 1000.0
+    def _book(self, done: _Answered) -> BatchRecord | None:
+        """A batch's books once its answers are out (on the control thread where there is one): the ramps not
+        scored yet, counts, metrics and the record for the controller."""
+        state = done.state
+        for k, column in enumerate(done.unscored):
+            state.labels[:, column], state.errors[:, column] = top_label_and_error(done.late[:, k])
+        config, exits, n = state.config, state.exits, state.n
+        compute_ms = (done.finished - done.started) * 1000.0
+        queue_ms = (done.started - done.oldest_arrival) * 1000.0
         self.batch_size.observe(n, compute_ms)
         self.batch_time.observe(compute_ms * self.batch_size.size / n)
-        self.batches += 1
+        self.batches_booked += 1
         self.inputs_served += n
-        self.requests_served += len(batch)
+        self.requests_served += len(state.batch)
         early = int((exits != NO_EXIT).sum())
         self.count_answers("early", early)
         self.count_answers("final", n - early)
-        self.recent_batches.append({"id": self.batches - 1, "size": n, "config_version": config.version,
-                                    "started": started, "finished": finished, "queue_ms": queue_ms,
-                                    "compute_ms": compute_ms, "early": int((exits != NO_EXIT).sum())})
+        self.recent_batches.append({"id": state.batch_id, "size": n, "config_version": config.version,
+                                    "started": done.started, "finished": done.finished, "queue_ms": queue_ms,
+                                    "compute_ms": compute_ms, "early": early})
         m, labels_ = self.metrics, self._labels
         m.compute.labels(**labels_).observe(compute_ms / 1000.0)
         m.batch_size.labels(**labels_).observe(n)
@@ -578,9 +602,10 @@ class ModelWorker:
         sites, counts = np.unique(exits, return_counts=True)
         for j, count in zip(sites, counts):
             m.exits.labels(site="final" if j == NO_EXIT else config.sites[j], **labels_).inc(int(count))
-        if self.control is not None:
-            self._records.put(BatchRecord(config.version, config.sites, labels, errors, final, exits,
-                                          queue_ms, compute_ms))
+        if self.control is None:
+            return None
+        return BatchRecord(config.version, config.sites, state.labels, state.errors, done.final, exits, queue_ms,
+                           compute_ms)
 
     def count_answers(self, path: str, inputs: int) -> None:
         """Count answers given by `path` (early, final, cached, unverified), one per input; any thread."""
@@ -615,7 +640,8 @@ class ModelWorker:
                         items.append(self._records.get_nowait())
                     except queue.Empty:
                         break
-                records = [item for item in items if isinstance(item, BatchRecord)]
+                records = [self._book(item) if isinstance(item, _Answered) else item for item in items]
+                records = [item for item in records if isinstance(item, BatchRecord)]
                 new = None
                 for record in merged(records):
                     new = control.observe(record) or new
@@ -705,7 +731,7 @@ class ModelWorker:
             "requests": self.requests_served,
             "inputs": self.inputs_served,
             "answers": dict(self.answers),
-            "mean_batch_size": self.inputs_served / self.batches if self.batches else None,
+            "mean_batch_size": self.inputs_served / self.batches_booked if self.batches_booked else None,
             "configuration": self.configuration.to_json(),
             "recent_batches": list(self.recent_batches),
         }
