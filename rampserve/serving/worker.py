@@ -45,6 +45,7 @@ log = logging.getLogger("rampserve.serving")
 ANSWER_PATHS = ("early", "final", "cached", "unverified")
 RECENT_BATCHES = 64  # batch summaries kept for the status endpoint
 CONTROL_POLL_S = 1.0  # how often an idle worker asks its controller for a configuration published meanwhile
+CONTROL_GATHER_S = 0.005  # how long the control thread lets records gather once one has come
 # How long a starting server waits for its first configuration's set to compile (in the worker process) before
 # it serves that set eagerly
 START_COMPILE_WAIT_S = 300.0
@@ -633,8 +634,9 @@ class ModelWorker:
             except queue.Empty:  # idle: a controller shared with other workers may have moved on without us
                 new = control.refresh()
             else:
-                # Whatever queued meanwhile is learnt from at once: under load at batch 1 a call per batch kept
-                # this thread busy for 14% of the process's time, competing with the event loop for the GIL
+                # Whatever queues within a few milliseconds is learnt from at once: woken for every batch, under
+                # load at batch 1, this thread took 14% of the process's time, most of it waiting for the GIL
+                time.sleep(CONTROL_GATHER_S)
                 while True:
                     try:
                         items.append(self._records.get_nowait())
