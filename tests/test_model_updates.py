@@ -113,6 +113,8 @@ def test_a_model_update_pushed_to_the_stream_is_applied(repository, redis_url, r
         answered = labels_of(infer(url, "clf", x)[1])
         asyncio.run(publish_update(redis_url, ModelUpdate("unload", "clf")))
         wait_for(lambda: infer(url, "clf", x)[0] == 404, "clf to be unloaded")
+        # the listener counts an update once it is applied: the unload can answer 404 a moment before
+        wait_for(lambda: get_json(f"{url}/status")["updates"]["applied"] >= 2, "both updates to be counted")
         status = get_json(f"{url}/status")["updates"]
     assert answered.tolist() == [1]
     assert status["applied"] == 2 and status["failed"] == 0

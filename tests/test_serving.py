@@ -53,6 +53,16 @@ def fixed_exits(served: ServedModel, site_index: int, threshold: float, **overri
     return ModelSettings(controller=controller, **overrides)
 
 
+def books_after(url: str, requests: int) -> dict:
+    """The model's status once its books count `requests` requests (the control thread keeps them after the
+    answers are out)."""
+    deadline = time.monotonic() + 30
+    while (status := get_json(url + "/status")["models"][MODEL])["requests"] < requests:
+        assert time.monotonic() < deadline, f"the books never counted {requests} requests: {status['requests']}"
+        time.sleep(0.01)
+    return status
+
+
 def mixing_threshold(served: ServedModel, site_index: int, feeds: np.ndarray) -> float:
     """A threshold for the ramp at `site_index` between these inputs' error scores there: about half exit at
     it, whatever the small test model's ramps learnt."""
@@ -208,7 +218,7 @@ def test_many_concurrent_clients_each_get_exactly_one_answer(served, fmnist_feed
                            adaptive_batching=False)
     with server(served, settings) as (url, state):
         results = asyncio.run(_concurrent(url, bodies, clients=24))
-        status = get_json(url + "/status")["models"][MODEL]
+        status = books_after(url, len(bodies))
     assert sorted(index for index, _, _ in results) == list(range(len(bodies)))
     assert all(code == 200 for _, code, _ in results)
     assert status["requests"] == len(bodies) and status["batches"] < len(bodies)  # they were batched
@@ -231,12 +241,14 @@ def test_an_exited_answer_arrives_before_its_batch_finishes(served, fmnist_feeds
         post(f"{url}/v2/models/{MODEL}/infer", infer_body(served, x))  # warm-up
         status, _, answer = post(f"{url}/v2/models/{MODEL}/infer", infer_body(served, x))
         received = time.monotonic()
-        # The executor runs one batch at a time: once a later request is answered, the batch has finished.
-        post(f"{url}/v2/models/{MODEL}/infer", infer_body(served, x[:1]))
-        batches = get_json(url + "/status")["models"][MODEL]["recent_batches"]
+        # The batch's books are kept by the control thread once its answers are out
+        deadline = time.monotonic() + 30
+        while not (batch := next((b for b in get_json(url + "/status")["models"][MODEL]["recent_batches"]
+                                  if b["id"] == answer["parameters"]["batch_id"]), None)):
+            assert time.monotonic() < deadline, "the batch never reached the books"
+            time.sleep(0.01)
     assert status == 200 and answer["parameters"]["early"] is True
     assert set(answer["parameters"]["exit_site"]) == {served.model.site_names[0]}
-    batch = next(b for b in batches if b["id"] == answer["parameters"]["batch_id"])
     assert batch["size"] == 256 and batch["early"] == 256
     assert received < batch["finished"], "the answer was released after its batch had finished"
 
