@@ -17,7 +17,7 @@ class BatchTimes:
     release_ms: np.ndarray  # (r,) offset from batch start at which an input exiting at each active ramp is answered
     duration_ms: float  # the whole batch: the model plus every active ramp
     vanilla_ms: float  # the model alone
-    ramp_ms: np.ndarray  # (r,) what each active ramp adds to the batch (the first also what any set costs)
+    ramp_ms: np.ndarray  # (r,) what each active ramp adds to the batch
 
     def saved_ms(self) -> np.ndarray:
         """Against vanilla: per exit at each active ramp, then (last entry) for an input that does not exit."""
@@ -39,8 +39,6 @@ class CostModel:
         if key not in self._times:
             reach = self.profile.reach(batch_size)
             ramp = np.array([self.profile.ramp(s, batch_size) for s in key[0]], dtype=np.float64)
-            if len(ramp):  # the first active ramp also pays what any set of ramps costs
-                ramp[0] += self.profile.set_cost(batch_size)
             release = reach[[self.position[s] for s in key[0]]] + np.cumsum(ramp)
             vanilla = self.profile.full(batch_size)
             self._times[key] = BatchTimes(release, vanilla + float(ramp.sum()), vanilla, ramp)

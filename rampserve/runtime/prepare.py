@@ -33,7 +33,7 @@ class PrepareConfig:
     error_score: str = "max_prob"
     profile_batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES
     # Paired rounds per batch size, at least; small batches get as many more as `profile_budget_s` allows. A
-    # round runs the model 6 times a site, so on a large model at batch 64 the floor is what takes the time
+    # round runs the model 10 times, so on a large model at batch 64 the floor is what takes the time
     profile_repeats: int = 3
     profile_budget_s: float = PROFILE_BUDGET_S  # time per batch size the profile may take for more rounds
     train: TrainConfig = field(default_factory=TrainConfig)

@@ -30,13 +30,10 @@ class LatencyProfile:
     full_ms: tuple[float, ...]  # whole model, per batch size
     segment_ms: dict[str, tuple[float, ...]]  # segment ending at each site, and "output" for the last one
     # Per batch size, what having the ramp at a site active costs an input that does not exit, which the
-    # controller charges against its ramp budget: its share of the marginal time of the serving path with ramps
-    # against the path with none, measured paired (see `measure_profile`), and never less than the ramp's own
-    # operators timed alone.
+    # controller charges against its ramp budget: its share of the marginal time of the serving path with every
+    # ramp against the path with none, measured paired (see `measure_profile`), and never less than the ramp's
+    # own operators timed alone.
     ramp_ms: dict[str, tuple[float, ...]]
-    # Per batch size, what any set of ramps costs once on top of its ramps' own (a runner taking a ramp buffer
-    # and exit floors); charged to the first active ramp. Profiles measured before it was kept have none.
-    set_ms: tuple[float, ...] = ()
 
     def _column(self, batch_size: int) -> int:
         """The profiled batch size at or above `batch_size` (the largest when beyond)."""
@@ -47,9 +44,6 @@ class LatencyProfile:
 
     def ramp(self, site: str, batch_size: int) -> float:
         return self.ramp_ms[site][self._column(batch_size)]
-
-    def set_cost(self, batch_size: int) -> float:
-        return self.set_ms[self._column(batch_size)] if self.set_ms else 0.0
 
     def reach(self, batch_size: int) -> np.ndarray:
         """Time from the start of the model to each site, in site order, scaled so that reaching the output
@@ -70,7 +64,6 @@ class LatencyProfile:
             full_ms=tuple(float(v) for v in data["full_ms"]),
             segment_ms={k: tuple(float(x) for x in v) for k, v in data["segment_ms"].items()},
             ramp_ms={k: tuple(float(x) for x in v) for k, v in data["ramp_ms"].items()},
-            set_ms=tuple(float(v) for v in data.get("set_ms", ())),
         )
 
 
@@ -89,7 +82,8 @@ def _timed(fn: Callable[..., object], *args: object) -> tuple[object, float]:
 # Time each batch size is measured for, at most: a ramp's marginal cost is a few microseconds against a batch of
 # one's millisecond, so it takes hundreds of paired runs to stand out of the machine's noise.
 PROFILE_BUDGET_S = 5.0
-MAX_ROUNDS = 400
+MAX_ROUNDS = 2000
+SEGMENT_ROUNDS = 200  # stage-by-stage runs per batch size (stage times are milliseconds: few runs settle them)
 
 
 # Runs of one path in a row, after one untimed run: a server runs the set in force batch after batch with its
@@ -155,68 +149,49 @@ def _ramp_alone(model, site: str, fused: bool) -> Callable[[torch.Tensor], float
     return alone
 
 
-def _median_and_error(samples: Sequence[float]) -> tuple[float, float]:
-    """The median of paired differences and its standard error (that of a normal sample's median)."""
-    values = np.asarray(samples, dtype=float)
-    return float(np.median(values)), 1.2533 * float(np.std(values)) / max(1.0, np.sqrt(len(values)))
-
-
-def _fit_costs(alone: list[Sequence[float]], every: Sequence[float] | None, own: float) -> tuple[float, float]:
-    """(what any set costs, the factor from a ramp's own time to what it adds to the serving path), fitted to the
-    marginal times (samples) of each ramp alone and of every ramp at once: n * set + scale * own = sum(alone)
-    and set + scale * own = every. A part is kept only where it stands out of the noise (twice its standard
-    error): a few microseconds a ramp on a run of a millisecond, or of 60 ms for a text model at batch 16, are
-    often below it, and a factor fitted to noise charged a 1 us ramp 0.2 ms. Without a significant part, a ramp
-    costs its own operators' time and a set nothing more."""
-    fitted = [_median_and_error(samples) for samples in alone]
-    total, total_error = sum(m for m, _ in fitted), float(np.sqrt(sum(e * e for _, e in fitted)))
-    if every is None or len(alone) < 2:
-        shared, (with_all, error) = 0.0, (total, total_error)
-    else:
-        with_all, error = _median_and_error(every)
-        shared = (total - with_all) / (len(alone) - 1)
-        shared_error = float(np.hypot(total_error, error)) / (len(alone) - 1)
-        shared = shared if shared > 2 * shared_error else 0.0
-    excess = with_all - shared - own
-    return shared, 1.0 + (excess / own if own > 0 and excess > 2 * error else 0.0)
+def _in_place_factor(marginal: Sequence[float], own: float) -> float:
+    """How much more the ramps cost on the serving path than their operators alone (caches cold between the
+    model's layers, the runner's arguments): the paired marginal time of every ramp at once over the sum of their
+    own times, where it stands out of the noise (twice the standard error of its median), else 1. On a run of 60
+    ms (MiniLM at batch 16) noise is a millisecond, and a factor fitted to it charged a 1 us ramp 0.2 ms."""
+    values = np.asarray(marginal, dtype=float)
+    median = float(np.median(values))
+    error = 1.2533 * float(np.std(values)) / max(1.0, np.sqrt(len(values)))
+    return max(1.0, median / own) if own > 0 and median > 2 * error else 1.0
 
 
 def measure_profile(model, sample_feeds: Callable[[int], dict[str, np.ndarray]],
                     batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES, repeats: int = 3,
                     progress: bool = True, compiled: bool = True,
                     budget_s: float = PROFILE_BUDGET_S) -> LatencyProfile:
-    """Per batch size: the whole model, each segment between consecutive sites, each ramp's cost and what any set
-    of ramps costs on top of its ramps'.
+    """Per batch size: the whole model, each segment between consecutive sites, and each ramp's cost.
 
     `model` is a `PreparedModel`; `sample_feeds(b)` gives real inputs of batch size b. `compiled`: time the paths
     the server runs by default (each set's stages compiled with its ramps fused in, see
-    `PreparedModel.build_compiled`), since that is what a ramp costs when served. Costs are marginal times on the
-    serving path with no input exiting (threshold 0: the releasing thread is not woken): each ramp alone, and
-    every ramp at once, against no ramp, each path run in a block (see `BLOCK`) in each round, in an order that
-    alternates from round to round so that drift cancels in the difference; median over at least `repeats`
-    rounds and as many as `budget_s` allows. Those marginal times (a few microseconds a ramp on a run of a
-    millisecond) are too noisy to tell one ramp from another, so each ramp is charged its own operators' time
-    (timed alone, free of noise) scaled by one factor, and any set a fixed part, both fitted to the marginal
-    times (see `_fit_costs`). The record's bookkeeping comes after the batch's answers are out (throughput, not
-    latency)."""
+    `PreparedModel.build_compiled`), since that is what a ramp costs when served. A ramp's own time is its
+    operator's (timed alone in TorchScript, free of the model's noise); what it costs the serving path is that
+    times one factor for all ramps (see `_in_place_factor`), from the marginal time of the set of every ramp
+    against no ramp on the serving path with no input exiting (threshold 0: the releasing thread is not woken):
+    each path run in a block (see `BLOCK`) in each round, in an order that alternates from round to round so
+    that drift cancels in the difference, over at least `repeats` rounds and as many as `budget_s` allows. A
+    single ramp's marginal time (a few microseconds on a run of a millisecond) is too noisy to measure alone: in
+    one profile they came out between -15 and +36 us. The record's bookkeeping comes after the batch's answers
+    are out (throughput, not latency)."""
     sites = model.site_names
     example = sample_feeds(2)
 
     def path(active: tuple[str, ...]) -> object:
         return (model.build_compiled(active, example) if compiled else None) or False
 
-    whole = path(())
-    alone = {site: path((site,)) for site in sites}
-    every = path(tuple(sites)) if len(sites) > 1 else None
+    whole, every = path(()), path(tuple(sites))
     # Segments are timed as traced stages without ramps where the model compiles (their sum is scaled to the
     # whole model's time by `LatencyProfile.reach`)
     split = model.backend.split
     traced = split.traced(split.build(sites), model.backend.native_feeds(example)) \
         if compiled and model.compiles else None
     stages = traced or model.backend.plan(sites)[1]
-    heads = {site: _ramp_alone(model, site, isinstance(alone[site], CompiledSet)) for site in sites}
+    heads = {site: _ramp_alone(model, site, isinstance(every, CompiledSet)) for site in sites}
     full: list[float] = []
-    set_ms: list[float] = []
     segment: dict[str, list[float]] = {s: [] for s in (*sites, "output")}
     ramp: dict[str, list[float]] = {s: [] for s in sites}
 
@@ -224,25 +199,21 @@ def measure_profile(model, sample_feeds: Callable[[int], dict[str, np.ndarray]],
         feeds = sample_feeds(batch_size)
         primary, side = model.backend.split_feeds(feeds)
         none = serving_path(model, (), whole, feeds)
-        paths = {site: serving_path(model, (site,), alone[site], feeds) for site in sites}
-        if every is not None:
-            paths["*"] = serving_path(model, tuple(sites), every, feeds)
+        ramps = serving_path(model, tuple(sites), every, feeds)
         with torch.inference_mode():
             _, once = _timed(none)
-            rounds = int(np.clip(budget_s * 1000.0 / (max(once, 1e-3) * (2 * len(paths) * (BLOCK + 1) + len(sites))),
-                                 repeats, MAX_ROUNDS))
-            marginal: dict[str, list[float]] = {key: [] for key in paths}
+            rounds = int(np.clip(budget_s * 1000.0 / (max(once, 1e-3) * (2 * (BLOCK + 1) + 1)), repeats, MAX_ROUNDS))
+            marginal: list[float] = []
             runs: dict[str, list[float]] = {k: [] for k in ("full", *segment, *(f"head:{s}" for s in sites))}
             for rep in range(rounds + 1):  # a warm-up round, discarded
-                for key, run in paths.items():
-                    if rep % 2:
-                        with_ramps, without = _block(run), _block(none)
-                    else:
-                        without, with_ramps = _block(none), _block(run)
-                    if rep:
-                        marginal[key].append(with_ramps - without)
-                        runs["full"].append(without)
-            for _ in range(rounds):
+                if rep % 2:
+                    with_ramps, without = _block(ramps), _block(none)
+                else:
+                    without, with_ramps = _block(none), _block(ramps)
+                if rep:
+                    marginal.append(with_ramps - without)
+                    runs["full"].append(without)
+            for _ in range(min(rounds, SEGMENT_ROUNDS)):
                 activation = primary
                 for name, stage in zip((*sites, "output"), stages):
                     activation, elapsed = _timed(stage, activation, side)
@@ -253,16 +224,13 @@ def measure_profile(model, sample_feeds: Callable[[int], dict[str, np.ndarray]],
         for name in segment:
             segment[name].append(float(np.median(runs[name])))
         own = {site: float(np.median(runs[f"head:{site}"])) for site in sites}
-        shared, scale = _fit_costs([marginal[site] for site in sites], marginal["*"] if every is not None else None,
-                                   sum(own.values()))
-        set_ms.append(shared)
+        factor = _in_place_factor(marginal, sum(own.values()))
         for name in sites:
-            ramp[name].append(own[name] * scale)
+            ramp[name].append(own[name] * factor)
     return LatencyProfile(
         batch_sizes=tuple(batch_sizes),
         sites=tuple(sites),
         full_ms=tuple(full),
         segment_ms={k: tuple(v) for k, v in segment.items()},
         ramp_ms={k: tuple(v) for k, v in ramp.items()},
-        set_ms=tuple(set_ms),
     )
