@@ -309,9 +309,10 @@ def demo(
                   "controller decisions); `rampserve bench live --json OUT --plots DIR` for the full benchmark.")
 
 
-def demo_verdict(vanilla: dict, served: dict) -> str:
+def demo_verdict(vanilla: dict, served: dict, accuracy_constraint: float = 0.01) -> str:
     """What the demo's replay showed, in words that follow from its numbers: whether early exits saved latency at
-    the median and the tail, at what accuracy, and why not where they did not."""
+    the median and the tail, at what accuracy (and whether it kept the constraint the server was given), and why
+    not where they did not."""
     p50, p99 = served["p50_ms"] / vanilla["p50_ms"], served["p99_ms"] / vanilla["p99_ms"]
     lines = [f"rampserve answered {served['exit_share']:.0%} of requests at a ramp, agreeing with the original model "
              f"on {served['accuracy']:.2%} of answers (worst 1k: {served['worst_window_accuracy']:.2%}).",
@@ -326,6 +327,9 @@ def demo_verdict(vanilla: dict, served: dict) -> str:
         lines.append(f"Early exits cut the median by {1 - p50:.0%} in this run.")
     else:
         lines.append("Exits happened, but did not lower the median in this run.")
+    if served["accuracy"] < 1.0 - accuracy_constraint:
+        lines.append(f"Agreement fell below the {1.0 - accuracy_constraint:.0%} that the accuracy constraint asks for "
+                     "in this run.")
     return "\n".join(lines)
 
 

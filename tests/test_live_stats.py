@@ -194,3 +194,5 @@ def test_the_demo_says_what_its_numbers_show():
     assert "cut the median by 40%" in demo_verdict(vanilla, _system(1.2, 9.0, 0.5))
     slower = demo_verdict(vanilla, _system(2.4, 12.0, 0.3))
     assert "did not lower the median" in slower and "(1.20x)" in slower
+    assert "fell below" not in slower
+    assert "fell below the 99%" in demo_verdict(vanilla, _system(1.2, 9.0, 0.5) | {"accuracy": 0.987})
