@@ -34,7 +34,7 @@ from tqdm.auto import tqdm
 from rampserve.bench.loadgen import Job, LoadResult, fetch_status, save_job
 from rampserve.bench.ramp_outputs import RampOutputs, ramp_outputs
 from rampserve.bench.sim import Scenario, _rolling_min_mean, replay, replay_oracle, summarize, with_savings
-from rampserve.bench.timing import interleaved_medians
+from rampserve.runtime.timing import interleaved_medians
 from rampserve.control.costs import CostModel
 from rampserve.control.records import Configuration
 from rampserve.runtime.bundle import load_bundle

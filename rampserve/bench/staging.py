@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from rampserve.bench.timing import interleaved_medians, interleaved_samples, paired_difference
+from rampserve.runtime.timing import interleaved_medians, interleaved_samples, paired_difference
 from rampserve.runtime.backends import Backend, OnnxBackend, TorchBackend
 from rampserve.runtime.bundle import load_bundle
 from rampserve.runtime.prepared import PreparedModel
@@ -61,8 +61,7 @@ def measure_backend(backend: Backend, feeds: dict[str, np.ndarray], rounds: int)
     ]
 
 
-# Runs of one set in a row per turn: a server runs the set in force batch after batch, while a set timed between
-# other sets (each with its own copy of the model's weights) finds them out of cache
+# Runs of one set in a row in its turn, after an untimed one (see `interleaved_samples`)
 RAMP_BLOCK = 5
 
 

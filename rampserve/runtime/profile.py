@@ -19,6 +19,7 @@ from tqdm.auto import tqdm
 from rampserve.graph.torch_graph import torchscript_quietly
 from rampserve.ramps.fused import StashedRamp, fused_ramp
 from rampserve.runtime.compiled import NEVER_STOP, CompiledSet
+from rampserve.runtime.timing import interleaved_samples, paired_median
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
 
@@ -86,15 +87,8 @@ MAX_ROUNDS = 2000
 SEGMENT_ROUNDS = 200  # stage-by-stage runs per batch size (stage times are milliseconds: few runs settle them)
 
 
-# Runs of one path in a row, after one untimed run: a server runs the set in force batch after batch with its
-# weights in cache, where a set timed right after another (each holds its own copy of the weights) finds them out
+# Runs of one path in a row in its turn, after an untimed one (see `interleaved_samples`)
 BLOCK = 4
-
-
-def _block(run: Callable[[], object]) -> float:
-    """Median milliseconds of `BLOCK` runs of `run` in a row, after an untimed one."""
-    run()
-    return float(np.median([_timed(run)[1] for _ in range(BLOCK)]))
 
 
 def serving_path(model, active: tuple[str, ...], compiled: object, feeds: dict[str, np.ndarray]
@@ -154,14 +148,13 @@ def _ramp_alone(model, site: str, fused: bool) -> Callable[[torch.Tensor], float
     return alone
 
 
-def _in_place_factor(marginal: Sequence[float], own: float) -> float:
+def _in_place_factor(with_ramps: np.ndarray, without: np.ndarray, own: float) -> float:
     """How much more the ramps cost on the serving path than their operators alone (caches cold between the
-    model's layers, the runner's arguments): the paired marginal time of every ramp at once over the sum of their
-    own times, where it stands out of the noise (twice the standard error of its median), else 1. On a run of 60
-    ms (MiniLM at batch 16) noise is a millisecond, and a factor fitted to it charged a 1 us ramp 0.2 ms."""
-    values = np.asarray(marginal, dtype=float)
-    median = float(np.median(values))
-    error = 1.2533 * float(np.std(values)) / max(1.0, np.sqrt(len(values)))
+    model's layers, the runner's arguments): the paired marginal time of every ramp at once (`paired_median` of
+    the two paths' samples) over the sum of their own times, where it stands out of the noise (twice the standard
+    error of its median), else 1. On a run of 60 ms (MiniLM at batch 16) noise is a millisecond, and a factor
+    fitted to it charged a 1 us ramp 0.2 ms."""
+    median, error = paired_median(with_ramps, without)
     return max(1.0, median / own) if own > 0 and median > 2 * error else 1.0
 
 
@@ -178,7 +171,7 @@ def measure_profile(model, sample_feeds: Callable[[int], dict[str, np.ndarray]],
     times one factor for all ramps (see `_in_place_factor`), from the marginal time of the set of every ramp
     against no ramp on the serving path with no input exiting (threshold 0: the releasing thread is not woken):
     each path run in a block (see `BLOCK`) in each round, in an order that alternates from round to round so
-    that drift cancels in the difference, over at least `repeats` rounds and as many as `budget_s` allows. A
+    that drift cancels in the difference (`interleaved_samples`), over at least `repeats` rounds and as many as `budget_s` allows. A
     single ramp's marginal time (a few microseconds on a run of a millisecond) is too noisy to measure alone: in
     one profile they came out between -15 and +36 us. The record's bookkeeping comes after the batch's answers
     are out (throughput, not latency)."""
@@ -208,16 +201,8 @@ def measure_profile(model, sample_feeds: Callable[[int], dict[str, np.ndarray]],
         with torch.inference_mode():
             _, once = _timed(none)
             rounds = int(np.clip(budget_s * 1000.0 / (max(once, 1e-3) * (2 * (BLOCK + 1) + 1)), repeats, MAX_ROUNDS))
-            marginal: list[float] = []
-            runs: dict[str, list[float]] = {k: [] for k in ("full", *segment, *(f"head:{s}" for s in sites))}
-            for rep in range(rounds + 1):  # a warm-up round, discarded
-                if rep % 2:
-                    with_ramps, without = _block(ramps), _block(none)
-                else:
-                    without, with_ramps = _block(none), _block(ramps)
-                if rep:
-                    marginal.append(with_ramps - without)
-                    runs["full"].append(without)
+            samples = interleaved_samples({"none": none, "ramps": ramps}, rounds, block=BLOCK, progress=False)
+            runs: dict[str, list[float]] = {k: [] for k in (*segment, *(f"head:{s}" for s in sites))}
             for _ in range(min(rounds, SEGMENT_ROUNDS)):
                 activation = primary
                 for name, stage in zip((*sites, "output"), stages):
@@ -225,11 +210,11 @@ def measure_profile(model, sample_feeds: Callable[[int], dict[str, np.ndarray]],
                     runs[name].append(elapsed)
                     if name in heads:
                         runs[f"head:{name}"].append(heads[name](activation))
-        full.append(float(np.median(runs["full"])))
+        full.append(float(np.median(np.median(samples["none"], axis=1))))
         for name in segment:
             segment[name].append(float(np.median(runs[name])))
         own = {site: float(np.median(runs[f"head:{site}"])) for site in sites}
-        factor = _in_place_factor(marginal, sum(own.values()))
+        factor = _in_place_factor(samples["ramps"], samples["none"], sum(own.values()))
         for name in sites:
             ramp[name].append(own[name] * factor)
     return LatencyProfile(

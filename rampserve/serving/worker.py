@@ -537,7 +537,7 @@ class ModelWorker:
                 for j in left:
                     ramp(j)
         except Exception:
-            self._record_unverified(config, batch, state.starts, state.labels, state.errors, state.exits, started)
+            self._record_unverified(state, started)
             raise
         final, final_errors = top_label_and_error(logits)
         state.finish(final, final_errors, logits)
@@ -562,17 +562,17 @@ class ModelWorker:
         else:
             self._book(done)
 
-    def _record_unverified(self, config: Configuration, batch: list[_Pending], starts: np.ndarray,
-                           labels: np.ndarray, errors: np.ndarray, exits: np.ndarray, started: float) -> None:
+    def _record_unverified(self, state: _BatchState, started: float) -> None:
         """The model failed after some answers left at a ramp: the controller still hears of them, as answers
         that could not be checked (it counts them as disagreements)."""
-        rows = np.concatenate([np.arange(start, start + p.rows) for start, p in zip(starts, batch) if p.settled]
+        batch = state.batch
+        rows = np.concatenate([np.arange(start, start + p.rows) for start, p in zip(state.starts, batch) if p.settled]
                               or [np.zeros(0, dtype=int)])
         self.count_answers("unverified", len(rows))  # before the controller can hear of them
         if self.control is None or not len(rows):
             return
-        self._records.put(BatchRecord(config.version, config.sites, labels[rows], errors[rows],
-                                      np.full(len(rows), NO_LABEL), exits[rows],
+        self._records.put(BatchRecord(state.config.version, state.config.sites, state.labels[rows],
+                                      state.errors[rows], np.full(len(rows), NO_LABEL), state.exits[rows],
                                       (started - min(p.arrival for p in batch)) * 1000.0,
                                       (time.monotonic() - started) * 1000.0, unverified=True))
 
