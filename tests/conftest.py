@@ -60,6 +60,24 @@ def cache_bundle(cache_prepared, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def onnx_prepared(small_prepare_config, fmnist_feeds, tmp_path_factory):
+    """The small ResNet exported to ONNX and prepared from that file alone (stages on ONNX Runtime)."""
+    from dataclasses import replace
+
+    import torch
+
+    from rampserve.graph.onnx_graph import export_onnx
+    from rampserve.runtime.prepare import prepare
+    from rampserve.runtime.sources import ModelSource
+    from rampserve.zoo.registry import load_trained
+
+    module = load_trained("resnet18-fmnist", small=True)
+    path = export_onnx(module, (torch.from_numpy(fmnist_feeds[:2]),), ["image"],
+                       tmp_path_factory.mktemp("onnx") / "r18.onnx")
+    return prepare(ModelSource.parse(str(path)), replace(small_prepare_config, workload="fmnist-drift"))
+
+
+@pytest.fixture(scope="session")
 def fmnist_feeds():
     """Real drifting Fashion-MNIST inputs from the evaluation part of the stream."""
     from rampserve.workloads.fashion_mnist import to_model_input

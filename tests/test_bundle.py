@@ -131,19 +131,13 @@ def test_cli_profile_measures_again_and_rewrites_only_the_profile(bundle_copy) -
     assert all(len(ms) == len(profile.batch_sizes) and min(ms) > 0 for ms in profile.ramp_ms.values())
 
 
-def test_onnx_model_prepares_runs_staged_and_round_trips(small_prepare_config, fmnist_feeds, tmp_path) -> None:
+def test_onnx_model_prepares_runs_staged_and_round_trips(onnx_prepared, fmnist_feeds, tmp_path) -> None:
     """An ONNX file is a first-class source: its stages run on ONNX Runtime and match the whole graph."""
-    from dataclasses import replace
-
-    from rampserve.graph.onnx_graph import export_onnx
     from rampserve.runtime.bundle import save_bundle
-    from rampserve.runtime.prepare import prepare
-    from rampserve.runtime.sources import ModelSource
     from rampserve.zoo.registry import load_trained
 
     module = load_trained("resnet18-fmnist", small=True)
-    path = export_onnx(module, (torch.from_numpy(fmnist_feeds[:2]),), ["image"], tmp_path / "r18.onnx")
-    model = prepare(ModelSource.parse(str(path)), replace(small_prepare_config, workload="fmnist-drift"))
+    model = onnx_prepared
     assert model.backend.kind == "onnx" and len(model.sites) >= 4
     feeds = {"image": fmnist_feeds}
     whole = model.backend.split.full(feeds)

@@ -34,13 +34,21 @@ def test_staged_output_equals_the_original_model_exactly(resnet_prepared, fmnist
     check()
 
 
-def test_compiled_runs_equal_the_original_model_and_fused_ramps_equal_the_eager_ones(resnet_prepared,
-                                                                                    fmnist_feeds) -> None:
-    """Compiled sets (the serving path: traced stages with the ramps fused in, one scripted runner) give bit for bit
-    the original model's output, and every fused ramp the eager ramp's labels exactly and its error scores to
-    float32 rounding, for any active ramps and batch size; every ramp is reported once, in model order."""
-    model = replace(resnet_prepared)  # compiled sets of its own
+BACKENDS = ["resnet_prepared", "onnx_prepared"]  # the same small ResNet on torch and on ONNX Runtime
+
+
+@pytest.mark.parametrize("prepared", BACKENDS)
+def test_compiled_runs_equal_the_original_model_and_fused_ramps_equal_the_eager_ones(prepared, fmnist_feeds,
+                                                                                    request) -> None:
+    """Compiled sets (the serving path: on torch, traced stages with the ramps fused in, one scripted runner; on
+    ONNX, the stages' sessions with the ramps inside) give bit for bit the eager path's output (on torch the
+    original model's), and every fused ramp the eager ramp's labels exactly and its error scores to float32
+    rounding, for any active ramps and batch size; every ramp is reported once, in model order."""
+    model = replace(request.getfixturevalue(prepared))  # compiled sets of its own
     name = model.backend.input_names[0]
+    first = model.sites[0]  # a ramp that runs in Python (stashed on the compiled path) beside fused ones
+    model.ramps = {**model.ramps, first.name: make_ramp(spec_for("deep", first.activation_shape,
+                                                                 first.ramp.num_classes)).eval()}
 
     @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
     @given(st.sets(st.sampled_from(model.site_names)), st.integers(1, 16))
@@ -52,8 +60,12 @@ def test_compiled_runs_equal_the_original_model_and_fused_ramps_equal_the_eager_
         outputs = {compiled: model.run(feeds, ordered, lambda *seen, c=compiled: ramps[c].append(seen),
                                        compiled=compiled)
                    for compiled in (True, False)}
-        reference = model.backend.module(torch.from_numpy(fmnist_feeds[:batch])).detach().numpy()
-        assert np.array_equal(outputs[True], reference) and np.array_equal(outputs[False], reference)
+        assert np.array_equal(outputs[True], outputs[False])
+        if model.backend.kind == "torch":
+            reference = model.backend.module(torch.from_numpy(fmnist_feeds[:batch])).detach().numpy()
+            assert np.array_equal(outputs[True], reference)
+        else:  # ONNX Runtime fuses other operators in a sub-graph than in the whole graph: float rounding apart
+            np.testing.assert_allclose(outputs[True], model.backend.split.full(feeds), rtol=1e-4, atol=1e-5)
         assert [site for site, *_ in ramps[True]] == ordered
         eager = {site: (labels, errors) for site, labels, errors in ramps[False]}
         for site, labels, errors in ramps[True]:
@@ -63,10 +75,12 @@ def test_compiled_runs_equal_the_original_model_and_fused_ramps_equal_the_eager_
     check()
 
 
-def test_a_compiled_run_signals_exactly_the_ramps_where_an_input_may_exit(resnet_prepared, fmnist_feeds) -> None:
+@pytest.mark.parametrize("prepared", BACKENDS)
+def test_a_compiled_run_signals_exactly_the_ramps_where_an_input_may_exit(prepared, fmnist_feeds, request) -> None:
     """A compiled run writes a ramp's column to the pipe where some input's error score is under the ramp's
-    threshold (so the releasing thread can release it while the model runs on), and nowhere else."""
-    model = replace(resnet_prepared)
+    threshold (so the releasing thread can release it while the model runs on), and nowhere else but within the
+    set's margin for rounding (float32 confidences on ONNX)."""
+    model = replace(request.getfixturevalue(prepared))
     name = model.backend.input_names[0]
     sites = model.site_names
     assert model.compile(sites, {name: fmnist_feeds[-2:]})
@@ -84,8 +98,11 @@ def test_a_compiled_run_signals_exactly_the_ramps_where_an_input_may_exit(resnet
             signalled = list(os.read(read, 4096))
         except BlockingIOError:
             signalled = []
-        exits = [j for j in range(len(sites)) if np.any(outputs.scores(j)[1] < thresholds[j])]
-        assert signalled == exits
+        errors = [outputs.scores(j)[1] for j in range(len(sites))]
+        exits = {j for j in range(len(sites)) if np.any(errors[j] < thresholds[j])}
+        near = {j for j in range(len(sites)) if thresholds[j] > 0
+                and np.any(errors[j] < thresholds[j] + 2 * compiled.exit_margin)}
+        assert signalled == sorted(signalled) and exits <= set(signalled) <= near
 
     try:
         check()

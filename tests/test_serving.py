@@ -441,3 +441,31 @@ def test_served_cache_ramp_answers_early_and_learns_from_final_answers(cache_bun
         assert ramp.usage.sum() > usage.sum() + 15
     else:
         assert torch.equal(ramp.usage, usage)
+
+
+def test_an_onnx_bundle_serves_its_ramps_fused_into_the_stages(onnx_prepared, fmnist_feeds, tmp_path) -> None:
+    """An ONNX model serves its compiled path (each ramp inside the session of its stage): a row whose error score
+    at the active ramp is under the threshold leaves there with the eager ramp's label, the others get the
+    model's, and the logits a client asks for are the eager path's."""
+    from rampserve.runtime.bundle import save_bundle
+
+    served = load_served(str(save_bundle(onnx_prepared, tmp_path / MODEL)))
+    site, x = served.model.site_names[1], fmnist_feeds
+    threshold = mixing_threshold(served, 1, x)
+    seen: list[tuple[np.ndarray, np.ndarray]] = []
+    logits = served.model.run({served.inputs[0].name: x}, [site], lambda _, *scored: seen.append(scored))
+    (ramp_labels, errors), = seen
+    with server(served, fixed_exits(served, 1, threshold)) as (url, _):
+        answers = [post(f"{url}/v2/models/{MODEL}/infer", infer_body(served, x[i:i + 1]))[2] for i in range(len(x))]
+        client = triton.InferenceServerClient(url.removeprefix("http://"))
+        final = client.infer(MODEL, [triton_input(served, x, True)],
+                             outputs=[triton.InferRequestedOutput("logits", binary_data=True)])
+        compiled = get_json(url + "/status")["models"][MODEL]["compiled"]
+    assert compiled is True
+    np.testing.assert_array_equal(final.as_numpy("logits"), logits)
+    exits = errors < threshold
+    assert 0 < exits.sum() < len(x)
+    for i, answer in enumerate(answers):
+        label = next(o for o in answer["outputs"] if o["name"] == "label")["data"][0]
+        exit_site = np.atleast_1d(np.array(answer["parameters"]["exit_site"], dtype=object))[0]
+        assert (exit_site, label) == ((site, ramp_labels[i]) if exits[i] else (None, logits[i].argmax()))

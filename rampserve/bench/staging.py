@@ -19,7 +19,7 @@ import torch
 from rampserve.runtime.timing import interleaved_medians, interleaved_samples, paired_difference
 from rampserve.runtime.backends import Backend, OnnxBackend, TorchBackend
 from rampserve.runtime.bundle import load_bundle
-from rampserve.runtime.prepared import PreparedModel
+from rampserve.runtime.prepared import PreparedModel, SiteInfo
 from rampserve.runtime.zoo_bundles import zoo_bundle
 from rampserve.runtime.prepare import bootstrap_inputs, default_workload, feeds_for
 from rampserve.runtime.profile import serving_path
@@ -110,6 +110,21 @@ def measure_ramps(name: str, model: PreparedModel, feeds: dict[str, np.ndarray],
     return cases
 
 
+def onnx_twin(prepared: PreparedModel, backend: OnnxBackend, example: dict[str, np.ndarray]) -> PreparedModel:
+    """`prepared`'s ramps on `backend`, the ONNX export of its model: the same analysis finds the same sites in
+    both graphs, in the same order, and each ramp moves to its ONNX counterpart (activation shapes checked)."""
+    sites = backend.sites
+    activations, _ = next(backend.site_activations([example], [s.value for s in sites]))
+    shapes = [tuple(activations[s.value].shape[1:]) for s in sites]
+    if shapes != [s.activation_shape for s in prepared.sites]:
+        raise ValueError(f"the ONNX export's sites ({shapes}) are not the model's "
+                         f"({[s.activation_shape for s in prepared.sites]})")
+    twins = [SiteInfo(s.value, s.index, s.kind, s.scope, shape, info.ramp, info.val_accuracy)
+             for s, shape, info in zip(sites, shapes, prepared.sites)]
+    return PreparedModel(backend, twins, {s.value: prepared.ramps[info.name] for s, info in zip(sites, prepared.sites)},
+                         error_score=prepared.error_score)
+
+
 def run_staging_bench(model: str = "resnet18-fmnist", batch_sizes: tuple[int, ...] = (1, 16),
                       rounds: int = 200, small: bool = False) -> dict:
     from rampserve.graph.onnx_graph import export_onnx
@@ -120,19 +135,21 @@ def run_staging_bench(model: str = "resnet18-fmnist", batch_sizes: tuple[int, ..
     encoder, items = bootstrap.encoder, bootstrap.items
     torch_backend = TorchBackend(module)
     cases: list[StagingCase] = []
+    prepared = load_bundle(zoo_bundle(model, small=small))
     with tempfile.TemporaryDirectory() as tmp:
         example = feeds_for(torch_backend, encoder, items[:2])
         onnx_path = export_onnx(module, tuple(torch.from_numpy(v) for v in example.values()),
                                 torch_backend.input_names, Path(tmp) / "model.onnx")
-        backends: list[Backend] = [torch_backend, OnnxBackend(onnx_path)]
+        onnx_backend = OnnxBackend(onnx_path)
         for batch_size in batch_sizes:
-            for backend in backends:
+            for backend in (torch_backend, onnx_backend):
                 feeds = feeds_for(backend, encoder, items[:batch_size])
                 cases.extend(measure_backend(backend, feeds, rounds=rounds))
-    prepared = load_bundle(zoo_bundle(model, small=small))
-    example = feeds_for(prepared.backend, encoder, items[:2])
-    ramp_cases = [case for batch_size in batch_sizes for case in measure_ramps(
-        model, prepared, feeds_for(prepared.backend, encoder, items[:batch_size]), example, rounds)]
+        # The bundle's ramps on both backends: compiled with the ramp operators on torch, fused into the stages'
+        # sessions on ONNX
+        ramp_cases = [case for served in (prepared, onnx_twin(prepared, onnx_backend, example))
+                      for batch_size in batch_sizes for case in measure_ramps(
+                          model, served, feeds_for(served.backend, encoder, items[:batch_size]), example, rounds)]
     return {
         "model": model,
         "cases": [asdict(c) for c in cases if c.cuts == "none"],

@@ -1,7 +1,8 @@
 """ONNX front end: describe an ONNX model as a `Dataflow`, and run it in stages split at sites.
 
 Stages are sub-graphs of the original graph, each in its own onnxruntime session, so a third-party model
-needs no Python source to get exit ramps: only its ONNX file.
+needs no Python source to get exit ramps: only its ONNX file. A stage may also compute a `Tap` on the value it
+ends at (an exit ramp, say) as an extra output of its sub-graph, in the same session call.
 """
 
 from __future__ import annotations
@@ -152,21 +153,41 @@ def onnx_dataflow(model: onnx.ModelProto) -> Dataflow:
     return Dataflow(inputs=tuple(_real_inputs(graph)), ops=tuple(ops), outputs=tuple(v.name for v in graph.output))
 
 
+@dataclass(frozen=True, eq=False)  # holds protobufs, which do not hash
+class Tap:
+    """Extra work on a cut value inside the stage that ends at it: ONNX nodes that read the cut value by its name,
+    the initializers they read, and the values they produce (typed), which the stage returns beside its output.
+    `key` names what the nodes compute: stages are kept per segment and tap key."""
+
+    key: str
+    nodes: tuple[onnx.NodeProto, ...]
+    initializers: tuple[onnx.TensorProto, ...]
+    outputs: tuple[onnx.ValueInfoProto, ...]
+
+
 @dataclass(frozen=True)
 class _Runner:
-    """One session that maps the data value `input_name` (plus the side inputs it reads) to `output_name`."""
+    """One session that maps the data value `input_name` (plus the side inputs it reads) to `output_name`, and
+    with a tap also to the tap's outputs."""
 
     session: ort.InferenceSession
     input_name: str
     side_names: tuple[str, ...]
     output_name: str
+    tap_outputs: tuple[str, ...] = ()
 
-    def __call__(self, x: np.ndarray, side: Mapping[str, np.ndarray]) -> np.ndarray:
+    def _feeds(self, x: np.ndarray, side: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         missing = [name for name in self.side_names if name not in side]
         if missing:
             raise KeyError(f"this stage reads side inputs {missing}, which were not given")
-        feeds = {self.input_name: x, **{name: side[name] for name in self.side_names}}
-        return self.session.run([self.output_name], feeds)[0]
+        return {self.input_name: x, **{name: side[name] for name in self.side_names}}
+
+    def __call__(self, x: np.ndarray, side: Mapping[str, np.ndarray]) -> np.ndarray:
+        return self.session.run([self.output_name], self._feeds(x, side))[0]
+
+    def tapped(self, x: np.ndarray, side: Mapping[str, np.ndarray]) -> list[np.ndarray]:
+        """The stage's output, then its tap's outputs, from one session call."""
+        return self.session.run([self.output_name, *self.tap_outputs], self._feeds(x, side))
 
 
 class OnnxSplitModel:
@@ -192,7 +213,7 @@ class OnnxSplitModel:
         # 3 ms to over 600 ms beside spinning sessions on 2 cores).
         self._options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         self._options.add_session_config_entry("session.inter_op.allow_spinning", "0")
-        self._runners: dict[tuple[str, str], _Runner] = {}
+        self._runners: dict[tuple[str, str, str | None], _Runner] = {}
         self._lock = threading.Lock()
 
     def full(self, feeds: Mapping[str, np.ndarray]) -> np.ndarray:
@@ -200,8 +221,18 @@ class OnnxSplitModel:
         primary = self.input_names[0]
         return self._runner(primary, self.output_name)(feeds[primary], feeds)
 
+    @property
+    def opset(self) -> int:
+        """The model's version of the default ONNX operator set (what a tap's nodes must be written for)."""
+        return next(o.version for o in self._model.opset_import if o.domain in ("", "ai.onnx"))
+
     def build(self, cuts: Sequence[str]) -> list[Stage]:
         """One callable per stage, cutting at the given site values (in any order); `()` gives one stage."""
+        return self.build_tapped(cuts, {})
+
+    def build_tapped(self, cuts: Sequence[str], taps: Mapping[str, Tap]) -> list[_Runner]:
+        """`build`'s stages, where the stage that ends at a cut with a tap in `taps` also computes the tap (its
+        `tapped` returns the tap's outputs after the stage's)."""
         position = {site.value: site.index for site in self.sites}
         strays = [cut for cut in cuts if cut not in position]
         if strays:
@@ -211,27 +242,43 @@ class OnnxSplitModel:
             )
         if len(set(cuts)) != len(cuts):
             raise ValueError(f"cuts {list(cuts)} name a site more than once")
+        strays = [cut for cut in taps if cut not in cuts]
+        if strays:
+            raise ValueError(f"taps on {strays}, which are not among the cuts {list(cuts)}")
         bounds = [self.input_names[0], *sorted(cuts, key=position.__getitem__), self.output_name]
-        return [self._runner(start, stop) for start, stop in zip(bounds, bounds[1:])]
+        return [self._runner(start, stop, taps.get(stop)) for start, stop in zip(bounds, bounds[1:])]
 
-    def _runner(self, start: str, stop: str) -> _Runner:
+    def tap_alone(self, cut: str, tap: Tap) -> Callable[[np.ndarray], list[np.ndarray]]:
+        """`tap` in a session of its own, from the cut value it reads to its outputs (to time it)."""
+        if cut not in self._types:
+            raise ValueError(f"shape inference found no type for {cut!r}")
+        graph = onnx.helper.make_graph(list(tap.nodes), f"tap[{cut}]", [self._types[cut]], list(tap.outputs),
+                                       initializer=list(tap.initializers))
+        model = onnx.helper.make_model(graph, ir_version=self._model.ir_version, opset_imports=self._model.opset_import)
+        session = ort.InferenceSession(model.SerializeToString(), self._options, providers=["CPUExecutionProvider"])
+        return lambda activation: session.run([v.name for v in tap.outputs], {cut: activation})
+
+    def _runner(self, start: str, stop: str, tap: Tap | None = None) -> _Runner:
         # Keyed by segment rather than by cut tuple: a segment's session is the same whatever the other cuts
         # are, so cut tuples that share a segment share its session.
+        key = (start, stop, None if tap is None else tap.key)
         with self._lock:
-            runner = self._runners.get((start, stop))
+            runner = self._runners.get(key)
             if runner is None:
-                runner = self._runners[(start, stop)] = self._make_runner(start, stop)
+                runner = self._runners[key] = self._make_runner(start, stop, tap)
             return runner
 
-    def _make_runner(self, start: str, stop: str) -> _Runner:
+    def _make_runner(self, start: str, stop: str, tap: Tap | None) -> _Runner:
         if (start, stop) == (self.input_names[0], self.output_name):  # `full`, and the one stage of `build(())`
             model, side = self._model, self.input_names[1:]
         else:
             model, side = self._segment(start, stop)
+        if tap is not None:
+            model = _with_tap(model, tap)
         session = ort.InferenceSession(
             model.SerializeToString(), self._options, providers=["CPUExecutionProvider"]
         )
-        return _Runner(session, start, tuple(side), stop)
+        return _Runner(session, start, tuple(side), stop, () if tap is None else tuple(v.name for v in tap.outputs))
 
     def _segment(self, start: str, stop: str) -> tuple[onnx.ModelProto, list[str]]:
         """The sub-graph computing `stop` from `start` and side inputs, and which side inputs it reads.
@@ -274,6 +321,16 @@ class OnnxSplitModel:
             functions=self._model.functions,
         )
         return model, inputs[1:]
+
+
+def _with_tap(model: onnx.ModelProto, tap: Tap) -> onnx.ModelProto:
+    """`model` that also computes `tap` and outputs its values after its own output."""
+    tapped = onnx.ModelProto()
+    tapped.CopyFrom(model)
+    tapped.graph.node.extend(tap.nodes)
+    tapped.graph.initializer.extend(tap.initializers)
+    tapped.graph.output.extend(tap.outputs)
+    return tapped
 
 
 def export_onnx(

@@ -42,6 +42,9 @@ NEVER_STOP = 2.0
 # Slack on "no input of this ramp can exit": the ramp operator and Python score the same float32 logits in
 # double, so this only covers two double computations of the same numbers
 EXIT_MARGIN = 1e-9
+# The same for a ramp fused into an ONNX stage, whose confidence is computed in float32 (a few units of its
+# rounding, 6e-8 each)
+ONNX_EXIT_MARGIN = 1e-5
 
 
 class RunnerStage(nn.Module):
@@ -85,6 +88,35 @@ class SetRunner(nn.Module):
         return activation
 
 
+class OnnxSetRunner:
+    """One active-ramp set of an ONNX model, called as a `SetRunner` is: its stages' sessions in turn, each that
+    ends at an active site computing that site's ramp as extra outputs (`ramps.onnx_fused`). After each, the
+    ramp's logits go into `out` and, where the batch's highest confidence clears the exit floor, its column to
+    `notify`; a ramp that runs in Python has the activation stashed and its column written always. Python runs
+    between the sessions (ONNX Runtime cannot hand a value out in the middle of one), but it only copies the
+    logits and compares one number: scoring waits for the releasing thread, or for the answers to be out."""
+
+    def __init__(self, stages: Sequence, tapped: Sequence[bool], side_name: str | None) -> None:
+        self.stages, self.tapped, self.side_name = list(stages), tuple(tapped), side_name
+
+    def forward(self, activation: torch.Tensor, side: torch.Tensor, out: torch.Tensor, floors: list[float],
+                notify: int, stashes: list[torch.Tensor]) -> torch.Tensor:
+        value = activation.numpy()
+        sides = {} if self.side_name is None else {self.side_name: side.numpy()}
+        logits = out.numpy()
+        for column, (stage, tapped) in enumerate(zip(self.stages, self.tapped)):
+            if tapped:
+                value, logits[:, column], confidence = stage.tapped(value, sides)
+                if notify >= 0 and confidence > floors[column]:
+                    os.write(notify, bytes((column,)))
+            else:
+                value = stage(value, sides)
+                stashes[column] = torch.from_numpy(value)  # a fresh array of the session's: nothing overwrites it
+                if notify >= 0:
+                    os.write(notify, bytes((column,)))
+        return torch.from_numpy(self.stages[-1](value, sides))
+
+
 @dataclass(frozen=True, eq=False)
 class RampBuffers:
     """Where a compiled run's ramps leave their outputs: the ramps' logits, (rows, sites, classes), as a tensor
@@ -108,9 +140,10 @@ class CompiledSet:
     batch to batch (a fresh buffer made each batch 10 us slower at batch 1: measured)."""
 
     sites: tuple[str, ...]
-    runner: torch.jit.ScriptModule
+    runner: torch.jit.ScriptModule | OnnxSetRunner
     fused: tuple[bool, ...]
     classes: int
+    exit_margin: float = EXIT_MARGIN  # how far below 1 - threshold a ramp's confidence still signals
     run: Callable = field(init=False, repr=False)
     _floors: list = field(default_factory=lambda: [(None, [])], init=False, repr=False)  # [(key, floors)]
     _buffers: dict = field(default_factory=dict, init=False, repr=False)
@@ -127,7 +160,7 @@ class CompiledSet:
             if thresholds is None:
                 floors = [NEVER_STOP] * (len(self.sites) + 1)
             else:
-                floors = [1.0 - t - EXIT_MARGIN if t > 0 else NEVER_STOP for t in thresholds] + [NEVER_STOP]
+                floors = [1.0 - t - self.exit_margin if t > 0 else NEVER_STOP for t in thresholds] + [NEVER_STOP]
             self._floors[0] = (thresholds, floors)
         return floors
 

@@ -19,7 +19,14 @@ from rampserve.ramps.fused import FusedRamp, fused_ramp
 from rampserve.ramps.kinds import Ramp, RampSpec
 from rampserve.ramps.scores import top_label_and_error
 from rampserve.runtime.backends import Backend
-from rampserve.runtime.compiled import CompiledSet, RampBuffers, RunnerStage, SetRunner
+from rampserve.runtime.compiled import (
+    ONNX_EXIT_MARGIN,
+    CompiledSet,
+    OnnxSetRunner,
+    RampBuffers,
+    RunnerStage,
+    SetRunner,
+)
 from rampserve.runtime.profile import LatencyProfile
 
 log = logging.getLogger("rampserve.runtime")
@@ -102,6 +109,7 @@ class PreparedModel:
     bundle_dir: Path | None = None  # where the model was loaded from (what a compile worker process loads)
     _compiled: OrderedDict[tuple[str, ...], CompiledSet | None] = field(default_factory=OrderedDict, init=False,
                                                                        repr=False)
+    _staged: dict[tuple[str, ...], list] = field(default_factory=dict, init=False, repr=False)  # ONNX sets' stages
 
     def evaluate_ramp(self, site: str, activation: object) -> tuple[np.ndarray, np.ndarray]:
         """Every input's top label and error score from the ramp at `site`, given the site's activation as the
@@ -139,6 +147,15 @@ class PreparedModel:
 
             return self.backend.to_tensor(self.backend.run_hooked(feeds, active, report)).numpy()
 
+    @functools.cached_property
+    def onnx_taps(self) -> dict:
+        """Per site whose ramp fuses into ONNX stages, that ramp as a tap on the site's value."""
+        from rampserve.ramps.onnx_fused import can_tap, ramp_tap
+
+        opset = self.backend.split.opset
+        return {s.name: ramp_tap(self.ramps[s.name], s.name, s.activation_shape, opset, self.error_score)
+                for s in self.sites if can_tap(self.ramps[s.name])}
+
     def ramp_outputs(self, compiled: CompiledSet, rows: int) -> RampOutputs:
         """Where a compiled run of `rows` inputs on this thread leaves its ramps' outputs, to be scored by any
         thread (the run's buffers, reused by this thread's next run of that size)."""
@@ -169,22 +186,39 @@ class PreparedModel:
 
     @property
     def compiles(self) -> bool:
-        """Whether this model's serving path is compiled per set of active ramps (torch; ONNX Runtime sessions
-        already run outside the interpreter)."""
+        """Whether this model's serving path is built per set of active ramps with the ramps fused in: TorchScript
+        (see `compiles_to_torchscript`) or ONNX stages with the ramps in their sessions (built in a few ms)."""
+        return self.backend.kind in ("torch", "onnx")
+
+    @property
+    def compiles_to_torchscript(self) -> bool:
+        """Whether a set compiles to TorchScript: slow enough (0.1-1 s, holding the GIL) to be compiled in a worker
+        process and kept on disk."""
         return self.backend.kind == "torch"
 
     def build_compiled(self, active: Sequence[str], example: dict[str, np.ndarray]) -> CompiledSet | None:
         """Compile the serving path for `active` with `example` as the example input: its stages traced, each
         stage that ends at an active site with that site's ramp fused in (the ramp operator, or a stash for a ramp
-        that runs in Python), run by one scripted `SetRunner`, frozen. None where the model does not compile: a
+        that runs in Python), run by one scripted `SetRunner`, frozen; on ONNX, its stages' sessions with each
+        linear ramp in the session of the stage that ends at its site (an `OnnxSetRunner`). None where the model
+        does not compile: a
         stage that does not trace faithfully (see `trace_stages`), a model with more than one side input, ramps
         where the ramp operators could not be built (or more than a pipe byte can number), or a frozen runner
         whose output is not bit for bit the eager model's on the example, or whose fused ramps do not score the
         example as the eager ramps do (labels equal, error scores within `FUSED_SCORE_TOLERANCE`)."""
         primary, *side_names = self.backend.input_names
-        if not self.compiles or len(side_names) > 1 or (active and not kernel.available()) or len(active) > 255:
+        if not self.compiles or len(side_names) > 1 or len(active) > 255:
             return None
         sites = self.backend.ordered_cuts(active)
+        classes = next((s.ramp.num_classes for s in self.sites), 0)
+        if self.backend.kind == "onnx":
+            taps = {site: self.onnx_taps[site] for site in sites if site in self.onnx_taps}
+            stages = self.backend.split.build_tapped(sites, taps)
+            runner = OnnxSetRunner(stages, [site in taps for site in sites], side_names[0] if side_names else None)
+            compiled = CompiledSet(sites, runner, tuple(site in taps for site in sites), classes, ONNX_EXIT_MARGIN)
+            return compiled if self._faithful(compiled, example) else None
+        if active and not kernel.available():
+            return None
         shapes = {s.name: s.activation_shape for s in self.sites}
         native = self.backend.native_feeds(example)
         with TRACE_GUARD.running():  # torch.jit.trace runs the model; fx's tracer must not patch it meanwhile
@@ -199,7 +233,6 @@ class PreparedModel:
                 # Frozen, the runner is one graph with its weights as constants: it loads in half the time, and
                 # without the numeric optimizations it computes what its stages do (checked below)
                 runner = torch.jit.freeze(runner.eval(), optimize_numerics=False)
-        classes = next((s.ramp.num_classes for s in self.sites), 0)
         compiled = CompiledSet(sites, runner, tuple(isinstance(ramp, FusedRamp) for ramp in ramps), classes)
         return compiled if self._faithful(compiled, example) else None
 

@@ -125,12 +125,19 @@ def _ramp_alone(model, site: str, fused: bool) -> Callable[[torch.Tensor], float
     """Milliseconds of the ramp at `site` on its own, as the serving path runs it: its fused form where the model
     compiles (the ramp operator, timed over `REPEATS_ALONE` calls in TorchScript; a ramp that runs in Python is
     stashed there and evaluated by the releasing thread, so it costs the stash and that evaluation, which delays
-    its exits and takes the model's cores), else the eager evaluation."""
+    its exits and takes the model's cores); on ONNX, where it is fused into its stage's session, its nodes in a
+    session of their own (that session's call stands for the call its site's stage adds); else the eager
+    evaluation."""
     def evaluated(activation: torch.Tensor) -> float:
         return _timed(model.evaluate_ramp, site, activation)[1]
 
     if not fused:
         return evaluated
+    if model.backend.kind == "onnx":
+        if site not in model.onnx_taps:
+            return evaluated
+        tap = model.backend.split.tap_alone(site, model.onnx_taps[site])
+        return lambda activation: _timed(tap, activation)[1]
     shape = next(s.activation_shape for s in model.sites if s.name == site)
     form = fused_ramp(model.ramps[site], model.error_score, shape, 0)
     with torchscript_quietly():
@@ -186,7 +193,7 @@ def measure_profile(model, sample_feeds: Callable[[int], dict[str, np.ndarray]],
     # whole model's time by `LatencyProfile.reach`)
     split = model.backend.split
     traced = split.traced(split.build(sites), model.backend.native_feeds(example)) \
-        if compiled and model.compiles else None
+        if compiled and model.compiles_to_torchscript else None
     stages = traced or model.backend.plan(sites)[1]
     heads = {site: _ramp_alone(model, site, isinstance(every, CompiledSet)) for site in sites}
     full: list[float] = []

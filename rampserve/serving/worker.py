@@ -343,11 +343,12 @@ class ModelWorker:
         self._pending: Configuration | None = None
         model = served.model
         self._compiler = CompileService(model, served.example, self._compile_finished) if (
-            settings.torchscript and model.compiles and model.bundle_dir is not None) else None
+            settings.torchscript and model.compiles_to_torchscript and model.bundle_dir is not None) else None
         # Compiled runs with ramps report where inputs may exit through a pipe, read by a releasing thread; the
         # ramp operators are loaded now, before serving, not with the first set that needs them
         self._signals = RampSignals(served.name) if (
-            settings.torchscript and model.compiles and control is not None and kernel.available()) else None
+            settings.torchscript and model.compiles and control is not None
+            and (kernel.available() or not model.compiles_to_torchscript)) else None
         self.batches = 0  # run (each one's id is the count before it)
         self.batches_booked = 0  # counted in the books, which lag the runs by a batch or two
         self.inputs_served = 0

@@ -1,0 +1,98 @@
+"""Linear ramps fused into ONNX stages: the ramp as ONNX nodes that the session of the stage ending at its site
+runs after the stage's own nodes (`graph.onnx_graph.Tap`), its logits and the batch's highest confidence extra
+outputs of that session call.
+
+Evaluated in Python instead, a ramp between two sessions converts the activation to a tensor and dispatches
+each step of its pooling and head through the interpreter, then scores every row (on resnet18-fmnist at batch 1,
+17 us a ramp for the scoring alone: NumPy called between two sessions, with cold caches). Fused, it is a few ONNX
+Runtime kernels in the call that computes its site, and Python compares one number with the exit floor; the
+logits are scored, as the eager ramp's are, by the releasing thread where some input may exit and after the
+answers where none can (as for the torch ramp operator, see `runtime.compiled`). ONNX Runtime has no way to hand a value out in the middle of a session call (that would take a
+custom operator, built against ONNX Runtime's C headers, which its Python package does not ship), so a stage
+still ends at every active site: what a ramp costs on ONNX is mostly that extra session call.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+from onnx import TensorProto, helper, numpy_helper
+
+from rampserve.graph.onnx_graph import Tap
+from rampserve.ramps.kinds import Ramp
+from rampserve.ramps.pooling import POOLING_REDUCTIONS, pooling_matrix
+from rampserve.ramps.scores import ERROR_SCORES
+
+# The reductions a tap computes; a ramp with another (a deep head's grid) is evaluated in Python
+TAPPED_REDUCTIONS = (*POOLING_REDUCTIONS, "identity", "first_token", "token_mean")
+# ReduceMean and ReduceSum take their axes as an input from these operator sets on, as an attribute before
+REDUCE_AXES_AS_INPUT = 18
+REDUCE_SUM_AXES_AS_INPUT = 13
+
+
+def can_tap(ramp: object) -> bool:
+    return isinstance(ramp, Ramp) and ramp.spec.kind == "linear" and ramp.spec.reduce in TAPPED_REDUCTIONS
+
+
+def ramp_tap(ramp: Ramp, site: str, activation_shape: tuple[int, ...], opset: int, score: str) -> Tap:
+    """`ramp` (linear, see `can_tap`) on the cut value `site` of per-input shape `activation_shape`, as ONNX nodes
+    for a model of operator set `opset`. Its outputs: logits = (reduce(activation) - center) @ weight.T + bias,
+    reducing as the eager ramp does (a pooling as a matmul by its pooling matrix, as `PooledLinear` computes it),
+    and the highest confidence (1 - error `score`) of any row, in float32: to tell whether any input may exit."""
+    if not can_tap(ramp):
+        raise ValueError(f"a {ramp.spec.kind} ramp reducing by {ramp.spec.reduce} is not fused into ONNX stages")
+    prefix = f"ramp[{site}]"
+    weights: dict[str, np.ndarray] = {}
+
+    def constant(name: str, value: np.ndarray) -> str:
+        weights[f"{prefix}/{name}"] = value
+        return f"{prefix}/{name}"
+
+    nodes = []
+
+    def node(op: str, inputs: list[str], output: str = "", **attributes: object) -> str:
+        output = output or f"{prefix}/{op}_{len(nodes)}"
+        nodes.append(helper.make_node(op, inputs, [output], name=output, **attributes))
+        return output
+
+    reduce = ramp.spec.reduce
+    if reduce in POOLING_REDUCTIONS:
+        channels, positions = activation_shape[0], int(np.prod(activation_shape[1:]))
+        pool = pooling_matrix(activation_shape, reduce).astype(np.float32)
+        maps = node("Reshape", [site, constant("maps_shape", np.array([-1, positions], dtype=np.int64))])
+        pooled = node("MatMul", [maps, constant("pool", pool)])
+        features = node("Reshape", [pooled, constant("features_shape",
+                                                      np.array([-1, channels * pool.shape[1]], dtype=np.int64))])
+    elif reduce == "identity":
+        features = node("Flatten", [site], axis=1)
+    elif reduce == "first_token":
+        features = node("Gather", [site, constant("first", np.array(0, dtype=np.int64))], axis=1)
+    elif opset >= REDUCE_AXES_AS_INPUT:
+        features = node("ReduceMean", [site, constant("tokens", np.array([1], dtype=np.int64))], keepdims=0)
+    else:
+        features = node("ReduceMean", [site], axes=[1], keepdims=0)
+    head = ramp.head
+    centered = node("Sub", [features, constant("center", ramp.center.detach().numpy().astype(np.float32))])
+    product = node("MatMul", [centered, constant("weight_t", head.weight.detach().numpy().T.astype(np.float32))])
+    logits = node("Add", [product, constant("bias", head.bias.detach().numpy().astype(np.float32))],
+                  output=f"{prefix}/logits")
+    probabilities = node("Softmax", [logits], axis=1)
+    if score == "max_prob":
+        confidence = node("ReduceMax", [probabilities], output=f"{prefix}/confidence", keepdims=0)
+    elif score == "entropy":  # confidence = 1 - entropy / log(classes), entropy = -sum p log p
+        plogp = node("Mul", [probabilities, node("LogSoftmax", [logits], axis=1)])
+        negative = node("ReduceSum", [plogp, constant("classes_axis", np.array([1], dtype=np.int64))], keepdims=0) \
+            if opset >= REDUCE_SUM_AXES_AS_INPUT else node("ReduceSum", [plogp], axes=[1], keepdims=0)
+        scaled = node("Mul", [node("ReduceMax", [negative], keepdims=0),
+                              constant("inverse_log_classes", np.array(1.0 / np.log(ramp.spec.num_classes),
+                                                                       dtype=np.float32))])
+        confidence = node("Add", [scaled, constant("one", np.array(1.0, dtype=np.float32))],
+                          output=f"{prefix}/confidence")
+    else:
+        raise ValueError(f"unknown error score {score!r}; known: {ERROR_SCORES}")
+    outputs = (helper.make_tensor_value_info(logits, TensorProto.FLOAT, ["batch", ramp.spec.num_classes]),
+               helper.make_tensor_value_info(confidence, TensorProto.FLOAT, []))
+    initializers = tuple(numpy_helper.from_array(np.ascontiguousarray(v), name) for name, v in weights.items())
+    digest = hashlib.sha256(b"".join(t.SerializeToString() for t in initializers)).hexdigest()[:16]
+    return Tap(f"{prefix}:{score}@{digest}", tuple(nodes), initializers, outputs)
