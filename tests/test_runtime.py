@@ -278,6 +278,45 @@ def test_minilm_prepares_with_first_token_ramps_and_stages_exactly(small_prepare
             assert np.array_equal(model.run(cut, active=active, compiled=True), eager)
 
 
+@pytest.mark.parametrize("token_reduce", ["first_token", "token_mean"])
+def test_onnx_ramps_of_a_text_encoder_fuse_as_they_evaluate(token_reduce: str, tmp_path) -> None:
+    """On an ONNX text encoder with a side input (the attention mask), linear ramps of every reduction its sites
+    take (the tokens' first or mean, a flat head after the last layer) fused into the stages' sessions report the
+    eager ramps' labels and error scores (to float32 rounding), and the compiled output is the eager path's."""
+    from rampserve.graph.onnx_graph import export_onnx
+    from rampserve.runtime.backends import OnnxBackend
+    from rampserve.workloads.streams import get_stream
+    from rampserve.zoo.registry import load_trained
+
+    entry, module = get_entry("minilm-rt", small=True), load_trained("minilm-rt", small=True)
+    names = TorchBackend(module).input_names
+    stream = get_stream("rt-drift")
+    feeds = dict(zip(names, entry.encode(stream.items(stream.evaluation.start, stream.evaluation.start + 6)).values()))
+    backend = OnnxBackend(export_onnx(module, tuple(torch.from_numpy(feeds[n][:2]) for n in names), names,
+                                      tmp_path / "minilm.onnx"))
+    activations, logits = next(backend.site_activations([feeds], [s.value for s in backend.sites]))
+    torch.manual_seed(0)
+    sites, ramps = [], {}
+    for candidate in backend.sites:
+        shape = tuple(activations[candidate.value].shape[1:])
+        ramp = make_ramp(spec_for("linear", shape, logits.shape[1], token_reduce=token_reduce)).eval()
+        ramp.center.normal_()
+        sites.append(SiteInfo(candidate.value, candidate.index, candidate.kind, candidate.scope, shape, ramp.spec))
+        ramps[candidate.value] = ramp
+    model = PreparedModel(backend, sites, ramps)
+    assert {s.ramp.reduce for s in sites} == {token_reduce, "identity"}
+    for active in (model.site_names, model.site_names[1:2]):
+        assert model.compile(active, {n: feeds[n][-2:] for n in names})
+        reported: dict[bool, list] = {True: [], False: []}
+        outputs = [model.run(feeds, active, lambda *seen, c=compiled, into=reported: into[c].append(seen), compiled=compiled)
+                   for compiled in (True, False)]
+        assert np.array_equal(outputs[0], outputs[1])
+        assert [site for site, *_ in reported[True]] == [site for site, *_ in reported[False]] == list(active)
+        for (_, labels, errors), (_, eager_labels, eager_errors) in zip(reported[True], reported[False]):
+            assert np.array_equal(labels, eager_labels)
+            np.testing.assert_allclose(errors, eager_errors, rtol=0, atol=1e-5)
+
+
 def test_deep_ramps_prepare_and_round_trip(small_prepare_config, fmnist_feeds, tmp_path) -> None:
     from dataclasses import replace
 

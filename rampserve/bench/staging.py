@@ -111,18 +111,20 @@ def measure_ramps(name: str, model: PreparedModel, feeds: dict[str, np.ndarray],
 
 
 def onnx_twin(prepared: PreparedModel, backend: OnnxBackend, example: dict[str, np.ndarray]) -> PreparedModel:
-    """`prepared`'s ramps on `backend`, the ONNX export of its model: the same analysis finds the same sites in
-    both graphs, in the same order, and each ramp moves to its ONNX counterpart (activation shapes checked)."""
-    sites = backend.sites
-    activations, _ = next(backend.site_activations([example], [s.value for s in sites]))
-    shapes = [tuple(activations[s.value].shape[1:]) for s in sites]
-    if shapes != [s.activation_shape for s in prepared.sites]:
-        raise ValueError(f"the ONNX export's sites ({shapes}) are not the model's "
-                         f"({[s.activation_shape for s in prepared.sites]})")
-    twins = [SiteInfo(s.value, s.index, s.kind, s.scope, shape, info.ramp, info.val_accuracy)
-             for s, shape, info in zip(sites, shapes, prepared.sites)]
-    return PreparedModel(backend, twins, {s.value: prepared.ramps[info.name] for s, info in zip(sites, prepared.sites)},
-                         error_score=prepared.error_score)
+    """`prepared`'s ramps on `backend`, the ONNX export of its model: the same analysis finds the model's sites in
+    both graphs in the same order, and each ramp moves to the next site of the export whose activation has its
+    site's shape (the export may have more sites: MiniLM's has one at its head)."""
+    activations, _ = next(backend.site_activations([example], [s.value for s in backend.sites]))
+    candidates = iter(backend.sites)
+    twins, ramps = [], {}
+    for info in prepared.sites:
+        site = next((s for s in candidates if tuple(activations[s.value].shape[1:]) == info.activation_shape), None)
+        if site is None:
+            raise ValueError(f"the ONNX export has no site like {info.name} (activation {info.activation_shape})")
+        twins.append(SiteInfo(site.value, site.index, site.kind, site.scope, info.activation_shape, info.ramp,
+                              info.val_accuracy))
+        ramps[site.value] = prepared.ramps[info.name]
+    return PreparedModel(backend, twins, ramps, error_score=prepared.error_score)
 
 
 def run_staging_bench(model: str = "resnet18-fmnist", batch_sizes: tuple[int, ...] = (1, 16),

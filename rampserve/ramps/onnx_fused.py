@@ -93,6 +93,7 @@ def ramp_tap(ramp: Ramp, site: str, activation_shape: tuple[int, ...], opset: in
         raise ValueError(f"unknown error score {score!r}; known: {ERROR_SCORES}")
     outputs = (helper.make_tensor_value_info(logits, TensorProto.FLOAT, ["batch", ramp.spec.num_classes]),
                helper.make_tensor_value_info(confidence, TensorProto.FLOAT, []))
-    initializers = tuple(numpy_helper.from_array(np.ascontiguousarray(v), name) for name, v in weights.items())
+    # np.array, not np.ascontiguousarray, which makes a scalar (the first token's index) a vector
+    initializers = tuple(numpy_helper.from_array(np.array(v, order="C"), name) for name, v in weights.items())
     digest = hashlib.sha256(b"".join(t.SerializeToString() for t in initializers)).hexdigest()[:16]
     return Tap(f"{prefix}:{score}@{digest}", tuple(nodes), initializers, outputs)

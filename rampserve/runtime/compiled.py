@@ -11,6 +11,9 @@ logits into the batch's ramp buffer and, where some row's confidence clears the 
 its column to a pipe; a releasing thread reads it, scores the column and releases those rows while the model
 runs on (`serving.worker`). A ramp that runs in Python is stashed (its activation copied) for that thread.
 
+An ONNX model's set is an `OnnxSetRunner` with the same signature: its stages' sessions, each linear ramp inside
+the session of the stage that ends at its site (made in a few ms, in the serving process, and not kept on disk).
+
 A compiled set is made once (in a compile worker process, see `serving.compiler`) and loaded by every server
 that serves the same bundle with the same torch and ramp operator: an entry is keyed by the bundle's digest, the
 set, the error score, the torch version and the operator's build, and its sha256 is checked before it is
@@ -130,9 +133,9 @@ class RampBuffers:
 
 @dataclass(frozen=True, eq=False)
 class CompiledSet:
-    """The serving path for one set of active sites (in model order): a scripted `SetRunner`, per site whether
-    its ramp is fused into the runner as the ramp operator (else it is stashed for Python to evaluate), and the
-    width of the ramps' logits.
+    """The serving path for one set of active sites (in model order): a scripted `SetRunner` (or an
+    `OnnxSetRunner`), per site whether its ramp is fused into the runner (else it is stashed for Python to
+    evaluate), and the width of the ramps' logits.
 
     It also keeps what a batch would otherwise build again on the serving path: the runner's script method
     (called directly, it skips `nn.Module.__call__`, and with it fx's patch of that while a model is traced),
