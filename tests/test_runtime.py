@@ -75,12 +75,14 @@ def test_compiled_runs_equal_the_original_model_and_fused_ramps_equal_the_eager_
     check()
 
 
+@pytest.mark.parametrize("score", ["max_prob", "entropy"])
 @pytest.mark.parametrize("prepared", BACKENDS)
-def test_a_compiled_run_signals_exactly_the_ramps_where_an_input_may_exit(prepared, fmnist_feeds, request) -> None:
+def test_a_compiled_run_signals_exactly_the_ramps_where_an_input_may_exit(prepared, score, fmnist_feeds,
+                                                                         request) -> None:
     """A compiled run writes a ramp's column to the pipe where some input's error score is under the ramp's
     threshold (so the releasing thread can release it while the model runs on), and nowhere else but within the
-    set's margin for rounding (float32 confidences on ONNX)."""
-    model = replace(request.getfixturevalue(prepared))
+    set's margin for rounding (float32 confidences on ONNX), whichever error score the model uses."""
+    model = replace(request.getfixturevalue(prepared), error_score=score)
     name = model.backend.input_names[0]
     sites = model.site_names
     assert model.compile(sites, {name: fmnist_feeds[-2:]})
@@ -278,8 +280,8 @@ def test_minilm_prepares_with_first_token_ramps_and_stages_exactly(small_prepare
             assert np.array_equal(model.run(cut, active=active, compiled=True), eager)
 
 
-@pytest.mark.parametrize("token_reduce", ["first_token", "token_mean"])
-def test_onnx_ramps_of_a_text_encoder_fuse_as_they_evaluate(token_reduce: str, tmp_path) -> None:
+@pytest.mark.parametrize("token_reduce, score", [("first_token", "max_prob"), ("token_mean", "entropy")])
+def test_onnx_ramps_of_a_text_encoder_fuse_as_they_evaluate(token_reduce: str, score: str, tmp_path) -> None:
     """On an ONNX text encoder with a side input (the attention mask), linear ramps of every reduction its sites
     take (the tokens' first or mean, a flat head after the last layer) fused into the stages' sessions report the
     eager ramps' labels and error scores (to float32 rounding), and the compiled output is the eager path's."""
@@ -303,7 +305,7 @@ def test_onnx_ramps_of_a_text_encoder_fuse_as_they_evaluate(token_reduce: str, t
         ramp.center.normal_()
         sites.append(SiteInfo(candidate.value, candidate.index, candidate.kind, candidate.scope, shape, ramp.spec))
         ramps[candidate.value] = ramp
-    model = PreparedModel(backend, sites, ramps)
+    model = PreparedModel(backend, sites, ramps, error_score=score)
     assert {s.ramp.reduce for s in sites} == {token_reduce, "identity"}
     for active in (model.site_names, model.site_names[1:2]):
         assert model.compile(active, {n: feeds[n][-2:] for n in names})

@@ -252,11 +252,17 @@ class OnnxSplitModel:
         """`tap` in a session of its own, from the cut value it reads to its outputs (to time it)."""
         if cut not in self._types:
             raise ValueError(f"shape inference found no type for {cut!r}")
-        graph = onnx.helper.make_graph(list(tap.nodes), f"tap[{cut}]", [self._types[cut]], list(tap.outputs),
-                                       initializer=list(tap.initializers))
-        model = onnx.helper.make_model(graph, ir_version=self._model.ir_version, opset_imports=self._model.opset_import)
-        session = ort.InferenceSession(model.SerializeToString(), self._options, providers=["CPUExecutionProvider"])
+        session = self._session(self._as_model(onnx.helper.make_graph(
+            list(tap.nodes), f"tap[{cut}]", [self._types[cut]], list(tap.outputs), initializer=list(tap.initializers))))
         return lambda activation: session.run([v.name for v in tap.outputs], {cut: activation})
+
+    def _as_model(self, graph: onnx.GraphProto) -> onnx.ModelProto:
+        """A graph of this model's nodes as a model of its own, with this model's versions and functions."""
+        return onnx.helper.make_model(graph, ir_version=self._model.ir_version,
+                                      opset_imports=self._model.opset_import, functions=self._model.functions)
+
+    def _session(self, model: onnx.ModelProto) -> ort.InferenceSession:
+        return ort.InferenceSession(model.SerializeToString(), self._options, providers=["CPUExecutionProvider"])
 
     def _runner(self, start: str, stop: str, tap: Tap | None = None) -> _Runner:
         # Keyed by segment rather than by cut tuple: a segment's session is the same whatever the other cuts
@@ -275,10 +281,7 @@ class OnnxSplitModel:
             model, side = self._segment(start, stop)
         if tap is not None:
             model = _with_tap(model, tap)
-        session = ort.InferenceSession(
-            model.SerializeToString(), self._options, providers=["CPUExecutionProvider"]
-        )
-        return _Runner(session, start, tuple(side), stop, () if tap is None else tuple(v.name for v in tap.outputs))
+        return _Runner(self._session(model), start, tuple(side), stop, () if tap is None else tuple(v.name for v in tap.outputs))
 
     def _segment(self, start: str, stop: str) -> tuple[onnx.ModelProto, list[str]]:
         """The sub-graph computing `stop` from `start` and side inputs, and which side inputs it reads.
@@ -316,11 +319,7 @@ class OnnxSplitModel:
             nodes, f"{graph.name}[{start}->{stop}]", [self._types[v] for v in inputs], [self._types[stop]],
             initializer=weights,
         )
-        model = onnx.helper.make_model(
-            sub, ir_version=self._model.ir_version, opset_imports=self._model.opset_import,
-            functions=self._model.functions,
-        )
-        return model, inputs[1:]
+        return self._as_model(sub), inputs[1:]
 
 
 def _with_tap(model: onnx.ModelProto, tap: Tap) -> onnx.ModelProto:

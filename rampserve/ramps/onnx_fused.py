@@ -7,9 +7,10 @@ each step of its pooling and head through the interpreter, then scores every row
 17 us a ramp for the scoring alone: NumPy called between two sessions, with cold caches). Fused, it is a few ONNX
 Runtime kernels in the call that computes its site, and Python compares one number with the exit floor; the
 logits are scored, as the eager ramp's are, by the releasing thread where some input may exit and after the
-answers where none can (as for the torch ramp operator, see `runtime.compiled`). ONNX Runtime has no way to hand a value out in the middle of a session call (that would take a
-custom operator, built against ONNX Runtime's C headers, which its Python package does not ship), so a stage
-still ends at every active site: what a ramp costs on ONNX is mostly that extra session call.
+answers where none can (as for the torch ramp operator, see `runtime.compiled`). ONNX Runtime has no way to hand
+a value out in the middle of a session call (that would take a custom operator, built against ONNX Runtime's C
+headers, which its Python package does not ship), so a stage still ends at every active site: what a ramp costs
+on ONNX is mostly that extra session call.
 """
 
 from __future__ import annotations
@@ -26,9 +27,8 @@ from rampserve.ramps.scores import ERROR_SCORES
 
 # The reductions a tap computes; a ramp with another (a deep head's grid) is evaluated in Python
 TAPPED_REDUCTIONS = (*POOLING_REDUCTIONS, "identity", "first_token", "token_mean")
-# ReduceMean and ReduceSum take their axes as an input from these operator sets on, as an attribute before
-REDUCE_AXES_AS_INPUT = 18
-REDUCE_SUM_AXES_AS_INPUT = 13
+# The operator set from which each reduction takes its axes as an input rather than as an attribute
+AXES_AS_INPUT_SINCE = {"ReduceSum": 13, "ReduceMean": 18}
 
 
 def can_tap(ramp: object) -> bool:
@@ -56,6 +56,11 @@ def ramp_tap(ramp: Ramp, site: str, activation_shape: tuple[int, ...], opset: in
         nodes.append(helper.make_node(op, inputs, [output], name=output, **attributes))
         return output
 
+    def over_axis_1(op: str, value: str) -> str:
+        if opset >= AXES_AS_INPUT_SINCE[op]:
+            return node(op, [value, constant(f"{op}_axes", np.array([1], dtype=np.int64))], keepdims=0)
+        return node(op, [value], axes=[1], keepdims=0)
+
     reduce = ramp.spec.reduce
     if reduce in POOLING_REDUCTIONS:
         channels, positions = activation_shape[0], int(np.prod(activation_shape[1:]))
@@ -68,10 +73,8 @@ def ramp_tap(ramp: Ramp, site: str, activation_shape: tuple[int, ...], opset: in
         features = node("Flatten", [site], axis=1)
     elif reduce == "first_token":
         features = node("Gather", [site, constant("first", np.array(0, dtype=np.int64))], axis=1)
-    elif opset >= REDUCE_AXES_AS_INPUT:
-        features = node("ReduceMean", [site, constant("tokens", np.array([1], dtype=np.int64))], keepdims=0)
     else:
-        features = node("ReduceMean", [site], axes=[1], keepdims=0)
+        features = over_axis_1("ReduceMean", site)
     head = ramp.head
     centered = node("Sub", [features, constant("center", ramp.center.detach().numpy().astype(np.float32))])
     product = node("MatMul", [centered, constant("weight_t", head.weight.detach().numpy().T.astype(np.float32))])
@@ -82,9 +85,7 @@ def ramp_tap(ramp: Ramp, site: str, activation_shape: tuple[int, ...], opset: in
         confidence = node("ReduceMax", [probabilities], output=f"{prefix}/confidence", keepdims=0)
     elif score == "entropy":  # confidence = 1 - entropy / log(classes), entropy = -sum p log p
         plogp = node("Mul", [probabilities, node("LogSoftmax", [logits], axis=1)])
-        negative = node("ReduceSum", [plogp, constant("classes_axis", np.array([1], dtype=np.int64))], keepdims=0) \
-            if opset >= REDUCE_SUM_AXES_AS_INPUT else node("ReduceSum", [plogp], axes=[1], keepdims=0)
-        scaled = node("Mul", [node("ReduceMax", [negative], keepdims=0),
+        scaled = node("Mul", [node("ReduceMax", [over_axis_1("ReduceSum", plogp)], keepdims=0),
                               constant("inverse_log_classes", np.array(1.0 / np.log(ramp.spec.num_classes),
                                                                        dtype=np.float32))])
         confidence = node("Add", [scaled, constant("one", np.array(1.0, dtype=np.float32))],

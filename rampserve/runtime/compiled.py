@@ -99,8 +99,9 @@ class OnnxSetRunner:
     between the sessions (ONNX Runtime cannot hand a value out in the middle of one), but it only copies the
     logits and compares one number: scoring waits for the releasing thread, or for the answers to be out."""
 
-    def __init__(self, stages: Sequence, tapped: Sequence[bool], side_name: str | None) -> None:
-        self.stages, self.tapped, self.side_name = list(stages), tuple(tapped), side_name
+    def __init__(self, stages: Sequence, side_name: str | None) -> None:
+        self.stages, self.side_name = list(stages), side_name
+        self.tapped = tuple(bool(stage.tap_outputs) for stage in self.stages[:-1])  # per site: its ramp is fused
 
     def forward(self, activation: torch.Tensor, side: torch.Tensor, out: torch.Tensor, floors: list[float],
                 notify: int, stashes: list[torch.Tensor]) -> torch.Tensor:

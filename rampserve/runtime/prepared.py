@@ -109,7 +109,6 @@ class PreparedModel:
     bundle_dir: Path | None = None  # where the model was loaded from (what a compile worker process loads)
     _compiled: OrderedDict[tuple[str, ...], CompiledSet | None] = field(default_factory=OrderedDict, init=False,
                                                                        repr=False)
-    _staged: dict[tuple[str, ...], list] = field(default_factory=dict, init=False, repr=False)  # ONNX sets' stages
 
     def evaluate_ramp(self, site: str, activation: object) -> tuple[np.ndarray, np.ndarray]:
         """Every input's top label and error score from the ramp at `site`, given the site's activation as the
@@ -185,15 +184,10 @@ class PreparedModel:
         return primary, side[0] if side else None
 
     @property
-    def compiles(self) -> bool:
-        """Whether this model's serving path is built per set of active ramps with the ramps fused in: TorchScript
-        (see `compiles_to_torchscript`) or ONNX stages with the ramps in their sessions (built in a few ms)."""
-        return self.backend.kind in ("torch", "onnx")
-
-    @property
     def compiles_to_torchscript(self) -> bool:
-        """Whether a set compiles to TorchScript: slow enough (0.1-1 s, holding the GIL) to be compiled in a worker
-        process and kept on disk."""
+        """Whether a set compiles to TorchScript (torch), slow enough (0.1-1 s, holding the GIL) to be compiled in a
+        worker process and kept on disk; an ONNX model's set (its stages with the ramps in their sessions) is built
+        in a few ms."""
         return self.backend.kind == "torch"
 
     def build_compiled(self, active: Sequence[str], example: dict[str, np.ndarray]) -> CompiledSet | None:
@@ -201,21 +195,19 @@ class PreparedModel:
         stage that ends at an active site with that site's ramp fused in (the ramp operator, or a stash for a ramp
         that runs in Python), run by one scripted `SetRunner`, frozen; on ONNX, its stages' sessions with each
         linear ramp in the session of the stage that ends at its site (an `OnnxSetRunner`). None where the model
-        does not compile: a
-        stage that does not trace faithfully (see `trace_stages`), a model with more than one side input, ramps
-        where the ramp operators could not be built (or more than a pipe byte can number), or a frozen runner
-        whose output is not bit for bit the eager model's on the example, or whose fused ramps do not score the
-        example as the eager ramps do (labels equal, error scores within `FUSED_SCORE_TOLERANCE`)."""
+        does not compile: a stage that does not trace faithfully (see `trace_stages`), a model with more than one
+        side input, ramps where the ramp operators could not be built (or more than a pipe byte can number), or a
+        runner whose output is not bit for bit the eager model's on the example, or whose fused ramps do not score
+        the example as the eager ramps do (labels equal, error scores within `FUSED_SCORE_TOLERANCE`)."""
         primary, *side_names = self.backend.input_names
-        if not self.compiles or len(side_names) > 1 or len(active) > 255:
+        if len(side_names) > 1 or len(active) > 255:
             return None
         sites = self.backend.ordered_cuts(active)
         classes = next((s.ramp.num_classes for s in self.sites), 0)
         if self.backend.kind == "onnx":
-            taps = {site: self.onnx_taps[site] for site in sites if site in self.onnx_taps}
-            stages = self.backend.split.build_tapped(sites, taps)
-            runner = OnnxSetRunner(stages, [site in taps for site in sites], side_names[0] if side_names else None)
-            compiled = CompiledSet(sites, runner, tuple(site in taps for site in sites), classes, ONNX_EXIT_MARGIN)
+            stages = self.backend.split.build_tapped(sites, {s: self.onnx_taps[s] for s in sites if s in self.onnx_taps})
+            runner = OnnxSetRunner(stages, side_names[0] if side_names else None)
+            compiled = CompiledSet(sites, runner, runner.tapped, classes, ONNX_EXIT_MARGIN)
             return compiled if self._faithful(compiled, example) else None
         if active and not kernel.available():
             return None
@@ -273,7 +265,7 @@ class PreparedModel:
 
     def has_compiled(self, active: Sequence[str]) -> bool:
         """Whether this set was compiled or refused (or needs no compiling): nothing is left to wait for."""
-        return not self.compiles or self.backend.ordered_cuts(active) in self._compiled
+        return self.backend.ordered_cuts(active) in self._compiled
 
     def compiled_set(self, active: Sequence[str]) -> CompiledSet | None:
         return self._compiled.get(self.backend.ordered_cuts(active))

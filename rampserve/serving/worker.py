@@ -347,7 +347,7 @@ class ModelWorker:
         # Compiled runs with ramps report where inputs may exit through a pipe, read by a releasing thread; the
         # ramp operators are loaded now, before serving, not with the first set that needs them
         self._signals = RampSignals(served.name) if (
-            settings.torchscript and model.compiles and control is not None
+            settings.torchscript and control is not None
             and (kernel.available() or not model.compiles_to_torchscript)) else None
         self.batches = 0  # run (each one's id is the count before it)
         self.batches_booked = 0  # counted in the books, which lag the runs by a batch or two
