@@ -13,6 +13,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from dataclasses import replace
 from collections.abc import Iterator
 from contextlib import contextmanager
 from email.message import Message
@@ -469,3 +470,24 @@ def test_an_onnx_bundle_serves_its_ramps_fused_into_the_stages(onnx_prepared, fm
         label = next(o for o in answer["outputs"] if o["name"] == "label")["data"][0]
         exit_site = np.atleast_1d(np.array(answer["parameters"]["exit_site"], dtype=object))[0]
         assert (exit_site, label) == ((site, ramp_labels[i]) if exits[i] else (None, logits[i].argmax()))
+
+
+def test_the_controller_learns_each_ramps_error_in_the_models_own_score(served, fmnist_feeds) -> None:
+    """A ramp no input exited at is scored after the answers are out: with the entropy as the model's error score,
+    the controller's history holds each input's entropy at the ramp, as the eager ramp scores it."""
+    # Compiled in this process: a compile worker would load the bundle, whose ramps score by max_prob
+    model = replace(served.model, error_score="entropy", bundle_dir=None)
+    entropic = replace(served, model=model)
+    x = fmnist_feeds[:8]
+    seen: list[np.ndarray] = []
+    model.run({entropic.inputs[0].name: x}, [model.site_names[1]], lambda _, labels, errors: seen.append(errors))
+    with server(entropic, fixed_exits(entropic, 1, 0.0)) as (url, state):  # threshold 0: nobody exits
+        assert get_json(url + "/status")["models"][MODEL]["compiled"]
+        for i in range(len(x)):
+            post(f"{url}/v2/models/{MODEL}/infer", infer_body(entropic, x[i:i + 1]))
+        deadline = time.monotonic() + 30  # the controller learns from the books after the answers are out
+        while get_json(url + "/status")["models"][MODEL]["inputs_observed"] < len(x):
+            assert time.monotonic() < deadline, "the controller never observed every input"
+            time.sleep(0.01)
+        _, errors, _ = state.workers[MODEL].control.controller.history.latest(len(x))
+    np.testing.assert_allclose(errors[:, 0], seen[0], rtol=0, atol=1e-5)

@@ -582,7 +582,8 @@ class ModelWorker:
         scored yet, counts, metrics and the record for the controller."""
         state = done.state
         for k, column in enumerate(done.unscored):
-            state.labels[:, column], state.errors[:, column] = top_label_and_error(done.late[:, k])
+            state.labels[:, column], state.errors[:, column] = top_label_and_error(done.late[:, k],
+                                                                                   self.served.model.error_score)
         config, exits, n = state.config, state.exits, state.n
         compute_ms = (done.finished - done.started) * 1000.0
         queue_ms = (done.started - done.oldest_arrival) * 1000.0
