@@ -178,8 +178,8 @@ def measure_profile(model, sample_feeds: Callable[[int], dict[str, np.ndarray]],
     times one factor for all ramps (see `_in_place_factor`), from the marginal time of the set of every ramp
     against no ramp on the serving path with no input exiting (threshold 0: the releasing thread is not woken):
     each path run in a block (see `BLOCK`) in each round, in an order that alternates from round to round so
-    that drift cancels in the difference (`interleaved_samples`), over at least `repeats` rounds and as many as `budget_s` allows. A
-    single ramp's marginal time (a few microseconds on a run of a millisecond) is too noisy to measure alone: in
+    that drift cancels in the difference (`interleaved_samples`), over at least `repeats` rounds and as many as
+    `budget_s` allows. A single ramp's marginal time (a few microseconds on a run of a millisecond) is too noisy to measure alone: in
     one profile they came out between -15 and +36 us. The record's bookkeeping comes after the batch's answers
     are out (throughput, not latency)."""
     sites = model.site_names
