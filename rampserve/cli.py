@@ -190,6 +190,12 @@ def serve(
     = None,
     accuracy_constraint: Annotated[float, typer.Option(help="allowed share of answers that differ")] = 0.01,
     ramp_budget: Annotated[float, typer.Option(help="what ramps may add to a non-exiting input")] = 0.02,
+    exit_mode: Annotated[str, typer.Option(help="release: every input runs to the end of the model; stop: an input "
+                                                "released at a ramp leaves its batch there (compiled torch models; "
+                                                "others serve it as release)")] = "release",
+    feedback_share: Annotated[float, typer.Option(help="stop mode: share of the inputs, drawn at random, that run "
+                                                       "to the end whatever they exit at, to measure agreement")]
+    = 0.1,
     max_batch: Annotated[Optional[int], typer.Option(help="largest batch (default: the largest within the SLO)")]
     = None,
     max_delay_ms: Annotated[float, typer.Option(help="longest an input waits for its batch to fill (0: none)")] = 0.0,
@@ -236,7 +242,8 @@ def serve(
             slo_ms=slo_ms, max_batch=max_batch, max_delay_ms=max_delay_ms, adaptive_batching=adaptive_batching,
             max_queue=max_queue, deadline_ms=deadline_ms, vanilla=vanilla, torch_threads=torch_threads or None,
             torchscript=torchscript, cache_updates=cache_updates, preload_s=preload_s,
-            controller=ControllerSettings(accuracy_constraint=accuracy_constraint, ramp_budget=ramp_budget))
+            controller=ControllerSettings(accuracy_constraint=accuracy_constraint, ramp_budget=ramp_budget,
+                                          exit_mode=exit_mode, feedback_share=feedback_share))
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
     try:
@@ -365,14 +372,16 @@ def bench_staging(
 def _sim_table(report: dict) -> Table:
     table = Table(title=f"{report['model']} on {report['workload']}, {report['trace']} trace, "
                         f"{report['rate_rps']:.0f} rps, SLO {report['slo_ms']:.2f} ms, max batch {report['max_batch']}")
-    columns = ("system", "accuracy", "worst 1k", "p25 ms", "p50 ms", "p95 ms", "p99 ms", "p50 saved", "rps",
-               "exits", "oracle share")
+    columns = ("system", "accuracy", "worst 1k", "1k below", "p25 ms", "p50 ms", "p95 ms", "p99 ms", "p50 saved",
+               "rps", "saturation rps", "exits", "oracle share")
     for col in columns:
         table.add_column(col, justify="right")
     for name, s in report["systems"].items():
-        table.add_row(name, f"{s['accuracy']:.4f}", f"{s['worst_window_accuracy']:.3f}", f"{s['p25_ms']:.3f}",
-                      f"{s['p50_ms']:.3f}", f"{s['p95_ms']:.3f}", f"{s['p99_ms']:.3f}", f"{s['p50_savings']:+.1%}",
-                      f"{s['throughput_rps']:.0f}", f"{s['exit_share']:.1%}", _fmt(s.get("oracle_share"), ".2f"))
+        table.add_row(name, f"{s['accuracy']:.4f}", f"{s['worst_window_accuracy']:.3f}",
+                      _fmt(s.get("windows_below_share"), ".1%"), f"{s['p25_ms']:.3f}", f"{s['p50_ms']:.3f}",
+                      f"{s['p95_ms']:.3f}", f"{s['p99_ms']:.3f}", f"{s['p50_savings']:+.1%}",
+                      f"{s['throughput_rps']:.0f}", _fmt(s.get("saturation_rps"), ".0f"), f"{s['exit_share']:.1%}",
+                      _fmt(s.get("oracle_share"), ".2f"))
     return table
 
 
@@ -389,18 +398,24 @@ def bench_sim(
     ramp_budget: Annotated[float, typer.Option(help="what ramps may add to a non-exiting input")] = 0.02,
     window: Annotated[int, typer.Option(help="accuracy window that triggers tuning")] = 16,
     length: Annotated[int, typer.Option(help="stream items, bootstrap included")] = 120_000,
+    exit_mode: Annotated[str, typer.Option(help="release: exited inputs run on to the end; stop: they leave")]
+    = "release",
+    feedback_share: Annotated[float, typer.Option(help="stop mode: share of inputs kept running to the end")] = 0.1,
+    confidence: Annotated[float, typer.Option(help="confidence of the bound on disagreement")] = 0.95,
     json_out: Annotated[Optional[Path], typer.Option("--json", help="write the results here")] = None,
     plots: Annotated[Optional[Path], typer.Option(help="write plots into this directory")] = None,
     small: Annotated[bool, typer.Option(help="the zoo's tiny variant")] = False,
 ) -> None:
-    """Replay a drifting stream through the trace simulator: vanilla, oracle, static baselines and rampserve."""
+    """Replay a drifting stream through the trace simulator: vanilla, oracle, static baselines and rampserve;
+    then each one's saturation, and vanilla and rampserve at half of vanilla's."""
     from rampserve.bench.sim import SimSettings, run_sim
     from rampserve.control.controller import ControllerSettings
 
     try:
         settings = SimSettings(model=model, workload=workload, trace=trace, rate_rps=rate, slo_ms=slo_ms,
                                length=length, small=small, controller=ControllerSettings(
-                                   accuracy_constraint=accuracy_constraint, ramp_budget=ramp_budget, window=window))
+                                   accuracy_constraint=accuracy_constraint, ramp_budget=ramp_budget, window=window,
+                                   exit_mode=exit_mode, feedback_share=feedback_share, confidence=confidence))
         result = run_sim(settings, progress=lambda stage: console.print(f"[dim]simulating {stage}[/dim]"))
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
@@ -409,7 +424,12 @@ def bench_sim(
     rampserve = report["systems"]["rampserve"]
     console.print(f"rampserve: threshold tuning {rampserve['tune_ms_mean']:.2f} ms mean over {rampserve['tunings']} "
                   f"runs, ramp adjustment {rampserve['adjust_ms_mean']:.2f} ms mean over "
-                  f"{rampserve['adjustments']}, {rampserve['mean_active_ramps']:.2f} active ramps on average")
+                  f"{rampserve['adjustments']}, {rampserve['mean_active_ramps']:.2f} active ramps on average; "
+                  f"exit mode {rampserve['exit_mode']}, feedback share {rampserve['feedback_share']:.2f}")
+    half = report["at_half_vanilla_saturation"]
+    console.print(f"saturation: rampserve {report['saturation_ratio']:.2f}x vanilla's; at half of vanilla's "
+                  f"({half['rate_rps']:.0f} rps) rampserve's p50 is {half['p50_ratio']:.2f}x vanilla's, p99 "
+                  f"{half['p99_ratio']:.2f}x, accuracy {half['systems']['rampserve']['accuracy']:.4f}")
     sweep = Table(title="accuracy window that triggers tuning")
     for col in ("window", "accuracy", "worst 1k", "p50 saved", "tunings"):
         sweep.add_column(col, justify="right")
@@ -431,6 +451,10 @@ def bench_freeze(
     workload: Annotated[str, typer.Option(help="stream")] = "fmnist-drift",
     requests: Annotated[int, typer.Option(help="evaluation requests replayed per system")] = 30_000,
     accuracy_constraint: Annotated[float, typer.Option(help="allowed share of answers that differ")] = 0.01,
+    exit_mode: Annotated[Optional[str], typer.Option(help="managed systems' exit mode: release or stop (default: "
+                                                          "the controller's)")] = None,
+    feedback_share: Annotated[Optional[float], typer.Option(help="stop mode: share of exited inputs that run to the "
+                                                                 "end (default: the controller's)")] = None,
     json_out: Annotated[Optional[Path], typer.Option("--json", help="write the results here")] = None,
     plots: Annotated[Optional[Path], typer.Option(help="write plots into this directory")] = None,
     small: Annotated[bool, typer.Option(help="the zoo's tiny variants")] = False,
@@ -439,18 +463,26 @@ def bench_freeze(
     from rampserve.bench.freeze import FreezeSettings, run_freeze
     from rampserve.control.controller import ControllerSettings
 
+    # only what was given: the controller's exit-mode fields are its own
+    modes = {k: v for k, v in (("exit_mode", exit_mode), ("feedback_share", feedback_share)) if v is not None}
+    try:
+        controller = ControllerSettings(accuracy_constraint=accuracy_constraint, **modes)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from exc
     settings = FreezeSettings(models=tuple(m.strip() for m in models.split(",") if m.strip()), workload=workload,
-                              requests=requests, small=small,
-                              controller=ControllerSettings(accuracy_constraint=accuracy_constraint))
+                              requests=requests, small=small, controller=controller)
     report, runs = run_freeze(settings, progress=lambda stage: console.print(f"[dim]{stage}[/dim]"))
     for name, result in report["models"].items():
         table = Table(title=f"{name} on {workload}: cache ramps at {len(result['sites'])} sites, "
-                            f"{result['requests']} requests")
-        for col in ("system", "accuracy", "exit share", "mean exit depth", "memory KiB", "p50 ms"):
+                            f"{result['requests']} requests, SLO {result['slo_ms']:.2f} ms")
+        for col in ("system", "accuracy", "1k <target", "exit share", "mean exit depth", "memory KiB", "p50 ms",
+                    "saturation rps", "exit mode"):
             table.add_column(col, justify="right")
         for system, s in result["systems"].items():
-            table.add_row(system, f"{s['accuracy']:.4f}", f"{s['exit_share']:.1%}", f"{s['mean_exit_depth']:.3f}",
-                          f"{s['memory_bytes'] / 1024:.0f}", f"{s['p50_ms']:.2f}")
+            mode = f"{s['exit_mode']} {s['feedback_share']:.2f}" if "exit_mode" in s else "-"
+            table.add_row(system, f"{s['accuracy']:.4f}", f"{s['windows_below_share']:.1%}", f"{s['exit_share']:.1%}",
+                          f"{s['mean_exit_depth']:.3f}", f"{s['memory_bytes'] / 1024:.0f}", f"{s['p50_ms']:.2f}",
+                          f"{s['saturation_rps']:.0f}", mode)
         console.print(table)
         costs = Table(title=f"{name}: memory and lookup cost per site")
         for col in ("site", "k-NN raw MiB", "k-NN reduced KiB", "k-means KiB", "k-means / raw", "lookup/skipped b1",
@@ -487,18 +519,35 @@ def bench_live(
                                                        "measured saturation throughput)")] = None,
     duration: Annotated[float, typer.Option(help="measured seconds per system")] = 60.0,
     ramp_budget: Annotated[float, typer.Option(help="what ramps may add to a non-exiting input")] = 0.02,
+    accuracy_constraint: Annotated[float, typer.Option(help="the managed server's allowed share of answers that "
+                                                            "differ")] = 0.01,
+    exit_mode: Annotated[Optional[str], typer.Option(help="the managed server's exit mode: release (every input "
+                                                          "runs to the end) or stop (default: the server's)")]
+    = None,
+    feedback_share: Annotated[Optional[float], typer.Option(help="stop mode: share of exited inputs that run to the "
+                                                                 "end (default: the server's)")] = None,
+    saturation_s: Annotated[float, typer.Option(help="seconds of each closed-loop saturation probe")] = 10.0,
+    saturation_rounds: Annotated[int, typer.Option(help="saturation probes per server (the median counts)")] = 3,
+    warmup_requests: Annotated[int, typer.Option(help="requests sent before each measured replay")] = 300,
     server_arg: Annotated[Optional[list[str]], typer.Option(help="more `rampserve serve` options for both servers")]
     = None,
     json_out: Annotated[Optional[Path], typer.Option("--json", help="write the results here")] = None,
     plots: Annotated[Optional[Path], typer.Option(help="write plots into this directory")] = None,
 ) -> None:
     """Real servers, real HTTP: vanilla and rampserve on the same model, stream and open-loop trace."""
-    from rampserve.bench.live import LiveSettings, live_table, run_live
+    from rampserve.bench.live import LiveSettings, live_table, run_live, versus_table
 
-    settings = LiveSettings(model=model, workload=workload, trace=trace, rate_rps=rate, duration_s=duration,
-                            server_args=("--ramp-budget", str(ramp_budget), *(server_arg or ())))
+    try:
+        settings = LiveSettings(model=model, workload=workload, trace=trace, rate_rps=rate, duration_s=duration,
+                                accuracy_constraint=accuracy_constraint, exit_mode=exit_mode,
+                                feedback_share=feedback_share, saturation_s=saturation_s,
+                                saturation_rounds=saturation_rounds, warmup_requests=warmup_requests,
+                                server_args=("--ramp-budget", str(ramp_budget), *(server_arg or ())))
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from exc
     report = run_live(settings, json_out, plots)
     console.print(live_table(report))
+    console.print(versus_table(report))
 
 
 @bench_app.command("peers")

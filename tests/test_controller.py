@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from rampserve.control.controller import Controller, ControllerSettings
 from rampserve.control.costs import CostModel
+from rampserve.control.guarantee import smallest_certifying
 from rampserve.control.monitor import AccuracyWindow, RampHistory
 from rampserve.control.ramps import adjust_ramps, evenly_spaced, fits_budget, initial_sites, ramp_utilities
 from rampserve.control.records import NO_EXIT, NO_LABEL, BatchRecord, Configuration, merged
@@ -48,9 +49,9 @@ def test_record_releases_the_exit_ramps_label_or_the_final_one():
 
 def test_accuracy_window_slides_and_keeps_totals():
     window = AccuracyWindow(4)
-    window.add(np.array([False, True, True, True, True]))
+    window.add(np.array([True, False, False, False, False]))  # whether each answer is wrong
     assert window.accuracy == 1.0 and window.cumulative == 0.8
-    window.add(np.array([False]))
+    window.add(np.array([True]))
     assert window.accuracy == 0.75
     window.clear()
     assert window.accuracy == 1.0 and window.served == 6
@@ -165,24 +166,32 @@ def test_ramp_adjustment_never_exceeds_the_budget(seed, ramp_ms, budget, batch):
 
 
 def test_an_accuracy_drop_triggers_retuning_that_lowers_the_guilty_threshold():
-    settings_ = ControllerSettings(initial=("s3",), window=16, ramp_adjustment=False, min_ramp_outputs=16,
-                                   start_thresholds={"s3": 0.9}, tuning_share=1.0)
+    settings_ = ControllerSettings(initial=("s3",), window=16, ramp_adjustment=False, adjust_every=1024)
     controller = Controller(profile(), settings_)
     final = np.zeros(4, dtype=int)
-    confident_wrong = (np.ones((4, 8), int), np.full((4, 8), 0.3), final)  # s3 would exit and be wrong
     confident_right = (np.zeros((4, 8), int), np.full((4, 8), 0.1), final)
-    drive(controller, [confident_right] * 4 + [confident_wrong])
-    tuned = controller.configuration()
-    assert tuned.version == 1 and "window accuracy" in controller.decisions[-1].reason
-    assert 0.1 < tuned.thresholds[0] <= 0.3  # right answers (error 0.1) still exit, wrong ones (0.3) no longer
-    assert len(controller.times.tune_ms) == 1 and controller.times.tune_ms[0] >= 0.0
+    drive(controller, [confident_right] * 300)  # the periodic retune at 1,024 inputs certifies a threshold
+    certified = controller.configuration()
+    assert certified.version == 1 and certified.thresholds[0] > 0.15
+    # s3 exits and is wrong on 16 inputs: more than 1% of the newest 1,024
+    confident_wrong = (np.ones((16, 8), int), np.full((16, 8), 0.15), np.zeros(16, dtype=int))
+    drive(controller, [confident_wrong])
+    lowered = controller.configuration()
+    assert lowered.version == 2 and "window accuracy" in controller.decisions[-1].reason
+    assert 0.1 < lowered.thresholds[0] <= 0.15  # right answers (error 0.1) still exit, wrong ones (0.15) no longer
+    assert len(controller.times.tune_ms) == 2 and min(controller.times.tune_ms) >= 0.0
 
 
-def test_a_ramp_with_too_few_outputs_of_its_own_keeps_threshold_zero():
-    controller = Controller(profile(), ControllerSettings(initial=("s3",), min_ramp_outputs=64))
-    right = (np.zeros((4, 8), int), np.full((4, 8), 0.1), np.zeros(4, dtype=int))
-    drive(controller, [right] * 15)  # 60 outputs, every one right and confident
+def test_a_ramp_keeps_threshold_zero_until_its_bound_can_be_met():
+    """The bound lets nothing exit before a ramp has as many right answers as certify the constraint."""
+    controller = Controller(profile(), ControllerSettings(initial=("s3",), ramp_adjustment=False))
+    # half the inputs choose thresholds, the other half must certify them
+    needed = 2 * smallest_certifying(controller.settings.accuracy_constraint, controller.look_delta())
+    assert needed > controller.settings.min_ramp_outputs
+    right = (np.zeros((1, 8), int), np.full((1, 8), 0.1), np.zeros(1, dtype=int))
+    drive(controller, [right] * (needed - 1))  # every one right and confident
     assert controller.tuned_thresholds().tolist() == [0.0]
+    assert controller.configuration().thresholds == (0.0,)
     drive(controller, [right])
     assert controller.tuned_thresholds()[0] > 0.1
 
@@ -230,20 +239,20 @@ def test_a_lone_ramp_that_pays_off_explores_the_next_site_and_returns_to_the_bet
 
 def test_a_new_ramp_is_judged_on_the_inputs_that_reached_it():
     """Past inputs never saw a ramp added later; counting them would dilute its mistakes."""
-    settings_ = ControllerSettings(initial=("s5", "s6"), history=512, min_ramp_outputs=64, tuning_share=1.0,
-                                   ramp_adjustment=False)
+    settings_ = ControllerSettings(initial=("s5", "s6"), history=4096, ramp_adjustment=False)
     controller = Controller(profile(), settings_)
     final = np.zeros(8, dtype=int)
-    before = RampHistory(("s6",), 512)  # 448 inputs served while s6 was the only ramp
-    for _ in range(56):
+    before = RampHistory(("s6",), 4096)  # 3,584 inputs served while s6 was the only ramp
+    for _ in range(448):
         before.add(record(Configuration(0, ("s6",), (0.1,)), np.zeros((8, 1), int), np.full((8, 1), 0.01), final))
     controller.history = before.for_sites(("s5", "s6"))
     slip = np.zeros((8, 8), int)
-    slip[0, 5] = 1  # s5 is confidently wrong on 3 of its first 64 inputs
+    slip[0, 5] = 1  # s5 is confidently wrong on 24 of its first 512 inputs
     sure = (np.zeros((8, 8), int), np.full((8, 8), 0.01), final)
-    drive(controller, [(slip, np.full((8, 8), 0.01), final)] * 3 + [sure] * 5)
-    # 3 mistakes are 0.6% of the 512 inputs kept, but 4.7% of the 64 that reached s5
-    assert controller.tuned_thresholds().tolist() == [0.0, 0.1]  # s6 alone: always right
+    drive(controller, [(slip, np.full((8, 8), 0.01), final)] * 24 + [sure] * 40)
+    # 24 mistakes are 0.6% of the 4,096 inputs kept (within the bound), but 4.7% of the 512 that reached s5
+    s5, s6 = controller.tuned_thresholds()
+    assert s5 == 0.0 and s6 > 0.01  # s6 alone, whose confident answers are always right
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -253,13 +262,13 @@ def test_a_failed_batch_counts_its_released_answers_as_disagreements_and_never_l
     where an identical controller that saw no failure loosens them."""
     rng = np.random.default_rng(seed)
     site = SITES[3]
-    scores = rng.uniform(0.0, 0.6, 400)
-    right = rng.random(400) < 0.995
+    scores = rng.uniform(0.0, 0.6, 1400)
+    right = rng.random(1400) < 0.995
 
     def fed(fail: bool) -> tuple[Controller, Configuration, Configuration | None]:
         control = Controller(profile(), ControllerSettings(initial=(site,), start_thresholds={site: 0.02},
-                                                           ramp_adjustment=False))
-        for score, ok in zip(scores[:100], right[:100]):  # before the first periodic retune (128 inputs)
+                                                           ramp_adjustment=False, adjust_every=1024))
+        for score, ok in zip(scores[:1000], right[:1000]):  # before the first periodic retune (1,024 inputs)
             control.observe(record(control.configuration(), np.array([[1 if ok else 2]]), np.array([[score]]),
                                    np.array([1])))
         before = control.configuration()
@@ -270,7 +279,7 @@ def test_a_failed_batch_counts_its_released_answers_as_disagreements_and_never_l
             assert control.observe(failed) is None
             assert control.unverified == 3 and control.window.served == served + 3
             assert control.history.size == history  # nothing to learn from answers with no final label
-        for score, ok in zip(scores[100:], right[100:]):
+        for score, ok in zip(scores[1000:], right[1000:]):
             new = control.observe(record(control.configuration(), np.array([[1 if ok else 2]]),
                                          np.array([[score]]), np.array([1])))
             if new is not None:

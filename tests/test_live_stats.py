@@ -3,21 +3,28 @@ request encoding and files (no server, no timing)."""
 
 from __future__ import annotations
 
+import io
 import json
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from rich.console import Console
 
 from rampserve.bench.live import (
+    TABLE_COLUMNS,
+    LiveSettings,
     binned_percentile,
     closed_loop_throughput,
     live_arrivals,
+    managed_exit_mode,
     mean_batch_size,
     percentiles,
     summarize_live,
     table_rows,
+    versus_table,
+    versus_vanilla,
     with_oracle_share,
 )
 from rampserve.bench.loadgen import CLIENT_ERROR, TIMED_OUT, Job, LoadResult, encode_request, load_job, save_job
@@ -56,10 +63,12 @@ def test_summary_scores_answered_requests_and_counts_shed_and_failed_apart():
                          early=[True, False, False, True, False, False], exit_site=[1, -1, -1, 0, -1, -1],
                          sites=("a", "b"), sent=[0.5, 100, 200, 300, 400, 500])
     reference = np.array([1, 2, 7, 3, 4, 5])
-    s = summarize_live(result, reference, worst_window=2, batch_size=1.5)
+    s = summarize_live(result, reference, worst_window=2, batch_size=1.5, min_accuracy=0.99)
     assert (s["requests"], s["answered"], s["shed"], s["failed"]) == (6, 4, 1, 1)
     assert s["accuracy"] == pytest.approx(3 / 4)
     assert s["worst_window_accuracy"] == pytest.approx(1 / 2)  # answered in order: right, right, right, wrong
+    assert s["windows_below_share"] == pytest.approx(1 / 2)  # windows of 2: (right, right), (right, wrong)
+    assert summarize_live(result, reference, 2, None, min_accuracy=0.5)["windows_below_share"] == 0.0
     assert s["p50_ms"] == pytest.approx(np.median([2, 4, 1, 2]))
     assert s["mean_ms"] == pytest.approx(9 / 4)
     assert s["exit_share"] == pytest.approx(1 / 2)
@@ -74,6 +83,7 @@ def test_summary_of_a_run_with_no_answer_has_no_latency_and_no_accuracy():
     result = load_result(scheduled=[0, 1], done=[1, 2], status=[503, CLIENT_ERROR], label=[-1, -1])
     s = summarize_live(result, np.array([0, 0]), worst_window=1000, batch_size=None)
     assert s["accuracy"] is None and s["p50_ms"] is None and s["throughput_rps"] == 0.0
+    assert s["windows_below_share"] is None
     assert (s["shed"], s["failed"]) == (1, 1)
 
 
@@ -118,13 +128,82 @@ def test_table_rows_show_ratios_to_vanilla():
     def system(p50, p99, rps):
         return {"requests": 100, "shed": 1, "failed": 0, "p25_ms": 1.0, "p50_ms": p50, "p95_ms": 5.0, "p99_ms": p99,
                 "throughput_rps": rps, "accuracy": 0.995, "worst_window_accuracy": None, "exit_share": 0.4,
-                "mean_batch_size": None, "oracle_share": 0.5}
+                "mean_batch_size": None, "oracle_share": 0.5, "windows_below_share": 0.0}
 
-    report = {"systems": {"vanilla": system(4.0, 10.0, 200.0), "rampserve": system(2.0, 11.0, 199.0)}}
-    vanilla, rampserve = table_rows(report)
-    assert vanilla[0] == "vanilla" and vanilla[-4:-1] == ("1.00", "1.00", "1.00")
-    assert rampserve[-4:] == ("0.50", "1.10", "0.99", "0.50")
-    assert "-" in rampserve  # worst window and mean batch size unknown
+    report = {"systems": {"vanilla": system(4.0, 10.0, 200.0) | {"saturation_rps": 400.0},
+                          "rampserve": system(2.0, 11.0, 199.0) | {"saturation_rps": 600.0, "exit_mode": "stop",
+                                                                  "feedback_share": 0.1}}}
+    vanilla, rampserve = (dict(zip(TABLE_COLUMNS, row, strict=True)) for row in table_rows(report))
+    assert vanilla["system"] == "vanilla" and vanilla["exit mode"] == "-"
+    assert [vanilla[c] for c in ("sat ×van", "p50 ×van", "p99 ×van", "rps ×van")] == ["1.00"] * 4
+    assert [rampserve[c] for c in ("sat ×van", "p50 ×van", "p99 ×van", "rps ×van", "oracle share")] == \
+        ["1.50", "0.50", "1.10", "0.99", "0.50"]
+    assert (rampserve["sat rps"], rampserve["1k <target"], rampserve["exit mode"]) == ("600.0", "0.0%", "stop 0.10")
+    assert rampserve["worst 1k"] == "-" and rampserve["mean batch"] == "-"  # unknown
+
+
+def _live_system(p50: float, p99: float, rounds: list[float], accuracy: float = 0.995, answered: int = 100,
+                 requests: int = 100) -> dict:
+    return {"p50_ms": p50, "p99_ms": p99, "accuracy": accuracy, "answered": answered, "requests": requests,
+            "worst_window_accuracy": 0.98, "windows_below_share": 0.25,
+            "saturation_rps": float(np.median(rounds)) if rounds else None,
+            "saturation": {"rounds_rps": rounds}}
+
+
+def test_versus_vanilla_reports_issue_17s_figures_and_goals():
+    vanilla = _live_system(4.0, 20.0, [700.0, 720.0, 710.0])
+    managed = _live_system(1.9, 19.0, [1000.0, 1100.0, 1050.0], accuracy=0.992, answered=99) | \
+        {"exit_mode": "stop", "feedback_share": 0.1}
+    versus = versus_vanilla(vanilla, managed, replay_load=0.5)
+    assert (versus["exit_mode"], versus["feedback_share"]) == ("stop", 0.1)
+    assert versus["replayed_at_half_vanilla_saturation"]
+    saturation = versus["saturation_rps"]
+    assert saturation["ratio"] == pytest.approx(1050 / 710)
+    assert saturation["ratio_range"] == pytest.approx([1000 / 720, 1100 / 700])
+    assert saturation["vanilla_rounds"] == [700.0, 720.0, 710.0]
+    assert versus["p50_ms"] == {"vanilla": 4.0, "rampserve": 1.9, "ratio": pytest.approx(0.475)}
+    assert versus["p99_ms"]["ratio"] == pytest.approx(0.95)
+    assert versus["accuracy_over_all_requests"] == pytest.approx(0.992 * 0.99)
+    assert versus["windows_below_share"] == 0.25
+    assert versus["goals"] == {"saturation_at_least_1.4x": True, "p50_at_most_0.5x_at_half_saturation": True,
+                               "p99_at_most_1x_at_half_saturation": True, "accuracy_at_least_0.99": True}
+    # not at half of vanilla's saturation: the latency bars are not judged; slower and less accurate: missed
+    slow = managed | {"saturation_rps": 800.0, "accuracy": 0.98}
+    goals = versus_vanilla(vanilla, slow, replay_load=0.3)["goals"]
+    assert goals == {"saturation_at_least_1.4x": False, "p50_at_most_0.5x_at_half_saturation": None,
+                     "p99_at_most_1x_at_half_saturation": None, "accuracy_at_least_0.99": False}
+    # nothing answered, no saturation rounds: the figures are missing, not made up
+    empty = versus_vanilla(vanilla, _live_system(None, None, []) | {"accuracy": None, "saturation_rps": None},
+                           replay_load=0.5)
+    assert empty["saturation_rps"]["ratio_range"] is None and set(empty["goals"].values()) == {None}
+    console = Console(width=200, record=True, file=io.StringIO())
+    console.print(versus_table({"versus_vanilla": versus}))
+    text = console.export_text()
+    assert "saturation rps" in text and "1.48 (1.39-1.57)" in text and "stop 0.10" in text
+
+
+def test_the_managed_exit_mode_is_what_the_server_reports_else_what_it_was_told():
+    settings = LiveSettings(model="m", exit_mode="stop", feedback_share=0.2)
+    assert managed_exit_mode(settings, None) == {"exit_mode": "stop", "feedback_share": 0.2}
+    # the server's model status carries its controller's figures (the controller may set the share itself)
+    status = {"models": {"m": {"exit_mode": "stop", "feedback_share": 0.05}}}
+    assert managed_exit_mode(settings, status) == {"exit_mode": "stop", "feedback_share": 0.05}
+    status = {"models": {"m": {"controller": {"exit_mode": "stop", "feedback_share": 0.3}}}}
+    assert managed_exit_mode(settings, status) == {"exit_mode": "stop", "feedback_share": 0.3}
+    # release: every row runs to the end
+    assert managed_exit_mode(LiveSettings(model="m", exit_mode="release"), "GET /status: refused") == \
+        {"exit_mode": "release", "feedback_share": 1.0}
+    assert managed_exit_mode(LiveSettings(model="m"), None) == {"exit_mode": "release", "feedback_share": 1.0}
+
+
+def test_live_settings_pass_the_exit_mode_to_the_managed_server_only_when_given():
+    assert LiveSettings().managed_args() == ("--accuracy-constraint", "0.01")
+    assert LiveSettings(exit_mode="stop", feedback_share=0.1, accuracy_constraint=0.02).managed_args() == \
+        ("--accuracy-constraint", "0.02", "--exit-mode", "stop", "--feedback-share", "0.1")
+    for bad in ({"exit_mode": "halt"}, {"feedback_share": 1.5}, {"feedback_share": 0.0}, {"saturation_rounds": 0},
+                {"saturation_s": 2.0, "saturation_settle_s": 2.0}):
+        with pytest.raises(ValueError):
+            LiveSettings(**bad)
 
 
 @pytest.mark.parametrize("trace", ["maf", "poisson", "bursty"])

@@ -87,3 +87,27 @@ def test_end_to_end_run_on_a_prepared_model(resnet_bundle):
     assert "oracle_share" in systems["rampserve"] and systems["rampserve"]["tunings"] >= 0
     assert report["requests"] == 2700 and set(report["window_sweep"]) == {"16", "64"}
     assert report["decisions"][0]["version"] == 0
+
+
+def test_in_stop_mode_an_exit_leaves_its_batch_and_the_rest_runs_at_fewer_rows():
+    errors = np.array([[0.9, 0.1, 0.9], [0.9, 0.9, 0.9]])
+    labels = np.array([[0, 1, 0], [0, 0, 0]])
+    s = scenario([0.0, 0.0], errors, labels, final=np.array([1, 1]))
+    config = Configuration(0, ("b",), (0.5,))
+    heard = []
+
+    class Listener(Controller):
+        def observe(self, record):
+            heard.append(record)
+            return None
+
+    listener = Listener(hand_profile(), ControllerSettings(initial=("b",), exit_mode="stop"))
+    run = replay(s, config, listener, stop=True, feedback_share=0.0)
+    # both run a and b at 2 rows (1 ms) and b's ramp (0.02 ms); input 1 alone runs c and the output (0.5 ms)
+    np.testing.assert_allclose(run.queue.latency_ms, [1.02, 1.52])
+    assert run.correct.tolist() == [True, True]
+    (record,) = heard
+    assert record.observed().tolist() == [False, True] and record.feedback_share == 0.0
+    # every input drawn for feedback runs to the end: the batch costs what it costs in release mode
+    kept = replay(s, config, stop=True, feedback_share=1.0)
+    np.testing.assert_allclose(kept.queue.latency_ms, replay(s, config).queue.latency_ms)

@@ -8,6 +8,11 @@ Per model, with a k-means cache ramp at every site (bundle `<model>-cache`, buil
   with online cache updates (the paper's Figures 4/5: where inputs exit, and accuracy against the model);
 - how quickly the exit share comes back after each phase shift of the stream, without and with updates;
 - a Zipf stream with repeated requests: the exact-match prediction cache, the intermediate caches, and both.
+
+Every system also reports, as `bench sim` does, `saturation_rps` (the highest mean arrival rate of the trace, replayed
+faster or slower with its shape kept, whose p99 latency stays within the SLO: `trace_saturation`) and
+`windows_below_share` (share of 1,000-request windows whose accuracy is below 1 − the constraint); managed systems
+also their `exit_mode` and `feedback_share`.
 """
 
 from __future__ import annotations
@@ -18,8 +23,11 @@ from pathlib import Path
 
 import numpy as np
 
+from rampserve.bench.figures import controller_exit_mode, windows_below_share
 from rampserve.bench.ramp_outputs import RampOutputs, ramp_outputs
-from rampserve.bench.sim import Scenario, SystemRun, replay
+from rampserve.bench.sim import (
+    SATURATION_HIGH, SATURATION_LOW, Scenario, SystemRun, mean_rate_rps, replay, trace_saturation,
+)
 from rampserve.control.controller import Controller, ControllerSettings
 from rampserve.control.costs import CostModel
 from rampserve.control.records import BatchRecord, Configuration, first_exits
@@ -55,6 +63,7 @@ class FreezeSettings:
     exact_cache_entries: int = 1000
     seed: int = 0
     small: bool = False
+    saturation_tolerance: float = 0.02  # relative: saturation rates are searched to within this
 
 
 def cache_bundle(model: str, spec: CacheSpec, small: bool = False) -> Path:
@@ -178,15 +187,30 @@ def freeze_model(name: str, settings: FreezeSettings, progress=lambda _: None) -
         "managed_thresholds_only": (plain, None, replace(managed, ramp_adjustment=False)),
         "managed_default_budget": (learned, None, settings.controller),
     }
+    plan["vanilla"] = (plain, Configuration(0, (), ()), None)
+    capacity = 1000.0 * max_batch / profile.full(max_batch)  # vanilla's largest batch, back to back
+    min_accuracy = settings.controller.target_accuracy
+
+    def serve(outputs: RampOutputs, config: Configuration | None, control: ControllerSettings | None,
+              arrivals_ms: np.ndarray) -> SystemRun:
+        controller = Controller(profile, control) if control is not None else None
+        start_config = config if config is not None else controller.configuration()
+        mode = control or settings.controller  # static systems stop every exit in stop mode (no feedback)
+        return replay(Scenario(outputs, costs, arrivals_ms, max_batch), start_config, controller, mode.stops,
+                      mode.kept_share if control is not None else 0.0, settings.seed)
+
     systems, runs = {}, {}
     for system, (outputs, config, control) in plan.items():
         progress(f"{name}: {system}")
-        scenario = Scenario(outputs, costs, arrivals, max_batch)
-        controller = Controller(profile, control) if control is not None else None
-        runs[system] = replay(scenario, config or controller.configuration(), controller)
-        systems[system] = summarize_exits(runs[system], all_sites, depth, memory)
-    vanilla = replay(Scenario(plain, costs, arrivals, max_batch), Configuration(0, (), ()))
-    systems["vanilla"] = summarize_exits(vanilla, all_sites, depth, 0)
+        runs[system] = serve(outputs, config, control, arrivals)
+        systems[system] = summarize_exits(runs[system], all_sites, depth, 0 if system == "vanilla" else memory)
+        systems[system]["windows_below_share"] = windows_below_share(runs[system].correct, min_accuracy)
+        progress(f"{name}: {system}, saturation")
+        systems[system]["saturation_rps"] = trace_saturation(
+            lambda a, o=outputs, c=config, s=control: serve(o, c, s, a), arrivals, slo, capacity,
+            settings.saturation_tolerance)
+        if control is not None:
+            systems[system] |= controller_exit_mode(control)
     shifts = _phase_shifts(start, stop)
     recovery = {system: shift_recovery(runs[system].exited, runs[system].correct, shifts)
                 for system in ("static", "static_online", "managed", "managed_online")}
@@ -199,6 +223,10 @@ def freeze_model(name: str, settings: FreezeSettings, progress=lambda _: None) -
         "memory": memory_table(model),
         "memory_bytes_before_updates": memory, "memory_bytes_after_updates": memory_after,
         "lookup_cost": lookup_cost_table(model),
+        "saturation": {"capacity_rps": capacity, "searched_rps": [SATURATION_LOW * capacity,
+                                                                  SATURATION_HIGH * capacity],
+                       "tolerance": settings.saturation_tolerance, "trace_rate_rps": mean_rate_rps(arrivals),
+                       "definition": "highest mean arrival rate of the trace (scaled in time) whose p99 <= SLO"},
         "systems": systems,
         "shift_recovery": {system: {"shifts": rows, "recovered": sum(r["recovered_after"] is not None for r in rows),
                                     "median_recovered_after": _median_or_none([r["recovered_after"] for r in rows])}
@@ -221,9 +249,10 @@ def repeated_requests(model: PreparedModel, outputs: RampOutputs, settings: Free
     answers at its site's depth."""
     n = len(outputs.final)
     rng = np.random.default_rng(settings.seed)
+    pool = min(settings.zipf_pool, n)  # a short run has fewer distinct inputs than the pool
     ranks = rng.zipf(settings.zipf_exponent, size=n)
-    ranks = ranks[ranks <= settings.zipf_pool] - 1
-    items = rng.permutation(min(settings.zipf_pool, n))[ranks]  # rows of `outputs`
+    ranks = ranks[ranks <= pool] - 1
+    items = rng.permutation(pool)[ranks]  # rows of `outputs`
     sites = tuple(model.site_names)
     thresholds = np.array([float(model.meta["static_thresholds"][s]) for s in sites])
     columns = outputs.columns(sites)

@@ -10,6 +10,14 @@ trace simulator's oracle on the same stream and arrivals gives the savings an ex
 Per-system figures carry `bench sim`'s keys. Latency percentiles, accuracy and exits are over answered requests;
 shed (429/503) and failed requests (other errors, timeouts) are counted apart. From the server's own status:
 configurations it adopted during the run and its event loop's lag (`server_figures`).
+
+Each system's `saturation_rps` is its own closed-loop saturation, measured as `bench peers` measures it
+(`measure_saturation`, the median of `saturation_rounds` probes, every round reported): vanilla's before its replay
+(it sets the replay's rate), rampserve's after its replay (so the replay meets the server as it always did, and the
+probe meets a controller that has learnt the stream). `windows_below_share` is the share of 1,000-request windows
+(answered requests, in order) whose accuracy is below 1 − the accuracy constraint; the managed system also reports
+its `exit_mode` and `feedback_share`. `versus_vanilla` puts issue 17's figures for exits side by side: saturation,
+p50 and p99 at half of vanilla's saturation, accuracy, as ratios to vanilla from this one run.
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -31,10 +40,12 @@ import torch
 from rich.table import Table
 from tqdm.auto import tqdm
 
+from rampserve.bench.figures import ACCURACY_WINDOW, exit_mode_figures, windows_below_share
 from rampserve.bench.loadgen import Job, LoadResult, fetch_status, save_job
 from rampserve.bench.ramp_outputs import RampOutputs, ramp_outputs
 from rampserve.bench.sim import Scenario, _rolling_min_mean, replay, replay_oracle, summarize, with_savings
 from rampserve.runtime.timing import interleaved_medians
+from rampserve.control.controller import EXIT_MODES, ControllerSettings
 from rampserve.control.costs import CostModel
 from rampserve.control.records import Configuration
 from rampserve.runtime.bundle import load_bundle
@@ -48,6 +59,11 @@ QUANTILES = (25, 50, 95, 99)
 SATURATION_ITEMS = 1000  # distinct inputs the closed-loop probes cycle through
 MAX_ERRORS = 10  # distinct error messages kept per run, the most frequent
 STOP_GRACE_S = 40.0  # a server told to stop answers what it accepted within this (its own grace is 30 s)
+# Issue 17's bars for exits that stop early, against vanilla in the same run (`versus_vanilla`)
+SATURATION_GOAL = 1.4  # managed closed-loop saturation at least this times vanilla's
+P50_GOAL, P99_GOAL = 0.5, 1.0  # at half of vanilla's saturation, p50 and p99 at most these times vanilla's
+ACCURACY_GOAL = 0.99
+HALF_LOAD = 0.5
 
 
 @dataclass(frozen=True)
@@ -67,17 +83,40 @@ class LiveSettings:
     # wait for company. Waiting buys little on these CPUs: resnet18-fmnist's profiled batch of 2 costs 95% of two
     # batches of 1 (and its SLO allows no larger batch).
     max_delay_ms: float = 0.0
-    saturation_s: float = 10.0  # closed-loop probe of vanilla's throughput ...
-    saturation_settle_s: float = 2.0  # ... whose first seconds are not counted
+    saturation_s: float = 10.0  # closed-loop probe of each server's throughput ...
+    saturation_settle_s: float = 2.0  # ... whose first seconds are not counted ...
+    saturation_rounds: int = 3  # ... repeated, one client process each: the median is the saturation
     saturation_clients: int | None = None  # default: 2 × max batch + 2, enough to keep every batch full
     sequential_requests: int = 500  # one at a time against idle vanilla: the server's overhead
     inprocess_rounds: int = 500  # batch-1 runs of the model in this process
     timeout_s: float = 10.0  # a request unanswered by then has failed
-    worst_window: int = 1000
+    worst_window: int = ACCURACY_WINDOW  # also the windows of `windows_below_share`
     seed: int = 0
     stream_length: int = DEFAULT_LENGTH  # the stream `bench sim` replays: the same inputs at the same positions
     start_timeout_s: float = 300.0  # a server must be ready within this
     server_args: tuple[str, ...] = ()  # more `rampserve serve` options, given to both servers (e.g. --ramp-budget)
+    accuracy_constraint: float = 0.01  # the managed server's (`--accuracy-constraint`); windows are judged by it
+    # The managed server's exit mode (`--exit-mode`: release or stop) and the share of exited rows it runs to the
+    # end (`--feedback-share`); None: not passed, the server's defaults
+    exit_mode: str | None = None
+    feedback_share: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.saturation_s <= self.saturation_settle_s:
+            raise ValueError(f"a saturation probe ({self.saturation_s} s) must outlast its settling "
+                             f"({self.saturation_settle_s} s)")
+        if self.saturation_rounds < 1:
+            raise ValueError(f"saturation takes at least one round, got {self.saturation_rounds}")
+        if self.exit_mode is not None and self.exit_mode not in EXIT_MODES:
+            raise ValueError(f"exit mode is one of {EXIT_MODES}, not {self.exit_mode!r}")
+        if self.feedback_share is not None and not 0.0 < self.feedback_share <= 1.0:
+            raise ValueError(f"feedback share must lie in (0, 1], got {self.feedback_share}")
+
+    def managed_args(self) -> tuple[str, ...]:
+        """`rampserve serve` options of the managed server alone, before `server_args` (which may override)."""
+        return ("--accuracy-constraint", f"{self.accuracy_constraint:g}",
+                *(("--exit-mode", self.exit_mode) if self.exit_mode is not None else ()),
+                *(("--feedback-share", f"{self.feedback_share:g}") if self.feedback_share is not None else ()))
 
 
 # --- statistics (pure) ----------------------------------------------------------------------------------------
@@ -147,9 +186,10 @@ def _status_number(status: dict | str | None, path: tuple[str, ...]) -> float | 
 
 
 def summarize_live(result: LoadResult, reference: np.ndarray, worst_window: int,
-                   batch_size: float | None) -> dict:
+                   batch_size: float | None, min_accuracy: float = 0.99) -> dict:
     """`bench sim`'s per-system figures for one live run (savings come from `with_savings`), plus what only a live
-    run has: requests shed and failed, the offered rate, and how late the client sent."""
+    run has: requests shed and failed, the offered rate, and how late the client sent. `windows_below_share`
+    judges windows of `worst_window` answered requests against `min_accuracy` (1 − the accuracy constraint)."""
     ok = result.ok
     answered = int(ok.sum())
     correct = result.label[ok] == reference[ok]
@@ -160,6 +200,7 @@ def summarize_live(result: LoadResult, reference: np.ndarray, worst_window: int,
     return {
         "accuracy": float(correct.mean()) if answered else None,
         "worst_window_accuracy": _rolling_min_mean(correct, worst_window) if answered else None,
+        "windows_below_share": windows_below_share(correct, min_accuracy, worst_window),
         **percentiles(latency),
         "mean_ms": float(latency.mean()) if answered else None,
         "throughput_rps": answered / span_ms * 1000.0 if span_ms > 0 else 0.0,
@@ -212,6 +253,13 @@ def _ratio(value: float | None, base: float | None) -> float | None:
     return None if value is None or not base else value / base
 
 
+def _mode(summary: dict) -> str:
+    """A managed system's exit mode and feedback share ("-" for a system without exits)."""
+    if summary.get("exit_mode") is None:
+        return "-"
+    return f"{summary['exit_mode']} {_fmt(summary.get('feedback_share'), '.2f')}"
+
+
 def table_rows(report: dict) -> list[tuple[str, ...]]:
     """One row per system: what `live_table` prints, ratios to vanilla last."""
     vanilla = report["systems"]["vanilla"]
@@ -220,18 +268,100 @@ def table_rows(report: dict) -> list[tuple[str, ...]]:
         rows.append((
             name, str(s["requests"]), str(s["shed"]), str(s["failed"]),
             *(_fmt(s[f"p{q}_ms"], ".2f") for q in QUANTILES), _fmt(s["throughput_rps"], ".1f"),
-            _fmt(s["accuracy"], ".4f"), _fmt(s["worst_window_accuracy"], ".3f"), _fmt(s["exit_share"], ".1%"),
+            _fmt(s.get("saturation_rps"), ".1f"),
+            _fmt(s["accuracy"], ".4f"), _fmt(s["worst_window_accuracy"], ".3f"),
+            _fmt(s.get("windows_below_share"), ".1%"), _fmt(s["exit_share"], ".1%"), _mode(s),
             _fmt(s["mean_batch_size"], ".2f"), _fmt(s.get("config_changes"), "d"),
             _fmt(s.get("max_loop_lag_ms"), ".1f"), _fmt(s.get("loop_lag_samples_over_5ms"), "d"),
-            *(_fmt(_ratio(s[key], vanilla[key]), ".2f") for key in ("p50_ms", "p99_ms", "throughput_rps")),
+            *(_fmt(_ratio(s.get(key), vanilla.get(key)), ".2f")
+              for key in ("saturation_rps", "p50_ms", "p99_ms", "throughput_rps")),
             _fmt(s.get("oracle_share"), ".2f"),
         ))
     return rows
 
 
-TABLE_COLUMNS = ("system", "sent", "shed", "failed", "p25 ms", "p50 ms", "p95 ms", "p99 ms", "rps", "accuracy",
-                 "worst 1k", "exits", "mean batch", "configs", "max loop lag ms", "lag >5 ms", "p50 ×van",
-                 "p99 ×van", "rps ×van", "oracle share")
+TABLE_COLUMNS = ("system", "sent", "shed", "failed", "p25 ms", "p50 ms", "p95 ms", "p99 ms", "rps", "sat rps",
+                 "accuracy", "worst 1k", "1k <target", "exits", "exit mode", "mean batch", "configs",
+                 "max loop lag ms", "lag >5 ms", "sat ×van", "p50 ×van", "p99 ×van", "rps ×van", "oracle share")
+
+
+def _at_most(value: float | None, bound: float) -> bool | None:
+    return None if value is None else value <= bound
+
+
+def _at_least(value: float | None, bound: float) -> bool | None:
+    return None if value is None else value >= bound
+
+
+def versus_vanilla(vanilla: dict, managed: dict, replay_load: float | None) -> dict:
+    """Issue 17's figures for a managed server's exits against vanilla's, measured in one run: closed-loop saturation
+    (median of each one's rounds; `ratio_range` spans the lowest managed round over the highest vanilla one to the
+    reverse), p50 and p99 of the open-loop replay with their ratios, and accuracy over every answered request (and
+    over every request sent, an unanswered one counting as a disagreement). `replay_load` is the replay's rate over
+    vanilla's saturation; the p50 and p99 bars hold at half of it only, so they are None at another load. Each
+    goal is None where a figure is missing."""
+    def rounds(summary: dict) -> list[float]:
+        return list((summary.get("saturation") or {}).get("rounds_rps") or [])
+
+    sat_vanilla, sat_managed = vanilla.get("saturation_rps"), managed.get("saturation_rps")
+    vanilla_rounds, managed_rounds = rounds(vanilla), rounds(managed)
+    ratio_range = [min(managed_rounds) / max(vanilla_rounds), max(managed_rounds) / min(vanilla_rounds)] \
+        if vanilla_rounds and managed_rounds and min(vanilla_rounds) > 0 else None
+    saturation_ratio = _ratio(sat_managed, sat_vanilla)
+    p50_ratio, p99_ratio = (_ratio(managed[key], vanilla[key]) for key in ("p50_ms", "p99_ms"))
+    at_half = replay_load is not None and abs(replay_load - HALF_LOAD) <= 0.01 * HALF_LOAD
+    accuracy = managed["accuracy"]
+    over_all = accuracy * managed["answered"] / managed["requests"] if accuracy is not None and managed["requests"] \
+        else None
+    return {
+        "exit_mode": managed.get("exit_mode"), "feedback_share": managed.get("feedback_share"),
+        "replay_share_of_vanilla_saturation": replay_load, "replayed_at_half_vanilla_saturation": at_half,
+        "saturation_rps": {"vanilla": sat_vanilla, "rampserve": sat_managed, "ratio": saturation_ratio,
+                           "ratio_range": ratio_range, "vanilla_rounds": vanilla_rounds,
+                           "rampserve_rounds": managed_rounds},
+        **{key: {"vanilla": vanilla[key], "rampserve": managed[key], "ratio": ratio}
+           for key, ratio in (("p50_ms", p50_ratio), ("p99_ms", p99_ratio))},
+        "accuracy": accuracy, "accuracy_over_all_requests": over_all,
+        "worst_window_accuracy": managed["worst_window_accuracy"],
+        "windows_below_share": managed.get("windows_below_share"),
+        "goals": {
+            f"saturation_at_least_{SATURATION_GOAL:g}x": _at_least(saturation_ratio, SATURATION_GOAL),
+            f"p50_at_most_{P50_GOAL:g}x_at_half_saturation": _at_most(p50_ratio, P50_GOAL) if at_half else None,
+            f"p99_at_most_{P99_GOAL:g}x_at_half_saturation": _at_most(p99_ratio, P99_GOAL) if at_half else None,
+            f"accuracy_at_least_{ACCURACY_GOAL:g}": _at_least(accuracy, ACCURACY_GOAL),
+        },
+    }
+
+
+def versus_table(report: dict) -> Table:
+    """`versus_vanilla` as a table: each figure for vanilla and rampserve, their ratio and the goal's verdict."""
+    versus = report["versus_vanilla"]
+    saturation = versus["saturation_rps"]
+    spread = saturation["ratio_range"]
+    table = Table(title=f"rampserve ({_mode(versus)}) against vanilla, same run; replay at "
+                        f"{_fmt(versus['replay_share_of_vanilla_saturation'], '.2f')} of vanilla's saturation")
+    for column in ("figure", "vanilla", "rampserve", "ratio", "goal", "met"):
+        table.add_column(column, justify="right")
+    goals = list(versus["goals"].items())
+
+    def verdict(index: int) -> tuple[str, str]:
+        name, met = goals[index]
+        return name, "-" if met is None else ("yes" if met else "no")
+
+    rounds = "/".join(f"{r:.0f}" for r in saturation["rampserve_rounds"])
+    base_rounds = "/".join(f"{r:.0f}" for r in saturation["vanilla_rounds"])
+    table.add_row("saturation rps (rounds)", f"{_fmt(saturation['vanilla'], '.0f')} ({base_rounds})",
+                  f"{_fmt(saturation['rampserve'], '.0f')} ({rounds})",
+                  _fmt(saturation["ratio"], ".2f") + ("" if spread is None else f" ({spread[0]:.2f}-{spread[1]:.2f})"),
+                  *verdict(0))
+    for index, key in ((1, "p50_ms"), (2, "p99_ms")):
+        figure = versus[key]
+        table.add_row(key.replace("_", " "), _fmt(figure["vanilla"], ".2f"), _fmt(figure["rampserve"], ".2f"),
+                      _fmt(figure["ratio"], ".2f"), *verdict(index))
+    table.add_row("accuracy, answered (all sent)", "", f"{_fmt(versus['accuracy'], '.4f')} "
+                  f"({_fmt(versus['accuracy_over_all_requests'], '.4f')})", "", *verdict(3))
+    table.add_row("1k windows below target", "", _fmt(versus["windows_below_share"], ".1%"), "", "", "")
+    return table
 
 
 def live_table(report: dict) -> Table:
@@ -239,10 +369,13 @@ def live_table(report: dict) -> Table:
                         f"{report['rate_rps']:.0f} rps (saturation {_fmt(report['saturation_rps'], '.0f')} rps), "
                         f"SLO {report['slo_ms']:.2f} ms, max batch {report['max_batch']}, max delay "
                         f"{report['max_delay_ms']:g} ms; server overhead {_fmt(report['server_overhead_ms'], '.2f')} ms")
-    for column in TABLE_COLUMNS:
-        table.add_column(column, justify="right")
-    for row in table_rows(report):
-        table.add_row(*row)
+    # one column per system, one row per figure: the figures outnumber the systems, and a terminal's width
+    rows = table_rows(report)
+    table.add_column("")
+    for row in rows:
+        table.add_column(row[0], justify="right")
+    for index, figure in enumerate(TABLE_COLUMNS[1:], start=1):
+        table.add_row(figure, *(row[index] for row in rows))
     return table
 
 
@@ -377,15 +510,25 @@ def measure_saturation(job: Job, probe: list[dict[str, np.ndarray]], settings: L
                        progress: bool) -> dict:
     """Closed loop: clients that each send again as soon as they are answered keep the server's queue from ever
     running dry, so the answers per second once they all run are the most it sustains, at the batch sizes it
-    chooses itself. (Open-loop rate steps would need several runs, each long enough for queues to settle.)"""
+    chooses itself. (Open-loop rate steps would need several runs, each long enough for queues to settle.)
+
+    `settings.saturation_rounds` probes in a row, each from a client process of its own: `throughput_rps` is their
+    median, `rounds_rps` every round's (their spread); counts, batch sizes and latency cover every round."""
     before = fetch_status(job.status_url)
-    result = _answered(run_loadgen(job, probe, workdir, "saturation", settings.saturation_s, progress), "saturation")
-    return {"clients": job.clients, "duration_s": job.duration_s,
-            "throughput_rps": closed_loop_throughput(result, settings.saturation_settle_s * 1000.0,
-                                                     settings.saturation_s * 1000.0),
-            "mean_batch_size": mean_batch_size(before, result.status_after, settings.model),
-            "answered": int(result.ok.sum()), "shed": int(result.shed.sum()), "failed": int(result.failed.sum()),
-            "errors": most_frequent(result.errors), **percentiles(result.latency_ms[result.ok])}
+    results = [_answered(run_loadgen(job, probe, workdir, f"saturation {r + 1}", settings.saturation_s, progress),
+                         "saturation") for r in range(settings.saturation_rounds)]
+    rounds = [closed_loop_throughput(result, settings.saturation_settle_s * 1000.0, settings.saturation_s * 1000.0)
+              for result in results]
+    errors: Counter[str] = Counter()
+    for result in results:
+        errors.update(result.errors)
+    return {"clients": job.clients, "duration_s": job.duration_s, "rounds": len(rounds),
+            "throughput_rps": float(np.median(rounds)), "rounds_rps": rounds,
+            "min_rps": min(rounds), "max_rps": max(rounds),
+            "mean_batch_size": mean_batch_size(before, results[-1].status_after, settings.model),
+            "answered": sum(int(r.ok.sum()) for r in results), "shed": sum(int(r.shed.sum()) for r in results),
+            "failed": sum(int(r.failed.sum()) for r in results), "errors": most_frequent(dict(errors)),
+            **percentiles(np.concatenate([r.latency_ms[r.ok] for r in results]))}
 
 
 def measure_overhead(job: Job, probe: list[dict[str, np.ndarray]], model: PreparedModel,
@@ -467,7 +610,8 @@ def run_live(settings: LiveSettings, json_out: Path | None, plots_dir: Path | No
     def server(vanilla: bool, workdir: Path) -> ServerProcess:
         name = "vanilla" if vanilla else "rampserve"
         note(f"starting the {name} server")
-        return ServerProcess(settings.model, slo, max_batch, settings.max_delay_ms, vanilla, settings.server_args,
+        extra = settings.server_args if vanilla else (*settings.managed_args(), *settings.server_args)
+        return ServerProcess(settings.model, slo, max_batch, settings.max_delay_ms, vanilla, extra,
                              workdir / f"{name}-server.log", settings.start_timeout_s)
 
     results: dict[str, LoadResult] = {}
@@ -486,11 +630,18 @@ def run_live(settings: LiveSettings, json_out: Path | None, plots_dir: Path | No
                            settings.timeout_s, **kwargs)
 
             clients = settings.saturation_clients or 2 * max_batch + 2
-            note(f"saturation: {clients} closed-loop clients for {settings.saturation_s:g} s")
-            saturation = measure_saturation(job(vanilla, clients=clients, duration_s=settings.saturation_s,
-                                                refused_pause_ms=slo), probe, settings, workdir, progress)
-            note(f"saturation: {saturation['throughput_rps']:.0f} rps, "
-                 f"mean batch {_fmt(saturation['mean_batch_size'], '.2f')}")
+
+            def saturation_of(srv: ServerProcess, name: str) -> dict:
+                note(f"{name} saturation: {clients} closed-loop clients for {settings.saturation_s:g} s, "
+                     f"{settings.saturation_rounds} rounds")
+                measured = measure_saturation(job(srv, clients=clients, duration_s=settings.saturation_s,
+                                                  refused_pause_ms=slo), probe, settings, workdir, progress)
+                note(f"{name} saturation: {measured['throughput_rps']:.0f} rps (rounds "
+                     f"{'/'.join(f'{r:.0f}' for r in measured['rounds_rps'])}), "
+                     f"mean batch {_fmt(measured['mean_batch_size'], '.2f')}")
+                return measured
+
+            saturation = saturation_of(vanilla, "vanilla")
             overhead = measure_overhead(job(vanilla, clients=1, requests=settings.sequential_requests), probe, model,
                                         probe_feeds, settings, slo, workdir, progress)
             note(f"one request at a time: p50 {overhead['low_load_p50_ms']:.3f} ms; "
@@ -507,20 +658,49 @@ def run_live(settings: LiveSettings, json_out: Path | None, plots_dir: Path | No
         with server(False, workdir) as rampserve:
             results["rampserve"] = run_loadgen(job(rampserve), requests, workdir, "rampserve", expected_s, progress,
                                                arrivals, warmup_arrivals)
+            # after its replay: the replay meets the server as it always did, the probe a controller that has learnt
+            try:
+                managed_saturation = saturation_of(rampserve, "rampserve")
+            except RuntimeError as exc:  # the replay's figures stand without it
+                note(f"rampserve saturation: {exc}")
+                managed_saturation = {"throughput_rps": None, "rounds_rps": [], "error": str(exc)[-2000:]}
         servers["rampserve"] = rampserve.outcome()
 
     note("scoring the answers against the original model's")
     outputs, systems = score_systems(plan, settings, results, servers, warmup, n)
+    for name, measured in (("vanilla", saturation), ("rampserve", managed_saturation)):
+        systems[name] |= {"saturation_rps": measured["throughput_rps"], "saturation": measured}
+    systems["rampserve"] |= managed_exit_mode(settings, results["rampserve"].status_after)
     oracle = simulated_oracle(outputs, profile, arrivals, max_batch, settings.worst_window)
+    systems = with_oracle_share(systems, oracle["p50_savings"])
     report = {
         "model": settings.model, "workload": settings.workload, "trace": settings.trace, "rate_rps": rate,
         "saturation_rps": saturation["throughput_rps"], "saturation": saturation, "slo_ms": slo,
         "max_batch": max_batch, "max_delay_ms": settings.max_delay_ms, "requests": n, "warmup_requests": warmup,
         "duration_s": settings.duration_s, **overhead, "oracle_sim": oracle,
-        "systems": with_oracle_share(systems, oracle["p50_savings"]),
+        "systems": systems,
+        "versus_vanilla": versus_vanilla(systems["vanilla"], systems["rampserve"],
+                                         rate / saturation["throughput_rps"]),
         "settings": asdict(settings),
     }
     return write_report(report, results, json_out, plots_dir)
+
+
+def managed_exit_mode(settings: LiveSettings, status: dict | str | None) -> dict:
+    """The managed server's `exit_mode` and `feedback_share`: as its status reports them for the model (its
+    controller may set the share itself), else as it was told (`settings`), else the controller's defaults."""
+    defaults = ControllerSettings()
+    reported = _model_status(status, settings.model)
+    reported = reported if isinstance(reported, dict) else {}
+
+    def figure(key: str, told: object) -> object:
+        for place in (reported, reported.get("controller")):
+            if isinstance(place, dict) and place.get(key) is not None:
+                return place[key]
+        return told if told is not None else getattr(defaults, key)
+
+    return exit_mode_figures(str(figure("exit_mode", settings.exit_mode)),
+                             float(figure("feedback_share", settings.feedback_share)))
 
 
 def write_report(report: dict, results: dict[str, LoadResult], json_out: Path | None, plots_dir: Path | None
@@ -542,7 +722,8 @@ def score_systems(plan: LivePlan, settings: LiveSettings, results: dict[str, Loa
     for name, result in results.items():
         _answered(result, name)
         systems[name] = summarize_live(result, outputs.final, settings.worst_window,
-                                       mean_batch_size(result.status_before, result.status_after, settings.model))
+                                       mean_batch_size(result.status_before, result.status_after, settings.model),
+                                       1.0 - settings.accuracy_constraint)
         systems[name] |= server_figures(result.status_before, result.status_after, settings.model)
         systems[name]["server"] = servers[name] | {"status": _model_status(result.status_after, settings.model)}
     return outputs, systems

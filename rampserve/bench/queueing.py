@@ -87,3 +87,38 @@ def fixed_cost(cost_ms: Callable[[int], float]) -> ServeBatch:
         return BatchOutcome(duration, np.full(len(requests), duration))
 
     return serve
+
+
+def max_rate_within_slo(p99_at: Callable[[float], float], slo_ms: float, low_rps: float, high_rps: float,
+                        rel_tol: float = 0.01) -> float:
+    """The highest arrival rate in [low_rps, high_rps] whose p99 latency (`p99_at(rate)`, ms) stays within the
+    SLO: a system's saturation under a trace (the trace replayed faster or slower, its shape kept, is the caller's).
+
+    Bisection on a log scale (rates span orders of magnitude) until the rate that met the SLO and the one that
+    missed it are within `rel_tol` of each other; the one that met it is returned. It assumes p99 grows with the
+    rate, as a queue fed faster never waits less on the same trace; where it does not, what is returned met the SLO
+    at a rate at most `rel_tol` below one that missed it. 0.0 when even `low_rps` misses the SLO, `high_rps` when
+    it meets it. A p99 that is NaN (no request answered) misses. `p99_at` is called at most
+    2 + ceil(log2(ln(high/low) / ln(1 + rel_tol))) times, never twice at the same rate."""
+    if not 0 < low_rps <= high_rps:
+        raise ValueError(f"rate bounds must satisfy 0 < low <= high, got {low_rps}, {high_rps}")
+    if rel_tol <= 0:
+        raise ValueError(f"relative tolerance must be > 0, got {rel_tol}")
+
+    def meets(rate: float) -> bool:
+        return bool(p99_at(rate) <= slo_ms)  # False for NaN
+
+    if not meets(low_rps):
+        return 0.0
+    if high_rps == low_rps or meets(high_rps):
+        return high_rps
+    low, high = low_rps, high_rps  # low meets the SLO, high misses it
+    while high > low * (1.0 + rel_tol):
+        middle = float(np.sqrt(low * high))
+        if middle <= low or middle >= high:  # floating point: no rate left between them
+            break
+        if meets(middle):
+            low = middle
+        else:
+            high = middle
+    return low

@@ -17,12 +17,13 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
-from rampserve.bench.queueing import BatchOutcome, QueueResult, run_queue
+from rampserve.bench.figures import controller_exit_mode, windows_below_share
+from rampserve.bench.queueing import BatchOutcome, QueueResult, max_rate_within_slo, run_queue
 from rampserve.bench.ramp_outputs import RampOutputs, ramp_outputs
 from rampserve.control.controller import Controller, ControllerSettings
 from rampserve.control.costs import CostModel
 from rampserve.control.ramps import fits_budget
-from rampserve.control.records import NO_EXIT, BatchRecord, Configuration
+from rampserve.control.records import NO_EXIT, NO_LABEL, BatchRecord, Configuration
 from rampserve.control.thresholds import ExitData, evaluate, tune_greedy
 from rampserve.ramps.oracle import earliest_correct_exit
 from rampserve.runtime.bundle import load_bundle
@@ -30,6 +31,8 @@ from rampserve.runtime.profile import max_batch_for_slo
 from rampserve.workloads.streams import get_stream
 from rampserve.workloads.traces import arrival_times
 
+# Rates the saturation search spans, as multiples of what the model serves back to back at batch 1
+SATURATION_LOW, SATURATION_HIGH = 0.01, 10.0
 STATIC_SAMPLE = 0.1  # share of the evaluation stream the static baselines are tuned on (uniformly drawn)
 SHARED_THRESHOLDS = np.round(np.arange(0.0, 1.0, 0.005), 6)
 
@@ -47,6 +50,7 @@ class SimSettings:
     controller: ControllerSettings = field(default_factory=ControllerSettings)
     window_sweep: tuple[int, ...] = (16, 64, 256)
     worst_window: int = 1000
+    saturation_requests: int = 20_000  # stream prefix the saturation search replays at each rate
     small: bool = False
     bundle: Path | None = None  # a prepared bundle to use instead of the zoo model's
 
@@ -73,8 +77,12 @@ class Scenario:
     max_batch: int
 
 
-def replay(scenario: Scenario, start: Configuration, controller: Controller | None = None) -> SystemRun:
-    """Serve the scenario with a fixed configuration, or with one the controller keeps changing."""
+def replay(scenario: Scenario, start: Configuration, controller: Controller | None = None, stop: bool = False,
+           feedback_share: float = 1.0, seed: int = 0) -> SystemRun:
+    """Serve the scenario with a fixed configuration, or with one the controller keeps changing. With `stop`,
+    inputs that exit leave their batch at the ramp (each segment is charged at the rows that run it), except a
+    uniform `feedback_share` of the batch's inputs drawn (whatever their scores) to run to the end; the
+    controller hears nothing more of the others, as a server in stop mode would tell it."""
     outputs, costs = scenario.outputs, scenario.costs
     n = len(scenario.arrivals_ms)
     correct = np.ones(n, dtype=bool)
@@ -82,6 +90,7 @@ def replay(scenario: Scenario, start: Configuration, controller: Controller | No
     pending: deque[tuple[float, Configuration]] = deque()
     applied = [(0.0, start)]
     current = {"config": start, "columns": np.array(outputs.columns(start.sites), dtype=np.int64)}
+    draw = np.random.default_rng(seed)
 
     def serve(start_ms: float, requests: np.ndarray) -> BatchOutcome:
         while pending and pending[0][0] <= start_ms:
@@ -89,23 +98,43 @@ def replay(scenario: Scenario, start: Configuration, controller: Controller | No
             current.update(config=config, columns=np.array(outputs.columns(config.sites), dtype=np.int64))
             applied.append((when, config))
         config, columns = current["config"], current["columns"]
-        times = costs.times(config.sites, len(requests))
         labels = outputs.labels[requests][:, columns]
         errors = outputs.errors[requests][:, columns]
         exits = config.exits(errors)
-        record = BatchRecord(config.version, config.sites, labels, errors, outputs.final[requests], exits)
+        final = outputs.final[requests]
+        record = BatchRecord(config.version, config.sites, labels, errors, final, exits)
         correct[requests] = record.correct()
         if len(columns):  # NO_EXIT indexes the last column, masked out
             exit_column[requests] = np.where(exits == NO_EXIT, NO_EXIT, columns[exits])
-        release = np.append(times.release_ms, times.duration_ms)[np.where(exits == NO_EXIT, len(columns), exits)]
+        exit_index = np.where(exits == NO_EXIT, len(columns), exits)
+        if stop and len(columns):
+            kept = draw.random(len(requests)) < feedback_share
+            leaves = np.where(kept, len(columns), exit_index)  # the segment after which each input stops running
+            running = (leaves[:, None] >= np.arange(len(columns) + 1)[None, :]).sum(axis=0)
+            release_ms, duration_ms = costs.stopping_batch(config.sites, running)
+            record = _stopped(record, exits, kept, feedback_share)
+        else:
+            times = costs.times(config.sites, len(requests))
+            release_ms, duration_ms = times.release_ms, times.duration_ms
+        release = np.append(release_ms, duration_ms)[exit_index]
         if controller is not None:
             changed = controller.observe(record)
             if changed is not None:
-                pending.append((start_ms + times.duration_ms + controller.last_decision_ms, changed))
-        return BatchOutcome(times.duration_ms, release)
+                pending.append((start_ms + duration_ms + controller.last_decision_ms, changed))
+        return BatchOutcome(duration_ms, release)
 
     queue = run_queue(scenario.arrivals_ms, scenario.max_batch, serve)
     return SystemRun(queue, correct, exit_column, controller, applied)
+
+
+def _stopped(record: BatchRecord, exits: np.ndarray, kept: np.ndarray, feedback_share: float) -> BatchRecord:
+    """What a stop-mode server records of a batch: an input that exited and was not kept has no final label,
+    and no outputs at the ramps after its exit."""
+    stopped = (exits != NO_EXIT) & ~kept
+    after_exit = stopped[:, None] & (np.arange(len(record.sites))[None, :] > exits[:, None])
+    return replace(record, labels=np.where(after_exit, NO_LABEL, record.labels),
+                   errors=np.where(after_exit, np.nan, record.errors),
+                   final=np.where(stopped, NO_LABEL, record.final), feedback_share=feedback_share)
 
 
 def replay_oracle(scenario: Scenario) -> SystemRun:
@@ -156,6 +185,34 @@ def hindsight_configuration(scenario: Scenario, batch_sizes: np.ndarray, budget:
         if tuned.saved_ms > best[0]:
             best = (tuned.saved_ms, Configuration(0, chosen, tuple(float(t) for t in tuned.thresholds)))
     return best[1], len(sets)
+
+
+def mean_rate_rps(arrivals_ms: np.ndarray) -> float:
+    """Arrivals per second from time 0 to the last one (traces start at 0)."""
+    if len(arrivals_ms) == 0 or arrivals_ms[-1] <= 0:
+        raise ValueError("a rate needs arrivals that end after time 0")
+    return len(arrivals_ms) / float(arrivals_ms[-1]) * 1000.0
+
+
+def trace_saturation(run_at: Callable[[np.ndarray], SystemRun], arrivals_ms: np.ndarray, slo_ms: float,
+                     capacity_rps: float, rel_tol: float = 0.02) -> float:
+    """The highest mean arrival rate (`mean_rate_rps`) at which the trace's arrivals, stretched or compressed in
+    time (its shape kept), are served (`run_at(arrivals)`, each call a run of its own: a fresh controller) with
+    their p99 latency within the SLO; searched between SATURATION_LOW and SATURATION_HIGH times `capacity_rps`
+    (`max_rate_within_slo`)."""
+    base = mean_rate_rps(arrivals_ms)
+
+    def p99_at(rate: float) -> float:
+        return float(np.percentile(run_at(arrivals_ms * (base / rate)).queue.latency_ms, 99))
+
+    return max_rate_within_slo(p99_at, slo_ms, SATURATION_LOW * capacity_rps, SATURATION_HIGH * capacity_rps,
+                               rel_tol)
+
+
+def _prefix(scenario: Scenario, requests: int) -> Scenario:
+    outputs = scenario.outputs
+    rows = np.arange(min(requests, len(scenario.arrivals_ms)))
+    return replace(scenario, outputs=outputs.subset(rows), arrivals_ms=scenario.arrivals_ms[rows])
 
 
 def _rolling_min_mean(values: np.ndarray, window: int) -> float:
@@ -258,15 +315,23 @@ def run_sim(settings: SimSettings, progress: Callable[[str], None] = lambda _: N
     sample_data = exit_data(scenario, sample, all_sites, batch_sizes[sample])
     shared = shared_threshold(sample_data, target)
     per_ramp = tune_greedy(sample_data, target).thresholds
-    progress("static baselines")
-    runs["static_shared"] = replay(scenario, Configuration(0, all_sites, (shared,) * len(all_sites)))
-    runs["static_per_ramp"] = replay(scenario, Configuration(0, all_sites, tuple(float(t) for t in per_ramp)))
-    hindsight, searched = hindsight_configuration(scenario, batch_sizes, control.ramp_budget, budget_batch, target)
-    runs["static_hindsight"] = replay(scenario, hindsight)
+    stop = control.stops  # static systems in stop mode stop every exit: they learn nothing from the end
 
-    def managed(settings_: ControllerSettings) -> SystemRun:
-        controller = Controller(scenario.costs.profile, settings_)
-        return replay(scenario, controller.configuration(), controller)
+    def static(config: Configuration, scenario_: Scenario = scenario) -> SystemRun:
+        return replay(scenario_, config, stop=stop, feedback_share=0.0, seed=settings.seed)
+
+    def managed(settings_: ControllerSettings, scenario_: Scenario = scenario) -> SystemRun:
+        controller = Controller(scenario_.costs.profile, settings_)
+        return replay(scenario_, controller.configuration(), controller, stop, settings_.kept_share, settings.seed)
+
+    progress("static baselines")
+    static_configs = {
+        "static_shared": Configuration(0, all_sites, (shared,) * len(all_sites)),
+        "static_per_ramp": Configuration(0, all_sites, tuple(float(t) for t in per_ramp))}
+    hindsight, searched = hindsight_configuration(scenario, batch_sizes, control.ramp_budget, budget_batch, target)
+    static_configs["static_hindsight"] = hindsight
+    for name, config in static_configs.items():
+        runs[name] = static(config)
 
     progress("rampserve")
     runs["rampserve"] = managed(control)
@@ -275,6 +340,33 @@ def run_sim(settings: SimSettings, progress: Callable[[str], None] = lambda _: N
         zip(all_sites, (float(t) for t in per_ramp)))))
     systems = with_savings({name: summarize(run, settings.worst_window) for name, run in runs.items()})
     systems["static_hindsight"]["ramp_sets_searched"] = searched
+    for name, run in runs.items():
+        systems[name]["windows_below_share"] = windows_below_share(run.correct, target)
+        if run.controller is not None:
+            systems[name] |= controller_exit_mode(run.controller.settings)
+
+    # Saturation: the trace replayed faster or slower (its shape kept) on a prefix of the stream, each run with a
+    # fresh controller; then vanilla and rampserve at half of vanilla's saturation
+    prefix = _prefix(scenario, settings.saturation_requests)
+    runners: dict[str, Callable[[Scenario], SystemRun]] = {
+        "vanilla": lambda sc: replay(sc, Configuration(0, (), ())), "oracle": replay_oracle,
+        **{name: (lambda sc, c=config: static(c, sc)) for name, config in static_configs.items()},
+        "rampserve": lambda sc: managed(control, sc),
+        "rampserve_no_adjust": lambda sc: managed(replace(control, ramp_adjustment=False), sc),
+        "rampserve_no_tuning": lambda sc: managed(replace(control, threshold_tuning=False, start_thresholds=dict(
+            zip(all_sites, (float(t) for t in per_ramp)))), sc)}
+    capacity = 1000.0 / scenario.costs.profile.full(1)
+    for name, run_at in tqdm(runners.items(), desc="saturation", unit="system"):
+        systems[name]["saturation_rps"] = trace_saturation(
+            lambda arrivals, run=run_at: run(replace(prefix, arrivals_ms=arrivals)), prefix.arrivals_ms,
+            info["slo_ms"], capacity)
+    half_rate = systems["vanilla"]["saturation_rps"] / 2
+    progress(f"vanilla and rampserve at half of vanilla's saturation ({half_rate:.0f} rps)")
+    half = replace(scenario, arrivals_ms=scenario.arrivals_ms * (mean_rate_rps(scenario.arrivals_ms) / half_rate))
+    at_half = {name: summarize(runners[name](half), settings.worst_window) for name in ("vanilla", "rampserve")}
+    at_half = {"rate_rps": half_rate, "systems": at_half,
+               "p50_ratio": at_half["rampserve"]["p50_ms"] / at_half["vanilla"]["p50_ms"],
+               "p99_ratio": at_half["rampserve"]["p99_ms"] / at_half["vanilla"]["p99_ms"]}
 
     sweep = {}
     for window in settings.window_sweep:
@@ -291,6 +383,8 @@ def run_sim(settings: SimSettings, progress: Callable[[str], None] = lambda _: N
         "budget_batch_size": budget_batch,
         "controller": {k: v for k, v in vars(control).items() if k != "start_thresholds"},
         "systems": systems,
+        "saturation_ratio": systems["rampserve"]["saturation_rps"] / systems["vanilla"]["saturation_rps"],
+        "at_half_vanilla_saturation": at_half,
         "window_sweep": sweep,
         "decisions": [d.to_json() for d in rampserve.decisions] if rampserve else [],
     }

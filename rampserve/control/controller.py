@@ -13,25 +13,34 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from rampserve.control.costs import CostModel
+from rampserve.control.guarantee import STRATA, RiskBound, look_delta, smallest_certifying
 from rampserve.control.monitor import AccuracyWindow, RampHistory
 from rampserve.control.ramps import adjust_ramps, initial_sites, ramp_utilities
-from rampserve.control.records import BatchRecord, Configuration
-from rampserve.control.thresholds import ExitData, tune_greedy
+from rampserve.control.records import NO_EXIT, BatchRecord, Configuration, first_exits
+from rampserve.control.thresholds import ExitData, certified_thresholds, tune_greedy
 from rampserve.runtime.profile import LatencyProfile
+
+
+EXIT_MODES = ("release", "stop")
 
 
 @dataclass(frozen=True)
 class ControllerSettings:
     accuracy_constraint: float = 0.01  # allowed share of answers that differ from the original model's
     window: int = 16  # released answers whose accuracy triggers threshold tuning (Apparate: 16)
-    history: int = 512  # recent inputs of the active set that tuning evaluates
+    # Recent observed inputs of the active set that tuning evaluates. The bound needs many: at a 1% constraint
+    # and 95% confidence, 300 inputs without one disagreement are the fewest that let anything exit.
+    history: int = 4096
     adjust_every: int = 128  # inputs between ramp adjustment rounds (Apparate: 128)
-    # Outputs of its own a ramp needs before tuning may raise its threshold: a handful of lucky answers from a
-    # ramp just activated would otherwise license a threshold that the next inputs break.
+    # Outputs of its own a ramp needs before tuning may raise its threshold (at least as many as the bound needs
+    # to let anything exit): a handful of lucky answers from a ramp just activated would otherwise license a
+    # threshold that the next inputs break.
     min_ramp_outputs: int = 64
-    # Share of the allowed loss that tuning may spend on its history: thresholds fitted to exactly the
-    # constraint on past inputs lose more than that on the next ones (they are chosen to fit the past).
-    tuning_share: float = 0.5
+    # Thresholds keep an upper confidence bound on released answers' disagreement with the original model within
+    # the constraint at this confidence (see `guarantee`)
+    confidence: float = 0.95
+    exit_mode: str = "release"  # "release": every input runs to the end; "stop": exited inputs leave the batch
+    feedback_share: float = 0.1  # stop mode: share of the inputs kept running to the end to measure agreement
     ramp_budget: float = 0.02  # what active ramps may add to a non-exiting input, share of the model's latency
     budget_batch_size: int | None = None  # batch size the budget is judged at; None: the median one served
     initial_step: float = 0.1
@@ -49,14 +58,25 @@ class ControllerSettings:
             raise ValueError(f"history ({self.history}) must cover a ramp adjustment round ({self.adjust_every})")
         if self.ramp_budget < 0:
             raise ValueError(f"ramp budget must be >= 0, got {self.ramp_budget}")
+        if not 0.0 < self.confidence < 1.0:
+            raise ValueError(f"confidence must lie in (0, 1), got {self.confidence}")
+        if self.exit_mode not in EXIT_MODES:
+            raise ValueError(f"exit mode must be one of {EXIT_MODES}, got {self.exit_mode!r}")
+        if not 0.0 < self.feedback_share <= 1.0:
+            raise ValueError(f"feedback share must lie in (0, 1], got {self.feedback_share}")
 
     @property
     def target_accuracy(self) -> float:
         return 1.0 - self.accuracy_constraint
 
     @property
-    def tuning_target(self) -> float:
-        return 1.0 - self.accuracy_constraint * self.tuning_share
+    def stops(self) -> bool:
+        return self.exit_mode == "stop"
+
+    @property
+    def kept_share(self) -> float:
+        """Share of exited inputs that run to the end: all of them in release mode."""
+        return self.feedback_share if self.stops else 1.0
 
 
 @dataclass(frozen=True)
@@ -82,7 +102,7 @@ class DecisionTimes:
 class Controller:
     def __init__(self, profile: LatencyProfile, settings: ControllerSettings = ControllerSettings()) -> None:
         self.settings = settings
-        self.costs = CostModel(profile)
+        self.costs = CostModel(profile, settings.stops)
         batch = settings.budget_batch_size or 1
         sites = settings.initial if settings.initial is not None else \
             initial_sites(self.costs, settings.ramp_budget, batch)
@@ -100,6 +120,10 @@ class Controller:
         self._tighten_only = False
         self._caught_up = {"recent": [], "served": 0, "correct": 0, "unverified": 0}  # see catch_up
         self._measured: dict[tuple[str, ...], tuple[float, tuple[float, ...]]] = {}  # see ramps.Known
+        self.bound = 0.0  # see disagreement_bound
+        self._looks = 0  # certifications published
+        self._certified: tuple[tuple[str, ...], np.ndarray] | None = None  # the latest, for its sites
+        self._certifying = False  # the decision under way publishes newly certified thresholds
 
     def configuration(self) -> Configuration:
         return self.decisions[-1].configuration
@@ -108,8 +132,12 @@ class Controller:
         """What a server reports of its controller: accuracy over the window and over every answer counted, the
         answers counted, those that could not be verified, and the decisions."""
         window = self.window
+        settings = self.settings
         return {"window_accuracy": window.accuracy, "cumulative_accuracy": window.cumulative,
                 "inputs_observed": window.served, "unverified_answers": self.unverified,
+                "exit_mode": settings.exit_mode, "feedback_share": settings.kept_share,
+                "bound": {"disagreement_upper": self.bound, "confidence": settings.confidence,
+                          "constraint": settings.accuracy_constraint, "history": self.history.size},
                 "decisions": [d.to_json() for d in self.decisions]}
 
     def checkpoint(self) -> dict:
@@ -131,7 +159,7 @@ class Controller:
         """Learn from one served batch; returns the new configuration when this record changed it."""
         self.last_decision_ms = 0.0
         current = self.configuration()
-        self.window.add(record.correct())
+        self.window.add(record.wrong_estimate())
         if record.cached:
             return None
         if record.unverified:
@@ -149,14 +177,16 @@ class Controller:
             return self._decide(self.times.tune_ms, self._retune_recent, "window accuracy below the constraint")
         if self._since_adjust >= settings.adjust_every:
             self._since_adjust = 0
+            self._measure_bound()
             if settings.ramp_adjustment:
                 return self._decide(self.times.adjust_ms, self._adjust, "ramp adjustment")
-            if settings.threshold_tuning:
+            if settings.threshold_tuning and not self._gathering():
                 return self._decide(self.times.tune_ms, self._retune, "periodic retune")
         return None
 
     def _decide(self, timings: list[float], decide, reason: str) -> Configuration | None:
         start = time.perf_counter()
+        self._certifying = False
         change = decide()
         elapsed = (time.perf_counter() - start) * 1000.0
         timings.append(elapsed)
@@ -170,42 +200,102 @@ class Controller:
         if sites == current.sites and tuple(thresholds) == current.thresholds:
             return None
         self._tighten_only = False
+        if self._certifying:
+            self._looks += 1
+            self._certified = (sites, np.asarray(thresholds, dtype=float))
         configuration = Configuration(current.version + 1, sites, tuple(float(t) for t in thresholds))
         self.decisions.append(Decision(configuration, self.window.served, f"{reason}: {detail}", elapsed))
         self.window.clear()
         if sites != current.sites:
             self.history = self.history.for_sites(sites)
             self._since_adjust = 0
+        self._measure_bound()
         return configuration
 
     def _exit_data(self, count: int | None = None) -> ExitData:
         correct, errors, batch = self.history.latest(count)
-        return ExitData(correct, errors, self.costs.saved_ms(self.history.sites, batch))
+        strata, weights = self.history.sample_design(count)
+        return ExitData(correct, errors, self.costs.saved_ms(self.history.sites, batch), strata, weights)
 
-    def tuned_thresholds(self, recent: int | None = None) -> np.ndarray:
-        """Thresholds tuned on the newest `recent` inputs (every input kept by default)."""
+    def look_delta(self) -> float:
+        """Error probability of the thresholds certified now: the k-th certification published gets
+        delta / (k (k + 1)). Configurations that only lower thresholds below certified ones (after an accuracy
+        drop) are not new looks."""
+        return look_delta(1.0 - self.settings.confidence, self._looks + 1)
+
+    def _bound(self, data: ExitData) -> RiskBound:
+        return RiskBound.of(data.strata, data.weights, self.settings.accuracy_constraint, self.look_delta())
+
+    def _tuning_data(self, recent: int | None, bounded: bool = True) -> tuple[ExitData, np.ndarray | None]:
+        """The inputs tuning judges, and the ramps it must leave at 0. Every ramp is judged on the inputs that saw
+        all of them, once there are enough (for the bound to let anything exit, where `bounded`): past inputs that
+        never reached a new ramp would dilute its mistakes (3 wrong exits in 64 look like 3 in 512). Until then
+        the new ramps stay at 0."""
+        data = self._exit_data(recent)
+        needed = self.settings.min_ramp_outputs
+        if bounded:  # half the inputs test the thresholds that the other half chose
+            needed = max(needed, 2 * smallest_certifying(self.settings.accuracy_constraint, self.look_delta()))
+        complete = np.isfinite(data.errors).all(axis=1)
+        if complete.sum() >= needed:
+            return data.rows(complete), None
+        return data, np.isinf(data.errors).sum(axis=0) > data.size - needed
+
+    def tuned_thresholds(self, recent: int | None = None, target_accuracy: float | None = None) -> np.ndarray:
+        """Thresholds tuned on the newest `recent` inputs (every input kept by default): certified within the
+        constraint at the configuration's confidence, or (given a `target_accuracy`) keeping it on those inputs."""
         if not self.history.sites or not self.history.size:
             return np.zeros(len(self.history.sites))
-        data = self._exit_data(recent)
-        complete = np.isfinite(data.errors).all(axis=1)
-        if complete.sum() >= self.settings.min_ramp_outputs:
-            # Judge every ramp on the inputs that saw all of them. Past inputs that never reached a new ramp
-            # would dilute its mistakes: 3 wrong exits in 64 look like 3 in 512, until every input reaches it.
-            data, frozen = data.rows(complete), None
-        else:
-            frozen = np.isinf(data.errors).sum(axis=0) > data.size - self.settings.min_ramp_outputs
-        return tune_greedy(data, self.settings.tuning_target, self.settings.initial_step, self.settings.min_step,
-                           frozen).thresholds
+        settings = self.settings
+        data, frozen = self._tuning_data(recent, bounded=target_accuracy is None)
+        if target_accuracy is not None:
+            return tune_greedy(data, target_accuracy, settings.initial_step, settings.min_step, frozen).thresholds
+        self._certifying = True
+        return certified_thresholds(data, settings.accuracy_constraint, self.look_delta(), settings.initial_step,
+                                    settings.min_step, frozen)
+
+    def _gathering(self) -> bool:
+        """Whether some active ramp has fewer outputs of its own than certifying it needs."""
+        if not self.history.sites or not self.history.size:
+            return bool(self.history.sites)
+        _, errors, _ = self.history.latest()
+        needed = max(self.settings.min_ramp_outputs,
+                     2 * smallest_certifying(self.settings.accuracy_constraint, self.look_delta()))
+        return bool((np.isfinite(errors).sum(axis=0) < needed).any())
+
+    def _measure_bound(self) -> None:
+        self.bound = self.disagreement_bound()
+
+    def disagreement_bound(self) -> float:
+        """The upper confidence bound on the current configuration's disagreement, over the history (1 before
+        there is one; 0 where no ramp can exit). `bound` holds it as of the last decision or adjustment round."""
+        current = self.configuration()
+        thresholds = np.array(current.thresholds)
+        if not current.sites or not (thresholds > 0).any():
+            return 0.0
+        if current.sites != self.history.sites or not self.history.size:
+            return 1.0
+        data, _ = self._tuning_data(None)
+        exits = first_exits(data.errors, thresholds)
+        rows = np.flatnonzero(exits != NO_EXIT)
+        wrong = np.bincount(data.strata[rows], weights=~data.correct[rows, exits[rows]] * 1.0,
+                            minlength=STRATA)
+        return float(self._bound(data).upper(wrong))
 
     def _retune(self) -> tuple[tuple[str, ...], np.ndarray, str]:
         return self.history.sites, self.tuned_thresholds(), "thresholds retuned"
 
     def _retune_recent(self) -> tuple[tuple[str, ...], np.ndarray, str]:
-        """After an accuracy drop, thresholds that hold on the recent inputs as well as on the whole history: the
-        drop may be the workload changing, which the recent inputs show and the whole history still outweighs
-        (an abrupt change of look let five wrong answers out before tuning on the history alone reacted)."""
-        thresholds = np.minimum(self.tuned_thresholds(), self.tuned_thresholds(self.settings.adjust_every))
-        return self.history.sites, thresholds, "thresholds retuned"
+        """After an accuracy drop, thresholds no higher than the latest certified ones that also hold on the recent
+        inputs: the drop may be the workload changing, which the recent inputs show and the whole history still
+        outweighs (an abrupt change of look let five wrong answers out before tuning on the history alone
+        reacted). Too few recent inputs for a bound, they are held to the constraint on their own (a reaction,
+        not a guarantee), and lowering thresholds is not a new look."""
+        sites = self.history.sites
+        recent = self.tuned_thresholds(self.settings.adjust_every, self.settings.target_accuracy)
+        certified = self._certified[1] if self._certified is not None and self._certified[0] == sites else \
+            np.zeros(len(sites))
+        return sites, np.minimum(np.minimum(certified, self.configuration().thresholds), recent), \
+            "thresholds lowered"
 
     def budget_batch(self) -> int:
         if self.settings.budget_batch_size is not None or not self.history.size:
@@ -214,14 +304,21 @@ class Controller:
 
     def _adjust(self) -> tuple[tuple[str, ...], Sequence[float], str] | None:
         current = self.configuration()
+        if self._gathering():
+            # A ramp still gathering the outputs its bound needs has exited nothing yet (unless it was given a
+            # start threshold, which stands until the bound can judge it or a drop lowers it): its utility says
+            # nothing, and replacing it would restart the wait
+            return None
         _, errors, batch = self.history.latest(self.settings.adjust_every)
+        _, weights = self.history.sample_design(self.settings.adjust_every)
         if current.sites and min(current.thresholds) > 0:  # every ramp tuned: a fair measurement
-            utility, _ = ramp_utilities(self.costs, current.sites, np.array(current.thresholds), errors, batch)
-            self._measured[current.sites] = (float(utility.sum()) / len(batch), current.thresholds)
+            utility, _ = ramp_utilities(self.costs, current.sites, np.array(current.thresholds), errors, batch,
+                                        weights)
+            self._measured[current.sites] = (float(utility.sum()) / weights.sum(), current.thresholds)
         adjustment = adjust_ramps(
             self.costs, current.sites, np.array(current.thresholds), errors, batch, self.settings.ramp_budget,
             self.budget_batch(), self.tuned_thresholds if self.settings.threshold_tuning else None,
-            self.settings.start_thresholds, self._measured)
+            self.settings.start_thresholds, self._measured, weights)
         if adjustment is not None:
             return adjustment.sites, adjustment.thresholds, adjustment.reason
         # Tuning is triggered by accuracy drops only; without this, thresholds that could safely rise after

@@ -37,17 +37,19 @@ def initial_sites(costs: CostModel, budget: float, batch_size: int) -> tuple[str
 
 
 def ramp_utilities(costs: CostModel, sites: tuple[str, ...], thresholds: np.ndarray, errors: np.ndarray,
-                   batch_sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+                   batch_sizes: np.ndarray, weights: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Per active ramp: (utility in ms summed over inputs, exits). Utility = time its exits saved against
-    vanilla minus the time it added to the inputs that passed it without exiting."""
+    vanilla (and in stop mode the compute they saved) minus the time it added to the inputs that passed it
+    without exiting. `weights`: the inputs each row stands for (stop mode's sample; 1 each by default)."""
     r = len(sites)
     exits = first_exits(errors, thresholds)
     saved = costs.saved_ms(sites, batch_sizes)[:, :r]
     ramp_ms = np.stack([costs.times(sites, int(b)).ramp_ms for b in batch_sizes]) if len(batch_sizes) else \
         np.zeros((0, r))
     columns = np.arange(r)
-    exit_here = exits[:, None] == columns[None, :]
-    passed = (exits == NO_EXIT)[:, None] | (exits[:, None] > columns[None, :])
+    w = np.ones(len(errors)) if weights is None else weights
+    exit_here = (exits[:, None] == columns[None, :]) * w[:, None]
+    passed = ((exits == NO_EXIT)[:, None] | (exits[:, None] > columns[None, :])) * w[:, None]
     utility = (saved * exit_here).sum(axis=0) - (ramp_ms * passed).sum(axis=0)
     return utility, exit_here.sum(axis=0)
 
@@ -88,27 +90,28 @@ def _candidate_utility(costs: CostModel, site: str, exits_bound: int, reaching: 
 def adjust_ramps(costs: CostModel, sites: tuple[str, ...], thresholds: np.ndarray, errors: np.ndarray,
                  batch_sizes: np.ndarray, budget: float, budget_batch: int,
                  retune: Callable[[], np.ndarray] | None, start: Mapping[str, float],
-                 known: Known | None = None) -> Adjustment | None:
+                 known: Known | None = None, weights: np.ndarray | None = None) -> Adjustment | None:
     """One round of ramp adjustment over the recent inputs of the active set `sites`. None: keep as is.
 
     `start` gives the threshold a newly active ramp starts at (absent: 0, it exits nothing until tuned).
     `known`: configurations measured before with every ramp tuned, and what they saved per input. Apparate's
-    probing never looks back; remembering lets a probe that did worse be undone and not be repeated."""
+    probing never looks back; remembering lets a probe that did worse be undone and not be repeated.
+    `weights`: the inputs each row stands for (stop mode's sample)."""
     if not sites:
         middle = costs.sites[evenly_spaced(len(costs.sites), 1)[0]] if costs.sites else None
         if middle is not None and fits_budget(costs, (middle,), budget, budget_batch):
             return Adjustment((middle,), (start.get(middle, 0.0),), "no active ramp: trial one mid-model")
         return None
-    utility, exit_counts = ramp_utilities(costs, sites, thresholds, errors, batch_sizes)
+    utility, exit_counts = ramp_utilities(costs, sites, thresholds, errors, batch_sizes, weights)
     if (utility < 0).any() and retune is not None:
         tuned = retune()
-        tuned_utility, tuned_exits = ramp_utilities(costs, sites, tuned, errors, batch_sizes)
+        tuned_utility, tuned_exits = ramp_utilities(costs, sites, tuned, errors, batch_sizes, weights)
         if tuned_utility.sum() >= utility.sum():
             if (tuned_utility >= 0).all():
                 return Adjustment(sites, tuple(float(t) for t in tuned), "retuned: every ramp now pays off")
             thresholds, utility, exit_counts = tuned, tuned_utility, tuned_exits
     known = known or {}
-    value = float(utility.sum()) / max(1, len(errors))
+    value = float(utility.sum()) / max(1.0, len(errors) if weights is None else float(weights.sum()))
     if (utility < 0).any():
         return _return_to_better(costs, known, sites, max(value, 0.0), budget, budget_batch) or _replace_negative(
             costs, sites, thresholds, errors, batch_sizes, utility, exit_counts, budget, budget_batch, start)

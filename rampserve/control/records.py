@@ -63,6 +63,10 @@ class BatchRecord:
     cached: bool = False
     # (n,) the size of the batch each input was served in, where the record joins several batches (see `merged`)
     served_in: np.ndarray | None = None
+    # Probability that an input which exited was kept running to the end (stop mode's feedback sample, drawn
+    # whatever its scores; 1.0 in release mode). One that stopped has `final` NO_LABEL, and NO_LABEL labels and
+    # NaN error scores at the ramps after its exit.
+    feedback_share: float = 1.0
 
     def __post_init__(self) -> None:
         n, r = len(self.final), len(self.sites)
@@ -90,6 +94,24 @@ class BatchRecord:
             return np.zeros(len(self.final), dtype=bool)
         return self.released() == self.final
 
+    def observed(self) -> np.ndarray:
+        """(n,) inputs whose final label is known: all but those that stopped at their exit (and unverified ones)."""
+        return self.final != NO_LABEL
+
+    def sampled(self) -> np.ndarray:
+        """(n,) inputs that exited and still ran to the end: stop mode's feedback sample (every exit in release
+        mode)."""
+        return (self.exits != NO_EXIT) & self.observed()
+
+    def wrong_estimate(self) -> np.ndarray:
+        """(n,) an unbiased estimate of whether each released answer differs from the original model's: a sampled
+        input's disagreement counts 1 / feedback share (it stands for the exits not sampled, counted 0); an
+        unverified answer counts as a disagreement."""
+        if self.unverified:
+            return np.ones(self.inputs)
+        weight = np.where(self.sampled(), 1.0 / self.feedback_share, 1.0)
+        return np.where(self.observed(), (self.released() != self.final) * weight, 0.0)
+
 
 def merged(records: list[BatchRecord]) -> list[BatchRecord]:
     """Consecutive records of one configuration and kind joined into one, in order (each input keeps the size of
@@ -98,8 +120,8 @@ def merged(records: list[BatchRecord]) -> list[BatchRecord]:
     groups: list[list[BatchRecord]] = []
     for record in records:
         last = groups[-1][-1] if groups else None
-        if last is not None and (last.version, last.sites, last.unverified, last.cached) == \
-                (record.version, record.sites, record.unverified, record.cached):
+        if last is not None and (last.version, last.sites, last.unverified, last.cached, last.feedback_share) == \
+                (record.version, record.sites, record.unverified, record.cached, record.feedback_share):
             groups[-1].append(record)
         else:
             groups.append([record])
@@ -107,5 +129,6 @@ def merged(records: list[BatchRecord]) -> list[BatchRecord]:
         group[0].version, group[0].sites, np.concatenate([r.labels for r in group]),
         np.concatenate([r.errors for r in group]), np.concatenate([r.final for r in group]),
         np.concatenate([r.exits for r in group]), max(r.queue_ms for r in group), sum(r.compute_ms for r in group),
-        group[0].unverified, group[0].cached, np.concatenate([r.batch_sizes() for r in group]))
+        group[0].unverified, group[0].cached, np.concatenate([r.batch_sizes() for r in group]),
+        group[0].feedback_share)
         for group in groups]

@@ -1,12 +1,14 @@
 """Threshold tuning (Apparate §3.2): evaluate any threshold vector over recorded ramp outputs, without
-inference, and search for the thresholds that save the most latency within the accuracy constraint."""
+inference, and search for the thresholds that save the most latency within the accuracy constraint: on the data
+(`tune_greedy`), or with a stated confidence (`certified_thresholds`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
+from rampserve.control.guarantee import FULLY_OBSERVED, STRATA, RiskBound
 from rampserve.control.records import NO_EXIT, first_exits
 
 # Thresholds are placed just above an observed error score so that input exits (errors must be below it).
@@ -18,11 +20,21 @@ MAX_THRESHOLD = 1.0
 
 @dataclass(frozen=True)
 class ExitData:
-    """Recent inputs of one active set, as threshold tuning reads them."""
+    """Recent inputs of one active set, as threshold tuning reads them. In stop mode an input that exited is
+    here only when drawn for feedback: it is in the SAMPLED stratum and stands for 1 / share inputs (`weights`)."""
 
     correct: np.ndarray  # (n, r) bool: ramp j's top label equals the final label
     errors: np.ndarray  # (n, r) error scores
     saved_ms: np.ndarray  # (n, r + 1) time saved against vanilla per exit ramp, last column: no exit
+    strata: np.ndarray | None = field(default=None)  # (n,) FULLY_OBSERVED or SAMPLED; None: all fully observed
+    weights: np.ndarray | None = field(default=None)  # (n,) inputs each row stands for; None: 1 each
+
+    def __post_init__(self) -> None:
+        n = len(self.errors)
+        if self.strata is None:
+            object.__setattr__(self, "strata", np.full(n, FULLY_OBSERVED, dtype=np.int64))
+        if self.weights is None:
+            object.__setattr__(self, "weights", np.ones(n))
 
     @property
     def size(self) -> int:
@@ -33,7 +45,17 @@ class ExitData:
         return self.errors.shape[1]
 
     def rows(self, mask: np.ndarray) -> ExitData:
-        return ExitData(self.correct[mask], self.errors[mask], self.saved_ms[mask])
+        return ExitData(self.correct[mask], self.errors[mask], self.saved_ms[mask], self.strata[mask],
+                        self.weights[mask])
+
+
+def _fits(target_accuracy: float, wrong: np.ndarray, data: ExitData) -> np.ndarray:
+    """Whether disagreement counts (..., STRATA) keep the accuracy over the inputs the rows stand for at the
+    target (a stratum's rows weigh what they stand for on average)."""
+    counts = np.bincount(data.strata, minlength=STRATA)
+    mean_weight = np.bincount(data.strata, weights=data.weights, minlength=STRATA) / np.maximum(counts, 1)
+    total = float(data.weights.sum())
+    return (total - wrong @ mean_weight) / total >= target_accuracy - 1e-12
 
 
 def evaluate(data: ExitData, thresholds: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -54,12 +76,12 @@ class TuningResult:
     evaluations: int  # threshold vectors evaluated
 
 
-def tune_greedy(data: ExitData, target_accuracy: float, initial_step: float = 0.1,
-                min_step: float = 0.01, frozen: np.ndarray | None = None) -> TuningResult:
+def tune_greedy(data: ExitData, target_accuracy: float, initial_step: float = 0.1, min_step: float = 0.01,
+                frozen: np.ndarray | None = None) -> TuningResult:
     """Apparate's hill climbing: from all-zero thresholds, each round tries raising every ramp's threshold by
     its own step and keeps the single raise with the most added savings per unit of added accuracy loss
     (doubling that ramp's step); a raise that breaks the constraint halves the step, and at the floor closes
-    the ramp. Stops when no ramp can rise.
+    the ramp. Stops when no ramp can rise. Accuracy is over the inputs the rows stand for (`ExitData.weights`).
 
     Two refinements. A step that would move no input (it stays inside a gap between observed error scores) is
     stretched to just above the next error score that can move one, so rounds are never spent on no-ops and a
@@ -68,7 +90,8 @@ def tune_greedy(data: ExitData, target_accuracy: float, initial_step: float = 0.
     made it fail, and the floor may have stopped it short of its boundary.
 
     Each candidate raise only moves inputs that pass its ramp today, so a round is scored from per-input
-    differences over (n, r) arrays instead of re-evaluating every candidate vector from scratch.
+    differences over (n, r) arrays instead of re-evaluating every candidate vector from scratch. Savings and
+    losses are weighted by the inputs each row stands for.
 
     `frozen` ramps keep threshold 0 (a ramp with too few outputs of its own to judge).
     """
@@ -80,7 +103,10 @@ def tune_greedy(data: ExitData, target_accuracy: float, initial_step: float = 0.
     exit_column = np.full(n, r)  # column r: answered by the final layer
     right_now = np.ones(n, dtype=np.int8)
     saved_now = data.saved_ms[:, r].copy()
-    right_count = float(n)
+    weights = data.weights
+    total = float(weights.sum()) or 1.0
+    strata = np.eye(STRATA, dtype=np.int64)[data.strata]  # (n, STRATA) one-hot
+    wrong = np.zeros(STRATA, dtype=np.int64)  # disagreements per stratum of the thresholds so far
     saved_at_ramps = data.saved_ms[:, :r]
     right_at_ramps = data.correct.astype(np.int8)
     evaluations = 1
@@ -103,13 +129,14 @@ def tune_greedy(data: ExitData, target_accuracy: float, initial_step: float = 0.
         if not open_ramps.any():
             continue
         moving = passing_errors < np.where(open_ramps, raised, 0.0)
-        gain = (moving * (saved_at_ramps - saved_now[:, None])).sum(axis=0) / n
-        right_delta = (moving * (right_at_ramps - right_now[:, None])).sum(axis=0)
-        accuracies = (right_count + right_delta) / n
+        right_change = moving * (right_at_ramps - right_now[:, None])  # (n, r): +1 fixed, -1 broken
+        gain = (moving * (saved_at_ramps - saved_now[:, None]) * weights[:, None]).sum(axis=0) / total
+        loss = -(right_change * weights[:, None]).sum(axis=0) / total
+        wrong_after = wrong[None, :] - right_change.T @ strata  # (r, STRATA)
         evaluations += int(open_ramps.sum())
-        feasible = open_ramps & (accuracies >= target_accuracy)
-        # A stretched raise is already the smallest that moves anything: if it breaks the constraint, so
-        # would any smaller step.
+        feasible = open_ramps & _fits(target_accuracy, wrong_after, data)
+        # A stretched raise is already the smallest that moves anything: if it breaks the constraint, so would
+        # any smaller step.
         failing = open_ramps & ~feasible
         give_up = failing & (stretched | (raised - thresholds <= min_step))
         open_ramps &= ~give_up
@@ -118,7 +145,6 @@ def tune_greedy(data: ExitData, target_accuracy: float, initial_step: float = 0.
         step[halve] = np.maximum(step[halve] / 2, min_step)
         if not feasible.any():
             continue
-        loss = -right_delta / n
         ratio = np.where(loss > 0, gain / np.where(loss > 0, loss, 1.0), np.inf)
         # Best ratio first, then the larger gain (among raises that cost no accuracy, ratios tie at infinity).
         order = np.lexsort((-gain, -ratio))
@@ -129,7 +155,7 @@ def tune_greedy(data: ExitData, target_accuracy: float, initial_step: float = 0.
         exit_column[moved] = chosen
         right_now[moved] = right_at_ramps[moved, chosen]
         saved_now[moved] = saved_at_ramps[moved, chosen]
-        right_count += float(right_delta[chosen])
+        wrong = wrong_after[chosen]
     # Finishing: the step floor may have stopped a ramp short of its boundary, and raises elsewhere may have
     # taken the inputs that made it fail. Raise each ramp as far as it can go alone (a line search over its
     # sorted error scores) and keep the best ratio, until no ramp can move.
@@ -142,16 +168,18 @@ def tune_greedy(data: ExitData, target_accuracy: float, initial_step: float = 0.
             errors = data.errors[passing, j][order]
             if not len(errors):
                 continue
-            right_after = right_count + np.cumsum((right_at_ramps[passing, j] - right_now[passing])[order])
+            change = (right_at_ramps[passing, j] - right_now[passing])[order]
+            wrong_after = wrong[None, :] - np.cumsum(change[:, None] * strata[passing][order], axis=0)
             # A threshold just above errors[k] moves every input whose error is at most errors[k].
             ends_tie = np.append(errors[1:] != errors[:-1], True)
-            feasible = np.flatnonzero((right_after / n >= target_accuracy) & ends_tie)
+            feasible = np.flatnonzero(_fits(target_accuracy, wrong_after, data) & ends_tie)
             evaluations += 1
             if not len(feasible):
                 continue
             k = feasible[-1]
-            gain = float(np.cumsum((saved_at_ramps[passing, j] - saved_now[passing])[order])[k]) / n
-            loss = (right_count - float(right_after[k])) / n
+            w = weights[passing][order][:k + 1]
+            gain = float(((saved_at_ramps[passing, j] - saved_now[passing])[order][:k + 1] * w).sum()) / total
+            loss = -float((change[:k + 1] * w).sum()) / total
             candidate = (gain / loss if loss > 0 else np.inf, gain, int(j),
                          min(float(errors[k]) + _ABOVE, MAX_THRESHOLD))
             if best is None or candidate[:2] > best[:2]:
@@ -162,10 +190,11 @@ def tune_greedy(data: ExitData, target_accuracy: float, initial_step: float = 0.
         moved = (exit_column > chosen) & (data.errors[:, chosen] < threshold)
         thresholds[chosen] = threshold
         exit_column[moved] = chosen
-        right_count += float((right_at_ramps[moved, chosen] - right_now[moved]).sum())
+        wrong = wrong - ((right_at_ramps[moved, chosen] - right_now[moved]) @ strata[moved])
         right_now[moved] = right_at_ramps[moved, chosen]
         saved_now[moved] = saved_at_ramps[moved, chosen]
-    return TuningResult(thresholds, right_count / n if n else 1.0, float(saved_now.mean()) if n else 0.0,
+    accuracy = float((right_now * weights).sum() / total) if n else 1.0
+    return TuningResult(thresholds, accuracy, float((saved_now * weights).sum() / total) if n else 0.0,
                         evaluations)
 
 
@@ -203,3 +232,30 @@ def tune_grid(data: ExitData, target_accuracy: float, grid_step: float = 0.05) -
     search(0, np.ones(n, dtype=bool), 0, 0.0)
     return TuningResult(best["thresholds"], 1.0 - best["wrong"] / n if n else 1.0,
                         float(best["saved"] / n) if n else 0.0, evaluations)
+
+
+# Points of the certified path: the direction's thresholds scaled by these (past 1: the test half may allow more)
+PATH_SCALES = np.round(np.arange(1, 81) / 40, 6)
+
+
+def certified_thresholds(data: ExitData, constraint: float, delta: float, initial_step: float = 0.1,
+                         min_step: float = 0.01, frozen: np.ndarray | None = None) -> np.ndarray:
+    """Thresholds whose released answers' disagreement is within `constraint` with probability at least
+    1 - delta, by Learn-then-Test: tuning on half the inputs (alternate rows) chooses a direction, and the other
+    half tests the path of scaled directions in order, from no exit up, each against the upper confidence bound
+    (`RiskBound`); the last that passes before the first that fails is chosen (fixed-sequence testing: the path
+    is fixed before the test half is seen, so no share of delta is spent on its length). All zeros where even the
+    first point fails: a ramp whose bound cannot be met yet stays at threshold 0."""
+    rows = np.arange(data.size)
+    chooser, tester = data.rows(rows % 2 == 0), data.rows(rows % 2 == 1)
+    direction = tune_greedy(chooser, 1.0 - constraint, initial_step, min_step, frozen).thresholds
+    if not (direction > 0).any() or not tester.size:
+        return np.zeros(data.ramps)
+    path = np.minimum(PATH_SCALES[:, None] * direction[None, :], MAX_THRESHOLD)
+    exits = first_exits(tester.errors, path)  # (points, n)
+    rows = np.arange(tester.size)
+    wrong_rows = (exits != NO_EXIT) & ~tester.correct[rows, np.where(exits == NO_EXIT, 0, exits)]
+    wrong = np.stack([wrong_rows[:, tester.strata == s].sum(axis=1) for s in range(STRATA)], axis=1)
+    passed = RiskBound.of(tester.strata, tester.weights, constraint, delta).fits(wrong)
+    last = int(np.argmin(passed)) - 1 if not passed.all() else len(passed) - 1
+    return path[last] if last >= 0 else np.zeros(data.ramps)

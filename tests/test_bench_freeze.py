@@ -1,0 +1,39 @@
+"""`bench freeze` end to end on the small ResNet with a cache ramp at every site: every system reports its
+saturation rate and the share of 1,000-request windows below the accuracy target; managed systems their exit mode."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from rampserve.bench import freeze
+from rampserve.bench.freeze import FreezeSettings, freeze_model
+from rampserve.bench.sim import SATURATION_HIGH
+from rampserve.control.controller import ControllerSettings
+
+MANAGED = ("managed", "managed_online", "managed_thresholds_only", "managed_default_budget")
+
+
+def test_every_freeze_system_reports_saturation_and_windows_below_the_target(cache_bundle, monkeypatch):
+    monkeypatch.setattr(freeze, "cache_bundle", lambda *_args, **_kwargs: cache_bundle)
+    settings = FreezeSettings(models=("resnet18-fmnist",), requests=2500, small=True,
+                              controller=ControllerSettings(ramp_budget=0.1))
+    report = freeze_model("resnet18-fmnist", settings).report
+    json.dumps(report)  # JSON-ready
+    systems = report["systems"]
+    assert set(systems) == {"static", "static_online", *MANAGED, "vanilla"}
+    capacity = report["saturation"]["capacity_rps"]
+    for name, s in systems.items():
+        # 2 full windows of 1,000 requests (the partial one left out): 0, 1/2 or 1
+        assert s["windows_below_share"] in (0.0, 0.5, 1.0), name
+        assert 0.0 <= s["saturation_rps"] <= SATURATION_HIGH * capacity, name
+        assert ("exit_mode" in s) == (name in MANAGED), name
+    assert systems["vanilla"]["windows_below_share"] == 0.0  # the original model agrees with itself
+    # vanilla at a p99 of twice its batch-1 time: it takes a load, and no more than it can serve
+    assert 0.0 < systems["vanilla"]["saturation_rps"] <= capacity * 1.01
+    for name in MANAGED:
+        mode = systems[name]
+        assert mode["exit_mode"] in ("release", "stop")
+        assert mode["feedback_share"] == (1.0 if mode["exit_mode"] == "release" else pytest.approx(
+            settings.controller.feedback_share))

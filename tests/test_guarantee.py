@@ -1,0 +1,121 @@
+"""The accuracy guarantee: the bound, its coverage on streams of known error rate, and stop mode's sample."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rampserve.control.guarantee import (
+    FULLY_OBSERVED, SAMPLED, binomial_upper, look_delta, smallest_certifying,
+)
+from rampserve.control.monitor import RampHistory
+from rampserve.control.records import NO_EXIT, NO_LABEL, BatchRecord, first_exits
+from rampserve.control.thresholds import ExitData, certified_thresholds
+
+CONSTRAINT, DELTA, TRIALS = 0.01, 0.05, 150
+
+
+def test_the_bound_is_clopper_pearsons_and_grows_with_disagreements():
+    bounds = binomial_upper(np.arange(6), 1000, DELTA)
+    assert np.all(np.diff(bounds) > 0)
+    assert bounds[0] == np.float64(1 - DELTA ** (1 / 1000)) or abs(bounds[0] - (1 - DELTA ** (1 / 1000))) < 1e-12
+    assert binomial_upper(np.array([10]), 10, DELTA)[0] == 1.0
+    n = smallest_certifying(CONSTRAINT, DELTA)
+    assert binomial_upper(np.array([0]), n, DELTA)[0] <= CONSTRAINT < binomial_upper(np.array([0]), n - 1, DELTA)[0]
+    assert sum(look_delta(DELTA, k) for k in range(1, 10_000)) < DELTA
+
+
+def _stream(rng: np.random.Generator, n: int, slopes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Ramp j's error score is uniform on [0, 1] and its answer is wrong with probability slopes[j] * score,
+    independently across ramps: the true disagreement of thresholds (t1, t2) is known exactly."""
+    errors = rng.random((n, len(slopes)))
+    correct = rng.random((n, len(slopes))) >= slopes * errors
+    return correct, errors
+
+
+def _true_risk(thresholds: np.ndarray, slopes: np.ndarray) -> float:
+    """P(exit at ramp 1 and wrong) + P(pass ramp 1, exit at ramp 2 and wrong), from the stream's definition."""
+    t1, t2 = thresholds
+    return slopes[0] * t1 ** 2 / 2 + (1 - t1) * slopes[1] * t2 ** 2 / 2
+
+
+@settings(max_examples=6, deadline=None)
+@given(st.floats(0.02, 0.3), st.floats(0.02, 0.3), st.sampled_from([800, 2000]), st.integers(0, 2 ** 16))
+def test_thresholds_chosen_under_the_bound_break_the_constraint_in_at_most_about_delta_of_trials(
+        slope1, slope2, n, seed):
+    slopes = np.array([slope1, slope2])
+    rng = np.random.default_rng(seed)
+    saved = np.tile([2.0, 1.0, -0.1], (n, 1))
+    violations = 0
+    for _ in range(TRIALS):
+        correct, errors = _stream(rng, n, slopes)
+        data = ExitData(correct, errors, saved)
+        chosen = certified_thresholds(data, CONSTRAINT, DELTA)
+        violations += _true_risk(chosen, slopes) > CONSTRAINT
+    # at most delta, with three binomial standard deviations for the trials' own noise
+    assert violations / TRIALS <= DELTA + 3 * np.sqrt(DELTA * (1 - DELTA) / TRIALS)
+
+
+@settings(max_examples=4, deadline=None)
+@given(st.floats(0.05, 0.3), st.floats(0.1, 0.5), st.integers(0, 2 ** 16))
+def test_stop_modes_stratified_bound_covers_too(slope, serving_threshold, seed):
+    """Stop mode: inputs that exit at the serving threshold are in the history only when drawn for feedback."""
+    slopes = np.array([slope, slope])
+    rng = np.random.default_rng(seed)
+    n, share = 6000, 0.2
+    violations = 0
+    for _ in range(TRIALS):
+        correct, errors = _stream(rng, n, slopes)
+        exited = first_exits(errors, np.array([serving_threshold, 0.0])) != NO_EXIT
+        sampled = exited & (rng.random(n) < share)
+        kept = ~exited | sampled
+        strata = np.where(sampled, SAMPLED, FULLY_OBSERVED)[kept]
+        weights = np.where(sampled, 1 / share, 1.0)[kept]
+        data = ExitData(correct[kept], errors[kept], np.tile([2.0, 1.0, -0.1], (kept.sum(), 1)), strata, weights)
+        chosen = certified_thresholds(data, CONSTRAINT, DELTA)
+        violations += _true_risk(chosen, slopes) > CONSTRAINT
+    assert violations / TRIALS <= DELTA + 3 * np.sqrt(DELTA * (1 - DELTA) / TRIALS)
+
+
+def _stop_record(share: float) -> BatchRecord:
+    """Four inputs: two exited at ramp 0 and stopped, one exited and was sampled (wrong), one ran to the end."""
+    labels = np.array([[3, NO_LABEL], [3, NO_LABEL], [5, 7], [1, 2]])
+    errors = np.array([[0.01, np.nan], [0.02, np.nan], [0.03, 0.4], [0.5, 0.6]])
+    final = np.array([NO_LABEL, NO_LABEL, 7, 2])
+    exits = np.array([0, 0, 0, NO_EXIT])
+    return BatchRecord(1, ("a", "b"), labels, errors, final, exits, feedback_share=share)
+
+
+def test_a_sampled_disagreement_stands_for_the_exits_not_sampled():
+    record = _stop_record(0.25)
+    np.testing.assert_array_equal(record.observed(), [False, False, True, True])
+    np.testing.assert_array_equal(record.sampled(), [False, False, True, False])
+    np.testing.assert_array_equal(record.wrong_estimate(), [0.0, 0.0, 4.0, 0.0])
+
+
+def test_the_history_keeps_only_observed_inputs_weighted_by_the_sample():
+    history = RampHistory(("a", "b"), 16)
+    history.add(_stop_record(0.25))
+    correct, errors, _ = history.latest()
+    strata, weights = history.sample_design()
+    assert np.isfinite(errors).all() and len(errors) == 2
+    np.testing.assert_array_equal(correct, [[False, True], [False, True]])
+    np.testing.assert_array_equal(strata, [SAMPLED, FULLY_OBSERVED])
+    np.testing.assert_array_equal(weights, [4.0, 1.0])
+
+
+def test_the_wrong_estimate_is_unbiased_over_the_feedback_draw():
+    rng = np.random.default_rng(0)
+    n, share = 400, 0.1
+    exits = np.where(rng.random(n) < 0.6, 0, NO_EXIT)
+    wrong = (exits == 0) & (rng.random(n) < 0.05)
+    estimates = []
+    for _ in range(2000):
+        sampled = (exits == 0) & (rng.random(n) < share)
+        final = np.where((exits == 0) & ~sampled, NO_LABEL, 1)
+        labels = np.where(wrong, 2, 1)[:, None]
+        estimates.append(BatchRecord(0, ("a",), labels, np.zeros((n, 1)), final, exits,
+                                     feedback_share=share).wrong_estimate().mean())
+    truth = wrong.mean()
+    assert abs(np.mean(estimates) - truth) < 4 * np.std(estimates) / np.sqrt(len(estimates))
