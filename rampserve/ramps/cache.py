@@ -341,7 +341,9 @@ class CacheRamp(nn.Module):
         return labels, errors
 
     def learn(self, final_labels: np.ndarray) -> bool:
-        """Update the cache with the final labels of the inputs `evaluate` last saw. False if it saw none."""
+        """Update the cache with the final labels of the inputs `evaluate` last saw. False if it saw none. A
+        negative label is unknown (the input left its batch at an exit before the final layer): that input
+        teaches nothing."""
         serving = self._serving
         if serving.last is None:
             return False
@@ -349,9 +351,12 @@ class CacheRamp(nn.Module):
         serving.last = None
         if len(embedded) != len(final_labels):
             raise ValueError(f"{len(final_labels)} final labels for {len(embedded)} looked-up inputs")
+        labels = np.asarray(final_labels, dtype=np.int64)
+        known = labels >= 0
+        if not known.all():
+            embedded, nearest, distances, labels = embedded[known], nearest[known], distances[known], labels[known]
         cache = self.spec.cache
-        update_points(self.state(), embedded, nearest, distances, np.asarray(final_labels, dtype=np.int64),
-                      cache.memory, move=cache.lookup == "kmeans")
+        update_points(self.state(), embedded, nearest, distances, labels, cache.memory, move=cache.lookup == "kmeans")
         serving.index = Index(self.state())  # here, after the batch's answers, rather than on the next one's path
         return True
 

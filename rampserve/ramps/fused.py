@@ -10,9 +10,14 @@ tells a releasing thread through a pipe, so that the model never stops for a ram
 A ramp that runs in Python (a cache ramp: its centroids and label counts change with every batch it learns from,
 where a compiled set holds constants; a deeper head) is fused as a stash: its activation is copied for the
 releasing thread, which evaluates the ramp while the model runs on.
+
+In the "stop" exit mode (`runtime.compiled.StopSetRunner`) a fused ramp's `stop` also takes the rows it exits
+out of the batch (`rampserve::ramp_stop`); a stashed ramp never stops a row.
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import numpy as np
 import torch
@@ -51,6 +56,16 @@ class FusedRamp(nn.Module):
         return torch.ops.rampserve.ramp_exit(activation, self.pool, self.weight, self.bias, self.center, self.reduce,
                                              out, self.column, floor, self.score, notify)
 
+    def stop(self, activation: torch.Tensor, out: torch.Tensor, rows: torch.Tensor, keep: torch.Tensor,
+             left: torch.Tensor, floor: float, stop_floor: float, notify: int,
+             stashes: list[torch.Tensor]) -> Optional[torch.Tensor]:
+        """The ramp of a run whose rows leave where they exit: the logits of the running rows (batch rows `rows`)
+        go to `out[rows, column]`; a row whose confidence exceeds `stop_floor` stops unless `keep` holds it
+        (`left` then records this column for it); returns the indices of the activation's rows that go on."""
+        return torch.ops.rampserve.ramp_stop(activation, self.pool, self.weight, self.bias, self.center, self.reduce,
+                                             out, rows, keep, left, self.column, floor, stop_floor, self.score,
+                                             notify)
+
 
 class StashedRamp(nn.Module):
     """A ramp that runs in Python, in the compiled path: its activation copied into `stashes[column]` (resized to
@@ -65,6 +80,14 @@ class StashedRamp(nn.Module):
     def forward(self, activation: torch.Tensor, out: torch.Tensor, floor: float, notify: int,
                 stashes: list[torch.Tensor]) -> bool:
         return torch.ops.rampserve.stash(activation, stashes[self.column], self.column, notify)
+
+    def stop(self, activation: torch.Tensor, out: torch.Tensor, rows: torch.Tensor, keep: torch.Tensor,
+             left: torch.Tensor, floor: float, stop_floor: float, notify: int,
+             stashes: list[torch.Tensor]) -> Optional[torch.Tensor]:
+        """Stashed for Python, which decides its exits after the fact: no row stops here (None: every row goes
+        on). The stash holds the running rows only; `left` says which batch rows those are."""
+        torch.ops.rampserve.stash(activation, stashes[self.column], self.column, notify)
+        return None
 
 
 def fused_ramp(ramp: Ramp | CacheRamp, score: str, activation_shape: tuple[int, ...], column: int

@@ -11,6 +11,11 @@ logits into the batch's ramp buffer and, where some row's confidence clears the 
 its column to a pipe; a releasing thread reads it, scores the column and releases those rows while the model
 runs on (`serving.worker`). A ramp that runs in Python is stashed (its activation copied) for that thread.
 
+In the "stop" exit mode a set's runner is a `StopSetRunner` instead: the rows a fused ramp exits leave the batch
+there (`rampserve::ramp_stop`), the others run on, and it returns the final output of the rows that ran to the
+end with their batch rows. Rows the executor keeps (its feedback sample, requests that want the logits) never
+stop. It is compiled and kept apart from the release-mode set of the same ramps (the mode is part of its key).
+
 An ONNX model's set is an `OnnxSetRunner` with the same signature: its stages' sessions, each linear ramp inside
 the session of the stage that ends at its site (made in a few ms, in the serving process, and not kept on disk).
 
@@ -31,6 +36,7 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 import torch
@@ -48,6 +54,11 @@ EXIT_MARGIN = 1e-9
 # The same for a ramp fused into an ONNX stage, whose confidence is computed in float32 (a few units of its
 # rounding, 6e-8 each)
 ONNX_EXIT_MARGIN = 1e-5
+# How far above 1 - threshold a row's confidence must be for a stop-mode runner to take it out of the batch: the
+# releasing thread's test (error score < threshold, in double from the same float32 logits) then certainly
+# releases it. A row inside the margin is released but runs on, which costs only its compute
+STOP_MARGIN = 1e-6
+EXIT_MODES = ("release", "stop")
 
 
 class RunnerStage(nn.Module):
@@ -72,6 +83,25 @@ class RunnerStage(nn.Module):
             self.ramp(activation, out, floor, notify, stashes)
         return activation
 
+    def stop(self, activation: torch.Tensor, side: torch.Tensor, rows: torch.Tensor, out: torch.Tensor,
+             floor: float, stop_floor: float, keep: torch.Tensor, left: torch.Tensor, notify: int,
+             stashes: list[torch.Tensor], side_rows: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The stage for a `StopSetRunner`: the stage, then its ramp, which may take rows out of the batch; returns
+        the activation, side input and batch rows of the rows that go on (the side input is selected with them
+        where it has a row per input, `side_rows`)."""
+        if self.reads_side:
+            activation = self.stage(activation, side)
+        else:
+            activation = self.stage(activation)
+        if self.ramp is not None:
+            going = self.ramp.stop(activation, out, rows, keep, left, floor, stop_floor, notify, stashes)
+            if going is not None and going.size(0) < activation.size(0):
+                activation = activation.index_select(0, going)
+                rows = rows.index_select(0, going)
+                if side_rows:
+                    side = side.index_select(0, going)
+        return activation, side, rows
+
 
 class SetRunner(nn.Module):
     """Runs `RunnerStage`s in order, stage i's ramp with exit floor `floors[i]` (one more floor than sites, for the
@@ -89,6 +119,32 @@ class SetRunner(nn.Module):
             activation = stage(activation, side, out, floors[i], notify, stashes)
             i += 1
         return activation
+
+
+class StopSetRunner(nn.Module):
+    """Runs `RunnerStage`s in order as a `SetRunner` does, but the rows a fused ramp exits leave the batch there:
+    stage i's ramp takes out the rows whose confidence exceeds `stop_floors[i]` and that `keep` (bool, per batch
+    row) does not hold, recording the ramp's column for them in `left` (int64, per batch row, -1 for a row that
+    does not leave); later stages run on the others only, and none runs once no row is left. Returns the last
+    stage's output for the rows that ran to the end and their batch rows (int64, increasing). A stashed ramp
+    never stops a row (its stash holds the rows running there)."""
+
+    def __init__(self, stages: Sequence[nn.Module]) -> None:
+        super().__init__()
+        self.stages = nn.ModuleList(stages)
+
+    def forward(self, activation: torch.Tensor, side: torch.Tensor, out: torch.Tensor, floors: list[float],
+                stop_floors: list[float], keep: torch.Tensor, left: torch.Tensor, notify: int,
+                stashes: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = torch.arange(activation.size(0))
+        side_rows = side.dim() > 0 and side.size(0) == activation.size(0)
+        i = 0
+        for stage in self.stages:
+            if rows.size(0) > 0:
+                activation, side, rows = stage.stop(activation, side, rows, out, floors[i], stop_floors[i], keep,
+                                                    left, notify, stashes, side_rows)
+            i += 1
+        return activation, rows
 
 
 class OnnxSetRunner:
@@ -130,6 +186,16 @@ class RampBuffers:
     logits_tensor: torch.Tensor
     logits: np.ndarray
     stashes: list[torch.Tensor]
+    # Stop mode: per batch row, the column of the ramp it left the batch at, or -1 (a tensor and an array over the
+    # same memory; the runner writes it, the releasing thread reads it)
+    left_tensor: Optional[torch.Tensor] = None
+    left: Optional[np.ndarray] = None
+
+    def reached(self, column: int) -> np.ndarray:
+        """Stop mode: the batch rows that reached the set's `column`-th ramp (in order: a stash holds these), read
+        once the run has passed it (rows leave only at later ramps meanwhile)."""
+        left = self.left
+        return np.flatnonzero((left < 0) | (left >= column))
 
 
 @dataclass(frozen=True, eq=False)
@@ -148,8 +214,10 @@ class CompiledSet:
     fused: tuple[bool, ...]
     classes: int
     exit_margin: float = EXIT_MARGIN  # how far below 1 - threshold a ramp's confidence still signals
+    mode: str = "release"  # "stop": a `StopSetRunner`, whose exited rows leave the batch
     run: Callable = field(init=False, repr=False)
     _floors: list = field(default_factory=lambda: [(None, [])], init=False, repr=False)  # [(key, floors)]
+    _stop_floors: list = field(default_factory=lambda: [(None, [])], init=False, repr=False)
     _buffers: dict = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -168,6 +236,24 @@ class CompiledSet:
             self._floors[0] = (thresholds, floors)
         return floors
 
+    @property
+    def stops(self) -> bool:
+        """Whether the runner takes exited rows out of the batch (a `StopSetRunner`)."""
+        return self.mode == "stop"
+
+    def stop_floors(self, thresholds: tuple[float, ...] | None) -> list[float]:
+        """A `StopSetRunner`'s stop floor per site for `thresholds` (and one for the last stage): a row leaves where
+        its confidence exceeds 1 - threshold by `STOP_MARGIN`, so that the error-score test certainly releases it
+        (`floors` is below it: every ramp that stops a row also signals)."""
+        cached_key, floors = self._stop_floors[0]
+        if cached_key != thresholds or not floors:
+            if thresholds is None:
+                floors = [NEVER_STOP] * (len(self.sites) + 1)
+            else:
+                floors = [1.0 - t + STOP_MARGIN if t > 0 else NEVER_STOP for t in thresholds] + [NEVER_STOP]
+            self._stop_floors[0] = (thresholds, floors)
+        return floors
+
     def buffers(self, rows: int) -> RampBuffers:
         """The ramp buffers for a batch of `rows` on this thread. Their contents last until this thread's next
         batch of that size on this set."""
@@ -175,7 +261,9 @@ class CompiledSet:
         found = self._buffers.get(key)
         if found is None:
             logits = torch.empty((rows, len(self.sites), self.classes)) if self.sites else torch.zeros(0)
-            found = self._buffers[key] = RampBuffers(logits, logits.numpy(), [torch.zeros(0) for _ in self.sites])
+            left = torch.full((rows,), -1, dtype=torch.int64) if self.stops else None
+            found = self._buffers[key] = RampBuffers(logits, logits.numpy(), [torch.zeros(0) for _ in self.sites],
+                                                     left, None if left is None else left.numpy())
         return found
 
 
@@ -183,9 +271,10 @@ class CorruptEntry(Exception):
     """An on-disk compiled set that does not match its recorded digest: recompile it, never load it."""
 
 
-def set_key(bundle_digest: str, sites: Sequence[str], score: str) -> str:
-    """The on-disk name of a compiled set: what it was compiled from, and the torch that compiled it."""
-    what = {"format": FORMAT, "bundle": bundle_digest, "sites": list(sites), "score": score,
+def set_key(bundle_digest: str, sites: Sequence[str], score: str, mode: str = "release") -> str:
+    """The on-disk name of a compiled set: what it was compiled from (its exit mode too), and the torch that
+    compiled it."""
+    what = {"format": FORMAT, "bundle": bundle_digest, "sites": list(sites), "score": score, "exit_mode": mode,
             "torch": torch.__version__, "ramp_operator": kernel.build_id() if kernel.available() else None}
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:32]
 
@@ -211,7 +300,7 @@ def save_compiled(directory: Path, key: str, compiled: CompiledSet | None, refus
         data = buffer.getvalue()
         _write_atomically(directory / f"{key}.pt", data)
         index = {"format": FORMAT, "sha256": hashlib.sha256(data).hexdigest(), "sites": list(compiled.sites),
-                 "fused": list(compiled.fused), "classes": compiled.classes}
+                 "fused": list(compiled.fused), "classes": compiled.classes, "exit_mode": compiled.mode}
     _write_atomically(directory / f"{key}.json", json.dumps(index).encode())
 
 
@@ -238,8 +327,11 @@ def load_compiled(directory: Path, key: str) -> CompiledSet | str:
         kernel.available()  # a fused ramp calls the ramp operator: it must be registered before the archive loads
         with torchscript_quietly():
             runner = torch.jit.load(io.BytesIO(data))
+        mode = str(index.get("exit_mode", "release"))
+        if mode not in EXIT_MODES:
+            raise CorruptEntry(f"{index_path}: unknown exit mode {mode!r}")
         return CompiledSet(tuple(index["sites"]), runner, tuple(bool(f) for f in index["fused"]),
-                           int(index["classes"]))
+                           int(index["classes"]), mode=mode)
     except CorruptEntry:
         raise
     except (OSError, ValueError, KeyError, TypeError, RuntimeError) as exc:

@@ -20,12 +20,14 @@ from rampserve.ramps.kinds import Ramp, RampSpec
 from rampserve.ramps.scores import top_label_and_error
 from rampserve.runtime.backends import Backend
 from rampserve.runtime.compiled import (
+    EXIT_MODES,
     ONNX_EXIT_MARGIN,
     CompiledSet,
     OnnxSetRunner,
     RampBuffers,
     RunnerStage,
     SetRunner,
+    StopSetRunner,
 )
 from rampserve.runtime.profile import LatencyProfile
 
@@ -40,6 +42,9 @@ COMPILED_SETS_KEPT = 16
 # order in float32 (the pooling folded into the head), a few units of float32 rounding on logits of size ~10
 FUSED_SCORE_TOLERANCE = 1e-5
 NO_TENSOR = torch.zeros(0)  # the side input a runner takes for a model without one
+# A stop-mode run's label for a row at a ramp it never reached (it left the batch before), and its final label
+# where it did not run to the end (the controller's NO_LABEL)
+UNREACHED = -1
 
 
 @dataclass(frozen=True)
@@ -87,10 +92,25 @@ class RampOutputs:
 
     def scores(self, column: int) -> tuple[np.ndarray, np.ndarray]:
         """Every input's top label and error score at the set's `column`-th ramp: a fused ramp's logits scored as
-        the eager ramp's are, or a ramp in Python evaluated on its stashed activation."""
+        the eager ramp's are, or a ramp in Python evaluated on its stashed activation. In stop mode, a row that
+        left the batch at an earlier ramp never reached this one: its label is `UNREACHED` and its error NaN."""
+        if self.compiled.stops:
+            return self._reached_scores(column)
         if self.compiled.fused[column]:
             return top_label_and_error(self.buffers.logits[:, column], self.model.error_score)
         return self.model.evaluate_ramp(self.compiled.sites[column], self.buffers.stashes[column])
+
+    def _reached_scores(self, column: int) -> tuple[np.ndarray, np.ndarray]:
+        buffers = self.buffers
+        rows = buffers.reached(column)
+        labels, errors = np.full(len(buffers.left), UNREACHED, dtype=np.int64), np.full(len(buffers.left), np.nan)
+        if self.compiled.fused[column]:
+            if len(rows):
+                labels[rows], errors[rows] = top_label_and_error(buffers.logits[rows, column], self.model.error_score)
+        elif len(rows):  # the stash holds the rows that reached it, in order
+            labels[rows], errors[rows] = self.model.evaluate_ramp(self.compiled.sites[column],
+                                                                  buffers.stashes[column])
+        return labels, errors
 
 
 @dataclass
@@ -107,8 +127,9 @@ class PreparedModel:
         return [s.name for s in self.sites]
 
     bundle_dir: Path | None = None  # where the model was loaded from (what a compile worker process loads)
-    _compiled: OrderedDict[tuple[str, ...], CompiledSet | None] = field(default_factory=OrderedDict, init=False,
-                                                                       repr=False)
+    # (exit mode, sites) -> compiled set
+    _compiled: OrderedDict[tuple[str, tuple[str, ...]], CompiledSet | None] = field(
+        default_factory=OrderedDict, init=False, repr=False)
 
     def evaluate_ramp(self, site: str, activation: object) -> tuple[np.ndarray, np.ndarray]:
         """Every input's top label and error score from the ramp at `site`, given the site's activation as the
@@ -127,7 +148,10 @@ class PreparedModel:
             return self.run_eager(feeds, active, on_ramp)
         outputs = self.ramp_outputs(compiled, len(next(iter(feeds.values()))))
         with torch.inference_mode():
-            output = self.run_compiled(compiled, feeds, outputs)
+            if compiled.stops:  # no thresholds: no row stops, every row runs to the end
+                output, _ = self.run_stopping(compiled, feeds, outputs)
+            else:
+                output = self.run_compiled(compiled, feeds, outputs)
         if on_ramp is not None:
             for column, site in enumerate(compiled.sites):
                 on_ramp(site, *outputs.scores(column))
@@ -177,6 +201,25 @@ class PreparedModel:
         buffers = outputs.buffers
         return compiled.run(activation, side, buffers.logits_tensor, floors, notify, buffers.stashes).numpy()
 
+    def run_stopping(self, compiled: CompiledSet, feeds: dict[str, np.ndarray], outputs: RampOutputs,
+                     thresholds: Sequence[float] | None = None, notify: int = -1, keep: np.ndarray | None = None
+                     ) -> tuple[np.ndarray, np.ndarray]:
+        """Run a stop-mode set (`compiled.stops`) on `feeds`: as `run_compiled`, but a row whose confidence at a
+        fused ramp clears 1 - threshold by `STOP_MARGIN` leaves the batch there, unless `keep` (bool per row)
+        holds it; `outputs.buffers.left` then says at which column (-1: it did not leave). Returns the model's
+        output for the rows that ran to the end and those rows (increasing)."""
+        primary, side_name = self._runner_names
+        activation = torch.from_numpy(np.ascontiguousarray(feeds[primary]))
+        side = NO_TENSOR if side_name is None else torch.from_numpy(np.ascontiguousarray(feeds[side_name]))
+        key = None if thresholds is None else tuple(thresholds)
+        buffers = outputs.buffers
+        buffers.left.fill(-1)  # through the array: the tensor may be an inference-mode one, this not in that mode
+        keeps = torch.zeros(len(buffers.left), dtype=torch.bool) if keep is None else \
+            torch.from_numpy(np.ascontiguousarray(keep, dtype=bool))
+        output, rows = compiled.run(activation, side, buffers.logits_tensor, compiled.floors(key),
+                                    compiled.stop_floors(key), keeps, buffers.left_tensor, notify, buffers.stashes)
+        return output.numpy(), rows.numpy()
+
     @functools.cached_property
     def _runner_names(self) -> tuple[str, str | None]:
         """The model's primary input and the one side input a `SetRunner` takes (None for a model without one)."""
@@ -190,15 +233,19 @@ class PreparedModel:
         in a few ms."""
         return self.backend.kind == "torch"
 
-    def build_compiled(self, active: Sequence[str], example: dict[str, np.ndarray]) -> CompiledSet | None:
+    def build_compiled(self, active: Sequence[str], example: dict[str, np.ndarray], mode: str = "release"
+                       ) -> CompiledSet | None:
         """Compile the serving path for `active` with `example` as the example input: its stages traced, each
         stage that ends at an active site with that site's ramp fused in (the ramp operator, or a stash for a ramp
-        that runs in Python), run by one scripted `SetRunner`, frozen; on ONNX, its stages' sessions with each
-        linear ramp in the session of the stage that ends at its site (an `OnnxSetRunner`). None where the model
+        that runs in Python), run by one scripted `SetRunner` (a `StopSetRunner` in the "stop" exit mode: torch
+        only), frozen; on ONNX, its stages' sessions with each linear ramp in the session of the stage that ends at
+        its site (an `OnnxSetRunner`). None where the model
         does not compile: a stage that does not trace faithfully (see `trace_stages`), a model with more than one
         side input, ramps where the ramp operators could not be built (or more than a pipe byte can number), or a
         runner whose output is not bit for bit the eager model's on the example, or whose fused ramps do not score
         the example as the eager ramps do (labels equal, error scores within `FUSED_SCORE_TOLERANCE`)."""
+        if mode not in EXIT_MODES or (mode != "release" and self.backend.kind != "torch"):
+            raise ValueError(f"exit mode {mode!r} does not compile for a {self.backend.kind} model")
         primary, *side_names = self.backend.input_names
         if len(side_names) > 1 or len(active) > 255:
             return None
@@ -221,11 +268,12 @@ class PreparedModel:
             stages = [RunnerStage(stage.module, bool(stage.side_names), ramp)
                       for stage, ramp in zip(traced, [*ramps, None])]
             with torchscript_quietly():
-                runner = torch.jit.script(SetRunner(stages))
+                runner = torch.jit.script(StopSetRunner(stages) if mode == "stop" else SetRunner(stages))
                 # Frozen, the runner is one graph with its weights as constants: it loads in half the time, and
                 # without the numeric optimizations it computes what its stages do (checked below)
                 runner = torch.jit.freeze(runner.eval(), optimize_numerics=False)
-        compiled = CompiledSet(sites, runner, tuple(isinstance(ramp, FusedRamp) for ramp in ramps), classes)
+        compiled = CompiledSet(sites, runner, tuple(isinstance(ramp, FusedRamp) for ramp in ramps), classes,
+                               mode=mode)
         return compiled if self._faithful(compiled, example) else None
 
     def _faithful(self, compiled: CompiledSet, example: dict[str, np.ndarray]) -> bool:
@@ -244,36 +292,66 @@ class PreparedModel:
                 log.warning("the fused ramp at %s scores the example otherwise than the eager ramp; serving the set "
                             "eagerly", site)
                 return False
+        if compiled.stops and any(compiled.fused) and len(reference) > 1:
+            # Rows leaving: at threshold 1 every row but the first (kept) leaves at the first fused ramp; the first
+            # runs on alone, as the stages run any batch size, to the model's output (to float rounding)
+            keep = np.zeros(len(reference), dtype=bool)
+            keep[0] = True
+            with torch.inference_mode():
+                alone, ran = self.run_stopping(compiled, example, self.ramp_outputs(compiled, len(reference)),
+                                               [1.0] * len(compiled.sites), -1, keep)
+            if not (np.array_equal(ran, [0]) and np.allclose(alone, reference[:1], rtol=1e-4, atol=1e-5)):
+                log.warning("a stop-mode set of %s does not run on when inputs leave its batch; serving it eagerly",
+                            compiled.sites)
+                return False
         return True
 
-    def compile(self, active: Sequence[str], example: dict[str, np.ndarray]) -> bool:
-        """Compile the serving path for these active ramps in this process, unless done before; whether
-        `run(..., compiled=True)` with them runs compiled. Servers compile in a worker process instead
-        (`compile_service`) and `install` what it made."""
+    def compile(self, active: Sequence[str], example: dict[str, np.ndarray], mode: str = "release") -> bool:
+        """Compile the serving path for these active ramps (in exit mode `mode`) in this process, unless done
+        before; whether `run(..., compiled=True)` with them runs compiled. Servers compile in a worker process
+        instead (`compile_service`) and `install` what it made."""
         key = self.backend.ordered_cuts(active)
-        if not self.has_compiled(key):
-            self.install(key, self.build_compiled(key, example))
-        return self.compiled_set(key) is not None
+        if not self.has_compiled(key, mode):
+            self.install(key, self.build_compiled(key, example, mode), mode)
+        return self.compiled_set(key, mode) is not None
 
-    def install(self, active: Sequence[str], compiled: CompiledSet | None) -> None:
-        """Keep `compiled` as the serving path for `active` (None: it does not compile; serve it eagerly)."""
-        key = self.backend.ordered_cuts(active)
+    def install(self, active: Sequence[str], compiled: CompiledSet | None, mode: str = "release") -> None:
+        """Keep `compiled` as the serving path for `active` in exit mode `mode` (None: it does not compile; serve
+        it eagerly)."""
+        key = self._compiled_key(active, mode)
         self._compiled[key] = compiled
         self._compiled.move_to_end(key)
         while len(self._compiled) > COMPILED_SETS_KEPT:
             self._compiled.popitem(last=False)
 
-    def has_compiled(self, active: Sequence[str]) -> bool:
+    def has_compiled(self, active: Sequence[str], mode: str = "release") -> bool:
         """Whether this set was compiled or refused (or needs no compiling): nothing is left to wait for."""
-        return self.backend.ordered_cuts(active) in self._compiled
+        return self._compiled_key(active, mode) in self._compiled
 
-    def compiled_set(self, active: Sequence[str]) -> CompiledSet | None:
-        return self._compiled.get(self.backend.ordered_cuts(active))
+    def compiled_set(self, active: Sequence[str], mode: str = "release") -> CompiledSet | None:
+        return self._compiled.get(self._compiled_key(active, mode))
 
-    def learn(self, final_labels: np.ndarray) -> list[str]:
+    def _compiled_key(self, active: Sequence[str], mode: str) -> tuple[str, tuple[str, ...]]:
+        """A set's entry in memory: its exit mode and its sites in model order."""
+        return mode, self.backend.ordered_cuts(active)
+
+    def learn(self, final_labels: np.ndarray, reached: dict[str, np.ndarray] | None = None) -> list[str]:
         """Update the cache ramps that `run` last evaluated with the batch's final labels (online cache updates:
-        every input ran to the end, so its final answer is known). Returns the sites updated."""
-        return [site for site, ramp in self.ramps.items() if isinstance(ramp, CacheRamp) and ramp.learn(final_labels)]
+        the final answer of an input that ran to the end is known). In stop mode, `reached` gives per active site
+        the batch rows its ramp evaluated (those still in the batch there), and a row that left the batch before
+        its end has a negative final label (`UNREACHED`): it teaches nothing. Returns the sites updated."""
+        updated = []
+        for site, ramp in self.ramps.items():
+            if not isinstance(ramp, CacheRamp):
+                continue
+            labels = final_labels
+            if reached is not None and site in reached:
+                if not len(reached[site]):  # every input left before it: it evaluated nothing this batch
+                    continue
+                labels = final_labels[reached[site]]
+            if ramp.learn(labels):
+                updated.append(site)
+        return updated
 
     def memory_bytes(self) -> dict[str, int]:
         """What each cache ramp holds in memory (bounded: online updates never grow it)."""

@@ -80,13 +80,15 @@ def compiled_dir(bundle_dir: Path, digest: str) -> Path:
 
 class CompileService:
     """Compiles one bundle's active-ramp sets in a worker process, one at a time, urgent ones first, and loads
-    finished ones. `on_outcome` is called (on the service's listener thread) as each request finishes."""
+    finished ones. `on_outcome` is called (on the service's listener thread) as each request finishes. Every set
+    is compiled in exit mode `mode` ("release", or "stop": see `runtime.compiled.StopSetRunner`)."""
 
     def __init__(self, model: PreparedModel, example: Mapping[str, np.ndarray],
-                 on_outcome: Callable[[CompileOutcome], None] | None = None) -> None:
+                 on_outcome: Callable[[CompileOutcome], None] | None = None, mode: str = "release") -> None:
         if model.bundle_dir is None:
             raise ValueError("a compile service needs a model loaded from a bundle directory")
         self.model = model
+        self.mode = mode
         self.example = {name: np.ascontiguousarray(value) for name, value in example.items()}
         self.digest = bundle_digest(model.bundle_dir)
         self.directory = compiled_dir(model.bundle_dir, self.digest)
@@ -105,7 +107,7 @@ class CompileService:
 
     def _key(self, sites: Sequence[str]) -> tuple[tuple[str, ...], str]:
         ordered = self.model.backend.ordered_cuts(sites)
-        return ordered, set_key(self.digest, ordered, self.model.error_score)
+        return ordered, set_key(self.digest, ordered, self.model.error_score, self.mode)
 
     def ready(self, sites: Sequence[str]) -> bool:
         """Whether `sites` can be loaded now: it is compiled (or refused) on disk, or its compile failed."""
@@ -195,7 +197,8 @@ class CompileService:
         context = multiprocessing.get_context("spawn")  # never fork a process that has loaded torch
         parent, child = context.Pipe()
         self._process = context.Process(
-            target=compile_worker, args=(str(self.model.bundle_dir), self.example, str(self.directory), child),
+            target=compile_worker,
+            args=(str(self.model.bundle_dir), self.example, str(self.directory), child, self.mode),
             name=f"rampserve-compile-{self.model.bundle_dir.name}", daemon=True)
         self._process.start()
         child.close()
@@ -229,8 +232,10 @@ class CompileService:
             self.on_outcome(CompileOutcome(sites, outcome, time.monotonic() - asked, reason))
 
 
-def compile_worker(bundle_dir: str, example: dict[str, np.ndarray], directory: str, conn) -> None:
-    """The worker process: load the bundle once, then compile each set it is sent and store its stages."""
+def compile_worker(bundle_dir: str, example: dict[str, np.ndarray], directory: str, conn,
+                   mode: str = "release") -> None:
+    """The worker process: load the bundle once, then compile each set it is sent (in exit mode `mode`) and store
+    its stages."""
     import torch
 
     from rampserve.runtime.bundle import load_bundle
@@ -241,9 +246,9 @@ def compile_worker(bundle_dir: str, example: dict[str, np.ndarray], directory: s
     digest, out = bundle_digest(Path(bundle_dir)), Path(directory)
     while (sites := conn.recv()) is not None:
         try:
-            compiled = model.build_compiled(sites, example)
+            compiled = model.build_compiled(sites, example, mode)
             ordered = model.backend.ordered_cuts(sites)
-            save_compiled(out, set_key(digest, ordered, model.error_score), compiled,
+            save_compiled(out, set_key(digest, ordered, model.error_score, mode), compiled,
                           "a stage does not trace faithfully to TorchScript")
             conn.send(("compiled" if compiled is not None else "refused", ordered, ""))
         except Exception as exc:  # the parent serves the set eagerly; the worker goes on with the next one

@@ -70,6 +70,8 @@ class ServerMetrics:
                                     registry=r)
         self.exits = Counter("rampserve_exits", "Inputs answered per exit site ('final': the last layer)",
                              ["model", "site"], registry=r)
+        self.stopped_rows = Counter("rampserve_stopped_rows", "Inputs that left their batch at the ramp they exited "
+                                    "at and never ran to its end (exit mode 'stop')", ["model"], registry=r)
         self.window_accuracy = Gauge("rampserve_window_accuracy",
                                      "Agreement of released answers with the original model, recent window",
                                      ["model"], registry=r)

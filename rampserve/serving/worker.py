@@ -6,6 +6,15 @@ final layer. The batch's record then goes to the control thread, which hands it 
 through a `ControlLink` (the controller in this process, or one that several replicas share) and may get a new
 configuration back; the executor picks it up between batches (one reference swap, so a batch never mixes two
 configurations).
+
+Exit modes (`ControllerSettings.exit_mode`). "release" (the default): every input runs to the end, its answer
+released at the first confident ramp. "stop": on the compiled path of a torch model, an input released at a
+fused ramp also leaves the batch there (`runtime.compiled.StopSetRunner`) and is never computed further, except
+for the feedback sample: inputs drawn uniformly per batch (each with probability `feedback_share`, whatever its
+scores) and those whose request wants the logits, which run to the end so that their final answers measure
+the exits' agreement. The record then has no final label (NO_LABEL) for an input that left, and NO_LABEL labels
+and NaN error scores at the ramps after the one it left at. ONNX models and the eager path (a set that does not
+compile, or no ramp operator) serve stop mode as release mode.
 """
 
 from __future__ import annotations
@@ -33,7 +42,7 @@ from rampserve.control.records import NO_EXIT, NO_LABEL, BatchRecord, Configurat
 from rampserve.ramps import kernel
 from rampserve.ramps.scores import top_label_and_error
 from rampserve.runtime.profile import max_batch_for_slo
-from rampserve.runtime.compiled import CompiledSet
+from rampserve.runtime.compiled import EXIT_MODES, CompiledSet
 from rampserve.runtime.prepared import COMPILED_SETS_KEPT
 from rampserve.serving.batching import AdaptiveBatchSize, BatchTimeEstimate, expected_wait_ms
 from rampserve.serving.compiler import CompileOutcome, CompileService, likely_next_sets
@@ -192,6 +201,10 @@ class _BatchState:
         self.scored = np.zeros(r, dtype=bool)
         self.column = {site: j for j, site in enumerate(config.sites)}
         self.thresholds = np.array(config.thresholds)
+        # Stop mode (a run whose exited inputs leave the batch), set by `stopped`: per input, the column (in this
+        # state's order) of the ramp it left the batch at, NO_EXIT where it ran to the end; and the feedback sample
+        self.left: np.ndarray | None = None
+        self.sample: np.ndarray | None = None
 
     def ramp(self, j: int, ramp_labels: np.ndarray, ramp_errors: np.ndarray) -> None:
         """Ramp j's outputs: inputs not answered yet whose error score is under its threshold exit there, and
@@ -210,12 +223,31 @@ class _BatchState:
     def site_ramp(self, site: str, ramp_labels: np.ndarray, ramp_errors: np.ndarray) -> None:
         self.ramp(self.column[site], ramp_labels, ramp_errors)
 
+    def stopped(self, left: np.ndarray) -> int:
+        """Stop mode, once the run is over: `left` holds per input the column it left the batch at (NO_EXIT: it
+        ran to the end). An input leaves only where the release test certainly passes, and that ramp's column
+        was handed to `ramp` before the run ended, so every one has been released; one that somehow was not is
+        released now, at the ramp it left at (it has no final answer to wait for). Returns how many were not."""
+        self.left = left
+        lost = (left != NO_EXIT) & (self.exits == NO_EXIT)
+        if not lost.any():
+            return 0
+        count = int(lost.sum())
+        log.warning("%d inputs left their batch at a ramp without being released there; released now", count)
+        self.exits[lost] = left[lost]
+        decided = np.logical_and.reduceat(self.exits != NO_EXIT, self.starts)
+        for index, pending in enumerate(self.batch):
+            if decided[index] and not pending.settled and not pending.needs_final:
+                self._answer(pending, int(self.starts[index]), None, None, None)
+        return count
+
     def _open_rows(self) -> np.ndarray:
         """Inputs of requests not answered yet (a request answered with the final layer's labels keeps them)."""
         return np.repeat([not p.settled for p in self.batch], [p.rows for p in self.batch])
 
     def finish(self, final: np.ndarray, final_errors: np.ndarray, logits: np.ndarray) -> None:
-        """Answer every request still open with the final layer's answers."""
+        """Answer every request still open with the final layer's answers (in stop mode, an input that left the
+        batch has none, NO_LABEL: it keeps the answer it left with)."""
         for index, pending in enumerate(self.batch):
             if not pending.settled:
                 self._answer(pending, int(self.starts[index]), final, final_errors, logits)
@@ -232,8 +264,14 @@ class _BatchState:
             # the final answer, which it has waited for and which a ramp's can only differ from; the record
             # then counts those rows as final answers, since the controller must judge what was released.
             released, released_errors = final[rows], final_errors[rows]
-            self.exits[rows] = NO_EXIT
-            at = self.exits[rows]
+            if self.left is not None and (gone := self.left[rows] != NO_EXIT).any():
+                # Stop mode: a row that left the batch has no final answer; it keeps the one it left with
+                at = np.where(gone, self.exits[rows], NO_EXIT)
+                released = np.where(gone, self.labels[rows, at], released)
+                released_errors = np.where(gone, self.errors[rows, at], released_errors)
+            else:
+                at = np.full(len(rows), NO_EXIT)
+            self.exits[rows] = at
         now = time.monotonic()
         pending.settle(Answer(
             labels=released,
@@ -257,11 +295,15 @@ class _Answered:
     started: float
     finished: float
     oldest_arrival: float
+    feedback_share: float = 1.0  # stop mode: each input's chance to be kept running to the end (else 1)
+    # Stop mode: per unscored column, the inputs that reached that ramp (the others left the batch before)
+    unscored_rows: list[np.ndarray] | None = None
 
     def released_a_disagreement(self) -> bool:
-        """Whether some input left at a ramp with another answer than the final layer's."""
+        """Whether some input left at a ramp with another answer than the final layer's (where that is known: in
+        stop mode an input that left the batch has none)."""
         exits = self.state.exits
-        rows = np.flatnonzero(exits != NO_EXIT)
+        rows = np.flatnonzero((exits != NO_EXIT) & (self.final != NO_LABEL))
         return bool(np.any(self.state.labels[rows, exits[rows]] != self.final[rows]))
 
 
@@ -348,7 +390,20 @@ class ModelWorker:
         # A configuration the controller chose whose set is still compiling; the executor keeps the one in force
         self._pending: Configuration | None = None
         model = served.model
-        self._compiler = CompileService(model, served.example, self._compile_finished) if (
+        # The exit mode, and the one compiled sets are made in: stop mode needs a torch model's compiled runner;
+        # an ONNX model (and a vanilla one, which has no ramps) serves it as release mode
+        self.exit_mode, self.feedback_share = settings.controller.exit_mode, settings.controller.feedback_share
+        if self.exit_mode not in EXIT_MODES:
+            raise ValueError(f"exit mode must be one of {EXIT_MODES}, got {self.exit_mode!r}")
+        self._mode = "stop" if (self.exit_mode == "stop" and control is not None and settings.torchscript
+                                and model.compiles_to_torchscript) else "release"
+        if self.exit_mode == "stop" and self._mode != "stop" and control is not None:
+            log.info("model %s: exit mode 'stop' needs a torch model's compiled path; every input runs to the end, "
+                     "as in release mode", served.name)
+        self._told_eager = False  # whether stop mode on the eager path was logged
+        self._feedback = np.random.default_rng()  # stop mode's feedback sample: uniform, whatever the scores
+        self.stopped_rows = 0  # inputs that left their batch at a ramp (stop mode)
+        self._compiler = CompileService(model, served.example, self._compile_finished, self._mode) if (
             settings.torchscript and model.compiles_to_torchscript and model.bundle_dir is not None) else None
         # Compiled runs with ramps report where inputs may exit through a pipe, read by a releasing thread; the
         # ramp operators are loaded now, before serving, not with the first set that needs them
@@ -515,11 +570,16 @@ class ModelWorker:
         feeds = stack_inputs(self.served.inputs, [p.inputs for p in batch])
         state = _BatchState(config, batch, self.batches, self.metrics.answer.labels(**self._labels))
         self.batches += 1
+        stops = compiled is not None and compiled.stops
         started = time.monotonic()
         for pending in batch:
             self.metrics.queue.labels(**self._labels).observe(started - pending.arrival)
         try:
             if compiled is None:
+                if self._mode == "stop" and config.sites and not self._told_eager:
+                    self._told_eager = True
+                    log.info("model %s: a set served eagerly (it does not compile) runs every input to the end, "
+                             "as in release mode", self.served.name)
                 logits = model.run_eager(feeds, config.sites, state.site_ramp if config.sites else None)
             else:
                 # The releasing thread scores each column a ramp reports (one where some input may exit) and
@@ -536,17 +596,31 @@ class ModelWorker:
                     signals.begin(ramp)
                 thresholds = config.thresholds if config.sites == compiled.sites else \
                     tuple(config.thresholds[j] for j in columns)
+                if stops:  # the feedback sample, drawn before the run whatever the scores, and the logits' rows
+                    state.sample = self._feedback.random(state.n) < self.feedback_share
+                    keep = state.sample | np.repeat([p.needs_final for p in batch], [p.rows for p in batch])
                 try:
-                    logits = model.run_compiled(compiled, feeds, outputs, thresholds,
-                                                -1 if signals is None else signals.write_fd)
+                    if stops:
+                        output, ran = model.run_stopping(compiled, feeds, outputs, thresholds,
+                                                         -1 if signals is None else signals.write_fd, keep)
+                    else:
+                        logits = model.run_compiled(compiled, feeds, outputs, thresholds,
+                                                    -1 if signals is None else signals.write_fd)
                 finally:
                     left = b"" if signals is None else signals.end()
                 for j in left:
                     ramp(j)
+                if stops:  # a ramp that stopped inputs signalled: scored already, unless something went wrong
+                    for j in np.unique(outputs.buffers.left[outputs.buffers.left >= 0]):
+                        if not state.scored[columns[j]]:
+                            ramp(int(j))
         except Exception:
             self._record_unverified(state, started)
             raise
-        final, final_errors = top_label_and_error(logits)
+        if stops:
+            final, final_errors, logits = self._stopped(state, compiled, outputs.buffers.left, columns, output, ran)
+        else:
+            final, final_errors = top_label_and_error(logits)
         state.finish(final, final_errors, logits)
         finished = time.monotonic()
         # The ramps no input exited at are scored for the record by the control thread, from a copy of their
@@ -557,17 +631,40 @@ class ModelWorker:
         for index, pending in enumerate(batch):
             if pending.on_final is not None:
                 rows = slice(int(state.starts[index]), int(state.starts[index]) + pending.rows)
+                if stops and np.any(final[rows] == NO_LABEL):  # a row left the batch: no final answer to keep
+                    continue
                 pending.on_final(Answer(final[rows], (None,) * pending.rows, (None,) * pending.rows,
                                         1.0 - final_errors[rows], logits[rows], config.version, state.batch_id,
                                         finished))
         if self.settings.cache_updates and config.sites:  # after every answer is out: off the requests' path
-            model.learn(final)
+            # In stop mode a cache ramp evaluated the rows still in the batch at its site, and learns from those
+            # that ran to the end
+            model.learn(final, {site: outputs.buffers.reached(j) for j, site in enumerate(compiled.sites)}
+                        if stops else None)
         done = _Answered(state, final, [column for column, _ in unscored], late, started, finished,
                          min(p.arrival for p in batch))
+        if stops:
+            done.feedback_share = self.feedback_share
+            done.unscored_rows = [outputs.buffers.reached(j) for _, j in unscored]
         if self._control is not None:  # the books, off this thread: the next batch is waiting
             self._records.put(done)
         else:
             self._book(done)
+
+    @staticmethod
+    def _stopped(state: _BatchState, compiled: CompiledSet, left: np.ndarray, columns: list[int], output: np.ndarray,
+                 ran: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """A stop-mode run's final labels, error scores and logits for the whole batch from `output`, the rows
+        `ran` that ran to the end: NO_LABEL, NaN and NaN for the others, whose exits (`left`, per row the set's
+        column it left at) the state takes in its own columns."""
+        n = state.n
+        state.stopped(np.asarray([*columns, NO_EXIT])[left])  # -1 (ran to the end): the last entry
+        logits = np.full((n, *output.shape[1:]) if len(ran) else (n, compiled.classes), np.nan, dtype=np.float32)
+        final, final_errors = np.full(n, NO_LABEL), np.full(n, np.nan)
+        if len(ran):
+            logits[ran] = output
+            final[ran], final_errors[ran] = top_label_and_error(output)
+        return final, final_errors, logits
 
     def _record_unverified(self, state: _BatchState, started: float) -> None:
         """The model failed after some answers left at a ramp: the controller still hears of them, as answers
@@ -588,8 +685,16 @@ class ModelWorker:
         scored yet, counts, metrics and the record for the controller."""
         state = done.state
         for k, column in enumerate(done.unscored):
-            state.labels[:, column], state.errors[:, column] = top_label_and_error(done.late[:, k],
-                                                                                   self.served.model.error_score)
+            if done.unscored_rows is None:
+                state.labels[:, column], state.errors[:, column] = top_label_and_error(done.late[:, k],
+                                                                                       self.served.model.error_score)
+                continue
+            # Stop mode: the rows that left the batch before this ramp never reached it
+            rows = done.unscored_rows[k]
+            state.labels[:, column], state.errors[:, column] = NO_LABEL, np.nan
+            if len(rows):
+                state.labels[rows, column], state.errors[rows, column] = top_label_and_error(
+                    done.late[rows, k], self.served.model.error_score)
         config, exits, n = state.config, state.exits, state.n
         compute_ms = (done.finished - done.started) * 1000.0
         queue_ms = (done.started - done.oldest_arrival) * 1000.0
@@ -601,10 +706,14 @@ class ModelWorker:
         early = int((exits != NO_EXIT).sum())
         self.count_answers("early", early)
         self.count_answers("final", n - early)
+        stopped = 0 if state.left is None else int((state.left != NO_EXIT).sum())
+        self.stopped_rows += stopped
         self.recent_batches.append({"id": state.batch_id, "size": n, "config_version": config.version,
                                     "started": done.started, "finished": done.finished, "queue_ms": queue_ms,
-                                    "compute_ms": compute_ms, "early": early})
+                                    "compute_ms": compute_ms, "early": early, "stopped": stopped})
         m, labels_ = self.metrics, self._labels
+        if stopped:
+            m.stopped_rows.labels(**labels_).inc(stopped)
         m.compute.labels(**labels_).observe(compute_ms / 1000.0)
         m.batch_size.labels(**labels_).observe(n)
         m.batch_limit.labels(**labels_).set(self.batch_size.size)
@@ -614,7 +723,7 @@ class ModelWorker:
         if self.control is None:
             return None
         return BatchRecord(config.version, config.sites, state.labels, state.errors, done.final, exits, queue_ms,
-                           compute_ms)
+                           compute_ms, feedback_share=done.feedback_share)
 
     def count_answers(self, path: str, inputs: int) -> None:
         """Count answers given by `path` (early, final, cached, unverified), one per input; any thread."""
@@ -697,23 +806,23 @@ class ModelWorker:
         here, in the control thread), or it does not compile and runs eagerly. A set still compiling is
         asked for, urgently, and the configuration waits; the executor serves the one in force meanwhile."""
         model = self.served.model
-        if not self.settings.torchscript or model.has_compiled(config.sites):
+        if not self.settings.torchscript or model.has_compiled(config.sites, self._mode):
             return True
         if self._compiler is None:  # a model not loaded from a bundle: no worker process can load it
-            model.compile(config.sites, self.served.example)
+            model.compile(config.sites, self.served.example, self._mode)
             return True
         if not self._compiler.ready(config.sites):
             self._compiler.request(config.sites, urgent=True)
             return False
         try:
-            model.install(config.sites, self._compiler.load(config.sites))
+            model.install(config.sites, self._compiler.load(config.sites), self._mode)
         except KeyError:  # a corrupt stage was removed and is compiling again
             return False
         self.metrics.compiles.labels(outcome="loaded", **self._labels).inc()
         return True
 
     def _adopt(self, config: Configuration) -> None:
-        compiled = self.served.model.compiled_set(config.sites) if self.settings.torchscript else None
+        compiled = self.served.model.compiled_set(config.sites, self._mode) if self.settings.torchscript else None
         self._serving = (config, compiled)  # the executor reads it at its next batch
         self.metrics.config_changes.labels(**self._labels).inc()
         self._publish(config)
@@ -739,6 +848,11 @@ class ModelWorker:
             "batch_limit": self.batch_size.size,
             "max_delay_ms": self.settings.max_delay_ms,
             "compiled": self.compiled,
+            "exit_mode": self.exit_mode,
+            "feedback_share": self.feedback_share,
+            # whether the set in force takes exited inputs out of their batch (stop mode on a compiled torch set)
+            "stopping": self._serving[1] is not None and self._serving[1].stops,
+            "stopped_inputs": self.stopped_rows,
             "pending_configuration": None if self._pending is None else self._pending.to_json(),
             "deadline_ms": self.deadline_ms,
             "queued_inputs": self._rows_queued,

@@ -29,8 +29,17 @@
 //   stash(activation, into, column, notify) -> bool: for a ramp that runs in Python (a cache ramp, which learns
 //     from every batch): copies the activation into `into` and notifies, so that the releasing thread evaluates
 //     the ramp from the copy while the model runs on.
+//
+//   ramp_stop(activation, pool, weight, bias, center, reduce, out, rows, keep, left, column, floor, stop_floor,
+//             score, notify) -> Tensor: the same ramp for a run whose inputs leave the batch where they exit (the
+//     "stop" exit mode). The activation holds the rows still running, `rows` (int64) the batch row each one is;
+//     their logits go to out[rows[i], column, :]. A row stops where its confidence exceeds `stop_floor` and
+//     keep[rows[i]] (bool, per batch row) is false: left[rows[i]] (int64, per batch row) is set to `column`.
+//     The pipe is written as ramp_exit writes it (some row's confidence clears `floor`), after the logits and
+//     `left`. Returns the indices (int64, into the activation's rows, increasing) of the rows that go on.
 
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
@@ -173,43 +182,49 @@ float* column_of(const at::Tensor& out, int64_t rows, int64_t column, int64_t cl
   return out.data_ptr<float>() + column * classes;
 }
 
-bool ramp_exit(const at::Tensor& activation, const at::Tensor& pool, const at::Tensor& weight,
-               const at::Tensor& bias, const at::Tensor& center, int64_t reduce, const at::Tensor& out,
-               int64_t column, double floor, int64_t score, int64_t notify) {
+// Checks a ramp's arguments; returns its activation, contiguous
+at::Tensor checked_activation(const char* op, const at::Tensor& activation, const at::Tensor& pool,
+                              const at::Tensor& weight, const at::Tensor& bias, const at::Tensor& center,
+                              int64_t reduce) {
   TORCH_CHECK(activation.scalar_type() == at::kFloat && activation.dim() >= 2,
-              "ramp_exit takes a float32 activation with a batch dimension");
+              op, " takes a float32 activation with a batch dimension");
   TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.is_contiguous() && weight.dim() == 2 &&
                   bias.scalar_type() == at::kFloat && bias.is_contiguous() && bias.numel() == weight.size(0),
-              "ramp_exit takes a contiguous float32 (classes, features) weight and a (classes,) bias");
+              op, " takes a contiguous float32 (classes, features) weight and a (classes,) bias");
   TORCH_CHECK(center.scalar_type() == at::kFloat && center.is_contiguous() && center.numel() == weight.size(1),
-              "ramp_exit takes a contiguous float32 center of the head's width");
-  TORCH_CHECK(reduce >= kFlat && reduce <= kPooled, "ramp_exit: unknown reduction ", reduce);
+              op, " takes a contiguous float32 center of the head's width");
+  TORCH_CHECK(reduce >= kFlat && reduce <= kPooled, op, ": unknown reduction ", reduce);
   TORCH_CHECK(reduce == kFlat || activation.dim() == (reduce == kPooled ? 4 : 3),
-              "ramp_exit: reduction ", reduce, " does not take an activation of rank ", activation.dim());
+              op, ": reduction ", reduce, " does not take an activation of rank ", activation.dim());
   const at::Tensor x = activation.contiguous();
-  const int64_t rows = x.size(0), classes = weight.size(0), features = weight.size(1);
-  const int64_t row_size = x.numel() / std::max<int64_t>(rows, 1);
-  int64_t reduced = reduce == kFlat ? row_size : x.size(2);
-  int64_t cells = 0;
+  const int64_t features = weight.size(1);
+  int64_t reduced = reduce == kFlat ? x.numel() / std::max<int64_t>(x.size(0), 1) : x.size(2);
   if (reduce == kPooled) {
     TORCH_CHECK(pool.scalar_type() == at::kFloat && pool.is_contiguous() && pool.dim() == 2 &&
                     pool.size(0) == x.size(2) * x.size(3) && pool.size(1) % kLanes == 0,
-                "ramp_exit: the pooling matrix must be contiguous float32 (H * W, cells rounded up to 16)");
-    cells = features / x.size(1);
+                op, ": the pooling matrix must be contiguous float32 (H * W, cells rounded up to 16)");
+    const int64_t cells = features / x.size(1);
     TORCH_CHECK(cells * x.size(1) == features && cells <= pool.size(1),
-                "ramp_exit: the head's width is not the activation's channels times the pooled cells");
+                op, ": the head's width is not the activation's channels times the pooled cells");
     reduced = features;
   }
-  TORCH_CHECK(reduced == features, "ramp_exit: the reduced activation has ", reduced, " features, the head takes ",
+  TORCH_CHECK(reduced == features, op, ": the reduced activation has ", reduced, " features, the head takes ",
               features);
-  float* target = column_of(out, rows, column, classes);
-  const int64_t out_stride = out.size(1) * classes;
+  return x;
+}
+
+// The ramp's logits for every row of `x` (checked by `checked_activation`): row r's at target + r * out_stride
+void write_logits(const at::Tensor& x, const at::Tensor& pool, const at::Tensor& weight, const at::Tensor& bias,
+                  const at::Tensor& center, int64_t reduce, float* target, int64_t out_stride) {
+  const int64_t rows = x.size(0), classes = weight.size(0), features = weight.size(1);
+  const int64_t row_size = x.numel() / std::max<int64_t>(rows, 1);
   const float* data = x.data_ptr<float>();
   const float* w = weight.data_ptr<float>();
   const float* b = bias.data_ptr<float>();
   const float* c = center.data_ptr<float>();
   if (reduce == kPooled) {
     thread_local std::vector<float> pooled;
+    const int64_t cells = features / x.size(1);
     const int64_t maps = rows * x.size(1), positions = pool.size(0), padded = pool.size(1);
     pooled.resize(maps * cells + padded);  // room for the last map's spilled lanes
     const float* weights = pool.data_ptr<float>();
@@ -237,15 +252,76 @@ bool ramp_exit(const at::Tensor& activation, const at::Tensor& pool, const at::T
   }
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t k = 0; k < classes; ++k) target[r * out_stride + k] += b[k];
+}
+
+bool ramp_exit(const at::Tensor& activation, const at::Tensor& pool, const at::Tensor& weight,
+               const at::Tensor& bias, const at::Tensor& center, int64_t reduce, const at::Tensor& out,
+               int64_t column, double floor, int64_t score, int64_t notify) {
+  const at::Tensor x = checked_activation("ramp_exit", activation, pool, weight, bias, center, reduce);
+  const int64_t rows = x.size(0), classes = weight.size(0);
+  float* target = column_of(out, rows, column, classes);
+  const int64_t out_stride = out.size(1) * classes;
+  write_logits(x, pool, weight, bias, center, reduce, target, out_stride);
   const bool exits = any_clears(target, rows, out_stride, classes, floor, score);
   if (exits) notify_column(notify, column);
   return exits;
 }
 
+at::Tensor ramp_stop(const at::Tensor& activation, const at::Tensor& pool, const at::Tensor& weight,
+                     const at::Tensor& bias, const at::Tensor& center, int64_t reduce, const at::Tensor& out,
+                     const at::Tensor& rows, const at::Tensor& keep, const at::Tensor& left, int64_t column,
+                     double floor, double stop_floor, int64_t score, int64_t notify) {
+  const at::Tensor x = checked_activation("ramp_stop", activation, pool, weight, bias, center, reduce);
+  const int64_t running = x.size(0), classes = weight.size(0), batch = out.dim() > 0 ? out.size(0) : 0;
+  float* target = column_of(out, batch, column, classes);
+  const int64_t out_stride = out.size(1) * classes;
+  TORCH_CHECK(rows.scalar_type() == at::kLong && rows.is_contiguous() && rows.numel() == running,
+              "ramp_stop: `rows` must be contiguous int64, one per row of the activation");
+  TORCH_CHECK(keep.scalar_type() == at::kBool && keep.is_contiguous() && keep.numel() == batch &&
+                  left.scalar_type() == at::kLong && left.is_contiguous() && left.numel() == batch,
+              "ramp_stop: `keep` (bool) and `left` (int64) must be contiguous, one per row of the batch");
+  const int64_t* row = rows.data_ptr<int64_t>();
+  for (int64_t i = 0; i < running; ++i)
+    TORCH_CHECK(row[i] >= 0 && row[i] < batch, "ramp_stop: row ", row[i], " is not a row of the batch");
+  thread_local std::vector<float> logits;
+  logits.resize(running * classes);
+  write_logits(x, pool, weight, bias, center, reduce, logits.data(), classes);
+  const bool* kept = keep.data_ptr<bool>();
+  int64_t* leaves = left.data_ptr<int64_t>();
+  at::Tensor going = at::empty({running}, rows.options());
+  int64_t* goes = going.data_ptr<int64_t>();
+  int64_t count = 0;
+  bool clears = false;
+  const bool scores = std::min(floor, stop_floor) < 1.0;  // else no row can clear either (see any_clears)
+  for (int64_t i = 0; i < running; ++i) {
+    float* to = target + row[i] * out_stride;
+    std::memcpy(to, logits.data() + i * classes, classes * sizeof(float));
+    if (scores) {
+      const double sure = confidence(to, classes, score);
+      clears = clears || sure > floor;
+      if (sure > stop_floor && !kept[row[i]]) {
+        leaves[row[i]] = column;
+        continue;
+      }
+    }
+    goes[count++] = i;
+  }
+  if (clears) notify_column(notify, column);
+  return count == running ? going : going.narrow(0, 0, count);
+}
+
 bool stash(const at::Tensor& activation, const at::Tensor& into, int64_t column, int64_t notify) {
   TORCH_CHECK(into.scalar_type() == activation.scalar_type(), "stash: the buffer must have the activation's type");
-  if (into.sizes() != activation.sizes()) into.resize_(activation.sizes());  // its storage grows only
   const at::Tensor x = activation.contiguous();
+  if (into.sizes() != x.sizes()) {
+    // Its storage grows only. Once Python has read it as an array its storage cannot be resized (torch keeps the
+    // array's memory valid): a larger one replaces it then, the array keeping the old one alive. In release mode
+    // a site's activation has the same shape batch after batch; in stop mode it has the rows still running
+    if (into.storage().resizable() || into.storage().nbytes() >= x.nbytes())
+      into.resize_(x.sizes());
+    else
+      into.set_(at::empty(x.sizes(), x.options()));
+  }
   std::memcpy(into.data_ptr(), x.data_ptr(), x.nbytes());
   notify_column(notify, column);
   return true;
@@ -257,5 +333,9 @@ TORCH_LIBRARY(rampserve, m) {
   m.def("ramp_exit(Tensor activation, Tensor pool, Tensor weight, Tensor bias, Tensor center, int reduce, "
         "Tensor(a!) out, int column, float floor, int score, int notify) -> bool",
         ramp_exit);
+  m.def("ramp_stop(Tensor activation, Tensor pool, Tensor weight, Tensor bias, Tensor center, int reduce, "
+        "Tensor(a!) out, Tensor rows, Tensor keep, Tensor(b!) left, int column, float floor, float stop_floor, "
+        "int score, int notify) -> Tensor",
+        ramp_stop);
   m.def("stash(Tensor activation, Tensor(a!) into, int column, int notify) -> bool", stash);
 }
