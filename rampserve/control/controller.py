@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from rampserve.control.costs import CostModel
-from rampserve.control.guarantee import STRATA, RiskBound, look_delta, smallest_certifying
+from rampserve.control.guarantee import RiskBound, look_delta, smallest_certifying
 from rampserve.control.monitor import AccuracyWindow, RampHistory
 from rampserve.control.ramps import adjust_ramps, initial_sites, ramp_utilities
-from rampserve.control.records import NO_EXIT, BatchRecord, Configuration, first_exits
+from rampserve.control.records import BatchRecord, Configuration
 from rampserve.control.thresholds import ExitData, certified_thresholds, tune_greedy
 from rampserve.runtime.profile import LatencyProfile
 
@@ -232,9 +232,7 @@ class Controller:
         never reached a new ramp would dilute its mistakes (3 wrong exits in 64 look like 3 in 512). Until then
         the new ramps stay at 0."""
         data = self._exit_data(recent)
-        needed = self.settings.min_ramp_outputs
-        if bounded:  # half the inputs test the thresholds that the other half chose
-            needed = max(needed, 2 * smallest_certifying(self.settings.accuracy_constraint, self.look_delta()))
+        needed = self._outputs_needed(bounded)
         complete = np.isfinite(data.errors).all(axis=1)
         if complete.sum() >= needed:
             return data.rows(complete), None
@@ -258,9 +256,15 @@ class Controller:
         if not self.history.sites or not self.history.size:
             return bool(self.history.sites)
         _, errors, _ = self.history.latest()
-        needed = max(self.settings.min_ramp_outputs,
-                     2 * smallest_certifying(self.settings.accuracy_constraint, self.look_delta()))
-        return bool((np.isfinite(errors).sum(axis=0) < needed).any())
+        return bool((np.isfinite(errors).sum(axis=0) < self._outputs_needed(bounded=True)).any())
+
+    def _outputs_needed(self, bounded: bool) -> int:
+        """Outputs of its own a ramp needs before tuning may raise it; `bounded`: enough for the bound to let
+        anything exit, where half the inputs test the thresholds that the other half chose."""
+        needed = self.settings.min_ramp_outputs
+        if bounded:
+            needed = max(needed, 2 * smallest_certifying(self.settings.accuracy_constraint, self.look_delta()))
+        return needed
 
     def _measure_bound(self) -> None:
         self.bound = self.disagreement_bound()
@@ -275,11 +279,7 @@ class Controller:
         if current.sites != self.history.sites or not self.history.size:
             return 1.0
         data, _ = self._tuning_data(None)
-        exits = first_exits(data.errors, thresholds)
-        rows = np.flatnonzero(exits != NO_EXIT)
-        wrong = np.bincount(data.strata[rows], weights=~data.correct[rows, exits[rows]] * 1.0,
-                            minlength=STRATA)
-        return float(self._bound(data).upper(wrong))
+        return float(self._bound(data).upper(data.wrong_by_stratum(thresholds)))
 
     def _retune(self) -> tuple[tuple[str, ...], np.ndarray, str]:
         return self.history.sites, self.tuned_thresholds(), "thresholds retuned"

@@ -6,13 +6,14 @@ stratified sample: inputs that did not exit ran to the end and are all there, in
 when drawn for feedback (each with the same known probability, whatever its scores). The disagreement rate is then
 the strata's rates weighted by their shares, and each stratum is bounded at its share of the error probability.
 
+Thresholds are chosen by Learn-then-Test (`thresholds.certified_thresholds`): half the history chooses a path of
+candidates, the other half tests it in order against this bound.
+
 A stream is tested again and again, and a bound valid for one look is not valid for every look at once. The
-controller spends its error probability over the configurations it publishes: the k-th is tested at
-delta / (k (k + 1)), which sums to delta, so every published configuration's bound holds at once with probability
-at least 1 - delta (a union bound; `look_delta`). What this does not cover: the candidate thresholds tested along
-tuning's path are chosen on the same inputs (Learn-then-Test fixes the path in advance; ours is data-dependent,
-which the coverage test measures instead), and inputs unlike those in the history (drift) are covered only once
-the history holds them.
+controller spends its error probability over the certifications it publishes: the k-th is tested at
+delta / (k (k + 1)), which sums to delta, so every published certification holds at once with probability at
+least 1 - delta (a union bound; `look_delta`). What this does not cover: inputs unlike those in the history
+(drift) are covered only once the history holds them.
 """
 
 from __future__ import annotations

@@ -24,7 +24,8 @@ class AccuracyWindow:
         self.correct = 0.0
 
     def add(self, wrong: np.ndarray) -> None:
-        """Count answers by their estimated disagreement (a bool array: whether each one is wrong)."""
+        """Count answers by their estimated disagreement (`BatchRecord.wrong_estimate`; or a bool array: whether
+        each one is wrong)."""
         self._recent.extend(float(w) for w in wrong)
         self.served += len(wrong)
         self.correct += len(wrong) - float(np.sum(wrong))

@@ -49,13 +49,23 @@ class ExitData:
                         self.weights[mask])
 
 
-def _fits(target_accuracy: float, wrong: np.ndarray, data: ExitData) -> np.ndarray:
-    """Whether disagreement counts (..., STRATA) keep the accuracy over the inputs the rows stand for at the
-    target (a stratum's rows weigh what they stand for on average)."""
-    counts = np.bincount(data.strata, minlength=STRATA)
-    mean_weight = np.bincount(data.strata, weights=data.weights, minlength=STRATA) / np.maximum(counts, 1)
-    total = float(data.weights.sum())
-    return (total - wrong @ mean_weight) / total >= target_accuracy - 1e-12
+    def stratum_weights(self) -> np.ndarray:
+        """(STRATA,) the inputs a row of each stratum stands for, on average."""
+        counts = np.bincount(self.strata, minlength=STRATA)
+        return np.bincount(self.strata, weights=self.weights, minlength=STRATA) / np.maximum(counts, 1)
+
+    def wrong_by_stratum(self, thresholds: np.ndarray) -> np.ndarray:
+        """Disagreements of the released answers per stratum, (..., STRATA), for threshold vectors (..., r)."""
+        exits = first_exits(self.errors, thresholds)
+        rows = np.arange(self.size)
+        wrong = (exits != NO_EXIT) & ~self.correct[rows, np.where(exits == NO_EXIT, 0, exits)]
+        return np.stack([wrong[..., self.strata == s].sum(axis=-1) for s in range(STRATA)], axis=-1)
+
+
+def _fits(target_accuracy: float, wrong: np.ndarray, stratum_weights: np.ndarray, total: float) -> np.ndarray:
+    """Whether disagreement counts (..., STRATA) keep the accuracy over the `total` inputs the rows stand for at
+    the target."""
+    return (total - wrong @ stratum_weights) / total >= target_accuracy - 1e-12
 
 
 def evaluate(data: ExitData, thresholds: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -105,6 +115,7 @@ def tune_greedy(data: ExitData, target_accuracy: float, initial_step: float = 0.
     saved_now = data.saved_ms[:, r].copy()
     weights = data.weights
     total = float(weights.sum()) or 1.0
+    stratum_weights = data.stratum_weights()
     strata = np.eye(STRATA, dtype=np.int64)[data.strata]  # (n, STRATA) one-hot
     wrong = np.zeros(STRATA, dtype=np.int64)  # disagreements per stratum of the thresholds so far
     saved_at_ramps = data.saved_ms[:, :r]
@@ -134,7 +145,7 @@ def tune_greedy(data: ExitData, target_accuracy: float, initial_step: float = 0.
         loss = -(right_change * weights[:, None]).sum(axis=0) / total
         wrong_after = wrong[None, :] - right_change.T @ strata  # (r, STRATA)
         evaluations += int(open_ramps.sum())
-        feasible = open_ramps & _fits(target_accuracy, wrong_after, data)
+        feasible = open_ramps & _fits(target_accuracy, wrong_after, stratum_weights, total)
         # A stretched raise is already the smallest that moves anything: if it breaks the constraint, so would
         # any smaller step.
         failing = open_ramps & ~feasible
@@ -172,7 +183,7 @@ def tune_greedy(data: ExitData, target_accuracy: float, initial_step: float = 0.
             wrong_after = wrong[None, :] - np.cumsum(change[:, None] * strata[passing][order], axis=0)
             # A threshold just above errors[k] moves every input whose error is at most errors[k].
             ends_tie = np.append(errors[1:] != errors[:-1], True)
-            feasible = np.flatnonzero(_fits(target_accuracy, wrong_after, data) & ends_tie)
+            feasible = np.flatnonzero(_fits(target_accuracy, wrong_after, stratum_weights, total) & ends_tie)
             evaluations += 1
             if not len(feasible):
                 continue
@@ -252,10 +263,6 @@ def certified_thresholds(data: ExitData, constraint: float, delta: float, initia
     if not (direction > 0).any() or not tester.size:
         return np.zeros(data.ramps)
     path = np.minimum(PATH_SCALES[:, None] * direction[None, :], MAX_THRESHOLD)
-    exits = first_exits(tester.errors, path)  # (points, n)
-    rows = np.arange(tester.size)
-    wrong_rows = (exits != NO_EXIT) & ~tester.correct[rows, np.where(exits == NO_EXIT, 0, exits)]
-    wrong = np.stack([wrong_rows[:, tester.strata == s].sum(axis=1) for s in range(STRATA)], axis=1)
-    passed = RiskBound.of(tester.strata, tester.weights, constraint, delta).fits(wrong)
+    passed = RiskBound.of(tester.strata, tester.weights, constraint, delta).fits(tester.wrong_by_stratum(path))
     last = int(np.argmin(passed)) - 1 if not passed.all() else len(passed) - 1
     return path[last] if last >= 0 else np.zeros(data.ramps)

@@ -227,13 +227,18 @@ class CompiledSet:
         """The runner's exit floor per site for `thresholds` (in `sites`' order; None: no input exits anywhere),
         and one for the last stage. An input exits where 1 - confidence < threshold, never at threshold 0; the
         margin covers the rounding of two computations of the confidence from the same logits."""
-        cached_key, floors = self._floors[0]  # one item, read and replaced whole: threads may share a set
+        return self._floors_for(self._floors, thresholds, -self.exit_margin)
+
+    def _floors_for(self, cache: list, thresholds: tuple[float, ...] | None, offset: float) -> list[float]:
+        """1 - threshold + `offset` per site (never for threshold 0 or no thresholds) and never for the last
+        stage, kept in `cache` for the thresholds last asked for."""
+        cached_key, floors = cache[0]  # one item, read and replaced whole: threads may share a set
         if cached_key != thresholds or not floors:
             if thresholds is None:
                 floors = [NEVER_STOP] * (len(self.sites) + 1)
             else:
-                floors = [1.0 - t - self.exit_margin if t > 0 else NEVER_STOP for t in thresholds] + [NEVER_STOP]
-            self._floors[0] = (thresholds, floors)
+                floors = [1.0 - t + offset if t > 0 else NEVER_STOP for t in thresholds] + [NEVER_STOP]
+            cache[0] = (thresholds, floors)
         return floors
 
     @property
@@ -245,14 +250,7 @@ class CompiledSet:
         """A `StopSetRunner`'s stop floor per site for `thresholds` (and one for the last stage): a row leaves where
         its confidence exceeds 1 - threshold by `STOP_MARGIN`, so that the error-score test certainly releases it
         (`floors` is below it: every ramp that stops a row also signals)."""
-        cached_key, floors = self._stop_floors[0]
-        if cached_key != thresholds or not floors:
-            if thresholds is None:
-                floors = [NEVER_STOP] * (len(self.sites) + 1)
-            else:
-                floors = [1.0 - t + STOP_MARGIN if t > 0 else NEVER_STOP for t in thresholds] + [NEVER_STOP]
-            self._stop_floors[0] = (thresholds, floors)
-        return floors
+        return self._floors_for(self._stop_floors, thresholds, STOP_MARGIN)
 
     def buffers(self, rows: int) -> RampBuffers:
         """The ramp buffers for a batch of `rows` on this thread. Their contents last until this thread's next

@@ -42,7 +42,7 @@ from rampserve.control.records import NO_EXIT, NO_LABEL, BatchRecord, Configurat
 from rampserve.ramps import kernel
 from rampserve.ramps.scores import top_label_and_error
 from rampserve.runtime.profile import max_batch_for_slo
-from rampserve.runtime.compiled import EXIT_MODES, CompiledSet
+from rampserve.runtime.compiled import CompiledSet
 from rampserve.runtime.prepared import COMPILED_SETS_KEPT
 from rampserve.serving.batching import AdaptiveBatchSize, BatchTimeEstimate, expected_wait_ms
 from rampserve.serving.compiler import CompileOutcome, CompileService, likely_next_sets
@@ -393,8 +393,6 @@ class ModelWorker:
         # The exit mode, and the one compiled sets are made in: stop mode needs a torch model's compiled runner;
         # an ONNX model (and a vanilla one, which has no ramps) serves it as release mode
         self.exit_mode, self.feedback_share = settings.controller.exit_mode, settings.controller.feedback_share
-        if self.exit_mode not in EXIT_MODES:
-            raise ValueError(f"exit mode must be one of {EXIT_MODES}, got {self.exit_mode!r}")
         self._mode = "stop" if (self.exit_mode == "stop" and control is not None and settings.torchscript
                                 and model.compiles_to_torchscript) else "release"
         if self.exit_mode == "stop" and self._mode != "stop" and control is not None:
