@@ -396,7 +396,7 @@ def bench_sim(
     = None,
     accuracy_constraint: Annotated[float, typer.Option(help="allowed share of answers that differ")] = 0.01,
     ramp_budget: Annotated[float, typer.Option(help="what ramps may add to a non-exiting input")] = 0.02,
-    window: Annotated[int, typer.Option(help="accuracy window that triggers tuning")] = 16,
+    risk_step: Annotated[float, typer.Option(help="how far one disagreement scales the thresholds down")] = 0.05,
     length: Annotated[int, typer.Option(help="stream items, bootstrap included")] = 120_000,
     exit_mode: Annotated[str, typer.Option(help="release: exited inputs run on to the end; stop: they leave")]
     = "release",
@@ -414,8 +414,8 @@ def bench_sim(
     try:
         settings = SimSettings(model=model, workload=workload, trace=trace, rate_rps=rate, slo_ms=slo_ms,
                                length=length, small=small, controller=ControllerSettings(
-                                   accuracy_constraint=accuracy_constraint, ramp_budget=ramp_budget, window=window,
-                                   exit_mode=exit_mode, feedback_share=feedback_share, confidence=confidence))
+                                   accuracy_constraint=accuracy_constraint, ramp_budget=ramp_budget,
+                                   risk_step=risk_step, exit_mode=exit_mode, feedback_share=feedback_share, confidence=confidence))
         result = run_sim(settings, progress=lambda stage: console.print(f"[dim]simulating {stage}[/dim]"))
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
@@ -430,12 +430,12 @@ def bench_sim(
     console.print(f"saturation: rampserve {report['saturation_ratio']:.2f}x vanilla's; at half of vanilla's "
                   f"({half['rate_rps']:.0f} rps) rampserve's p50 is {half['p50_ratio']:.2f}x vanilla's, p99 "
                   f"{half['p99_ratio']:.2f}x, accuracy {half['systems']['rampserve']['accuracy']:.4f}")
-    sweep = Table(title="accuracy window that triggers tuning")
-    for col in ("window", "accuracy", "worst 1k", "p50 saved", "tunings"):
+    sweep = Table(title="rolling risk control's step")
+    for col in ("step", "accuracy", "worst 1k", "1k windows below", "p50 saved", "tunings"):
         sweep.add_column(col, justify="right")
-    for size, s in report["window_sweep"].items():
-        sweep.add_row(size, f"{s['accuracy']:.4f}", f"{s['worst_window_accuracy']:.3f}", f"{s['p50_savings']:+.1%}",
-                      str(s["tunings"]))
+    for step, s in report["risk_step_sweep"].items():
+        sweep.add_row(step, f"{s['accuracy']:.4f}", f"{s['worst_window_accuracy']:.3f}",
+                      f"{s['windows_below_share']:.1%}", f"{s['p50_savings']:+.1%}", str(s["tunings"]))
     console.print(sweep)
     _write_json(report, json_out)
     if plots is not None:

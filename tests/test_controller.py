@@ -7,6 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from rampserve.control.risk import served_scale
 from rampserve.control.controller import Controller, ControllerSettings
 from rampserve.control.costs import CostModel
 from rampserve.control.guarantee import smallest_certifying
@@ -165,7 +166,7 @@ def test_ramp_adjustment_never_exceeds_the_budget(seed, ramp_ms, budget, batch):
         assert fits_budget(controller.costs, decision.configuration.sites, budget, batch)
 
 
-def test_an_accuracy_drop_triggers_retuning_that_lowers_the_guilty_threshold():
+def test_disagreements_scale_the_thresholds_down_and_agreement_scales_them_back():
     settings_ = ControllerSettings(initial=("s3",), window=16, ramp_adjustment=False, adjust_every=1024)
     controller = Controller(profile(), settings_)
     final = np.zeros(4, dtype=int)
@@ -173,13 +174,18 @@ def test_an_accuracy_drop_triggers_retuning_that_lowers_the_guilty_threshold():
     drive(controller, [confident_right] * 300)  # the periodic retune at 1,024 inputs certifies a threshold
     certified = controller.configuration()
     assert certified.version == 1 and certified.thresholds[0] > 0.15
-    # s3 exits and is wrong on 16 inputs: more than 1% of the newest 1,024
+    # s3 exits and is wrong on 16 inputs: rolling risk control scales the certified threshold down at once
     confident_wrong = (np.ones((16, 8), int), np.full((16, 8), 0.15), np.zeros(16, dtype=int))
     drive(controller, [confident_wrong])
     lowered = controller.configuration()
-    assert lowered.version == 2 and "window accuracy" in controller.decisions[-1].reason
-    assert 0.1 < lowered.thresholds[0] <= 0.15  # right answers (error 0.1) still exit, wrong ones (0.15) no longer
-    assert len(controller.times.tune_ms) == 2 and min(controller.times.tune_ms) >= 0.0
+    assert lowered.version == 2 and "risk control" in controller.decisions[-1].reason
+    assert lowered.thresholds[0] < 0.15  # the wrong answers (error 0.15) no longer exit
+    assert lowered.thresholds[0] == pytest.approx(served_scale(controller.scale) * certified.thresholds[0])
+    assert controller.status()["risk_scale"] < 1.0
+    # enough agreement brings the scale back to the thresholds tuning chose
+    drive(controller, [confident_right] * 1000)
+    assert controller.status()["risk_scale"] == 1.0
+    assert controller.configuration().thresholds[0] > 0.15
 
 
 def test_a_ramp_keeps_threshold_zero_until_its_bound_can_be_met():
@@ -258,14 +264,14 @@ def test_a_new_ramp_is_judged_on_the_inputs_that_reached_it():
 @pytest.mark.parametrize("seed", range(5))
 def test_a_failed_batch_counts_its_released_answers_as_disagreements_and_never_loosens_thresholds(seed):
     """Answers released before their batch failed reach the controller unverified: they count against the window
-    and in total, teach the history nothing, and the next configuration's thresholds are no looser, on a stream
-    where an identical controller that saw no failure loosens them."""
+    and in total, teach the history nothing, and tighten the thresholds at once; on a stream where an identical
+    controller that saw no failure loosens them, the thresholds end lower than that controller's."""
     rng = np.random.default_rng(seed)
     site = SITES[3]
     scores = rng.uniform(0.0, 0.6, 1400)
     right = rng.random(1400) < 0.995
 
-    def fed(fail: bool) -> tuple[Controller, Configuration, Configuration | None]:
+    def fed(fail: bool) -> tuple[Controller, Configuration, Configuration]:
         control = Controller(profile(), ControllerSettings(initial=(site,), start_thresholds={site: 0.02},
                                                            ramp_adjustment=False, adjust_every=1024))
         for score, ok in zip(scores[:1000], right[:1000]):  # before the first periodic retune (1,024 inputs)
@@ -276,20 +282,19 @@ def test_a_failed_batch_counts_its_released_answers_as_disagreements_and_never_l
             served, history = control.window.served, control.history.size
             failed = BatchRecord(before.version, before.sites, np.ones((3, 1), int), np.zeros((3, 1)),
                                  np.full(3, NO_LABEL), np.zeros(3, int), unverified=True)
-            assert control.observe(failed) is None
+            tightened = control.observe(failed)  # rolling risk control counts them as disagreements at once
+            assert tightened is None or tightened.thresholds[0] < before.thresholds[0]
             assert control.unverified == 3 and control.window.served == served + 3
             assert control.history.size == history  # nothing to learn from answers with no final label
         for score, ok in zip(scores[1000:], right[1000:]):
-            new = control.observe(record(control.configuration(), np.array([[1 if ok else 2]]),
-                                         np.array([[score]]), np.array([1])))
-            if new is not None:
-                return control, before, new
-        return control, before, None
+            control.observe(record(control.configuration(), np.array([[1 if ok else 2]]), np.array([[score]]),
+                                   np.array([1])))
+        return control, before, control.configuration()
 
     _, before, unchecked = fed(fail=False)
-    assert unchecked is not None and unchecked.thresholds[0] > before.thresholds[0]  # this stream loosens
-    _, before, new = fed(fail=True)
-    assert new is None or new.thresholds[0] <= before.thresholds[0]
+    assert unchecked.thresholds[0] > before.thresholds[0]  # this stream loosens
+    _, _, after_failure = fed(fail=True)
+    assert after_failure.thresholds[0] < unchecked.thresholds[0]
 
 
 def test_a_successor_catches_up_with_its_predecessors_counts_once():

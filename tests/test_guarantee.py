@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -10,6 +12,7 @@ from rampserve.control.guarantee import (
     FULLY_OBSERVED, SAMPLED, binomial_upper, look_delta, smallest_certifying,
 )
 from rampserve.control.monitor import RampHistory
+from rampserve.control.risk import SCALE_STEP, rolled_scale, served_scale
 from rampserve.control.records import NO_EXIT, NO_LABEL, BatchRecord, first_exits
 from rampserve.control.thresholds import ExitData, certified_thresholds
 
@@ -106,16 +109,40 @@ def test_the_history_keeps_only_observed_inputs_weighted_by_the_sample():
 
 
 def test_the_wrong_estimate_is_unbiased_over_the_feedback_draw():
+    """Some exits run on whatever the draw (a ramp the server cannot stop at, a request that wants the logits):
+    the record's mask of them keeps them from standing for exits not drawn, which would bias the estimate up."""
     rng = np.random.default_rng(0)
     n, share = 400, 0.1
     exits = np.where(rng.random(n) < 0.6, 0, NO_EXIT)
     wrong = (exits == 0) & (rng.random(n) < 0.05)
-    estimates = []
+    forced = (exits == 0) & (rng.random(n) < 0.3)
+    estimates, unmasked = [], []
     for _ in range(2000):
-        sampled = (exits == 0) & (rng.random(n) < share)
-        final = np.where((exits == 0) & ~sampled, NO_LABEL, 1)
+        drawn = rng.random(n) < share
+        final = np.where((exits == 0) & ~drawn & ~forced, NO_LABEL, 1)
         labels = np.where(wrong, 2, 1)[:, None]
-        estimates.append(BatchRecord(0, ("a",), labels, np.zeros((n, 1)), final, exits,
-                                     feedback_share=share).wrong_estimate().mean())
-    truth = wrong.mean()
-    assert abs(np.mean(estimates) - truth) < 4 * np.std(estimates) / np.sqrt(len(estimates))
+        record = BatchRecord(0, ("a",), labels, np.zeros((n, 1)), final, exits, feedback_share=share, forced=forced)
+        estimates.append(record.wrong_estimate().mean())
+        unmasked.append(replace(record, forced=None).wrong_estimate().mean())
+    truth, spread = wrong.mean(), 4 * np.std(estimates) / np.sqrt(len(estimates))
+    assert abs(np.mean(estimates) - truth) < spread
+    assert np.mean(unmasked) > truth + spread
+
+
+@settings(max_examples=200, deadline=None)
+@given(batches=st.lists(st.lists(st.booleans(), min_size=1, max_size=8), min_size=1, max_size=400),
+       feedback_share=st.sampled_from([1.0, 0.5, 0.1]), step=st.sampled_from([0.02, 0.05, 0.5]))
+def test_rolling_risk_control_keeps_the_long_run_disagreement_whatever_the_stream(batches, feedback_share, step):
+    """Any stream (hypothesis picks which answers disagree, as an adversary would), with one rule of the world:
+    thresholds served at scale 0 let nothing exit, so nothing disagrees. Over T answers the mean estimated
+    disagreement is within the target plus (1 + step * most a batch adds) / (step * T)."""
+    target, most = 0.005, 8 / feedback_share
+    scale, total, answers = 1.0, 0.0, 0
+    for wrong in batches:
+        served = served_scale(scale)
+        assert 0.0 <= served <= max(scale, 0.0) + 1e-9 and abs(served / SCALE_STEP - round(served / SCALE_STEP)) < 1e-9
+        disagreement = np.array(wrong, dtype=float) / feedback_share if served > 0 else np.zeros(len(wrong))
+        scale = rolled_scale(scale, disagreement, target, step)
+        assert scale <= 1.0
+        total, answers = total + disagreement.sum(), answers + len(wrong)
+    assert total / answers <= target + (1.0 + step * most) / (step * answers) + 1e-9

@@ -284,7 +284,7 @@ def test_prediction_cache_answers_repeats_without_the_queue(served, fmnist_feeds
 
 def test_controller_adapts_live_and_status_shows_its_history(served, fmnist_feeds) -> None:
     """Thresholds start at 1 on a ramp of the small model (too eager: accuracy breaks), so the controller must
-    retune live; the configuration it publishes reaches the executor and the status endpoint."""
+    scale them down live; the configuration it publishes reaches the executor and the status endpoint."""
     site = served.model.site_names[0]
     controller = ControllerSettings(initial=(site,), start_thresholds={site: 1.0}, ramp_adjustment=False)
     bodies = [infer_body(served, fmnist_feeds[i % 16: i % 16 + 1]) for i in range(200)]
@@ -295,9 +295,12 @@ def test_controller_adapts_live_and_status_shows_its_history(served, fmnist_feed
     versions = {a["parameters"]["config_version"] for _, _, a in results}
     assert status["decisions"][0]["thresholds"] == [1.0]
     assert len(status["decisions"]) > 1 and status["configuration"]["version"] > 0
-    assert status["decisions"][1]["reason"].startswith("window accuracy below the constraint")
+    assert status["decisions"][1]["reason"].startswith("risk control")  # wrong answers scaled thresholds down
     assert len(versions) > 1, "answers came from more than one configuration"
     assert "rampserve_window_accuracy" in metrics and "rampserve_ramp_threshold" in metrics
+    assert "rampserve_disagreement_upper_bound" in metrics
+    scale = next(float(line.split()[-1]) for line in metrics.splitlines() if line.startswith("rampserve_risk_scale{"))
+    assert scale < 1.0 and status["risk_scale"] < 1.0
 
 
 async def _shutdown_under_load(process: subprocess.Popen, url: str, bodies: list[bytes]) -> list[int]:

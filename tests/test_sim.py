@@ -55,9 +55,10 @@ def test_oracle_leaves_at_the_earliest_agreeing_site_for_free():
 
 def test_a_new_configuration_applies_only_after_the_controller_would_have_computed_it():
     n = 40
-    # every ramp is confidently wrong: the first batch exits wrongly, the window (1 answer) triggers a retune
+    # every ramp is confidently wrong: the first batch exits wrongly, and risk control (one disagreement moves
+    # the scale all the way) scales the thresholds to 0
     s = scenario(list(np.arange(n) * 0.3), np.full((n, 3), 0.05), np.ones((n, 3), int), np.zeros(n, int))
-    controller = Controller(hand_profile(), ControllerSettings(initial=("b",), window=1, ramp_adjustment=False,
+    controller = Controller(hand_profile(), ControllerSettings(initial=("b",), risk_step=1.0, ramp_adjustment=False,
                                                                start_thresholds={"b": 0.5}))
     run = replay(s, controller.configuration(), controller)
     assert not run.correct[0] and controller.decisions[1].configuration.thresholds == (0.0,)
@@ -71,7 +72,7 @@ def test_a_new_configuration_applies_only_after_the_controller_would_have_comput
 
 def test_end_to_end_run_on_a_prepared_model(resnet_bundle):
     settings = SimSettings(model="resnet18-fmnist", workload="fmnist-drift", trace="poisson", length=3000,
-                           bundle=resnet_bundle, window_sweep=(16, 64),
+                           bundle=resnet_bundle, risk_step_sweep=(0.05, 0.2),
                            controller=ControllerSettings(ramp_budget=0.1))
     report = run_sim(settings).report
     systems = report["systems"]
@@ -85,7 +86,7 @@ def test_end_to_end_run_on_a_prepared_model(resnet_bundle):
     assert systems["vanilla"]["exit_share"] == 0.0
     assert systems["oracle"]["p50_ms"] <= systems["vanilla"]["p50_ms"]
     assert "oracle_share" in systems["rampserve"] and systems["rampserve"]["tunings"] >= 0
-    assert report["requests"] == 2700 and set(report["window_sweep"]) == {"16", "64"}
+    assert report["requests"] == 2700 and set(report["risk_step_sweep"]) == {"0.05", "0.2"}
     assert report["decisions"][0]["version"] == 0
 
 

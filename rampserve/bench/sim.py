@@ -48,7 +48,7 @@ class SimSettings:
     length: int = 120_000  # stream items, bootstrap included
     seed: int = 0
     controller: ControllerSettings = field(default_factory=ControllerSettings)
-    window_sweep: tuple[int, ...] = (16, 64, 256)
+    risk_step_sweep: tuple[float, ...] = (0.02, 0.05, 0.2)  # rolling risk control's step (see control.risk)
     worst_window: int = 1000
     saturation_requests: int = 20_000  # stream prefix the saturation search replays at each rate
     small: bool = False
@@ -369,14 +369,16 @@ def run_sim(settings: SimSettings, progress: Callable[[str], None] = lambda _: N
                "p99_ratio": at_half["rampserve"]["p99_ms"] / at_half["vanilla"]["p99_ms"]}
 
     sweep = {}
-    for window in settings.window_sweep:
-        if window == control.window:
-            sweep[str(window)] = systems["rampserve"]
+    for step in settings.risk_step_sweep:
+        if step == control.risk_step:
+            sweep[str(step)] = systems["rampserve"]
             continue
-        progress(f"rampserve, window {window}")
-        sweep[str(window)] = summarize(managed(replace(control, window=window)), settings.worst_window)
-    sweep = {w: {k: s[k] for k in ("accuracy", "worst_window_accuracy", "p50_ms", "p95_ms", "exit_share",
-                                   "tunings")} | {"p50_savings": 1.0 - s["p50_ms"] / systems["vanilla"]["p50_ms"]}
+        progress(f"rampserve, risk step {step}")
+        run = managed(replace(control, risk_step=step))
+        sweep[str(step)] = summarize(run, settings.worst_window) | {
+            "windows_below_share": windows_below_share(run.correct, target)}
+    kept = ("accuracy", "worst_window_accuracy", "windows_below_share", "p50_ms", "p95_ms", "exit_share", "tunings")
+    sweep = {w: {k: s[k] for k in kept} | {"p50_savings": 1.0 - s["p50_ms"] / systems["vanilla"]["p50_ms"]}
              for w, s in sweep.items()}
     rampserve = runs["rampserve"].controller
     report = info | {
@@ -385,7 +387,7 @@ def run_sim(settings: SimSettings, progress: Callable[[str], None] = lambda _: N
         "systems": systems,
         "saturation_ratio": systems["rampserve"]["saturation_rps"] / systems["vanilla"]["saturation_rps"],
         "at_half_vanilla_saturation": at_half,
-        "window_sweep": sweep,
+        "risk_step_sweep": sweep,
         "decisions": [d.to_json() for d in rampserve.decisions] if rampserve else [],
     }
     return SimResult(report, runs, scenario)

@@ -67,6 +67,10 @@ class BatchRecord:
     # whatever its scores; 1.0 in release mode). One that stopped has `final` NO_LABEL, and NO_LABEL labels and
     # NaN error scores at the ramps after its exit.
     feedback_share: float = 1.0
+    # (n,) stop mode: inputs that ran to the end whatever the feedback draw (they exited at a ramp the server
+    # cannot stop at, or their request asked for the final logits). Observed for sure, each stands for itself
+    # alone, not for exits the draw left out. None: none.
+    forced: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         n, r = len(self.final), len(self.sites)
@@ -99,9 +103,10 @@ class BatchRecord:
         return self.final != NO_LABEL
 
     def sampled(self) -> np.ndarray:
-        """(n,) inputs that exited and still ran to the end: stop mode's feedback sample (every exit in release
-        mode)."""
-        return (self.exits != NO_EXIT) & self.observed()
+        """(n,) inputs that exited and still ran to the end because the feedback sample drew them (every exit in
+        release mode)."""
+        sampled = (self.exits != NO_EXIT) & self.observed()
+        return sampled if self.forced is None else sampled & ~self.forced
 
     def wrong_estimate(self) -> np.ndarray:
         """(n,) an unbiased estimate of whether each released answer differs from the original model's: a sampled
@@ -130,5 +135,6 @@ def merged(records: list[BatchRecord]) -> list[BatchRecord]:
         np.concatenate([r.errors for r in group]), np.concatenate([r.final for r in group]),
         np.concatenate([r.exits for r in group]), max(r.queue_ms for r in group), sum(r.compute_ms for r in group),
         group[0].unverified, group[0].cached, np.concatenate([r.batch_sizes() for r in group]),
-        group[0].feedback_share)
+        group[0].feedback_share, None if all(r.forced is None for r in group) else np.concatenate(
+            [np.zeros(r.inputs, dtype=bool) if r.forced is None else r.forced for r in group]))
         for group in groups]

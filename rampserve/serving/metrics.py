@@ -75,6 +75,12 @@ class ServerMetrics:
         self.window_accuracy = Gauge("rampserve_window_accuracy",
                                      "Agreement of released answers with the original model, recent window",
                                      ["model"], registry=r)
+        self.disagreement_upper = Gauge(
+            "rampserve_disagreement_upper_bound", "Upper confidence bound (at the configured confidence) on the share "
+            "of released answers that differ from the original model's, over the controller's history",
+            ["model"], registry=r)
+        self.risk_scale = Gauge("rampserve_risk_scale", "Share of the certified thresholds rolling risk control "
+                                "serves (1: all of them)", ["model"], registry=r)
         self.threshold = Gauge("rampserve_ramp_threshold", "Threshold of each active ramp", ["model", "site"],
                                registry=r)
         self.config_version = Gauge("rampserve_configuration_version", "Version of the configuration in use",
@@ -114,6 +120,12 @@ class ServerMetrics:
             ["app", "model", "outcome"], registry=r)
         self.app_model_latency = Histogram("rampserve_app_model_seconds", "Time a model of an application took "
                                            "to answer", ["app", "model"], buckets=LATENCY_BUCKETS, registry=r)
+
+    def set_readings(self, labels: dict[str, str], readings: dict[str, float]) -> None:
+        """The controller's gauges (`Controller.readings`) for one model."""
+        self.window_accuracy.labels(**labels).set(readings["window_accuracy"])
+        self.disagreement_upper.labels(**labels).set(readings["disagreement_upper"])
+        self.risk_scale.labels(**labels).set(readings["risk_scale"])
 
     def observe_loop_lag(self, lag_s: float) -> None:
         lag_s = self.loop_lag.observe(lag_s)

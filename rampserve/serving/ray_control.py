@@ -36,11 +36,11 @@ class ControllerActor:
     def __init__(self, profile: dict, settings: ControllerSettings) -> None:
         self.controller = Controller(LatencyProfile.from_json(profile), settings)
 
-    def observe(self, record: BatchRecord) -> tuple[Configuration, float, dict]:
-        """The configuration in force after this record, whoever's it was, the window's accuracy, and the counts
+    def observe(self, record: BatchRecord) -> tuple[Configuration, dict[str, float], dict]:
+        """The configuration in force after this record, whoever's it was, the controller's gauges, and the counts
         a successor would start from."""
         self.controller.observe(record)
-        return self.controller.configuration(), self.controller.window.accuracy, self.controller.checkpoint()
+        return self.controller.configuration(), self.controller.readings(), self.controller.checkpoint()
 
     def catch_up(self, checkpoint: dict) -> None:
         """Count what a lost predecessor had counted (each replica that takes over brings the latest it saw)."""
@@ -70,7 +70,7 @@ class RayControl:
         self._checkpoint: dict | None = None  # the counts in the controller's latest answer to this replica
         self._actor = self._connect(settings)
         self._current = ray.get(self._actor.configuration.remote(), timeout=timeout_s)
-        self._accuracy = 1.0
+        self._readings: dict[str, float] = {"window_accuracy": 1.0, "disagreement_upper": 0.0, "risk_scale": 1.0}
         self._status: dict = {"window_accuracy": 1.0, "cumulative_accuracy": 1.0, "decisions": []}
 
     def _connect(self, settings: ControllerSettings) -> ray.actor.ActorHandle:
@@ -105,7 +105,7 @@ class RayControl:
         latest = None
         while self._undelivered:
             try:
-                latest, self._accuracy, self._checkpoint = ray.get(
+                latest, self._readings, self._checkpoint = ray.get(
                     self._actor.observe.remote(self._undelivered[0]), timeout=self.timeout_s)
             except (RayActorError, GetTimeoutError) as exc:
                 self._take_over(exc)
@@ -130,8 +130,8 @@ class RayControl:
         self._current = latest
         return latest
 
-    def window_accuracy(self) -> float:
-        return self._accuracy
+    def readings(self) -> dict[str, float]:
+        return self._readings
 
     def status(self) -> dict:
         try:

@@ -93,7 +93,8 @@ class ControlLink(Protocol):
 
     def observe(self, record: BatchRecord) -> Configuration | None: ...
 
-    def window_accuracy(self) -> float: ...
+    def readings(self) -> dict[str, float]:
+        """The controller's gauges (`Controller.readings`)."""
 
     def refresh(self) -> Configuration | None:
         """A configuration published since this worker last heard (by records of other workers), or None."""
@@ -116,9 +117,9 @@ class LocalControl:
         with self._lock:
             return self.controller.observe(record)
 
-    def window_accuracy(self) -> float:
+    def readings(self) -> dict[str, float]:
         with self._lock:
-            return self.controller.window.accuracy
+            return self.controller.readings()
 
     def refresh(self) -> Configuration | None:
         return None  # this worker's records are the controller's only input
@@ -202,9 +203,13 @@ class _BatchState:
         self.column = {site: j for j, site in enumerate(config.sites)}
         self.thresholds = np.array(config.thresholds)
         # Stop mode (a run whose exited inputs leave the batch), set by `stopped`: per input, the column (in this
-        # state's order) of the ramp it left the batch at, NO_EXIT where it ran to the end; and the feedback sample
+        # state's order) of the ramp it left the batch at, NO_EXIT where it ran to the end; the feedback sample;
+        # the inputs kept to the end whatever the draw (their request wants the logits); the columns whose ramp
+        # cannot stop an input (it runs in Python)
         self.left: np.ndarray | None = None
         self.sample: np.ndarray | None = None
+        self.wants_final: np.ndarray | None = None
+        self.unstoppable: list[int] = []
 
     def ramp(self, j: int, ramp_labels: np.ndarray, ramp_errors: np.ndarray) -> None:
         """Ramp j's outputs: inputs not answered yet whose error score is under its threshold exit there, and
@@ -596,7 +601,9 @@ class ModelWorker:
                     tuple(config.thresholds[j] for j in columns)
                 if stops:  # the feedback sample, drawn before the run whatever the scores, and the logits' rows
                     state.sample = self._feedback.random(state.n) < self.feedback_share
-                    keep = state.sample | np.repeat([p.needs_final for p in batch], [p.rows for p in batch])
+                    state.wants_final = np.repeat([p.needs_final for p in batch], [p.rows for p in batch])
+                    state.unstoppable = [columns[j] for j, fused in enumerate(compiled.fused) if not fused]
+                    keep = state.sample | state.wants_final
                 try:
                     if stops:
                         output, ran = model.run_stopping(compiled, feeds, outputs, thresholds,
@@ -721,7 +728,9 @@ class ModelWorker:
         if self.control is None:
             return None
         return BatchRecord(config.version, config.sites, state.labels, state.errors, done.final, exits, queue_ms,
-                           compute_ms, feedback_share=done.feedback_share)
+                           compute_ms, feedback_share=done.feedback_share,
+                           forced=None if state.wants_final is None else
+                           state.wants_final | np.isin(exits, state.unstoppable))
 
     def count_answers(self, path: str, inputs: int) -> None:
         """Count answers given by `path` (early, final, cached, unverified), one per input; any thread."""
@@ -768,7 +777,7 @@ class ModelWorker:
                 for record in merged(records):
                     new = control.observe(record) or new
                 if records:
-                    self.metrics.window_accuracy.labels(**self._labels).set(control.window_accuracy())
+                    self.metrics.set_readings(self._labels, control.readings())
                 if None in items:  # stopping: the executor has answered and recorded its last batch
                     return
             if new is not None:
