@@ -7,13 +7,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rampserve.control.risk import served_scale
 from rampserve.control.controller import Controller, ControllerSettings
 from rampserve.control.costs import CostModel
 from rampserve.control.guarantee import smallest_certifying
 from rampserve.control.monitor import AccuracyWindow, RampHistory
 from rampserve.control.ramps import adjust_ramps, evenly_spaced, fits_budget, initial_sites, ramp_utilities
 from rampserve.control.records import NO_EXIT, NO_LABEL, BatchRecord, Configuration, merged
+from rampserve.control.risk import served_scale
 from rampserve.runtime.profile import LatencyProfile
 
 SITES = tuple(f"s{i}" for i in range(8))

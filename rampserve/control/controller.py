@@ -14,11 +14,11 @@ import numpy as np
 
 from rampserve.control.costs import CostModel
 from rampserve.control.guarantee import RiskBound, look_delta, smallest_certifying
-from rampserve.control.risk import rolled_scale, served_scale
 from rampserve.control.monitor import AccuracyWindow, RampHistory
 from rampserve.control.ramps import adjust_ramps, initial_sites, ramp_utilities
 from rampserve.control.records import BatchRecord, Configuration
-from rampserve.control.thresholds import ExitData, certified_thresholds, tune_greedy
+from rampserve.control.risk import rolled_scale, served_scale
+from rampserve.control.thresholds import ExitData, certified_thresholds
 from rampserve.runtime.profile import LatencyProfile
 
 
@@ -242,41 +242,38 @@ class Controller:
         self._measure_bound()
         return configuration
 
-    def _exit_data(self, count: int | None = None) -> ExitData:
-        correct, errors, batch = self.history.latest(count)
-        strata, weights = self.history.sample_design(count)
+    def _exit_data(self) -> ExitData:
+        correct, errors, batch = self.history.latest()
+        strata, weights = self.history.sample_design()
         return ExitData(correct, errors, self.costs.saved_ms(self.history.sites, batch), strata, weights)
 
     def look_delta(self) -> float:
         """Error probability of the thresholds certified now: the k-th certification published gets
-        delta / (k (k + 1)). Configurations that only lower thresholds below certified ones (after an accuracy
-        drop) are not new looks."""
+        delta / (k (k + 1)). Configurations that only scale certified thresholds (rolling risk control) are not
+        new looks."""
         return look_delta(1.0 - self.settings.confidence, self._looks + 1)
 
     def _bound(self, data: ExitData) -> RiskBound:
         return RiskBound.of(data.strata, data.weights, self.settings.accuracy_constraint, self.look_delta())
 
-    def _tuning_data(self, recent: int | None, bounded: bool = True) -> tuple[ExitData, np.ndarray | None]:
+    def _tuning_data(self) -> tuple[ExitData, np.ndarray | None]:
         """The inputs tuning judges, and the ramps it must leave at 0. Every ramp is judged on the inputs that saw
-        all of them, once there are enough (for the bound to let anything exit, where `bounded`): past inputs that
-        never reached a new ramp would dilute its mistakes (3 wrong exits in 64 look like 3 in 512). Until then
-        the new ramps stay at 0."""
-        data = self._exit_data(recent)
-        needed = self._outputs_needed(bounded)
+        all of them, once there are enough for the bound to let anything exit: past inputs that never reached a
+        new ramp would dilute its mistakes (3 wrong exits in 64 look like 3 in 512). Until then the new ramps
+        stay at 0."""
+        data = self._exit_data()
+        needed = self._outputs_needed()
         complete = np.isfinite(data.errors).all(axis=1)
         if complete.sum() >= needed:
             return data.rows(complete), None
         return data, np.isinf(data.errors).sum(axis=0) > data.size - needed
 
-    def tuned_thresholds(self, recent: int | None = None, target_accuracy: float | None = None) -> np.ndarray:
-        """Thresholds tuned on the newest `recent` inputs (every input kept by default): certified within the
-        constraint at the configuration's confidence, or (given a `target_accuracy`) keeping it on those inputs."""
+    def tuned_thresholds(self) -> np.ndarray:
+        """Thresholds certified on the history within the constraint at the configuration's confidence."""
         if not self.history.sites or not self.history.size:
             return np.zeros(len(self.history.sites))
         settings = self.settings
-        data, frozen = self._tuning_data(recent, bounded=target_accuracy is None)
-        if target_accuracy is not None:
-            return tune_greedy(data, target_accuracy, settings.initial_step, settings.min_step, frozen).thresholds
+        data, frozen = self._tuning_data()
         self._certifying = True
         return certified_thresholds(data, settings.accuracy_constraint, self.look_delta(), settings.initial_step,
                                     settings.min_step, frozen)
@@ -286,15 +283,13 @@ class Controller:
         if not self.history.sites or not self.history.size:
             return bool(self.history.sites)
         _, errors, _ = self.history.latest()
-        return bool((np.isfinite(errors).sum(axis=0) < self._outputs_needed(bounded=True)).any())
+        return bool((np.isfinite(errors).sum(axis=0) < self._outputs_needed()).any())
 
-    def _outputs_needed(self, bounded: bool) -> int:
-        """Outputs of its own a ramp needs before tuning may raise it; `bounded`: enough for the bound to let
-        anything exit, where half the inputs test the thresholds that the other half chose."""
-        needed = self.settings.min_ramp_outputs
-        if bounded:
-            needed = max(needed, 2 * smallest_certifying(self.settings.accuracy_constraint, self.look_delta()))
-        return needed
+    def _outputs_needed(self) -> int:
+        """Outputs of its own a ramp needs before tuning may raise it: enough for the bound to let anything exit,
+        where half the inputs test the thresholds that the other half chose."""
+        return max(self.settings.min_ramp_outputs,
+                   2 * smallest_certifying(self.settings.accuracy_constraint, self.look_delta()))
 
     def _measure_bound(self) -> None:
         self.bound = self.disagreement_bound()
@@ -308,7 +303,7 @@ class Controller:
             return 0.0
         if current.sites != self.history.sites or not self.history.size:
             return 1.0
-        data, _ = self._tuning_data(None)
+        data, _ = self._tuning_data()
         return float(self._bound(data).upper(data.wrong_by_stratum(thresholds)))
 
     def _retune(self) -> tuple[tuple[str, ...], np.ndarray, str]:
@@ -326,7 +321,7 @@ class Controller:
         current = self.configuration()
         if self._gathering():
             # A ramp still gathering the outputs its bound needs has exited nothing yet (unless it was given a
-            # start threshold, which stands until the bound can judge it or a drop lowers it): its utility says
+            # start threshold, which stands until the bound can judge it or risk control scales it): its utility says
             # nothing, and replacing it would restart the wait
             return None
         _, errors, batch = self.history.latest(self.settings.adjust_every)

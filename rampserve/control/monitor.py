@@ -83,15 +83,15 @@ class RampHistory:
         observed = record.observed()
         if not observed.any():
             return
-        sampled = record.sampled()[observed] if record.feedback_share < 1.0 else np.zeros(observed.sum(), bool)
+        weights = record.weights()[observed]  # above 1 only for stop mode's feedback sample
         correct = (record.labels == record.final[:, None])[observed][-self.capacity:]
         errors = record.errors[observed][-self.capacity:]
         rows = (self._next + np.arange(len(errors))) % self.capacity
         self._correct[rows] = correct
         self._errors[rows] = errors
         self._batch[rows] = record.batch_sizes()[observed][-len(rows):]
-        self._strata[rows] = np.where(sampled, SAMPLED, FULLY_OBSERVED)[-len(rows):]
-        self._weights[rows] = np.where(sampled, 1.0 / record.feedback_share, 1.0)[-len(rows):]
+        self._strata[rows] = np.where(weights > 1.0, SAMPLED, FULLY_OBSERVED)[-len(rows):]
+        self._weights[rows] = weights[-len(rows):]
         self._next = int((rows[-1] + 1) % self.capacity)
         self.size = min(self.capacity, self.size + len(rows))
 

@@ -108,14 +108,18 @@ class BatchRecord:
         sampled = (self.exits != NO_EXIT) & self.observed()
         return sampled if self.forced is None else sampled & ~self.forced
 
+    def weights(self) -> np.ndarray:
+        """(n,) how many inputs each one stands for: 1 / feedback share for a sampled input (it stands for the
+        exits the draw left out), 1 for the others."""
+        return np.where(self.sampled(), 1.0 / self.feedback_share, 1.0)
+
     def wrong_estimate(self) -> np.ndarray:
         """(n,) an unbiased estimate of whether each released answer differs from the original model's: a sampled
-        input's disagreement counts 1 / feedback share (it stands for the exits not sampled, counted 0); an
-        unverified answer counts as a disagreement."""
+        input's disagreement counts its weight (the exits not sampled count 0); an unverified answer counts as a
+        disagreement."""
         if self.unverified:
             return np.ones(self.inputs)
-        weight = np.where(self.sampled(), 1.0 / self.feedback_share, 1.0)
-        return np.where(self.observed(), (self.released() != self.final) * weight, 0.0)
+        return np.where(self.observed(), (self.released() != self.final) * self.weights(), 0.0)
 
 
 def merged(records: list[BatchRecord]) -> list[BatchRecord]:

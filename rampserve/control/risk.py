@@ -1,12 +1,13 @@
 """Rolling risk control (Feldman, Ringel, Bates and Romano, "Achieving Risk Control in Online Learning Settings",
 TMLR 2023): a scale on the certified thresholds that every released answer moves, so that the long-run share of
-answers that differ from the original model's stays within the constraint whatever the stream does.
+answers that differ from the original model's stays within a target (the controller's: half the constraint)
+whatever the stream does.
 
-After each batch, scale <- min(1, scale + step * sum over its answers of (constraint - disagreement)), where an
+After each batch, scale <- min(1, scale + step * sum over its answers of (target - disagreement)), where an
 answer's disagreement is its unbiased estimate (`BatchRecord.wrong_estimate`: 1 / feedback share for a sampled
 exit in stop mode, 1 for an answer nobody could check). At scale <= 0 no input exits, so no answer disagrees and
 the scale rises again: it never falls below -step * (most a batch can add), and summing the updates gives, over
-any T answers, mean disagreement <= constraint + (1 + step * most) / (step * T). The bound needs no assumption on
+any T answers, mean disagreement <= target + (1 + step * most) / (step * T). The bound needs no assumption on
 the stream (drift included); what it cannot say is how any one window of answers fares.
 """
 
@@ -18,9 +19,9 @@ import numpy as np
 SCALE_STEP = 0.05
 
 
-def rolled_scale(scale: float, disagreement: np.ndarray, constraint: float, step: float) -> float:
+def rolled_scale(scale: float, disagreement: np.ndarray, target: float, step: float) -> float:
     """The scale after one batch of answers with these (estimated) disagreements."""
-    return min(1.0, scale + step * float(np.sum(constraint - np.asarray(disagreement, dtype=float))))
+    return min(1.0, scale + step * float(np.sum(target - np.asarray(disagreement, dtype=float))))
 
 
 def served_scale(scale: float) -> float:
