@@ -210,6 +210,9 @@ def serve(
     preload_s: Annotated[float, typer.Option(help="seconds a starting server waits for the sets its controller may "
                                                   "ask for next to compile, to load them before serving")] = 30.0,
     vanilla: Annotated[bool, typer.Option(help="serve the original model, no early exits")] = False,
+    executor: Annotated[str, typer.Option(help="where each bundle's batches run: process (one of its own, with its "
+                                          "controller and compiler) or thread (in the server's process)")]
+    = "process",
     cache_updates: Annotated[bool, typer.Option(help="active cache ramps learn from served final answers")] = True,
     cache_mb: Annotated[float, typer.Option(help="prediction cache per model in MiB (0: off)")] = 0.0,
     max_body_mb: Annotated[float, typer.Option(help="largest request body accepted")] = 64.0,
@@ -241,7 +244,7 @@ def serve(
         model_settings = ModelSettings(
             slo_ms=slo_ms, max_batch=max_batch, max_delay_ms=max_delay_ms, adaptive_batching=adaptive_batching,
             max_queue=max_queue, deadline_ms=deadline_ms, vanilla=vanilla, torch_threads=torch_threads or None,
-            torchscript=torchscript, cache_updates=cache_updates, preload_s=preload_s,
+            torchscript=torchscript, cache_updates=cache_updates, preload_s=preload_s, executor=executor,
             controller=ControllerSettings(accuracy_constraint=accuracy_constraint, ramp_budget=ramp_budget,
                                           exit_mode=exit_mode, feedback_share=feedback_share))
     except ValueError as exc:

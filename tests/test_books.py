@@ -77,7 +77,7 @@ def test_the_executor_releases_every_row_once_consistently_and_records_the_paths
     from rampserve.control.records import NO_EXIT, Configuration
     from rampserve.serving.metrics import ServerMetrics
     from rampserve.serving.models import served as make_served
-    from rampserve.serving.worker import _Pending, ModelWorker
+    from rampserve.serving.worker import _Pending, ModelWorker, future_reply
 
     model = replace(resnet_prepared)
     served = make_served("m", model)
@@ -93,13 +93,14 @@ def test_the_executor_releases_every_row_once_consistently_and_records_the_paths
         loop = asyncio.new_event_loop()
         try:
             starts = np.cumsum([0] + [rows for rows, _ in requests])
-            batch = [_Pending({name: fmnist_feeds[a:a + rows]}, rows, 0.0, float("inf"), wants, loop.create_future(),
-                              loop) for a, (rows, wants) in zip(starts, requests)]
+            futures = [loop.create_future() for _ in requests]
+            batch = [_Pending({name: fmnist_feeds[a:a + rows]}, rows, 0.0, float("inf"), wants,
+                              future_reply(loop, future)) for a, (rows, wants), future in zip(starts, requests, futures)]
             config = Configuration(1, sites, tuple(thresholds))
             worker._serving = (config, model.compiled_set(sites) if compiled else None)
             worker._run(batch)
             loop.run_until_complete(asyncio.sleep(0))  # the answers were handed to the loop thread-safely
-            answers = [p.future.result() for p in batch]
+            answers = [future.result() for future in futures]
         finally:
             loop.close()
         record = worker._book(worker._records.get_nowait())  # as the control thread keeps the books

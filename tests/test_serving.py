@@ -372,7 +372,8 @@ def test_answers_released_before_a_failure_reach_the_controller_unverified(serve
     from dataclasses import replace as replaced
 
     x = fmnist_feeds[:4]
-    with server(served, fixed_exits(served, 0, 1.0)) as (url, state):  # threshold 1: every row exits at once
+    # The failure is injected into the executor itself, so it runs in this process
+    with server(served, fixed_exits(served, 0, 1.0, executor="thread")) as (url, state):  # threshold 1: all exit
         worker = state.catalogue.workers[MODEL]
         config, compiled = worker._serving
         assert compiled is not None
@@ -435,7 +436,8 @@ def test_served_cache_ramp_answers_early_and_learns_from_final_answers(cache_bun
     site = served.model.site_names[last]
     ramp = served.model.ramps[site]
     usage, memory = ramp.usage.clone(), ramp.memory_bytes()
-    with server(served, fixed_exits(served, last, 1.0, cache_updates=updates)) as (url, _):
+    # The test reads the ramp's own memory: its executor runs in this process
+    with server(served, fixed_exits(served, last, 1.0, cache_updates=updates, executor="thread")) as (url, _):
         for i in range(8):  # threshold 1: every input leaves at the cache
             status, _, body = post(f"{url}/v2/models/{MODEL}-cache/infer", infer_body(served, fmnist_feeds[i:i + 2]))
             assert status == 200, body

@@ -18,7 +18,7 @@ from rampserve.control.records import NO_EXIT, NO_LABEL, Configuration, first_ex
 from rampserve.runtime.compiled import STOP_MARGIN, set_key
 from rampserve.serving.metrics import ServerMetrics
 from rampserve.serving.models import served as make_served
-from rampserve.serving.worker import ModelSettings, ModelWorker, _Pending
+from rampserve.serving.worker import ModelSettings, ModelWorker, _Pending, future_reply
 
 
 class _Counted(_Pending):
@@ -57,11 +57,12 @@ def _serve(worker: ModelWorker, config: Configuration, mode: str, name: str, fee
     loop = asyncio.new_event_loop()
     try:
         starts = np.cumsum([0] + [rows for rows, _ in requests])
-        batch = [_Counted({name: feeds[a:a + rows]}, rows, 0.0, float("inf"), wants, loop.create_future(), loop)
-                 for a, (rows, wants) in zip(starts, requests)]
+        futures = [loop.create_future() for _ in requests]
+        batch = [_Counted({name: feeds[a:a + rows]}, rows, 0.0, float("inf"), wants, future_reply(loop, future))
+                 for a, (rows, wants), future in zip(starts, requests, futures)]
         worker._run(batch)
         loop.run_until_complete(asyncio.sleep(0))  # the answers were handed to the loop thread-safely
-        answers = [p.future.result() for p in batch]
+        answers = [future.result() for future in futures]
     finally:
         loop.close()
     done = worker._records.get_nowait()

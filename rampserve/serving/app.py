@@ -23,7 +23,8 @@ import rampserve
 from rampserve.serving.applications import DEFAULT_CONTEXT, Application, ApplicationSpec, parse_query_input
 from rampserve.serving.cache import CachedAnswer, PredictionCache, cache_key
 from rampserve.serving.catalogue import Catalogue, CatalogueError
-from rampserve.serving.metrics import ServerMetrics, watch_loop_lag
+from rampserve.serving.executor import ExecutorLost
+from rampserve.serving.metrics import MergedRegistry, ServerMetrics, watch_loop_lag
 from rampserve.serving.models import LABEL_OUTPUT, LOGITS_OUTPUT
 from rampserve.serving.predictors import ModelUnavailable, Predictor, WorkerPredictor
 from rampserve.serving.protocol import (
@@ -39,7 +40,7 @@ from rampserve.serving.protocol import (
 )
 from rampserve.serving.state_store import StoreError
 from rampserve.serving.update_stream import UpdateListener
-from rampserve.serving.worker import Answer, ExecutionFailed, ModelWorker, Shed
+from rampserve.serving.worker import Answer, ExecutionFailed, Shed, Worker
 
 HEADER_LENGTH = "inference-header-content-length"
 # Applications and models without ramps answer through v2 with a label per input.
@@ -59,7 +60,7 @@ class ServerState:
     ready: bool = False
 
     @property
-    def workers(self) -> dict[str, ModelWorker]:
+    def workers(self) -> dict[str, Worker]:
         return self.catalogue.workers
 
     def cache(self, model: str) -> PredictionCache | None:
@@ -248,6 +249,8 @@ def create_app(state: ServerState) -> FastAPI:
             response, outcome = error(exc.status, exc.message, retry), "shed"
         except ModelUnavailable as exc:
             response, outcome = error(503, str(exc)), "shed"
+        except ExecutorLost as exc:
+            response, outcome = error(503, str(exc), {"Retry-After": "1"}), "failed"
         except ExecutionFailed as exc:
             response, outcome = error(500, str(exc)), "failed"
         except StoreError as exc:
@@ -258,7 +261,7 @@ def create_app(state: ServerState) -> FastAPI:
             metrics.latency.labels(model=label).observe(time.perf_counter() - started)
         return response
 
-    async def _infer(worker: ModelWorker, body: bytes, header_length: int | None) -> tuple[Response, str]:
+    async def _infer(worker: Worker, body: bytes, header_length: int | None) -> tuple[Response, str]:
         served = worker.served
         parsed = parse_infer_request(body, header_length, served.inputs)
         problem = served.check_limits(parsed.inputs)
@@ -429,14 +432,19 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.get("/metrics")
     async def prometheus() -> Response:
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        # Executor processes keep their models' metrics; they are merged into this server's, family by family
+        elsewhere = await asyncio.gather(*(w.exported_metrics() for w in list(state.workers.values())))
+        merged = MergedRegistry(metrics.registry, [f for families in elsewhere for f in families])
+        return Response(generate_latest(merged), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/status")
     async def status() -> Response:
+        workers = dict(state.workers)
+        statuses = await asyncio.gather(*(w.current_status() for w in workers.values()))
         return json_response({
             "ready": state.ready,
             "process": os.getpid(),  # which replica answered, where several serve one address
-            "models": {n: w.status() for n, w in state.workers.items()},
+            "models": dict(zip(workers, statuses)),
             "other_models": {n: p.describe() for n, p in catalogue.models.items() if n not in state.workers},
             "applications": sorted(catalogue.apps),
             "store": catalogue.store.description,
@@ -447,7 +455,7 @@ def create_app(state: ServerState) -> FastAPI:
     @app.get("/status/{model}")
     async def model_status(model: str) -> Response:
         predictor = predictor_for(model, None)
-        return json_response(predictor.worker.status() if isinstance(predictor, WorkerPredictor)
+        return json_response(await predictor.worker.current_status() if isinstance(predictor, WorkerPredictor)
                              else predictor.describe())
 
     return app

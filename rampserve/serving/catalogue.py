@@ -29,11 +29,12 @@ from rampserve.serving.applications import (
     ApplicationSpec,
     check_compatible,
 )
+from rampserve.serving.executor import make_worker
 from rampserve.serving.metrics import ServerMetrics
 from rampserve.serving.models import served
 from rampserve.serving.predictors import Predictor, RemotePredictor, WorkerPredictor, onnx_predictor
 from rampserve.serving.state_store import StateStore
-from rampserve.serving.worker import ModelSettings, ModelWorker
+from rampserve.serving.worker import ModelSettings, Worker
 
 log = logging.getLogger("rampserve.serving")
 
@@ -80,7 +81,7 @@ class ModelRepository:
             raise CatalogueError(f"{folder} must hold exactly one of {sorted(FORMATS)}, found {len(kinds)}")
         if kinds[0] == "bundle":
             model = replace(served(name, load_bundle(folder)), version=version)
-            return WorkerPredictor(ModelWorker(model, self.settings, self.metrics))
+            return WorkerPredictor(make_worker(model, self.settings, self.metrics))
         if kinds[0] == "onnx":
             return onnx_predictor(name, folder / "model.onnx", version)
         try:
@@ -105,7 +106,7 @@ class Catalogue:
             if predictor.name in self.models:
                 raise ValueError(f"two models share the name {predictor.name!r}")
             self.models[predictor.name] = predictor
-        self.workers: dict[str, ModelWorker] = {}  # the bundles' executors, which answer v2 inference themselves
+        self.workers: dict[str, Worker] = {}  # the bundles' executors, which answer v2 inference themselves
         self._index_workers()
         self.apps: dict[str, Application] = {}
         self._initial_apps = tuple(apps)

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import time
+import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.metrics_core import Metric
 
 # Seconds: from a fraction of a millisecond (an early exit on a small model) to seconds (overload).
 LATENCY_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075,
@@ -100,6 +103,8 @@ class ServerMetrics:
         self.answers = Counter("rampserve_answers", "Answers given, one per input, by path (early: at a ramp; final: "
                                "at the last layer; cached: from the prediction cache; unverified: released before "
                                "its batch failed)", ["model", "path"], registry=r)
+        self.executor_restarts = Counter("rampserve_executor_restarts", "Executor processes started again after "
+                                         "theirs died", ["model"], registry=r)
         self.config_changes = Counter("rampserve_configuration_changes", "Configurations adopted by the executor",
                                       ["model"], registry=r)
         self.loop_lag = LagTracker()
@@ -132,6 +137,33 @@ class ServerMetrics:
         self.loop_lag_latest.set(lag_s)
         self.loop_lag_max.set(self.loop_lag.max_s)
         self.loop_lag_distribution.observe(lag_s)
+
+
+class MergedRegistry:
+    """A registry's metrics with samples collected elsewhere (`executor.metric_families`: an executor process's
+    registry, as data) merged in by family name, so that each family is exposed once."""
+
+    def __init__(self, registry: CollectorRegistry, families: list[dict]) -> None:
+        self.registry, self.families = registry, families
+
+    def collect(self) -> Iterator[Metric]:
+        extra: dict[str, list[dict]] = {}
+        for family in self.families:
+            extra.setdefault(family["name"], []).append(family)
+        for metric in self.registry.collect():
+            for family in extra.pop(metric.name, ()):
+                _add_samples(metric, family)
+            yield metric
+        for name, families in extra.items():
+            metric = Metric(name, families[0]["help"], families[0]["type"])
+            for family in families:
+                _add_samples(metric, family)
+            yield metric
+
+
+def _add_samples(metric: Metric, family: dict) -> None:
+    for name, labels, value in family["samples"]:
+        metric.add_sample(name, labels, math.nan if value is None else value)  # JSON carries NaN as null
 
 
 async def watch_loop_lag(metrics: ServerMetrics, interval_s: float = LAG_INTERVAL_S) -> None:

@@ -30,7 +30,7 @@ from rampserve.graph.torch_graph import TRACE_GUARD
 from rampserve.ramps.scores import top_label_and_error
 from rampserve.serving.models import V2_DATATYPES, ServedModel
 from rampserve.serving.protocol import TensorSpec
-from rampserve.serving.worker import Answer, ModelWorker
+from rampserve.serving.worker import Answer, Worker
 
 ONNX_DATATYPES = {"tensor(float)": "FP32", "tensor(double)": "FP64", "tensor(float16)": "FP16",
                   "tensor(int64)": "INT64", "tensor(int32)": "INT32", "tensor(uint8)": "UINT8",
@@ -93,7 +93,7 @@ class WorkerPredictor(Predictor):
 
     kind = "bundle"
 
-    def __init__(self, worker: ModelWorker) -> None:
+    def __init__(self, worker: Worker) -> None:
         self.worker = worker
         self.name, self.version, self.inputs = worker.served.name, worker.served.version, worker.served.inputs
 
@@ -102,7 +102,7 @@ class WorkerPredictor(Predictor):
         return self.worker.served
 
     async def start(self) -> None:
-        self.worker.start()
+        await self.worker.launch()
 
     async def predict(self, inputs: Mapping[str, np.ndarray], deadline_ms: float | None = None) -> Prediction:
         rows = next(iter(inputs.values())).shape[0]
@@ -111,7 +111,7 @@ class WorkerPredictor(Predictor):
                           {"early": answer.early, "exit_site": list(answer.exit_sites)})
 
     async def close(self) -> None:
-        await asyncio.to_thread(self.worker.stop)
+        await self.worker.shutdown()
 
 
 class FunctionPredictor(Predictor):

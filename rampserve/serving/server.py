@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import ipaddress
 import socket
 import sys
@@ -19,27 +18,15 @@ from tqdm.auto import tqdm
 from rampserve.serving.app import ServerState, create_app
 from rampserve.serving.applications import ApplicationSpec
 from rampserve.serving.catalogue import Catalogue, CatalogueError, ModelRepository
+from rampserve.serving.executor import make_worker
 from rampserve.serving.metrics import ServerMetrics
 from rampserve.serving.models import ServedModel, load_served
 from rampserve.serving.predictors import Predictor, WorkerPredictor
 from rampserve.serving.state_store import RedisStore, open_store
 from rampserve.serving.update_stream import ModelUpdate, UpdateListener
-from rampserve.serving.worker import ControlLink, ModelSettings, ModelWorker
+from rampserve.serving.worker import (GIL_SWITCH_INTERVAL_S, ControlLink, ModelSettings, freeze_startup_objects)
 
 LOOPBACK = "127.0.0.1"
-# How long a thread holding the GIL runs before a waiting one may take it. Python's default (5 ms) would let the
-# executor, between two of the model's operators, keep the event loop from sending an answer released early
-# for longer than the whole model takes; 0.2 ms bounds that wait at a tenth of a small model's batch.
-GIL_SWITCH_INTERVAL_S = 0.0002
-
-
-def freeze_startup_objects() -> None:
-    """Move every object made while starting (models, compiled sets, the libraries' own) out of the garbage
-    collector's reach: a full collection stops every thread, and over them it took 100-200 ms on resnet18-fmnist
-    (the event loop's lag reached 205 ms, every request waiting meanwhile); over what serving makes later, it
-    takes a few ms. Call it once the server is built, before it serves."""
-    gc.collect()
-    gc.freeze()
 
 
 @dataclass(frozen=True)
@@ -84,7 +71,7 @@ def build_state(models: Sequence[ServedModel | Predictor], model_settings: Model
     metrics = ServerMetrics()
     repository = None if settings.repository is None else ModelRepository(settings.repository, model_settings,
                                                                              metrics)
-    predictors = [WorkerPredictor(ModelWorker(m, model_settings, metrics, control and control(m)))
+    predictors = [WorkerPredictor(make_worker(m, model_settings, metrics, control and control(m)))
                   if isinstance(m, ServedModel) else m for m in models]
     if repository is not None:
         predictors += [repository.build(name) for name in tqdm(repository.names(), desc="loading repository",

@@ -20,6 +20,7 @@ compile, or no ramp operator) serve stop mode as release mode.
 from __future__ import annotations
 
 import asyncio
+import gc
 import heapq
 import itertools
 import logging
@@ -52,12 +53,26 @@ from rampserve.serving.models import ServedModel, stack_inputs
 log = logging.getLogger("rampserve.serving")
 
 ANSWER_PATHS = ("early", "final", "cached", "unverified")
+EXECUTORS = ("process", "thread")
 RECENT_BATCHES = 64  # batch summaries kept for the status endpoint
 CONTROL_POLL_S = 1.0  # how often an idle worker asks its controller for a configuration published meanwhile
 CONTROL_GATHER_S = 0.005  # how long the control thread lets records gather once one has come
+# How long a thread holding the GIL runs before a waiting one may take it. Python's default (5 ms) would let the
+# executor, between two of the model's operators, keep the thread that sends an answer released early from it
+# for longer than the whole model takes; 0.2 ms bounds that wait at a tenth of a small model's batch.
+GIL_SWITCH_INTERVAL_S = 0.0002
 # How long a starting server waits for its first configuration's set to compile (in the worker process) before
 # it serves that set eagerly
 START_COMPILE_WAIT_S = 300.0
+
+
+def freeze_startup_objects() -> None:
+    """Move every object made while starting (models, compiled sets, the libraries' own) out of the garbage
+    collector's reach: a full collection stops every thread, and over them it took 100-200 ms on resnet18-fmnist
+    (the event loop's lag reached 205 ms, every request waiting meanwhile); over what serving makes later, it
+    takes a few ms. Call it once a process that serves is built, before it serves."""
+    gc.collect()
+    gc.freeze()
 
 
 @dataclass(frozen=True)
@@ -83,7 +98,15 @@ class ModelSettings:
     # How long a starting server waits for the sets its controller may ask for next to compile (in the worker
     # process) so that it loads them before it serves; the rest load when needed
     preload_s: float = 30.0
+    # Where a bundle's executor runs: "process", a process of its own (`serving.executor`), so that the front end's
+    # parsing and writing never holds the GIL the model's Python parts need; or "thread", in the server's process
+    # (a model built in memory, with no bundle on disk to load, always runs there, and so does one on Ray Serve)
+    executor: str = "process"
     controller: ControllerSettings = field(default_factory=ControllerSettings)
+
+    def __post_init__(self) -> None:
+        if self.executor not in EXECUTORS:
+            raise ValueError(f"executor must be one of {EXECUTORS}, got {self.executor!r}")
 
 
 class ControlLink(Protocol):
@@ -100,6 +123,33 @@ class ControlLink(Protocol):
         """A configuration published since this worker last heard (by records of other workers), or None."""
 
     def status(self) -> dict: ...
+
+
+class Worker(Protocol):
+    """What the front end asks of a served bundle's executor, in this process (`ModelWorker`) or in one of its own
+    (`executor.ProcessWorker`). Everything but `launch` and `shutdown` is called on the event loop and returns at
+    once."""
+
+    served: ServedModel
+
+    async def launch(self) -> None:
+        """Start serving (once the event loop runs)."""
+
+    def submit(self, inputs: Mapping[str, np.ndarray], rows: int, needs_final: bool,
+               deadline_ms: float | None = None, priority: int = 0,
+               on_final: Callable[[Answer], None] | None = None) -> asyncio.Future:
+        """Queue a request; the future resolves with its `Answer`. Raises `Shed` if refused."""
+
+    def count_cached(self, labels: np.ndarray) -> None:
+        """Answers the prediction cache gave, for the controller's books."""
+
+    async def current_status(self) -> dict: ...
+
+    async def exported_metrics(self) -> list[dict]:
+        """Metric families kept outside the server's registry, as `executor.metric_families` gives them."""
+
+    async def shutdown(self) -> None:
+        """Answer everything accepted, then stop."""
 
 
 class LocalControl:
@@ -165,8 +215,9 @@ class _Pending:
     arrival: float  # time.monotonic()
     deadline: float
     needs_final: bool  # asked for the logits: answered at the end of its batch
-    future: asyncio.Future
-    loop: asyncio.AbstractEventLoop
+    # Called once, on the executor's or the releasing thread, with the request's answer or what failed it:
+    # resolves an event loop's future (`future_reply`), or writes to the front end's channel (`executor`)
+    reply: Callable[[Answer | BaseException], None]
     # Called on the executor thread with the request's final answer (every row's final label and the logits)
     # once its batch has run to the end, however early its response left: what a prediction cache may keep
     on_final: Callable[[Answer], None] | None = None
@@ -174,7 +225,12 @@ class _Pending:
 
     def settle(self, result: Answer | BaseException) -> None:
         self.settled = True
-        self.loop.call_soon_threadsafe(_set_future, self.future, result)
+        self.reply(result)
+
+
+def future_reply(loop: asyncio.AbstractEventLoop, future: asyncio.Future) -> Callable[[Answer | BaseException], None]:
+    """A reply that resolves `future` on its event loop, from any thread."""
+    return lambda result: loop.call_soon_threadsafe(_set_future, future, result)
 
 
 def _set_future(future: asyncio.Future, result: Answer | BaseException) -> None:
@@ -422,6 +478,8 @@ class ModelWorker:
         self._answers_lock = threading.Lock()
         self.recent_batches: deque[dict] = deque(maxlen=RECENT_BATCHES)
         self._published_sites: tuple[str, ...] = ()
+        # Told of every configuration the executor adopts (an executor process tells its front end)
+        self.on_configuration: Callable[[Configuration], None] | None = None
         self._heap: list[tuple[int, int, _Pending]] = []
         self._order = itertools.count()
         self._rows_queued = 0
@@ -477,7 +535,16 @@ class ModelWorker:
     def submit(self, inputs: Mapping[str, np.ndarray], rows: int, needs_final: bool,
                deadline_ms: float | None = None, priority: int = 0,
                on_final: Callable[[Answer], None] | None = None) -> asyncio.Future:
+        """Queue a request from the event loop; the future resolves with its answer. Raises `Shed` if refused."""
         loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self.admit(inputs, rows, needs_final, future_reply(loop, future), deadline_ms, priority, on_final)
+        return future
+
+    def admit(self, inputs: Mapping[str, np.ndarray], rows: int, needs_final: bool,
+              reply: Callable[[Answer | BaseException], None], deadline_ms: float | None = None, priority: int = 0,
+              on_final: Callable[[Answer], None] | None = None) -> None:
+        """Queue a request from any thread; `reply` gets its answer once. Raises `Shed` if refused."""
         now = time.monotonic()
         budget_ms = self.deadline_ms if deadline_ms is None else deadline_ms
         with self._cond:
@@ -500,12 +567,11 @@ class ModelWorker:
                            f"after the request's deadline of {budget_ms:.1f} ms",
                            max(1, math.ceil(wait_ms / 1000.0)))
             deadline = math.inf if budget_ms is None else now + budget_ms / 1000.0
-            pending = _Pending(inputs, rows, now, deadline, needs_final, loop.create_future(), loop, on_final)
+            pending = _Pending(inputs, rows, now, deadline, needs_final, reply, on_final)
             heapq.heappush(self._heap, (-priority, next(self._order), pending))
             self._rows_queued += rows
             self.metrics.queued.labels(**self._labels).set(self._rows_queued)
             self._cond.notify()
-        return pending.future
 
     def _shed(self, reason: str) -> None:
         self.metrics.shed.labels(reason=reason, **self._labels).inc()
@@ -835,6 +901,8 @@ class ModelWorker:
         self._publish(config)
 
     def _publish(self, config: Configuration) -> None:
+        if self.on_configuration is not None:
+            self.on_configuration(config)
         m = self.metrics
         m.config_version.labels(**self._labels).set(config.version)
         for site in self._published_sites:
@@ -844,6 +912,18 @@ class ModelWorker:
             m.threshold.labels(site=site, **self._labels).set(threshold)
 
     # ---- status --------------------------------------------------------------------------------------------
+
+    async def launch(self) -> None:
+        self.start()
+
+    async def shutdown(self) -> None:
+        await asyncio.to_thread(self.stop)
+
+    async def current_status(self) -> dict:
+        return {**self.status(), "executor": {"kind": "thread", "pid": os.getpid()}}
+
+    async def exported_metrics(self) -> list[dict]:
+        return []  # its metrics are the server's own
 
     def status(self) -> dict:
         status = {

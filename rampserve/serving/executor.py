@@ -1,0 +1,437 @@
+"""A served bundle's executor in a process of its own.
+
+The front end (the HTTP server's process) parses requests, writes their input tensors into shared memory
+(`wire.SlotArena`) and sends a small header down a Unix socket; the executor process (`python -m
+rampserve.serving.executor`, started fresh, never forked from a process that has loaded torch) runs the model's
+`ModelWorker` as a standalone server would: its queue and batching policy, the batch execution with early release,
+the releasing thread, the controller and the compile worker. Each answer (early or final) comes back as one
+frame, read on the front end's event loop itself, so a released answer costs the front end no thread hop. The
+two processes share no interpreter: the front end's parsing and writing never take the GIL from the model's
+Python parts, and on two cores each has one.
+
+Faults: when the executor process dies (killed, out of memory, a crash in native code), the front end sees its
+socket close at once and fails every request the process held with a 503 that says why; it starts a new one with
+the last configuration the old one adopted, and refuses requests with 503 (Retry-After) until it is ready. On
+shutdown the front end asks the process to answer everything it accepted and waits for it to exit. The shared
+memory is an anonymous memory file: nothing of it outlives the processes, however they end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+from prometheus_client import CollectorRegistry
+
+from rampserve.control.controller import ControllerSettings
+from rampserve.control.records import Configuration
+from rampserve.serving import wire
+from rampserve.serving.metrics import ServerMetrics
+from rampserve.serving.models import ServedModel
+from rampserve.serving.worker import (
+    GIL_SWITCH_INTERVAL_S,
+    Answer,
+    ControlLink,
+    ExecutionFailed,
+    ModelSettings,
+    ModelWorker,
+    Shed,
+    Worker,
+    freeze_startup_objects,
+)
+
+log = logging.getLogger("rampserve.serving")
+
+# Slots of shared memory for requests' inputs: 64 KiB holds 20 Fashion-MNIST images or 4 text inputs of 512
+# tokens; a request that fits no free slot sends its tensors in its frame instead. Pages are used only once
+# written, so the 16 MiB cost what the busiest moment touched.
+SLOT_BYTES = 64 << 10
+SLOTS = 256
+CONTROL_TIMEOUT_S = 5.0  # longest wait for an executor's status or metrics
+# A process that dies this soon after it became ready is restarted after a growing pause (a crash loop)
+QUICK_DEATH_S = 10.0
+MAX_RESTART_PAUSE_S = 30.0
+
+
+class ExecutorLost(Exception):
+    """The executor process died holding the request; it was not answered (503)."""
+
+
+def make_worker(served: ServedModel, settings: ModelSettings, metrics: ServerMetrics,
+                control: ControlLink | None = None) -> Worker:
+    """The executor for a served model: a process of its own where settings ask for it and the model can be loaded
+    from its bundle there (its controller then lives there too); else a thread in this process."""
+    if settings.executor == "process" and control is None and served.model.bundle_dir is not None:
+        return ProcessWorker(served, settings, metrics)
+    return ModelWorker(served, settings, metrics, control)
+
+
+def settings_to_json(settings: ModelSettings) -> dict:
+    return dataclasses.asdict(settings)
+
+
+def settings_from_json(data: dict) -> ModelSettings:
+    controller = dict(data["controller"])
+    if controller["initial"] is not None:
+        controller["initial"] = tuple(controller["initial"])
+    return ModelSettings(**{**data, "controller": ControllerSettings(**controller)})
+
+
+def refused_header(request: int, error: BaseException) -> dict:
+    if isinstance(error, Shed):
+        return {"i": request, "shed": [error.status, error.reason, error.message, error.retry_after_s]}
+    return {"i": request, "failed": str(error)}
+
+
+def refusal(header: dict) -> Exception:
+    if "shed" in header:
+        return Shed(*header["shed"])
+    return ExecutionFailed(header["failed"])
+
+
+def metric_families(registry: CollectorRegistry, model: str) -> list[dict]:
+    """The registry's samples of one model, as data (the front end merges them into its own /metrics)."""
+    families = []
+    for family in registry.collect():
+        samples = [(s.name, s.labels, s.value) for s in family.samples
+                   if s.labels.get("model") == model and not s.name.endswith("_created")]
+        if samples:
+            families.append({"name": family.name, "help": family.documentation, "type": family.type,
+                             "samples": samples})
+    return families
+
+
+# ---- the front end's side ----------------------------------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class _InFlight:
+    future: asyncio.Future
+    slot: int | None
+    on_final: Callable[[Answer], None] | None
+
+
+class _Channel(asyncio.Protocol):
+    """The front end's end of one executor process's socket, read on the event loop."""
+
+    def __init__(self, worker: ProcessWorker, process: subprocess.Popen, ready: asyncio.Future) -> None:
+        self.worker, self.process, self.ready = worker, process, ready
+        self.reader = wire.FrameReader()
+        self.transport: asyncio.Transport | None = None
+        self.closed = asyncio.get_running_loop().create_future()
+        self.ready_at = 0.0
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        for kind, header, body in self.reader.feed(data):
+            self.worker._on_frame(self, kind, header, body)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed.set_result(None)
+        self.worker._lost(self)
+
+
+class ProcessWorker:
+    """The front end's handle on a model served by an executor process: the same interface as a `ModelWorker`."""
+
+    def __init__(self, served: ServedModel, settings: ModelSettings, metrics: ServerMetrics) -> None:
+        self.served, self.settings, self.metrics = served, settings, metrics
+        self.restarts = 0
+        self._arena: wire.SlotArena | None = None
+        self._channel: _Channel | None = None  # None while (re)starting or stopped
+        self._in_flight: dict[int, _InFlight] = {}
+        self._replies: dict[int, asyncio.Future] = {}
+        self._ids = itertools.count()
+        self._configuration: Configuration | None = None  # the last one the executor adopted
+        self._stopping = False
+        self._restarting: asyncio.Task | None = None
+        self._quick_deaths = 0
+        self._labels = {"model": served.name}
+
+    @property
+    def configuration(self) -> Configuration | None:
+        return self._configuration
+
+    @property
+    def pid(self) -> int | None:
+        return None if self._channel is None else self._channel.process.pid
+
+    async def launch(self) -> None:
+        self._arena = wire.SlotArena.create(self.served.name, SLOT_BYTES, SLOTS)
+        self._channel = await self._spawn()
+
+    async def _spawn(self) -> _Channel:
+        """Start an executor process and wait until it serves (its first set compiled and loaded)."""
+        loop = asyncio.get_running_loop()
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        command = [sys.executable, "-m", "rampserve.serving.executor", str(theirs.fileno()), str(self._arena.fd)]
+        # A session of its own: a terminal's Ctrl-C reaches the front end alone, which then drains the executor
+        process = subprocess.Popen(command, pass_fds=(theirs.fileno(), self._arena.fd), start_new_session=True)
+        theirs.close()
+        ready = loop.create_future()
+        transport, channel = await loop.create_unix_connection(lambda: _Channel(self, process, ready), sock=ours)
+        settings = self.settings
+        if self._configuration is not None:  # a restart: carry on with the configuration the last one had
+            last = self._configuration
+            settings = replace(settings, controller=replace(
+                settings.controller, initial=last.sites, start_thresholds=dict(zip(last.sites, last.thresholds))))
+        transport.write(wire.frame(wire.HELLO, {
+            "bundle": str(self.served.model.bundle_dir), "name": self.served.name, "version": self.served.version,
+            "settings": settings_to_json(settings), "slot_bytes": self._arena.slot_bytes,
+            "slots": self._arena.slots}))
+        await ready
+        channel.ready_at = time.monotonic()
+        return channel
+
+    # ---- requests (event loop) ---------------------------------------------------------------------------------
+
+    def submit(self, inputs: Mapping[str, np.ndarray], rows: int, needs_final: bool,
+               deadline_ms: float | None = None, priority: int = 0,
+               on_final: Callable[[Answer], None] | None = None) -> asyncio.Future:
+        channel = self._channel
+        if channel is None:
+            reason = "shutdown" if self._stopping else "restarting"
+            self.metrics.shed.labels(reason=reason, **self._labels).inc()
+            raise Shed(503, reason, f"model {self.served.name}: " + (
+                "the server is shutting down" if self._stopping else "its executor process is restarting"), 1)
+        layout, size = wire.layout_of(inputs)
+        slot = self._arena.take() if size <= self._arena.slot_bytes else None
+        body = b""
+        if slot is not None:
+            start = self._arena.offset(slot)
+            wire.pack_into(self._arena.view[start:start + size], inputs, layout)
+        else:
+            packed = bytearray(size)
+            wire.pack_into(memoryview(packed), inputs, layout)
+            body = packed
+        request = next(self._ids)
+        future = asyncio.get_running_loop().create_future()
+        self._in_flight[request] = _InFlight(future, slot, on_final)
+        channel.transport.write(wire.frame(wire.REQUEST, {
+            "i": request, "rows": rows, "final": needs_final, "deadline": deadline_ms, "priority": priority,
+            "keep": on_final is not None, "slot": slot, "layout": layout}, body))
+        return future
+
+    def count_cached(self, labels: np.ndarray) -> None:
+        if self._channel is not None:
+            self._channel.transport.write(wire.frame(wire.CACHED, {}, np.asarray(labels, dtype=np.int64).tobytes()))
+
+    def _on_frame(self, channel: _Channel, kind: int, header: dict, body: memoryview) -> None:
+        if kind == wire.ANSWER:
+            waiting = self._in_flight.get(header["i"])
+            if waiting is None:
+                return
+            self._release_slot(waiting)
+            if waiting.on_final is None:
+                del self._in_flight[header["i"]]
+            if not waiting.future.done():
+                waiting.future.set_result(wire.read_answer(header, body))
+        elif kind == wire.FINAL:
+            waiting = self._in_flight.pop(header["i"], None)
+            if waiting is not None and waiting.on_final is not None:
+                waiting.on_final(wire.read_answer(header, body))
+        elif kind == wire.REFUSED:
+            waiting = self._in_flight.pop(header["i"], None)
+            if waiting is not None:
+                self._release_slot(waiting)
+                if not waiting.future.done():
+                    waiting.future.set_exception(refusal(header))
+        elif kind == wire.REPLY:
+            future = self._replies.pop(header["i"], None)
+            if future is not None and not future.done():
+                future.set_result(header["r"])
+        elif kind == wire.CONFIGURATION:
+            self._configuration = Configuration(header["version"], tuple(header["sites"]),
+                                                tuple(header["thresholds"]))
+        elif kind == wire.READY and not channel.ready.done():
+            channel.ready.set_result(header)
+
+    def _release_slot(self, waiting: _InFlight) -> None:
+        if waiting.slot is not None:
+            self._arena.give(waiting.slot)
+            waiting.slot = None
+
+    def _lost(self, channel: _Channel) -> None:
+        """The executor's socket closed: it exited (asked to, or died). Everything it held fails now."""
+        code = channel.process.poll()
+        how = "exited" if code is None else (f"was killed by signal {-code}" if code < 0 else f"exited with {code}")
+        if not channel.ready.done():
+            channel.ready.set_exception(RuntimeError(f"model {self.served.name}: its executor process {how} "
+                                                     "before it was ready"))
+        self._channel = None
+        lost = ExecutorLost(f"model {self.served.name}: its executor process {how} while it held this request; "
+                            "it is being restarted")
+        for waiting in self._in_flight.values():
+            if not waiting.future.done():
+                waiting.future.set_exception(lost)
+        self._in_flight.clear()
+        for future in self._replies.values():
+            if not future.done():
+                future.set_exception(lost)
+        self._replies.clear()
+        self._arena.free_all()  # nobody reads any slot now
+        if self._stopping or not channel.ready_at:
+            return
+        log.error("model %s: its executor process (pid %d) %s; restarting it", self.served.name,
+                  channel.process.pid, how)
+        self.restarts += 1
+        self.metrics.executor_restarts.labels(**self._labels).inc()
+        self._quick_deaths = self._quick_deaths + 1 if time.monotonic() - channel.ready_at < QUICK_DEATH_S else 0
+        self._restarting = asyncio.get_running_loop().create_task(self._restart(channel.process))
+
+    async def _restart(self, dead: subprocess.Popen) -> None:
+        await asyncio.to_thread(dead.wait)  # reap it
+        while not self._stopping:
+            pause = 0.0 if not self._quick_deaths else min(MAX_RESTART_PAUSE_S, 0.5 * 2 ** self._quick_deaths)
+            await asyncio.sleep(pause)
+            try:
+                self._channel = await self._spawn()
+                return
+            except Exception:
+                log.exception("model %s: its executor process failed to start again", self.served.name)
+                self._quick_deaths += 1
+
+    # ---- status and metrics -------------------------------------------------------------------------------------
+
+    async def _ask(self, kind: int) -> object:
+        channel = self._channel
+        if channel is None:
+            raise ExecutorLost(f"model {self.served.name}: its executor process is restarting")
+        request = next(self._ids)
+        future = asyncio.get_running_loop().create_future()
+        self._replies[request] = future
+        channel.transport.write(wire.frame(kind, {"i": request}))
+        try:
+            return await asyncio.wait_for(future, CONTROL_TIMEOUT_S)
+        finally:
+            self._replies.pop(request, None)
+
+    async def current_status(self) -> dict:
+        executor = {"kind": "process", "pid": self.pid, "restarts": self.restarts, "in_flight": len(self._in_flight)}
+        try:
+            status = await self._ask(wire.STATUS)
+        except (ExecutorLost, TimeoutError) as exc:
+            return {"name": self.served.name, "version": self.served.version, "executor": executor,
+                    "unavailable": str(exc) or "no answer"}
+        return {**status, "executor": executor}
+
+    async def exported_metrics(self) -> list[dict]:
+        try:
+            return await self._ask(wire.METRICS)
+        except (ExecutorLost, TimeoutError):
+            return []
+
+    # ---- shutdown -----------------------------------------------------------------------------------------------
+
+    async def shutdown(self) -> None:
+        """Let the executor answer everything it accepted, then wait for it to exit."""
+        self._stopping = True
+        if self._restarting is not None:
+            self._restarting.cancel()
+        channel = self._channel
+        if channel is not None:
+            channel.transport.write(wire.frame(wire.QUIT, {}))
+            await channel.closed
+            await asyncio.to_thread(channel.process.wait)
+        self._channel = None
+        if self._arena is not None:
+            self._arena.close()
+            self._arena = None
+
+
+# ---- the executor process's side ---------------------------------------------------------------------------------
+
+
+class Executor:
+    """The executor process: a `ModelWorker` fed by the front end's frames, answering through the socket."""
+
+    def __init__(self, sock: socket.socket, hello: dict, arena_fd: int) -> None:
+        from rampserve.runtime.bundle import load_bundle
+        from rampserve.serving.models import served
+
+        self._sock, self._sending = sock, threading.Lock()
+        self.arena = wire.SlotArena(arena_fd, hello["slot_bytes"], hello["slots"])
+        model = replace(served(hello["name"], load_bundle(Path(hello["bundle"]))), version=hello["version"])
+        self.metrics = ServerMetrics()
+        self.worker = ModelWorker(model, settings_from_json(hello["settings"]), self.metrics)
+        self.worker.on_configuration = lambda config: self.send(wire.frame(wire.CONFIGURATION, config.to_json()))
+
+    def send(self, data: bytes) -> None:
+        with self._sending:  # the executor, releasing, control and reading threads all answer
+            self._sock.sendall(data)
+
+    def serve(self, stream) -> None:
+        self.worker.start()
+        freeze_startup_objects()
+        self.send(wire.frame(wire.READY, {"pid": os.getpid()}))
+        while (message := wire.read_frame(stream)) is not None:
+            kind, header, body = message
+            if kind == wire.REQUEST:
+                self._admit(header, body)
+            elif kind == wire.CACHED:
+                self.worker.count_cached(np.frombuffer(body, np.int64).copy())
+            elif kind == wire.STATUS:
+                self.send(wire.frame(wire.REPLY, {"i": header["i"], "r": self.worker.status()}))
+            elif kind == wire.METRICS:
+                families = metric_families(self.metrics.registry, self.worker.served.name)
+                self.send(wire.frame(wire.REPLY, {"i": header["i"], "r": families}))
+            elif kind == wire.QUIT:
+                break
+        self.worker.stop()  # answers everything accepted
+
+    def _admit(self, header: dict, body: memoryview) -> None:
+        request, slot = header["i"], header["slot"]
+        inputs = (wire.unpack(body, header["layout"]) if slot is None
+                  else wire.unpack(self.arena.view, header["layout"], self.arena.offset(slot)))
+        try:
+            self.worker.admit(inputs, header["rows"], header["final"], partial(self._reply, request),
+                              header["deadline"], header["priority"],
+                              partial(self._final, request) if header["keep"] else None)
+        except Shed as exc:
+            self.send(wire.frame(wire.REFUSED, refused_header(request, exc)))
+
+    def _reply(self, request: int, result: Answer | BaseException) -> None:
+        if isinstance(result, Answer):
+            self.send(wire.answer_frame(wire.ANSWER, request, result))
+        else:
+            self.send(wire.frame(wire.REFUSED, refused_header(request, result)))
+
+    def _final(self, request: int, answer: Answer) -> None:
+        self.send(wire.answer_frame(wire.FINAL, request, answer))
+
+
+def main(argv: list[str]) -> None:
+    """`python -m rampserve.serving.executor SOCKET_FD ARENA_FD`, started by a `ProcessWorker`."""
+    sock_fd, arena_fd = int(argv[0]), int(argv[1])
+    # The front end decides when this process stops (it drains it on its own SIGINT or SIGTERM)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    os.set_inheritable(sock_fd, False)  # the compile worker must not hold the socket open after this process dies
+    os.set_inheritable(arena_fd, False)
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
+    logging.basicConfig(level=logging.WARNING, format="rampserve executor %(process)d: %(message)s")
+    sock = socket.socket(fileno=sock_fd)
+    stream = sock.makefile("rb")
+    hello = wire.read_frame(stream)
+    if hello is None or hello[0] != wire.HELLO:
+        raise SystemExit("rampserve executor: the front end sent no HELLO")
+    Executor(sock, hello[1], arena_fd).serve(stream)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
