@@ -92,6 +92,27 @@ def test_a_bundle_from_before_signatures_serves_where_its_workload_is(resnet_pre
     np.testing.assert_array_equal(old.example["x"], new.example["x"])
 
 
+def test_the_zoo_upgrades_a_cached_bundle_from_before_signatures_in_place(resnet_bundle, bootstrap_rows,
+                                                                          tmp_path, monkeypatch) -> None:
+    import rampserve.runtime.zoo_bundles as zoo_bundles
+
+    monkeypatch.setenv("RAMPSERVE_HOME", str(tmp_path))
+    cached = _without_signature(resnet_bundle, tmp_path / "bundles" / "resnet18-fmnist-small")
+    before = read_manifest(cached)
+
+    def no_prepare(*args, **kwargs):
+        raise AssertionError("the cached bundle was prepared again")
+
+    monkeypatch.setattr(zoo_bundles, "prepare", no_prepare)
+    assert zoo_bundles.zoo_bundle("resnet18-fmnist", small=True) == cached
+    after = read_manifest(cached)  # checks every file's digest, the new example's too
+    assert after["signature"] == FMNIST_SIGNATURE
+    assert {k: v for k, v in after["files"].items() if k != EXAMPLE_FILE} == before["files"]
+    assert {k: v for k, v in after.items() if k not in ("signature", "files")} == \
+        {k: v for k, v in before.items() if k != "files"}
+    np.testing.assert_array_equal(load_bundle(cached).signature.example["x"], bootstrap_rows)
+
+
 def test_a_model_without_a_signature_is_not_bundled_or_served_without_a_workload(resnet_prepared, bootstrap_rows,
                                                                                 tmp_path) -> None:
     unsigned = replace(resnet_prepared, signature=None, meta={})
