@@ -1,5 +1,6 @@
-"""Prepared-model bundles on disk: a JSON manifest, the model's weights (safetensors) or graph (ONNX), and
-the ramps' weights (safetensors). Loading never unpickles anything, and checks every file's digest."""
+"""Prepared-model bundles on disk: a JSON manifest (with the model's v2 signature), the model's weights
+(safetensors) or graph (ONNX), the ramps' weights and two example inputs (safetensors). Loading never unpickles
+anything, and checks every file's digest."""
 
 from __future__ import annotations
 
@@ -9,22 +10,29 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import safetensors.numpy
 import safetensors.torch
 from torch import nn
 
 from rampserve import __version__
 from rampserve.ramps.kinds import make_ramp
 from rampserve.runtime.backends import OnnxBackend, TorchBackend
+from rampserve.runtime.compiled import write_atomically
 from rampserve.runtime.prepared import PreparedModel, SiteInfo
 from rampserve.runtime.profile import LatencyProfile
+from rampserve.runtime.signature import ModelSignature
 from rampserve.runtime.sources import ModelSource, build_architecture
 
 FORMAT = "rampserve-bundle"
-FORMAT_VERSION = 3  # 2: linear ramp heads are a bare Linear; 3: and keep their center
+# 2: linear ramp heads are a bare Linear; 3: and keep their center. The signature and example inputs came later
+# without a new version: a reader of format 3 that predates them ignores them and loads the bundle as before
+# (rampserve processes of both ages share the zoo's bundle cache), and this one loads bundles without them.
+FORMAT_VERSION = 3
 MANIFEST = "manifest.json"
 RAMPS_FILE = "ramps.safetensors"
 TORCH_WEIGHTS = "model.safetensors"
 ONNX_FILE = "model.onnx"
+EXAMPLE_FILE = "example.safetensors"
 
 
 class BundleError(ValueError):
@@ -41,6 +49,9 @@ def _digest(path: Path) -> str:
 
 def save_bundle(model: PreparedModel, out_dir: Path) -> Path:
     """Write atomically: a half-written bundle never sits at `out_dir`."""
+    if model.signature is None:
+        raise ValueError("a bundle carries its model's signature and example inputs, and this model has none "
+                         "(prepare gives a model one)")
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".bundle-", dir=out_dir.parent))
@@ -57,17 +68,19 @@ def save_bundle(model: PreparedModel, out_dir: Path) -> Path:
         ramp_state = {f"{site}/{k}": v.contiguous() for site, ramp in model.ramps.items()
                       for k, v in ramp.state_dict().items()}
         safetensors.torch.save_file(ramp_state, tmp / RAMPS_FILE)
+        safetensors.numpy.save_file(dict(model.signature.example), tmp / EXAMPLE_FILE)
         manifest = {
             "format": FORMAT,
             "format_version": FORMAT_VERSION,
             "rampserve_version": __version__,
             "backend": backend.kind,
             "input_names": backend.input_names,
+            "signature": model.signature.to_json(),
             "sites": [s.to_json() for s in model.sites],
             "profile": model.profile.to_json() if model.profile else None,
             "error_score": model.error_score,
             "meta": model.meta,
-            "files": {name: _digest(tmp / name) for name in (model_file, RAMPS_FILE)},
+            "files": {name: _digest(tmp / name) for name in (model_file, RAMPS_FILE, EXAMPLE_FILE)},
         }
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
         if out_dir.exists():
@@ -81,12 +94,25 @@ def save_bundle(model: PreparedModel, out_dir: Path) -> Path:
 
 def write_profile(bundle_dir: Path, profile: LatencyProfile) -> None:
     """Replace a bundle's latency profile (the manifest is rewritten atomically; weights are untouched)."""
-    path = Path(bundle_dir) / MANIFEST
     manifest = read_manifest(bundle_dir)
     manifest["profile"] = profile.to_json()
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(manifest, indent=2))
-    tmp.replace(path)
+    _rewrite_manifest(bundle_dir, manifest)
+
+
+def write_signature(bundle_dir: Path, signature: ModelSignature) -> None:
+    """Give a bundle prepared before bundles carried their signature one (weights untouched). The example file is
+    written before the manifest that names it, each atomically, so a reader meanwhile sees the old bundle or the
+    new one; writers racing to do the same write the same bytes."""
+    bundle_dir = Path(bundle_dir)
+    manifest = read_manifest(bundle_dir)
+    write_atomically(bundle_dir / EXAMPLE_FILE, safetensors.numpy.save(dict(signature.example)))
+    manifest["signature"] = signature.to_json()
+    manifest["files"][EXAMPLE_FILE] = _digest(bundle_dir / EXAMPLE_FILE)
+    _rewrite_manifest(bundle_dir, manifest)
+
+
+def _rewrite_manifest(bundle_dir: Path, manifest: dict) -> None:
+    write_atomically(Path(bundle_dir) / MANIFEST, json.dumps(manifest, indent=2).encode())
 
 
 def read_manifest(bundle_dir: Path) -> dict:
@@ -159,11 +185,25 @@ def load_bundle(bundle_dir: Path) -> PreparedModel:
         ramps[site.name] = ramp.eval()
     profile = LatencyProfile.from_json(manifest["profile"]) if manifest.get("profile") else None
     return PreparedModel(backend=backend, sites=sites, ramps=ramps, profile=profile, meta=manifest["meta"],
-                         error_score=manifest.get("error_score", "max_prob"), bundle_dir=bundle_dir)
+                         error_score=manifest.get("error_score", "max_prob"),
+                         signature=_read_signature(bundle_dir, manifest), bundle_dir=bundle_dir)
+
+
+def _read_signature(bundle_dir: Path, manifest: dict) -> ModelSignature | None:
+    """The bundle's signature with its example inputs; None for a bundle prepared before bundles carried them."""
+    if "signature" not in manifest:
+        return None
+    if EXAMPLE_FILE not in manifest["files"]:
+        raise BundleError(f"{bundle_dir}/{MANIFEST} has a signature but lists no {EXAMPLE_FILE}")
+    try:
+        return ModelSignature.from_json(manifest["signature"], safetensors.numpy.load_file(bundle_dir / EXAMPLE_FILE))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise BundleError(f"{bundle_dir}: its signature is incomplete or does not fit its example inputs: {exc!r}"
+                          ) from exc
 
 
 def bundle_digest(bundle_dir: Path) -> str:
-    """What a bundle's compiled serving paths depend on: the sha256 of its model and ramp files (a new profile
-    leaves them as they are)."""
+    """What a bundle's compiled serving paths depend on: the sha256 of its model and ramp files and of the example
+    inputs they are traced and checked with (a new profile leaves them as they are)."""
     files = read_manifest(bundle_dir).get("files", {})
     return hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()

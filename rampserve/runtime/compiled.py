@@ -277,7 +277,7 @@ def set_key(bundle_digest: str, sites: Sequence[str], score: str, mode: str = "r
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:32]
 
 
-def _write_atomically(path: Path, data: bytes) -> None:
+def write_atomically(path: Path, data: bytes) -> None:
     """A reader sees the whole file or none; of two writers of the same entry, either one's file stands."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
@@ -296,10 +296,10 @@ def save_compiled(directory: Path, key: str, compiled: CompiledSet | None, refus
         with torchscript_quietly():
             torch.jit.save(compiled.runner, buffer)
         data = buffer.getvalue()
-        _write_atomically(directory / f"{key}.pt", data)
+        write_atomically(directory / f"{key}.pt", data)
         index = {"format": FORMAT, "sha256": hashlib.sha256(data).hexdigest(), "sites": list(compiled.sites),
                  "fused": list(compiled.fused), "classes": compiled.classes, "exit_mode": compiled.mode}
-    _write_atomically(directory / f"{key}.json", json.dumps(index).encode())
+    write_atomically(directory / f"{key}.json", json.dumps(index).encode())
 
 
 def has_compiled(directory: Path, key: str) -> bool:

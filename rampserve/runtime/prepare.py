@@ -15,12 +15,15 @@ from rampserve.ramps.kinds import spec_for
 from rampserve.ramps.oracle import NO_EXIT, earliest_correct_exit, exit_latency
 from rampserve.ramps.train import Features, TrainConfig, TrainReport, build_cache_ramps, collect_features, train_ramps
 from rampserve.runtime.backends import Backend, OnnxBackend, TorchBackend
+from rampserve.runtime.bundle import BundleError
 from rampserve.runtime.prepared import PreparedModel, SiteInfo
 from rampserve.runtime.profile import DEFAULT_BATCH_SIZES, PROFILE_BUDGET_S, LatencyProfile, measure_profile
+from rampserve.runtime.signature import ModelSignature
 from rampserve.runtime.sources import ModelSource, load_trained
 from rampserve.workloads.streams import get_stream
 
 Encoder = Callable[[object], dict[str, np.ndarray]]
+EXAMPLE_ROWS = 2  # rows of the example a serving path is compiled with: a batch, as served
 
 
 @dataclass(frozen=True)
@@ -104,6 +107,23 @@ def sample_feeds(backend: Backend, inputs: BootstrapInputs) -> Callable[[int], d
     return feeds
 
 
+def signature_from_workload(model: PreparedModel) -> ModelSignature:
+    """The signature of a model from a bundle prepared before bundles carried one, derived as prepare derives it,
+    from its workload's first bootstrap inputs."""
+    workload = model.meta.get("workload")
+    if workload is None:
+        raise ValueError("the model has no signature, nor a workload to derive one from: give the PreparedModel "
+                         "one (ModelSignature.of_example on two of its inputs)")
+    try:
+        bootstrap = bootstrap_inputs(workload, EXAMPLE_ROWS)
+    except FileNotFoundError as exc:
+        raise BundleError(f"{model.bundle_dir or 'the model'} was prepared before bundles carried their signature and example "
+                          f"inputs, and its workload {workload!r} is not on this machine to derive them from "
+                          f"({exc}): prepare the model again with this rampserve") from exc
+    example = sample_feeds(model.backend, bootstrap)(EXAMPLE_ROWS)
+    return ModelSignature.of_example(example, int(model.meta["num_classes"]), bootstrap.task)
+
+
 def reprofile(model: PreparedModel, config: PrepareConfig = PrepareConfig()) -> LatencyProfile:
     """Measure a prepared model's latency profile again, on this machine, with its workload's inputs."""
     inputs = bootstrap_inputs(model.meta["workload"], config.bootstrap_items)
@@ -179,7 +199,7 @@ def prepare(source: ModelSource, config: PrepareConfig = PrepareConfig(),
     workload = config.workload or default_workload(source)
     bootstrap = bootstrap_inputs(workload, config.bootstrap_items)
     encoder, items = bootstrap.encoder, bootstrap.items
-    sample = feeds_for(backend, encoder, items[:2])
+    sample = sample_feeds(backend, bootstrap)(EXAMPLE_ROWS)
 
     site_names = [s.value for s in backend.sites]
     probe_acts, probe_logits = next(backend.site_activations([sample], site_names))
@@ -201,7 +221,8 @@ def prepare(source: ModelSource, config: PrepareConfig = PrepareConfig(),
                  report.ramps[s.value].val_accuracy)
         for s in backend.sites
     ]
-    model = PreparedModel(backend=backend, sites=sites, ramps=ramps, error_score=config.error_score)
+    model = PreparedModel(backend=backend, sites=sites, ramps=ramps, error_score=config.error_score,
+                          signature=ModelSignature.of_example(sample, num_classes, bootstrap.task))
 
     model.profile = measure_profile(model, sample_feeds(backend, bootstrap), config.profile_batch_sizes,
                                     config.profile_repeats, progress=config.progress,

@@ -30,6 +30,7 @@ from rampserve.runtime.compiled import (
     StopSetRunner,
 )
 from rampserve.runtime.profile import LatencyProfile
+from rampserve.runtime.signature import ModelSignature
 
 log = logging.getLogger("rampserve.runtime")
 
@@ -121,6 +122,9 @@ class PreparedModel:
     profile: LatencyProfile | None = None
     meta: dict = field(default_factory=dict)  # source, encoder, training report, oracle statistics
     error_score: str = "max_prob"
+    # The v2 tensor signature clients see and the example the serving path is compiled with (prepare derives it,
+    # a bundle keeps it); None for a bundle prepared before bundles carried it
+    signature: ModelSignature | None = None
 
     @property
     def site_names(self) -> list[str]:

@@ -5,14 +5,15 @@ from __future__ import annotations
 from pathlib import Path
 
 from rampserve.paths import bundles_dir
-from rampserve.runtime.bundle import BundleError, read_manifest, save_bundle
-from rampserve.runtime.prepare import PrepareConfig, prepare
+from rampserve.runtime.bundle import BundleError, load_bundle, read_manifest, save_bundle, write_signature
+from rampserve.runtime.prepare import PrepareConfig, prepare, signature_from_workload
 from rampserve.runtime.sources import ModelSource
 
 
 def zoo_bundle(model: str, small: bool = False, config: PrepareConfig = PrepareConfig(), variant: str = "") -> Path:
     """The bundle of zoo model `model` prepared with `config` (kept under the name `model[-small][-variant]`),
-    preparing it (and training the model, if needed) when missing, broken, or made with other ramps."""
+    preparing it (and training the model, if needed) when missing, broken, or made with other ramps, and giving it
+    its signature when it was prepared before bundles carried one."""
     bundle = bundles_dir() / (model + ("-small" if small else "") + (f"-{variant}" if variant else ""))
     try:
         manifest = read_manifest(bundle)
@@ -21,4 +22,9 @@ def zoo_bundle(model: str, small: bool = False, config: PrepareConfig = PrepareC
             raise BundleError(f"{bundle} was prepared with other ramps")
     except BundleError:
         save_bundle(prepare(ModelSource.parse(model, small=small), config), bundle)
+        return bundle
+    if "signature" not in manifest:
+        # Upgraded in place rather than prepared again: the cache is shared by every rampserve on the machine, and
+        # a bundle that older ones serve from must not be replaced under them (they read the upgraded one as before)
+        write_signature(bundle, signature_from_workload(load_bundle(bundle)))
     return bundle

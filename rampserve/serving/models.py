@@ -10,20 +10,15 @@ from pathlib import Path
 import numpy as np
 
 from rampserve.runtime.bundle import load_bundle
-from rampserve.runtime.prepare import bootstrap_inputs, sample_feeds
 from rampserve.runtime.prepared import PreparedModel
-from rampserve.runtime.zoo_bundles import zoo_bundle
+# Re-exported: the server names its answers (app) and other predictors' tensors (predictors) as served models do
+from rampserve.runtime.signature import LABEL_OUTPUT as LABEL_OUTPUT
+from rampserve.runtime.signature import LOGITS_OUTPUT as LOGITS_OUTPUT
+from rampserve.runtime.signature import V2_DATATYPES as V2_DATATYPES
+from rampserve.runtime.signature import TensorSignature
 from rampserve.serving.protocol import TensorSpec
 
 VERSION = "1"
-# Output tensors: the released label always; the original model's logits only when asked for, since they
-# exist only once the input has run to the end (asking for them gives up early release for that request).
-LABEL_OUTPUT = "label"
-LOGITS_OUTPUT = "logits"
-V2_DATATYPES = {np.dtype(np.float32): "FP32", np.dtype(np.float64): "FP64", np.dtype(np.float16): "FP16",
-                np.dtype(np.int64): "INT64", np.dtype(np.int32): "INT32", np.dtype(np.uint8): "UINT8",
-                np.dtype(np.bool_): "BOOL"}
-TEXT_MAX_POSITIONS = 512  # BERT-style encoders have this many position embeddings
 
 
 @dataclass(frozen=True)
@@ -60,22 +55,28 @@ def load_served(ref: str) -> ServedModel:
     if path.is_dir():
         model, name = load_bundle(path), path.name
     else:
+        # Imported here: only preparing reads workloads, so serving a bundle need not import their streams
+        from rampserve.runtime.zoo_bundles import zoo_bundle
+
         model, name = load_bundle(zoo_bundle(ref)), ref
     return served(name, model)
 
 
 def served(name: str, model: PreparedModel) -> ServedModel:
-    """Derive the signature from real inputs of the model's workload: a bundle records the model's input
-    names, and its workload's encoder decides their datatypes and shapes."""
-    sample = sample_feeds(model.backend, bootstrap_inputs(model.meta["workload"], 2))(2)
-    variable = model.meta.get("task") == "text"  # token sequences: any length, padded when batched
-    inputs = tuple(
-        TensorSpec(name=n, datatype=V2_DATATYPES[a.dtype],
-                   shape=(-1, *(-1 if variable else d for d in a.shape[1:])))
-        for n, a in sample.items())
-    num_classes = int(model.meta["num_classes"])
-    outputs = (TensorSpec(LABEL_OUTPUT, "INT64", (-1,)), TensorSpec(LOGITS_OUTPUT, "FP32", (-1, num_classes)))
-    return ServedModel(name, model, inputs, outputs, TEXT_MAX_POSITIONS if variable else None, example=sample)
+    """The model behind the signature it carries (prepare gives a model one, its bundle keeps it)."""
+    signature = model.signature
+    if signature is None:
+        # A bundle prepared before bundles carried their signature served wherever its workload was: it still does
+        # there (deriving it as prepare does), and elsewhere the error says to prepare it again
+        from rampserve.runtime.prepare import signature_from_workload
+
+        signature = signature_from_workload(model)
+    return ServedModel(name, model, _specs(signature.inputs), _specs(signature.outputs), signature.max_variable_dim,
+                       example=signature.example)
+
+
+def _specs(tensors: tuple[TensorSignature, ...]) -> tuple[TensorSpec, ...]:
+    return tuple(TensorSpec(t.name, t.datatype, t.shape) for t in tensors)
 
 
 def stack_inputs(specs: tuple[TensorSpec, ...], requests: list[Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
