@@ -255,7 +255,7 @@ def serve(
                                   update_stream=update_stream)
         specs = [spec for path in apps or () for spec in read_applications(path)]
         if ray:
-            from rampserve.serving.ray_serve import RayDeployment, serve_on_ray
+            from rampserve.serving.ray.serve import RayDeployment, serve_on_ray
 
             scaling = None if autoscaling is None else json.loads(autoscaling)
             serve_on_ray(models or [], model_settings, settings, specs,
@@ -267,7 +267,7 @@ def serve(
 
 
 def read_applications(path: Path) -> list:
-    from rampserve.serving.applications import ApplicationSpec
+    from rampserve.serving.apps.applications import ApplicationSpec
 
     try:
         data = json.loads(path.read_text())

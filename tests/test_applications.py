@@ -18,10 +18,10 @@ import torch
 from sklearn.linear_model import LogisticRegression
 from test_serving import get_json, post
 
-from rampserve.serving.applications import ApplicationSpec
+from rampserve.serving.apps.applications import ApplicationSpec
 from rampserve.serving.app import ServerState
 from rampserve.serving.models import load_served
-from rampserve.serving.predictors import (
+from rampserve.serving.apps.predictors import (
     FunctionPredictor,
     ModelUnavailable,
     Predictor,

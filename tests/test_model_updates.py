@@ -11,9 +11,9 @@ import pytest
 from test_applications import IMAGE, admin, const_onnx, constant, infer, labels_of, live, query, wait_for
 from test_serving import get_json
 
-from rampserve.serving.applications import ApplicationSpec
-from rampserve.serving.predictors import FunctionPredictor
-from rampserve.serving.update_stream import ModelUpdate, publish_update
+from rampserve.serving.apps.applications import ApplicationSpec
+from rampserve.serving.apps.predictors import FunctionPredictor
+from rampserve.serving.apps.update_stream import ModelUpdate, publish_update
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ import ray
 from rampserve.control.controller import ControllerSettings
 from rampserve.serving.metrics import ServerMetrics
 from rampserve.serving.models import load_served
-from rampserve.serving.ray_control import RayControl, controller_name
+from rampserve.serving.ray.control import RayControl, controller_name
 from rampserve.serving.worker import Answer, ModelSettings, ModelWorker
 
 

@@ -16,8 +16,8 @@ from test_serving import get_json
 
 from rampserve.control.controller import ControllerSettings
 from rampserve.serving.models import load_served
-from rampserve.serving.ray_control import controller_name
-from rampserve.serving.ray_serve import RayDeployment, application
+from rampserve.serving.ray.control import controller_name
+from rampserve.serving.ray.serve import RayDeployment, application
 from rampserve.serving.server import ServerSettings
 from rampserve.serving.worker import ModelSettings
 from rampserve.workloads.fashion_mnist import to_model_input

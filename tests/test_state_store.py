@@ -12,7 +12,7 @@ import redis
 from bounded import run_bounded
 
 from rampserve.control.selection import SelectionState, exp3_update
-from rampserve.serving.state_store import (
+from rampserve.serving.apps.state_store import (
     MemoryStore,
     RedisStore,
     StateStore,

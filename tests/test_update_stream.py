@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from bounded import run_bounded
 
-from rampserve.serving.update_stream import (
+from rampserve.serving.apps.update_stream import (
     UPDATE_STREAM,
     ModelUpdate,
     UpdateListener,

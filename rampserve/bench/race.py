@@ -412,9 +412,9 @@ def offline_accuracy(model: object, images: np.ndarray, labels: np.ndarray, batc
 
 def run_race(settings: RaceSettings, json_out: Path | None = None, note: Callable[[str], None] = lambda _: None,
              progress: bool = True) -> dict:
-    from rampserve.serving.applications import ApplicationSpec
+    from rampserve.serving.apps.applications import ApplicationSpec
     from rampserve.serving.models import ServedModel, load_served
-    from rampserve.serving.predictors import RemotePredictor
+    from rampserve.serving.apps.predictors import RemotePredictor
     from rampserve.serving.server import GIL_SWITCH_INTERVAL_S, ServerSettings, build_state, running_server
     from rampserve.serving.worker import ModelSettings
 

@@ -20,13 +20,13 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import rampserve
-from rampserve.serving.applications import DEFAULT_CONTEXT, Application, ApplicationSpec, parse_query_input
+from rampserve.serving.apps.applications import DEFAULT_CONTEXT, Application, ApplicationSpec, parse_query_input
 from rampserve.serving.cache import CachedAnswer, PredictionCache, cache_key
-from rampserve.serving.catalogue import Catalogue, CatalogueError
+from rampserve.serving.apps.catalogue import Catalogue, CatalogueError
 from rampserve.serving.executor import ExecutorLost
 from rampserve.serving.metrics import MergedRegistry, ServerMetrics, watch_loop_lag
 from rampserve.serving.models import LABEL_OUTPUT, LOGITS_OUTPUT
-from rampserve.serving.predictors import ModelUnavailable, Predictor, WorkerPredictor
+from rampserve.serving.apps.predictors import ModelUnavailable, Predictor, WorkerPredictor
 from rampserve.serving.protocol import (
     InferRequest,
     ProtocolError,
@@ -38,8 +38,8 @@ from rampserve.serving.protocol import (
     parse_infer_request,
     server_metadata,
 )
-from rampserve.serving.state_store import StoreError
-from rampserve.serving.update_stream import UpdateListener
+from rampserve.serving.apps.state_store import StoreError
+from rampserve.serving.apps.update_stream import UpdateListener
 from rampserve.serving.worker import Answer, ExecutionFailed, Shed, Worker
 
 HEADER_LENGTH = "inference-header-content-length"

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from rampserve.serving.state_store import DEFAULT_TIMEOUT_S, redacted, redis_client
+from rampserve.serving.apps.state_store import DEFAULT_TIMEOUT_S, redacted, redis_client
 
 log = logging.getLogger("rampserve.serving")
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import orjson
 
 from rampserve.runtime.bundle import MANIFEST, load_bundle
-from rampserve.serving.applications import (
+from rampserve.serving.apps.applications import (
     APPLICATIONS_NAMESPACE,
     Application,
     ApplicationSpec,
@@ -32,8 +32,8 @@ from rampserve.serving.applications import (
 from rampserve.serving.executor import make_worker
 from rampserve.serving.metrics import ServerMetrics
 from rampserve.serving.models import served
-from rampserve.serving.predictors import Predictor, RemotePredictor, WorkerPredictor, onnx_predictor
-from rampserve.serving.state_store import StateStore
+from rampserve.serving.apps.predictors import Predictor, RemotePredictor, WorkerPredictor, onnx_predictor
+from rampserve.serving.apps.state_store import StateStore
 from rampserve.serving.worker import ModelSettings, Worker
 
 log = logging.getLogger("rampserve.serving")

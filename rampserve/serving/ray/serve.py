@@ -1,6 +1,6 @@
 """rampserve on Ray Serve: the same HTTP API (v2, applications, `/metrics`, `/status`) served by the replicas of
 one deployment, each with its own batchers and early-exit executors. Each model has one controller for all
-replicas, a Ray actor (`ray_control.py`), so accuracy is judged over all of its traffic. Replica count and
+replicas, a Ray actor (`ray/control.py`), so accuracy is judged over all of its traffic. Replica count and
 autoscaling pass through to Ray Serve unchanged.
 
 Ray is an optional dependency (`pip install rampserve[ray]`); this module imports it.
@@ -17,9 +17,9 @@ from fastapi import FastAPI
 from ray import serve
 
 from rampserve.serving.app import create_app
-from rampserve.serving.applications import ApplicationSpec
+from rampserve.serving.apps.applications import ApplicationSpec
 from rampserve.serving.models import ServedModel, load_served
-from rampserve.serving.ray_control import RayControl
+from rampserve.serving.ray.control import RayControl
 from rampserve.serving.server import (GIL_SWITCH_INTERVAL_S, ServerSettings, build_state, check_admin_access,
                                      freeze_startup_objects)
 from rampserve.serving.worker import ControlLink, ModelSettings
