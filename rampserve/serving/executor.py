@@ -30,6 +30,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
@@ -38,7 +39,7 @@ import numpy as np
 from prometheus_client import CollectorRegistry
 
 from rampserve.control.controller import ControllerSettings
-from rampserve.control.records import Configuration
+from rampserve.control.records import BatchRecord, Configuration
 from rampserve.serving import wire
 from rampserve.serving.metrics import ServerMetrics
 from rampserve.serving.models import ServedModel
@@ -62,6 +63,9 @@ log = logging.getLogger("rampserve.serving")
 SLOT_BYTES = 64 << 10
 SLOTS = 256
 CONTROL_TIMEOUT_S = 5.0  # longest wait for an executor's status or metrics
+# Longest an executor's control thread waits for a controller the front end holds; past it, the record is lost to
+# the controller and the executor serves on with the configuration it has (as a replica that loses its controller)
+CONTROL_CALL_TIMEOUT_S = 30.0
 # A process that dies this soon after it became ready is restarted after a growing pause (a crash loop)
 QUICK_DEATH_S = 10.0
 MAX_RESTART_PAUSE_S = 30.0
@@ -74,9 +78,10 @@ class ExecutorLost(Exception):
 def make_worker(served: ServedModel, settings: ModelSettings, metrics: ServerMetrics,
                 control: ControlLink | None = None) -> Worker:
     """The executor for a served model: a process of its own where settings ask for it and the model can be loaded
-    from its bundle there (its controller then lives there too); else a thread in this process."""
-    if settings.executor == "process" and control is None and served.model.bundle_dir is not None:
-        return ProcessWorker(served, settings, metrics)
+    from its bundle there (with its controller, unless `control` links it to one this process holds); else a
+    thread in this process."""
+    if settings.executor == "process" and served.model.bundle_dir is not None:
+        return ProcessWorker(served, settings, metrics, control)
     return ModelWorker(served, settings, metrics, control)
 
 
@@ -150,8 +155,14 @@ class _Channel(asyncio.Protocol):
 class ProcessWorker:
     """The front end's handle on a model served by an executor process: the same interface as a `ModelWorker`."""
 
-    def __init__(self, served: ServedModel, settings: ModelSettings, metrics: ServerMetrics) -> None:
+    def __init__(self, served: ServedModel, settings: ModelSettings, metrics: ServerMetrics,
+                 control: ControlLink | None = None) -> None:
+        """`control`: a controller this process holds for the model (on Ray Serve, the actor its replicas share),
+        which the executor process's control thread reaches through this one; None: the executor has its own."""
         self.served, self.settings, self.metrics = served, settings, metrics
+        self._control = control
+        # Its calls block (a Ray actor's answers): they run on a thread, one at a time, in the order records came
+        self._control_calls = None if control is None else ThreadPoolExecutor(1, f"control-{served.name}")
         self.restarts = 0
         self._arena: wire.SlotArena | None = None
         self._channel: _Channel | None = None  # None while (re)starting or stopped
@@ -186,15 +197,17 @@ class ProcessWorker:
         theirs.close()
         ready = loop.create_future()
         transport, channel = await loop.create_unix_connection(lambda: _Channel(self, process, ready), sock=ours)
-        settings = self.settings
-        if self._configuration is not None:  # a restart: carry on with the configuration the last one had
+        settings, relayed = self.settings, None
+        if self._control is not None:  # the controller outlives its executors: it says where they start
+            relayed = self._control.configuration().to_json()
+        elif self._configuration is not None:  # a restart: carry on with the configuration the last one had
             last = self._configuration
             settings = replace(settings, controller=replace(
                 settings.controller, initial=last.sites, start_thresholds=dict(zip(last.sites, last.thresholds))))
         transport.write(wire.frame(wire.HELLO, {
             "bundle": str(self.served.model.bundle_dir), "name": self.served.name, "version": self.served.version,
-            "settings": settings_to_json(settings), "slot_bytes": self._arena.slot_bytes,
-            "slots": self._arena.slots}))
+            "settings": settings_to_json(settings), "relayed_control": relayed,
+            "slot_bytes": self._arena.slot_bytes, "slots": self._arena.slots}))
         await ready
         channel.ready_at = time.monotonic()
         return channel
@@ -256,11 +269,29 @@ class ProcessWorker:
             future = self._replies.pop(header["i"], None)
             if future is not None and not future.done():
                 future.set_result(header["r"])
+        elif kind in (wire.OBSERVE, wire.REFRESH) and self._control is not None:
+            call = (partial(self._control.observe, wire.read_record(header, body)) if kind == wire.OBSERVE
+                    else self._control.refresh)
+            asked = asyncio.get_running_loop().run_in_executor(self._control_calls, self._ask_control, call)
+            asked.add_done_callback(partial(self._control_answered, channel, header["i"]))
         elif kind == wire.CONFIGURATION:
-            self._configuration = Configuration(header["version"], tuple(header["sites"]),
-                                                tuple(header["thresholds"]))
+            self._configuration = configuration_from_json(header)
         elif kind == wire.READY and not channel.ready.done():
             channel.ready.set_result(header)
+
+    def _ask_control(self, call: Callable[[], Configuration | None]) -> dict:
+        new = call()
+        return {"configuration": None if new is None else new.to_json(), "readings": self._control.readings()}
+
+    def _control_answered(self, channel: _Channel, request: int, asked: asyncio.Future) -> None:
+        if channel is not self._channel:
+            return  # that executor is gone
+        if asked.exception() is not None:
+            log.error("model %s: its controller failed: %s", self.served.name, asked.exception())
+            answer = {"i": request, "error": str(asked.exception())}
+        else:
+            answer = {"i": request, **asked.result()}
+        channel.transport.write(wire.frame(wire.CONTROL_REPLY, answer))
 
     def _release_slot(self, waiting: _InFlight) -> None:
         if waiting.slot is not None:
@@ -329,6 +360,8 @@ class ProcessWorker:
         except (ExecutorLost, TimeoutError) as exc:
             return {"name": self.served.name, "version": self.served.version, "executor": executor,
                     "unavailable": str(exc) or "no answer"}
+        if self._control is not None:  # the controller's part, which the executor cannot ask for
+            status.update(await asyncio.to_thread(self._control.status))
         return {**status, "executor": executor}
 
     async def exported_metrics(self) -> list[dict]:
@@ -353,6 +386,8 @@ class ProcessWorker:
         if self._arena is not None:
             self._arena.close()
             self._arena = None
+        if self._control_calls is not None:
+            self._control_calls.shutdown()
 
 
 # ---- the executor process's side ---------------------------------------------------------------------------------
@@ -366,15 +401,33 @@ class Executor:
         from rampserve.serving.models import served
 
         self._sock, self._sending = sock, threading.Lock()
+        self._calls: dict[int, Future] = {}  # the front end's answers awaited, by call
+        self._call_ids = itertools.count()
+        self._calls_lock = threading.Lock()
         self.arena = wire.SlotArena(arena_fd, hello["slot_bytes"], hello["slots"])
         model = replace(served(hello["name"], load_bundle(Path(hello["bundle"]))), version=hello["version"])
         self.metrics = ServerMetrics()
-        self.worker = ModelWorker(model, settings_from_json(hello["settings"]), self.metrics)
+        relayed = hello["relayed_control"]
+        control = None if relayed is None else RelayedControl(self, configuration_from_json(relayed))
+        self.worker = ModelWorker(model, settings_from_json(hello["settings"]), self.metrics, control)
         self.worker.on_configuration = lambda config: self.send(wire.frame(wire.CONFIGURATION, config.to_json()))
 
     def send(self, data: bytes) -> None:
         with self._sending:  # the executor, releasing, control and reading threads all answer
             self._sock.sendall(data)
+
+    def call(self, make_frame: Callable[[int], bytes]) -> dict:
+        """Ask the front end (from the control thread) and wait for its answer."""
+        future: Future = Future()
+        with self._calls_lock:
+            call = next(self._call_ids)
+            self._calls[call] = future
+        self.send(make_frame(call))
+        try:
+            return future.result(CONTROL_CALL_TIMEOUT_S)
+        finally:
+            with self._calls_lock:
+                self._calls.pop(call, None)
 
     def serve(self, stream) -> None:
         self.worker.start()
@@ -391,8 +444,16 @@ class Executor:
             elif kind == wire.METRICS:
                 families = metric_families(self.metrics.registry, self.worker.served.name)
                 self.send(wire.frame(wire.REPLY, {"i": header["i"], "r": families}))
+            elif kind == wire.CONTROL_REPLY:
+                with self._calls_lock:
+                    future = self._calls.get(header["i"])
+                if future is not None:
+                    future.set_result(header)
             elif kind == wire.QUIT:
                 break
+        with self._calls_lock:  # the front end answers no more: the control thread must not wait for it
+            for future in self._calls.values():
+                future.set_exception(ConnectionError("the front end is gone"))
         self.worker.stop()  # answers everything accepted
 
     def _admit(self, header: dict, body: memoryview) -> None:
@@ -414,6 +475,50 @@ class Executor:
 
     def _final(self, request: int, answer: Answer) -> None:
         self.send(wire.answer_frame(wire.FINAL, request, answer))
+
+
+def configuration_from_json(data: dict) -> Configuration:
+    return Configuration(data["version"], tuple(data["sites"]), tuple(data["thresholds"]))
+
+
+class RelayedControl:
+    """An executor process's `ControlLink` to a controller the front end holds (a Ray actor that every replica of
+    the model shares): the control thread's records and questions go through the front end. Its status is the
+    front end's to add (the executor answers status questions on the thread that reads these answers)."""
+
+    def __init__(self, executor: Executor, start: Configuration) -> None:
+        self._executor, self._current = executor, start
+        self._readings = {"window_accuracy": 1.0, "disagreement_upper": 0.0, "risk_scale": 1.0}
+
+    def configuration(self) -> Configuration:
+        return self._current
+
+    def observe(self, record: BatchRecord) -> Configuration | None:
+        return self._ask(partial(wire.record_frame, record=record))
+
+    def refresh(self) -> Configuration | None:
+        return self._ask(lambda call: wire.frame(wire.REFRESH, {"i": call}))
+
+    def _ask(self, make_frame: Callable[[int], bytes]) -> Configuration | None:
+        try:
+            answer = self._executor.call(make_frame)
+        except (ConnectionError, TimeoutError) as exc:
+            log.warning("the model's controller did not answer (%s); serving on with configuration %d", exc,
+                        self._current.version)
+            return None
+        if "error" in answer:
+            return None
+        self._readings = answer["readings"]
+        if answer["configuration"] is None:
+            return None
+        self._current = configuration_from_json(answer["configuration"])
+        return self._current
+
+    def readings(self) -> dict[str, float]:
+        return self._readings
+
+    def status(self) -> dict:
+        return {}
 
 
 def main(argv: list[str]) -> None:

@@ -16,6 +16,7 @@ from collections.abc import Iterator, Mapping
 import numpy as np
 import orjson
 
+from rampserve.control.records import BatchRecord
 from rampserve.serving.worker import Answer
 
 FRAME = struct.Struct("<IB")  # bytes after this prefix, kind
@@ -35,6 +36,10 @@ FINAL = ord("F")  # a request's final answer, after its batch ran to the end (fo
 REFUSED = ord("E")  # shed at admission or in the queue, or the batch failed
 REPLY = ord("P")  # to STATUS and METRICS
 CONFIGURATION = ord("K")  # the executor adopted a configuration
+# A controller the front end holds (one that several replicas share): the executor's control thread asks it
+OBSERVE = ord("O")  # executor -> front end: a batch record
+REFRESH = ord("U")  # executor -> front end: a configuration published meanwhile?
+CONTROL_REPLY = ord("V")  # front end -> executor: the controller's answer to OBSERVE or REFRESH
 
 
 def frame(kind: int, header: object, *buffers: bytes | memoryview) -> bytes:
@@ -175,3 +180,27 @@ def read_answer(header: dict, body: memoryview) -> Answer:
         rows, classes)
     return Answer(labels, tuple(header["s"]), tuple(header["e"]), confidences, logits, header["v"], header["b"],
                   header["t"])
+
+
+# ---- batch records ---------------------------------------------------------------------------------------------
+
+RECORD_ARRAYS = ("labels", "errors", "final", "exits", "served_in", "forced")
+
+
+def record_frame(request: int, record: BatchRecord) -> bytes:
+    """A batch record for a controller the front end holds (`executor.RelayedControl`)."""
+    arrays = {name: getattr(record, name) for name in RECORD_ARRAYS if getattr(record, name) is not None}
+    layout, size = layout_of(arrays)
+    body = bytearray(size)
+    pack_into(memoryview(body), arrays, layout)
+    header = {"i": request, "layout": layout, "version": record.version, "sites": record.sites,
+              "queue_ms": record.queue_ms, "compute_ms": record.compute_ms, "unverified": record.unverified,
+              "cached": record.cached, "feedback_share": record.feedback_share}
+    return frame(OBSERVE, header, body)
+
+
+def read_record(header: dict, body: memoryview) -> BatchRecord:
+    arrays = unpack(body, header["layout"])
+    return BatchRecord(header["version"], tuple(header["sites"]), arrays["labels"], arrays["errors"], arrays["final"],
+                       arrays["exits"], header["queue_ms"], header["compute_ms"], header["unverified"],
+                       header["cached"], arrays.get("served_in"), header["feedback_share"], arrays.get("forced"))
