@@ -29,10 +29,11 @@ import numpy as np
 from rich.table import Table
 from tqdm.auto import tqdm
 
-from rampserve.bench.live import (
-    LiveSettings, ServerProcess, _encode, _fmt, _free_port, _get_json,
-    _ratio, _renamed, measure_saturation, plan_live, replay_schedule, run_loadgen, score_systems, write_report,
+from rampserve.bench.harness import (
+    ServerProcess, encode_items, fmt, free_port, get_json, measure_saturation, rampserve_serve, ratio, renamed,
+    run_loadgen,
 )
+from rampserve.bench.live import LiveSettings, plan_live, replay_schedule, score_systems, write_report
 from rampserve.bench.loadgen import Job, LoadResult
 from rampserve.runtime.prepared import PreparedModel
 
@@ -65,7 +66,7 @@ def with_ratios(systems: dict[str, dict], baseline: str = BASELINE) -> dict[str,
     """Each system's p50/p95/p99 and throughput over the baseline's (None where either is missing or zero)."""
     base = systems[baseline]
     for summary in systems.values():
-        summary["ratios"] = {key: _ratio(summary[key], base[key]) for key in RATIO_KEYS}
+        summary["ratios"] = {key: ratio(summary[key], base[key]) for key in RATIO_KEYS}
     return systems
 
 
@@ -106,32 +107,19 @@ PEER_COLUMNS = ("system", "sent", "shed", "failed", "p50 ms", "p95 ms", "p99 ms"
 
 def peers_table(report: dict) -> Table:
     table = Table(title=f"{report['model']} on {report['workload']}, {report['trace']} trace at "
-                        f"{report['rate_rps']:.0f} rps (vanilla saturation {_fmt(report['saturation_rps'], '.0f')} "
+                        f"{report['rate_rps']:.0f} rps (vanilla saturation {fmt(report['saturation_rps'], '.0f')} "
                         f"rps), max batch {report['max_batch']}, max wait {report['max_delay_ms']:g} ms")
     for column in PEER_COLUMNS:
         table.add_column(column, justify="right")
     for name, s in report["systems"].items():
         table.add_row(name, str(s["requests"]), str(s["shed"]), str(s["failed"]),
-                      *(_fmt(s[f"p{q}_ms"], ".2f") for q in (50, 95, 99)), _fmt(s["throughput_rps"], ".1f"),
-                      _fmt(s["saturation_rps"], ".1f"), _fmt(s["accuracy"], ".4f"), _fmt(s["exit_share"], ".1%"),
-                      *(_fmt(s["ratios"][key], ".2f") for key in RATIO_KEYS))
+                      *(fmt(s[f"p{q}_ms"], ".2f") for q in (50, 95, 99)), fmt(s["throughput_rps"], ".1f"),
+                      fmt(s["saturation_rps"], ".1f"), fmt(s["accuracy"], ".4f"), fmt(s["exit_share"], ".1%"),
+                      *(fmt(s["ratios"][key], ".2f") for key in RATIO_KEYS))
     return table
 
 
 # --- peers' processes -------------------------------------------------------------------------------------------
-
-class PeerProcess(ServerProcess):
-    """A peer server in its own process, on a free port, ready once `/v2/health/ready` answers 200 (as
-    `ServerProcess`, whose start and SIGTERM stop it keeps)."""
-
-    def __init__(self, command: Callable[[int], list[str]], log: Path, start_timeout_s: float) -> None:
-        self.log, self.start_timeout_s = log, start_timeout_s
-        self.port = _free_port()
-        self.command = command(self.port)
-        self.process = None
-        self.exit_code = None
-        self.killed = False
-
 
 def ensure_mlserver_venv(venv: Path, note: Callable[[str], None]) -> Path:
     """MLServer's venv's `mlserver` executable, (re)installing the pinned requirements when the venv was not made
@@ -221,10 +209,10 @@ def run_peers(settings: PeerSettings, json_out: Path | None, plots_dir: Path | N
             note(f"starting {name}")
             log = workdir / f"{name}-server.log"
             if name in (BASELINE, "rampserve"):
-                return ServerProcess(live.model, slo, max_batch, live.max_delay_ms, name == BASELINE,
-                                     live.server_args, log, live.start_timeout_s)
+                return ServerProcess(rampserve_serve(live.model, slo, max_batch, live.max_delay_ms, name == BASELINE,
+                                                     live.server_args), log, live.start_timeout_s)
             if name == "ray_serve":
-                return PeerProcess(lambda port: [
+                return ServerProcess(lambda port: [
                     sys.executable, "-m", "rampserve.bench.peers_ray", str(bundle), "--name", live.model,
                     "--port", str(port), "--max-batch", str(max_batch), "--wait-ms", f"{live.max_delay_ms:g}"],
                     log, live.start_timeout_s)
@@ -233,10 +221,10 @@ def run_peers(settings: PeerSettings, json_out: Path | None, plots_dir: Path | N
 
             def command(port: int) -> list[str]:
                 repository = mlserver_repository(workdir / "mlserver", live.model, model_path, max_batch,
-                                                 live.max_delay_ms, (port, _free_port(), _free_port()))
+                                                 live.max_delay_ms, (port, free_port(), free_port()))
                 return [str(mlserver), "start", str(repository)]
 
-            return PeerProcess(command, log, live.start_timeout_s)
+            return ServerProcess(command, log, live.start_timeout_s)
 
         def job(srv: ServerProcess, rampserve_server: bool, **kwargs: object) -> Job:
             # JSON bodies for every system: MLServer does not take Triton's binary tensors
@@ -247,9 +235,9 @@ def run_peers(settings: PeerSettings, json_out: Path | None, plots_dir: Path | N
             with start(name) as server:
                 rampserve_server = name in (BASELINE, "rampserve")
                 if name == BASELINE:
-                    metadata = _get_json(server.url(f"/v2/models/{live.model}"))
+                    metadata = get_json(server.url(f"/v2/models/{live.model}"))
                     inputs = tuple((i["name"], i["datatype"]) for i in metadata["inputs"])
-                    probe = _renamed(probe_feeds, [n for n, _ in inputs])
+                    probe = renamed(probe_feeds, [n for n, _ in inputs])
                     clients = live.saturation_clients or 2 * max_batch + 2
                 # Every system's own closed-loop saturation: under the open-loop replay below capacity each one
                 # answers at the offered rate, so only this compares what they sustain.
@@ -260,8 +248,8 @@ def run_peers(settings: PeerSettings, json_out: Path | None, plots_dir: Path | N
                 note(f"{name} saturation: {saturations[name]['throughput_rps']:.0f} rps")
                 if name == BASELINE:
                     saturation = saturations[name]
-                    rate, n, warmup, arrivals, warmup_arrivals = replay_schedule(live, saturation, stream)
-                    requests = _renamed(_encode(model, stream.task, stream.items(first, first + warmup + n)),
+                    rate, n, warmup, arrivals, warmup_arrivals = replay_schedule(live, saturation["throughput_rps"], stream)
+                    requests = renamed(encode_items(model, stream.task, stream.items(first, first + warmup + n)),
                                         [n for n, _ in inputs])
                     expected_s = float(arrivals[-1] + warmup_arrivals[-1]) / 1000.0
                     note(f"replaying {n} requests ({live.trace}, {rate:.0f} rps) after {warmup} warm-up requests "
