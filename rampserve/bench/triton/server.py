@@ -19,6 +19,7 @@ import argparse
 import json
 import signal
 import sys
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -29,7 +30,7 @@ from pytriton.triton import Triton, TritonConfig
 LOOPBACK = "127.0.0.1"
 
 
-def labels_function(model_path: str, input_names: list[str]):
+def labels_function(model_path: str, input_names: list[str]) -> Callable[..., dict[str, np.ndarray]]:
     """The inference callable: the TorchScript model on the batch Triton formed, with one intra-op thread (as
     rampserve's executor and the other peers), its argmax as an (n, 1) int64 label column."""
     torch.set_num_threads(1)
