@@ -559,25 +559,48 @@ def bench_peers(
     workload: Annotated[str, typer.Option(help="stream: fmnist-drift or rt-drift")] = "fmnist-drift",
     trace: Annotated[str, typer.Option(help="arrivals: poisson, bursty or maf")] = "maf",
     rate: Annotated[Optional[float], typer.Option(help="mean requests per second (default: half of rampserve "
-                                                       "vanilla's measured saturation throughput)")] = None,
-    duration: Annotated[float, typer.Option(help="measured seconds per system")] = 60.0,
+                                                       "vanilla's saturation, probed before the rounds)")] = None,
+    duration: Annotated[float, typer.Option(help="measured seconds of each system's replay, each round")] = 10.0,
+    rounds: Annotated[int, typer.Option(help="interleaved rounds; each round starts one system further along")] = 5,
+    sweep_s: Annotated[float, typer.Option(help="seconds of each closed-loop level of the sweep, each round")] = 5.0,
+    sweep_settle_s: Annotated[float, typer.Option(help="first seconds of each level, not counted")] = 1.0,
+    sweep_clients: Annotated[Optional[list[int]], typer.Option(help="a level of the sweep (repeatable; default "
+                                                                    "1, 2, 4, 8, 16)")] = None,
+    saturation_s: Annotated[float, typer.Option(help="seconds of the probe that sets the rate")] = 10.0,
+    slo_ms: Annotated[Optional[float], typer.Option(help="SLO of every system (default: twice the profiled batch-1 "
+                                                         "latency); saturation keeps p99 within it")] = None,
     max_batch: Annotated[Optional[int], typer.Option(help="max batch of every system (default: the largest "
                                                           "profiled batch within the SLO)")] = None,
     max_delay_ms: Annotated[float, typer.Option(help="max batching wait of every system")] = 0.0,
     ramp_budget: Annotated[float, typer.Option(help="what ramps may add to a non-exiting input")] = 0.02,
     mlserver_backend: Annotated[str, typer.Option(help="MLServer runs the model as torch (TorchScript) or onnx")]
     = "torch",
+    system: Annotated[Optional[list[str]], typer.Option(help="a system to run (repeatable; default all: "
+                                                             "rampserve_vanilla, rampserve, mlserver, ray_serve, "
+                                                             "triton)")] = None,
     json_out: Annotated[Optional[Path], typer.Option("--json", help="write the results here")] = None,
     plots: Annotated[Optional[Path], typer.Option(help="write plots into this directory")] = None,
 ) -> None:
-    """rampserve vanilla, rampserve, Ray Serve and MLServer on the same model, trace and client, one after another."""
+    """rampserve vanilla, rampserve, MLServer, Ray Serve and Triton on the same model and client, in interleaved
+    rounds: each a replay and a concurrency sweep per system; medians and min–max over rounds."""
     from rampserve.bench.live import LiveSettings
-    from rampserve.bench.peers import PeerSettings, peers_table, run_peers
+    from rampserve.bench.peers import SWEEP_CLIENTS, SYSTEMS, PeerSettings, peers_notes, peers_table, run_peers
 
-    live = LiveSettings(model=model, workload=workload, trace=trace, rate_rps=rate, duration_s=duration,
-                        max_batch=max_batch, max_delay_ms=max_delay_ms, server_args=("--ramp-budget", str(ramp_budget)))
-    report = run_peers(PeerSettings(live=live, mlserver_backend=mlserver_backend), json_out, plots)
+    try:
+        live = LiveSettings(model=model, workload=workload, trace=trace, rate_rps=rate, duration_s=duration,
+                            saturation_s=saturation_s, saturation_rounds=1, slo_ms=slo_ms, max_batch=max_batch,
+                            max_delay_ms=max_delay_ms, server_args=("--ramp-budget", str(ramp_budget)))
+        settings = PeerSettings(live=live, systems=tuple(system or SYSTEMS), rounds=rounds,
+                                sweep_clients=tuple(sweep_clients or SWEEP_CLIENTS), sweep_s=sweep_s,
+                                sweep_settle_s=sweep_settle_s, mlserver_backend=mlserver_backend)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    report = run_peers(settings, json_out, plots)
     console.print(peers_table(report))
+    for note in peers_notes(report):
+        console.print(note, markup=False)
+    console.print("goals (medians over rounds): " + ", ".join(f"{k} {v}" for k, v in report["goals"].items()),
+                  markup=False)
 
 
 @bench_app.command("tuning")

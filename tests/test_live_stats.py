@@ -12,15 +12,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from rich.console import Console
 
+from rampserve.bench.harness import closed_loop_throughput, mean_batch_size, percentiles
 from rampserve.bench.live import (
     TABLE_COLUMNS,
     LiveSettings,
     binned_percentile,
-    closed_loop_throughput,
     live_arrivals,
     managed_exit_mode,
-    mean_batch_size,
-    percentiles,
     summarize_live,
     table_rows,
     versus_table,

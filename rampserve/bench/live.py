@@ -23,15 +23,7 @@ p50 and p99 at half of vanilla's saturation, accuracy, as ratios to vanilla from
 from __future__ import annotations
 
 import itertools
-import json
-import signal
-import socket
-import subprocess
-import sys
 import tempfile
-import time
-import urllib.request
-from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -41,7 +33,11 @@ from rich.table import Table
 from tqdm.auto import tqdm
 
 from rampserve.bench.figures import ACCURACY_WINDOW, exit_mode_figures, windows_below_share
-from rampserve.bench.loadgen import Job, LoadResult, fetch_status, save_job
+from rampserve.bench.harness import (
+    QUANTILES, ServerProcess, encode_items, fmt, get_json, mean_batch_size, measure_saturation, most_frequent,
+    percentiles, rampserve_serve, ratio, renamed, require_answers, run_loadgen, write_json,
+)
+from rampserve.bench.loadgen import Job, LoadResult
 from rampserve.bench.ramp_outputs import RampOutputs, ramp_outputs
 from rampserve.bench.sim import Scenario, _rolling_min_mean, replay, replay_oracle, summarize, with_savings
 from rampserve.runtime.timing import interleaved_medians
@@ -49,16 +45,12 @@ from rampserve.control.controller import EXIT_MODES, ControllerSettings
 from rampserve.control.costs import CostModel
 from rampserve.control.records import Configuration
 from rampserve.runtime.bundle import load_bundle
-from rampserve.runtime.prepare import encoder_for, feeds_for
 from rampserve.runtime.prepared import PreparedModel
 from rampserve.runtime.profile import LatencyProfile, max_batch_for_slo
 from rampserve.workloads.streams import DEFAULT_LENGTH, Stream, get_stream
 from rampserve.workloads.traces import MAF_MINUTE_S, arrival_times, rate_over_time
 
-QUANTILES = (25, 50, 95, 99)
 SATURATION_ITEMS = 1000  # distinct inputs the closed-loop probes cycle through
-MAX_ERRORS = 10  # distinct error messages kept per run, the most frequent
-STOP_GRACE_S = 40.0  # a server told to stop answers what it accepted within this (its own grace is 30 s)
 # Issue 17's bars for exits that stop early, against vanilla in the same run (`versus_vanilla`)
 SATURATION_GOAL = 1.4  # managed closed-loop saturation at least this times vanilla's
 P50_GOAL, P99_GOAL = 0.5, 1.0  # at half of vanilla's saturation, p50 and p99 at most these times vanilla's
@@ -134,33 +126,6 @@ def live_arrivals(trace: str, n: int, rate_rps: float, seed: int, trace_minutes:
     return drawn * (n / rate_rps * 1000.0 / drawn[-1]) if n else drawn
 
 
-def percentiles(values: np.ndarray, prefix: str = "", suffix: str = "_ms") -> dict[str, float | None]:
-    """p25/p50/p95/p99 (None each when there are no values)."""
-    points = np.percentile(values, QUANTILES) if len(values) else [None] * len(QUANTILES)
-    return {f"{prefix}p{q}{suffix}": None if v is None else float(v) for q, v in zip(QUANTILES, points)}
-
-
-def closed_loop_throughput(result: LoadResult, settle_ms: float, end_ms: float) -> float:
-    """Answers per second completed within [settle_ms, end_ms): a closed loop's clients keep the server busy
-    throughout, once they have all started."""
-    done = result.done_ms[result.ok]
-    return float(np.count_nonzero((done >= settle_ms) & (done < end_ms)) / ((end_ms - settle_ms) / 1000.0))
-
-
-def mean_batch_size(before: dict | str | None, after: dict | str | None, model: str) -> float | None:
-    """Inputs per batch the server ran between two of its status reports (`inputs`, or `requests` where it does not
-    count inputs apart: one input per request here); None if either report is missing."""
-    if not isinstance(before, dict) or not isinstance(after, dict):
-        return None
-    try:
-        first, last = before["models"][model], after["models"][model]
-        unit = "inputs" if "inputs" in last else "requests"
-        batches, inputs = last["batches"] - first["batches"], last[unit] - first[unit]
-    except (KeyError, TypeError):
-        return None
-    return inputs / batches if batches > 0 else None
-
-
 def server_figures(before: dict | str | None, after: dict | str | None, model: str) -> dict[str, float | None]:
     """What the server reports of itself between two status reads: `config_changes` (how far the model's
     configuration version moved), `loop_lag_samples_over_5ms` (event-loop lag samples over 5 ms taken in between)
@@ -219,11 +184,6 @@ def summarize_live(result: LoadResult, reference: np.ndarray, worst_window: int,
     }
 
 
-def most_frequent(errors: dict[str, int]) -> dict[str, int]:
-    """The MAX_ERRORS most frequent error messages with their counts."""
-    return dict(sorted(errors.items(), key=lambda item: -item[1])[:MAX_ERRORS])
-
-
 def with_oracle_share(systems: dict[str, dict], oracle_p50_savings: float | None) -> dict[str, dict]:
     """Savings against vanilla (`bench sim`'s `with_savings`), and each system's p50 savings as a share of the
     oracle's (simulated on the same arrivals and inputs; None when the oracle saves nothing)."""
@@ -245,19 +205,11 @@ def binned_percentile(times_ms: np.ndarray, values: np.ndarray, bin_ms: float, q
     return np.arange(len(out)) * bin_ms, out
 
 
-def _fmt(value: float | None, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
-
-
-def _ratio(value: float | None, base: float | None) -> float | None:
-    return None if value is None or not base else value / base
-
-
 def _mode(summary: dict) -> str:
     """A managed system's exit mode and feedback share ("-" for a system without exits)."""
     if summary.get("exit_mode") is None:
         return "-"
-    return f"{summary['exit_mode']} {_fmt(summary.get('feedback_share'), '.2f')}"
+    return f"{summary['exit_mode']} {fmt(summary.get('feedback_share'), '.2f')}"
 
 
 def table_rows(report: dict) -> list[tuple[str, ...]]:
@@ -267,15 +219,15 @@ def table_rows(report: dict) -> list[tuple[str, ...]]:
     for name, s in report["systems"].items():
         rows.append((
             name, str(s["requests"]), str(s["shed"]), str(s["failed"]),
-            *(_fmt(s[f"p{q}_ms"], ".2f") for q in QUANTILES), _fmt(s["throughput_rps"], ".1f"),
-            _fmt(s.get("saturation_rps"), ".1f"),
-            _fmt(s["accuracy"], ".4f"), _fmt(s["worst_window_accuracy"], ".3f"),
-            _fmt(s.get("windows_below_share"), ".1%"), _fmt(s["exit_share"], ".1%"), _mode(s),
-            _fmt(s["mean_batch_size"], ".2f"), _fmt(s.get("config_changes"), "d"),
-            _fmt(s.get("max_loop_lag_ms"), ".1f"), _fmt(s.get("loop_lag_samples_over_5ms"), "d"),
-            *(_fmt(_ratio(s.get(key), vanilla.get(key)), ".2f")
+            *(fmt(s[f"p{q}_ms"], ".2f") for q in QUANTILES), fmt(s["throughput_rps"], ".1f"),
+            fmt(s.get("saturation_rps"), ".1f"),
+            fmt(s["accuracy"], ".4f"), fmt(s["worst_window_accuracy"], ".3f"),
+            fmt(s.get("windows_below_share"), ".1%"), fmt(s["exit_share"], ".1%"), _mode(s),
+            fmt(s["mean_batch_size"], ".2f"), fmt(s.get("config_changes"), "d"),
+            fmt(s.get("max_loop_lag_ms"), ".1f"), fmt(s.get("loop_lag_samples_over_5ms"), "d"),
+            *(fmt(ratio(s.get(key), vanilla.get(key)), ".2f")
               for key in ("saturation_rps", "p50_ms", "p99_ms", "throughput_rps")),
-            _fmt(s.get("oracle_share"), ".2f"),
+            fmt(s.get("oracle_share"), ".2f"),
         ))
     return rows
 
@@ -307,8 +259,8 @@ def versus_vanilla(vanilla: dict, managed: dict, replay_load: float | None) -> d
     vanilla_rounds, managed_rounds = rounds(vanilla), rounds(managed)
     ratio_range = [min(managed_rounds) / max(vanilla_rounds), max(managed_rounds) / min(vanilla_rounds)] \
         if vanilla_rounds and managed_rounds and min(vanilla_rounds) > 0 else None
-    saturation_ratio = _ratio(sat_managed, sat_vanilla)
-    p50_ratio, p99_ratio = (_ratio(managed[key], vanilla[key]) for key in ("p50_ms", "p99_ms"))
+    saturation_ratio = ratio(sat_managed, sat_vanilla)
+    p50_ratio, p99_ratio = (ratio(managed[key], vanilla[key]) for key in ("p50_ms", "p99_ms"))
     at_half = replay_load is not None and abs(replay_load - HALF_LOAD) <= 0.01 * HALF_LOAD
     accuracy = managed["accuracy"]
     over_all = accuracy * managed["answered"] / managed["requests"] if accuracy is not None and managed["requests"] \
@@ -339,7 +291,7 @@ def versus_table(report: dict) -> Table:
     saturation = versus["saturation_rps"]
     spread = saturation["ratio_range"]
     table = Table(title=f"rampserve ({_mode(versus)}) against vanilla, same run; replay at "
-                        f"{_fmt(versus['replay_share_of_vanilla_saturation'], '.2f')} of vanilla's saturation")
+                        f"{fmt(versus['replay_share_of_vanilla_saturation'], '.2f')} of vanilla's saturation")
     for column in ("figure", "vanilla", "rampserve", "ratio", "goal", "met"):
         table.add_column(column, justify="right")
     goals = list(versus["goals"].items())
@@ -350,25 +302,25 @@ def versus_table(report: dict) -> Table:
 
     rounds = "/".join(f"{r:.0f}" for r in saturation["rampserve_rounds"])
     base_rounds = "/".join(f"{r:.0f}" for r in saturation["vanilla_rounds"])
-    table.add_row("saturation rps (rounds)", f"{_fmt(saturation['vanilla'], '.0f')} ({base_rounds})",
-                  f"{_fmt(saturation['rampserve'], '.0f')} ({rounds})",
-                  _fmt(saturation["ratio"], ".2f") + ("" if spread is None else f" ({spread[0]:.2f}-{spread[1]:.2f})"),
+    table.add_row("saturation rps (rounds)", f"{fmt(saturation['vanilla'], '.0f')} ({base_rounds})",
+                  f"{fmt(saturation['rampserve'], '.0f')} ({rounds})",
+                  fmt(saturation["ratio"], ".2f") + ("" if spread is None else f" ({spread[0]:.2f}-{spread[1]:.2f})"),
                   *verdict(0))
     for index, key in ((1, "p50_ms"), (2, "p99_ms")):
         figure = versus[key]
-        table.add_row(key.replace("_", " "), _fmt(figure["vanilla"], ".2f"), _fmt(figure["rampserve"], ".2f"),
-                      _fmt(figure["ratio"], ".2f"), *verdict(index))
-    table.add_row("accuracy, answered (all sent)", "", f"{_fmt(versus['accuracy'], '.4f')} "
-                  f"({_fmt(versus['accuracy_over_all_requests'], '.4f')})", "", *verdict(3))
-    table.add_row("1k windows below target", "", _fmt(versus["windows_below_share"], ".1%"), "", "", "")
+        table.add_row(key.replace("_", " "), fmt(figure["vanilla"], ".2f"), fmt(figure["rampserve"], ".2f"),
+                      fmt(figure["ratio"], ".2f"), *verdict(index))
+    table.add_row("accuracy, answered (all sent)", "", f"{fmt(versus['accuracy'], '.4f')} "
+                  f"({fmt(versus['accuracy_over_all_requests'], '.4f')})", "", *verdict(3))
+    table.add_row("1k windows below target", "", fmt(versus["windows_below_share"], ".1%"), "", "", "")
     return table
 
 
 def live_table(report: dict) -> Table:
     table = Table(title=f"{report['model']} on {report['workload']}, {report['trace']} trace at "
-                        f"{report['rate_rps']:.0f} rps (saturation {_fmt(report['saturation_rps'], '.0f')} rps), "
+                        f"{report['rate_rps']:.0f} rps (saturation {fmt(report['saturation_rps'], '.0f')} rps), "
                         f"SLO {report['slo_ms']:.2f} ms, max batch {report['max_batch']}, max delay "
-                        f"{report['max_delay_ms']:g} ms; server overhead {_fmt(report['server_overhead_ms'], '.2f')} ms")
+                        f"{report['max_delay_ms']:g} ms; server overhead {fmt(report['server_overhead_ms'], '.2f')} ms")
     # one column per system, one row per figure: the figures outnumber the systems, and a terminal's width
     rows = table_rows(report)
     table.add_column("")
@@ -381,114 +333,7 @@ def live_table(report: dict) -> Table:
 
 # --- processes ----------------------------------------------------------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def _get_json(url: str) -> dict:
-    with urllib.request.urlopen(url, timeout=10) as response:
-        return json.loads(response.read())
-
-
-def _tail(path: Path, lines: int = 30) -> str:
-    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.is_file() else ""
-
-
-class ServerProcess:
-    """`rampserve serve` in its own process, ready on entry, stopped with SIGTERM (it answers what it accepted)
-    on exit."""
-
-    def __init__(self, model: str, slo_ms: float, max_batch: int, max_delay_ms: float, vanilla: bool,
-                 extra_args: tuple[str, ...], log: Path, start_timeout_s: float) -> None:
-        self.model, self.log, self.start_timeout_s = model, log, start_timeout_s
-        self.port = _free_port()
-        self.command = [sys.executable, "-m", "rampserve.cli", "serve", model, "--host", "127.0.0.1", "--port",
-                        str(self.port), "--slo-ms", f"{slo_ms:.4f}", "--max-batch", str(max_batch),
-                        "--max-delay-ms", f"{max_delay_ms:g}", *extra_args, *(["--vanilla"] if vanilla else [])]
-        self.process: subprocess.Popen | None = None
-        self.exit_code: int | None = None
-        self.killed = False  # did not stop within its grace period after SIGTERM
-
-    def url(self, path: str) -> str:
-        return f"http://127.0.0.1:{self.port}{path}"
-
-    def __enter__(self) -> ServerProcess:
-        with self.log.open("wb") as log:
-            self.process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + self.start_timeout_s
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"`{' '.join(self.command)}` exited with {self.process.returncode} before it was "
-                                   f"ready:\n{_tail(self.log)}")
-            try:
-                with urllib.request.urlopen(self.url("/v2/health/ready"), timeout=2) as response:
-                    if response.status == 200:
-                        return self
-            except OSError:
-                pass
-            time.sleep(0.2)
-        self.__exit__(None, None, None)
-        raise RuntimeError(f"the server was not ready within {self.start_timeout_s} s:\n{_tail(self.log)}")
-
-    def __exit__(self, *_exc: object) -> None:
-        if self.process is None or self.process.poll() is not None:
-            self.exit_code = None if self.process is None else self.process.returncode
-            return
-        self.process.send_signal(signal.SIGTERM)
-        try:
-            self.exit_code = self.process.wait(timeout=STOP_GRACE_S)
-        except subprocess.TimeoutExpired:
-            self.killed = True
-            self.process.kill()
-            self.exit_code = self.process.wait()
-
-    def outcome(self) -> dict:
-        """How it stopped, with the end of its log when that was not cleanly (uvicorn re-raises the SIGTERM it
-        handled once it has shut down gracefully, so -SIGTERM is a clean stop too)."""
-        outcome = {"exit_code": self.exit_code, "killed": self.killed}
-        clean = self.exit_code in (0, -signal.SIGTERM) and not self.killed
-        return outcome if clean else outcome | {"log_tail": _tail(self.log)}
-
-
-def run_loadgen(job: Job, requests: list[dict[str, np.ndarray]], workdir: Path, name: str, expected_s: float,
-                progress: bool, arrivals_ms: np.ndarray | None = None,
-                warmup_arrivals_ms: np.ndarray | None = None) -> LoadResult:
-    """Run a job in a fresh `python -m rampserve.bench.loadgen` process and read its result."""
-    job_path, out_path, log_path = (workdir / f"{name}.{suffix}" for suffix in ("job.npz", "out.npz", "log"))
-    save_job(job_path, job, requests, arrivals_ms, warmup_arrivals_ms)
-    command = [sys.executable, "-m", "rampserve.bench.loadgen", str(job_path), str(out_path)]
-    limit_s = expected_s + job.timeout_s + 120.0  # encoding the bodies and draining the last requests come on top
-    with log_path.open("wb") as log, tqdm(total=round(expected_s), desc=name, unit="s", disable=not progress,
-                                          leave=False) as bar:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
-        start = time.monotonic()
-        while process.poll() is None:
-            elapsed = time.monotonic() - start
-            if elapsed > limit_s:
-                process.kill()
-                process.wait()
-                raise RuntimeError(f"the load generator ran past {limit_s:.0f} s:\n{_tail(log_path)}")
-            bar.update(min(round(elapsed), bar.total) - bar.n)
-            time.sleep(0.5)
-    if process.returncode != 0:
-        raise RuntimeError(f"the load generator failed ({process.returncode}):\n{_tail(log_path)}")
-    return LoadResult.load(out_path)
-
-
 # --- the benchmark ------------------------------------------------------------------------------------------------
-
-def _encode(model: PreparedModel, task: str, items: np.ndarray | list[str]) -> list[dict[str, np.ndarray]]:
-    """One request per item, its inputs under the model's own input names (text: each padded to its own length)."""
-    encoder = encoder_for(task)
-    return [feeds_for(model.backend, encoder, items[i:i + 1]) for i in range(len(items))]
-
-
-def _renamed(feeds: list[dict[str, np.ndarray]], names: list[str]) -> list[dict[str, np.ndarray]]:
-    """The same inputs under the names the server's metadata gives, matched by position (as `feeds_for` does)."""
-    return [dict(zip(names, f.values())) for f in feeds]
-
 
 def batch1_inprocess_ms(model: PreparedModel, feeds: list[dict[str, np.ndarray]], rounds: int) -> float:
     """Median time of the original model on one input, in this process (inputs cycle so no cache is favoured),
@@ -500,44 +345,14 @@ def batch1_inprocess_ms(model: PreparedModel, feeds: list[dict[str, np.ndarray]]
                                desc="in-process batch 1")["batch 1"]
 
 
-def _answered(result: LoadResult, what: str) -> LoadResult:
-    if not result.ok.any():
-        raise RuntimeError(f"{what}: the server answered none of {len(result.ok)} requests: {result.errors}")
-    return result
-
-
-def measure_saturation(job: Job, probe: list[dict[str, np.ndarray]], settings: LiveSettings, workdir: Path,
-                       progress: bool) -> dict:
-    """Closed loop: clients that each send again as soon as they are answered keep the server's queue from ever
-    running dry, so the answers per second once they all run are the most it sustains, at the batch sizes it
-    chooses itself. (Open-loop rate steps would need several runs, each long enough for queues to settle.)
-
-    `settings.saturation_rounds` probes in a row, each from a client process of its own: `throughput_rps` is their
-    median, `rounds_rps` every round's (their spread); counts, batch sizes and latency cover every round."""
-    before = fetch_status(job.status_url)
-    results = [_answered(run_loadgen(job, probe, workdir, f"saturation {r + 1}", settings.saturation_s, progress),
-                         "saturation") for r in range(settings.saturation_rounds)]
-    rounds = [closed_loop_throughput(result, settings.saturation_settle_s * 1000.0, settings.saturation_s * 1000.0)
-              for result in results]
-    errors: Counter[str] = Counter()
-    for result in results:
-        errors.update(result.errors)
-    return {"clients": job.clients, "duration_s": job.duration_s, "rounds": len(rounds),
-            "throughput_rps": float(np.median(rounds)), "rounds_rps": rounds,
-            "min_rps": min(rounds), "max_rps": max(rounds),
-            "mean_batch_size": mean_batch_size(before, results[-1].status_after, settings.model),
-            "answered": sum(int(r.ok.sum()) for r in results), "shed": sum(int(r.shed.sum()) for r in results),
-            "failed": sum(int(r.failed.sum()) for r in results), "errors": most_frequent(dict(errors)),
-            **percentiles(np.concatenate([r.latency_ms[r.ok] for r in results]))}
-
-
 def measure_overhead(job: Job, probe: list[dict[str, np.ndarray]], model: PreparedModel,
                      feeds: list[dict[str, np.ndarray]], settings: LiveSettings, slo_ms: float, workdir: Path,
                      progress: bool) -> dict:
     """The server's own cost: its median latency with one request at a time, less the model's batch-1 time here
     (timed while the server idles)."""
     expected_s = settings.sequential_requests * slo_ms / 1000.0  # for the progress bar: each well within the SLO
-    sequential = _answered(run_loadgen(job, probe, workdir, "one at a time", expected_s, progress), "one at a time")
+    sequential = require_answers(run_loadgen(job, probe, workdir, "one at a time", expected_s, progress),
+                                 "one at a time")
     low_load_p50 = float(np.median(sequential.latency_ms[sequential.ok]))
     batch1 = batch1_inprocess_ms(model, feeds, settings.inprocess_rounds)
     return {"server_overhead_ms": low_load_p50 - batch1, "batch1_inprocess_ms": batch1,
@@ -582,17 +397,17 @@ def plan_live(settings: LiveSettings) -> LivePlan:
     max_batch = settings.max_batch or max_batch_for_slo(profile.batch_sizes, profile.full_ms, slo)
     stream = get_stream(settings.workload, length=settings.stream_length, seed=settings.seed)
     first = stream.evaluation.start
-    probe_feeds = _encode(model, stream.task, stream.items(first, first + SATURATION_ITEMS))
+    probe_feeds = encode_items(model, stream.task, stream.items(first, first + SATURATION_ITEMS))
     return LivePlan(bundle, model, slo, max_batch, stream, first, probe_feeds)
 
 
-def replay_schedule(settings: LiveSettings, saturation: dict, stream: Stream
+def replay_schedule(settings: LiveSettings, saturation_rps: float | None, stream: Stream
                     ) -> tuple[float, int, int, np.ndarray, np.ndarray]:
-    """The replay's rate (given, or a share of the measured saturation), measured and warm-up request counts, and
-    their arrival times."""
-    rate = settings.rate_rps or settings.load * saturation["throughput_rps"]
+    """The replay's rate (given, or `settings.load` times the baseline's measured saturation), measured and warm-up
+    request counts, and their arrival times."""
+    rate = settings.rate_rps or settings.load * (saturation_rps or 0.0)
     if rate <= 0:
-        raise RuntimeError(f"the baseline answered nothing once its saturation probe had settled: {saturation}")
+        raise RuntimeError(f"the baseline answered nothing once its saturation probe had settled: {saturation_rps}")
     n = round(rate * settings.duration_s)
     warmup = settings.warmup_requests
     if warmup + n > len(stream.evaluation):
@@ -611,7 +426,7 @@ def run_live(settings: LiveSettings, json_out: Path | None, plots_dir: Path | No
         name = "vanilla" if vanilla else "rampserve"
         note(f"starting the {name} server")
         extra = settings.server_args if vanilla else (*settings.managed_args(), *settings.server_args)
-        return ServerProcess(settings.model, slo, max_batch, settings.max_delay_ms, vanilla, extra,
+        return ServerProcess(rampserve_serve(settings.model, slo, max_batch, settings.max_delay_ms, vanilla, extra),
                              workdir / f"{name}-server.log", settings.start_timeout_s)
 
     results: dict[str, LoadResult] = {}
@@ -619,11 +434,11 @@ def run_live(settings: LiveSettings, json_out: Path | None, plots_dir: Path | No
     with tempfile.TemporaryDirectory(prefix="rampserve-live-") as tmp:
         workdir = Path(tmp)
         with server(True, workdir) as vanilla:
-            metadata = _get_json(vanilla.url(f"/v2/models/{settings.model}"))
+            metadata = get_json(vanilla.url(f"/v2/models/{settings.model}"))
             inputs = tuple((i["name"], i["datatype"]) for i in metadata["inputs"])
             if len(inputs) != len(model.backend.input_names):
                 raise RuntimeError(f"the server's model takes {inputs}, the bundle's {model.backend.input_names}")
-            probe = _renamed(probe_feeds, [name for name, _ in inputs])
+            probe = renamed(probe_feeds, [name for name, _ in inputs])
 
             def job(srv: ServerProcess, **kwargs: object) -> Job:
                 return Job(srv.url(f"/v2/models/{settings.model}/infer"), inputs, "label", srv.url("/status"),
@@ -635,10 +450,12 @@ def run_live(settings: LiveSettings, json_out: Path | None, plots_dir: Path | No
                 note(f"{name} saturation: {clients} closed-loop clients for {settings.saturation_s:g} s, "
                      f"{settings.saturation_rounds} rounds")
                 measured = measure_saturation(job(srv, clients=clients, duration_s=settings.saturation_s,
-                                                  refused_pause_ms=slo), probe, settings, workdir, progress)
+                                                  refused_pause_ms=slo), probe, settings.model,
+                                              settings.saturation_rounds, settings.saturation_settle_s, workdir,
+                                              progress)
                 note(f"{name} saturation: {measured['throughput_rps']:.0f} rps (rounds "
                      f"{'/'.join(f'{r:.0f}' for r in measured['rounds_rps'])}), "
-                     f"mean batch {_fmt(measured['mean_batch_size'], '.2f')}")
+                     f"mean batch {fmt(measured['mean_batch_size'], '.2f')}")
                 return measured
 
             saturation = saturation_of(vanilla, "vanilla")
@@ -647,9 +464,9 @@ def run_live(settings: LiveSettings, json_out: Path | None, plots_dir: Path | No
             note(f"one request at a time: p50 {overhead['low_load_p50_ms']:.3f} ms; "
                  f"in-process batch 1: {overhead['batch1_inprocess_ms']:.3f} ms")
 
-            rate, n, warmup, arrivals, warmup_arrivals = replay_schedule(settings, saturation, stream)
+            rate, n, warmup, arrivals, warmup_arrivals = replay_schedule(settings, saturation["throughput_rps"], stream)
             note(f"replaying {n} requests ({settings.trace}, {rate:.0f} rps) after {warmup} warm-up requests")
-            requests = _renamed(_encode(model, stream.task, stream.items(first, first + warmup + n)),
+            requests = renamed(encode_items(model, stream.task, stream.items(first, first + warmup + n)),
                                 [name for name, _ in inputs])
             expected_s = float(arrivals[-1] + warmup_arrivals[-1]) / 1000.0
             results["vanilla"] = run_loadgen(job(vanilla), requests, workdir, "vanilla", expected_s, progress,
@@ -707,9 +524,7 @@ def write_report(report: dict, results: dict[str, LoadResult], json_out: Path | 
                  ) -> dict:
     if plots_dir is not None:
         report["plots"] = [str(p) for p in write_live_plots(report, results, plots_dir)]
-    if json_out is not None:
-        json_out.parent.mkdir(parents=True, exist_ok=True)
-        json_out.write_text(json.dumps(report, indent=2))
+    write_json(report, json_out)
     return report
 
 
@@ -718,15 +533,19 @@ def score_systems(plan: LivePlan, settings: LiveSettings, results: dict[str, Loa
     """Every system's answers to the `n` measured requests, scored against the original model's."""
     start = plan.first + warmup
     outputs = ramp_outputs(plan.model, plan.bundle, plan.stream, start, start + n)
-    systems = {}
-    for name, result in results.items():
-        _answered(result, name)
-        systems[name] = summarize_live(result, outputs.final, settings.worst_window,
-                                       mean_batch_size(result.status_before, result.status_after, settings.model),
-                                       1.0 - settings.accuracy_constraint)
-        systems[name] |= server_figures(result.status_before, result.status_after, settings.model)
-        systems[name]["server"] = servers[name] | {"status": _model_status(result.status_after, settings.model)}
-    return outputs, systems
+    return outputs, {name: score_run(settings, require_answers(result, name), outputs.final, servers[name])
+                     for name, result in results.items()}
+
+
+def score_run(settings: LiveSettings, result: LoadResult, reference: np.ndarray, server: dict) -> dict:
+    """One replay's figures (`summarize_live`, what the server says of itself, how it stopped), its released labels
+    scored against `reference`, the original model's."""
+    status_before, status_after = result.status_before, result.status_after
+    return (summarize_live(result, reference, settings.worst_window,
+                           mean_batch_size(status_before, status_after, settings.model),
+                           1.0 - settings.accuracy_constraint)
+            | server_figures(status_before, status_after, settings.model)
+            | {"server": server | {"status": _model_status(status_after, settings.model)}})
 
 
 def _model_status(status: dict | str | None, model: str) -> dict | str | None:

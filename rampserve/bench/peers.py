@@ -1,27 +1,33 @@
-"""`rampserve bench peers`: the same model, stream and open-loop trace against rampserve vanilla, rampserve with early
-exits, Ray Serve (`@serve.batch`) and MLServer (a custom runtime with its adaptive batching), one after another, at
-the same max batch and wait, through the same client process.
+"""`rampserve bench peers`: rampserve vanilla, rampserve with early exits, MLServer, Ray Serve and Triton serving the
+same model at the same max batch and wait, measured as perf_analyzer measures: in interleaved rounds.
 
-The client is `bench live`'s load generator with plain v2 JSON bodies (`"data"` lists) instead of Triton's
-binary-data extension, which MLServer's REST server does not read: every system parses the same JSON. Every system
-runs the bundle's torch model traced to TorchScript, the same kernels: rampserve as its executor compiles it by
-default (rampserve vanilla and Ray Serve: the original model, no ramps), MLServer from a traced file (or, with
-`mlserver_backend="onnx"`, exported to ONNX under ONNX Runtime: a different kernel library, not a different server)
-in a venv of its own
-(`.venv-mlserver`, created on first use from `rampserve/bench/mlserver/requirements.txt`: its fastapi/starlette pins
-conflict with rampserve's). Every model runs with one intra-op thread. The request rate is `bench live`'s: half of
-rampserve vanilla's closed-loop saturation throughput unless given. Each system's figures carry `bench live`'s keys
-plus its ratios to rampserve vanilla.
+Every system runs the bundle's original model traced to TorchScript, the same kernels with one intra-op thread:
+rampserve as its executor compiles it by default (vanilla: no ramps), Ray Serve in a replica of its own
+(`peers_ray`), MLServer from a traced file in a custom runtime (or, with `mlserver_backend="onnx"`, exported to ONNX
+under ONNX Runtime: a different kernel library, not a different server) and Triton through PyTriton (`triton/`),
+whose tritonserver hands each batch its dynamic batcher forms to the traced model in a Python process. MLServer and
+Triton run in venvs of their own, made on first use from the requirements files beside their code: MLServer's
+fastapi/starlette pins clash with rampserve's, and Triton's Python backend links Debian's own libpython3.11.
+
+A round starts each system in turn, in an order rotated from round to round (so each system meets every phase of a
+noisy machine, not one); each replays the same stream slice open loop at the same rate (after the same warm-up) and
+then runs a concurrency sweep: closed loops of 1, 2, 4, 8 and 16 clients. Its saturation in that round is the most
+it answered per second at a level whose p99 stayed within the SLO. Each system's figures are medians over rounds,
+with their min and max; the goals compare medians. Requests carry Triton's binary tensors to the systems that read
+them (rampserve, Triton) and plain v2 JSON to the rest (`transport`). The rate is `bench live`'s: half of rampserve
+vanilla's closed-loop saturation, probed before the rounds, unless given. A system that cannot be installed or
+started keeps its key, with `error` saying why.
 """
 
 from __future__ import annotations
 
 import json
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -29,123 +35,273 @@ import numpy as np
 from rich.table import Table
 from tqdm.auto import tqdm
 
-from rampserve.bench.live import (
-    LiveSettings, ServerProcess, _encode, _fmt, _free_port, _get_json,
-    _ratio, _renamed, measure_saturation, plan_live, replay_schedule, run_loadgen, score_systems, write_report,
+from rampserve.bench.harness import (
+    ServerProcess, closed_loop_throughput, encode_items, fmt, free_port, measure_saturation, percentiles,
+    rampserve_serve, ratio, require_answers, run_loadgen, v2_inputs, write_json,
 )
+from rampserve.bench.live import LiveSettings, plan_live, replay_schedule, score_run
 from rampserve.bench.loadgen import Job, LoadResult
+from rampserve.bench.ramp_outputs import ramp_outputs
 from rampserve.runtime.prepared import PreparedModel
 
-SYSTEMS = ("rampserve_vanilla", "rampserve", "ray_serve", "mlserver")
 BASELINE = "rampserve_vanilla"
-MLSERVER_DIR = Path(__file__).resolve().parent / "mlserver"
+EXITS = "rampserve"
+PEERS = ("mlserver", "ray_serve", "triton")
+SYSTEMS = (BASELINE, EXITS, *PEERS)
+BINARY, JSON = "binary", "json"
+# Triton's binary-data extension where the server reads it; MLServer's REST server does not, nor does the Ray Serve
+# peer (it reads what MLServer reads, so that the two JSON servers parse the same bodies)
+TRANSPORTS = {BASELINE: BINARY, EXITS: BINARY, "triton": BINARY, "mlserver": JSON, "ray_serve": JSON}
+SWEEP_CLIENTS = (1, 2, 4, 8, 16)
+# A sweep level is within the SLO when its p99 is: at most this share of its requests may go unanswered (shed or
+# failed), since an unanswered request is one later than any SLO
+MAX_UNANSWERED_SHARE = 0.01
+P99_GOAL = 1.1  # rampserve vanilla's median p99 at most this times the best peer's
+EXITS_P50_GOAL = 0.6  # rampserve with exits: median p50 at most this times the best peer's
+RATIO_KEYS = ("p50_ms", "p95_ms", "p99_ms", "throughput_rps", "saturation_rps")
+
+BENCH_DIR = Path(__file__).resolve().parent
+MLSERVER_DIR = BENCH_DIR / "mlserver"
+TRITON_DIR = BENCH_DIR / "triton"
+# Triton's Python-backend stub links this interpreter's libpython: a venv on another Python (pyenv's) fails to load
+# the model
+TRITON_PYTHON = Path("/usr/bin/python3.11")
 # MLServer turns adaptive batching off at max_batch_time 0; a microsecond takes whatever is queued without waiting
 # for more, which is what a wait of 0 means to rampserve and Ray Serve.
 MLSERVER_MIN_BATCH_TIME_S = 1e-6
 
 
-def _default_mlserver_venv() -> Path:
-    return Path(__file__).resolve().parents[2] / ".venv-mlserver"
+def _repository_root() -> Path:
+    return BENCH_DIR.parents[1]
 
 
 @dataclass(frozen=True)
 class PeerSettings:
-    live: LiveSettings = LiveSettings()  # model, workload, trace, rate, duration, SLO, max batch and wait
-    systems: tuple[str, ...] = SYSTEMS  # run in this order; rampserve_vanilla first (rate and ratios)
-    mlserver_venv: Path = field(default_factory=_default_mlserver_venv)
+    # model, workload, trace, rate, SLO, max batch and wait; `duration_s` is each round's replay, and the saturation
+    # probe that sets the rate runs once, before the rounds
+    live: LiveSettings = LiveSettings(duration_s=10.0, saturation_rounds=1)
+    systems: tuple[str, ...] = SYSTEMS  # round 1's order; each later round starts one further along
+    rounds: int = 5
+    sweep_clients: tuple[int, ...] = SWEEP_CLIENTS
+    sweep_s: float = 5.0  # each level of the sweep, each round ...
+    sweep_settle_s: float = 1.0  # ... less its first part, while the clients start
+    mlserver_venv: Path = field(default_factory=lambda: _repository_root() / ".venv-mlserver")
     mlserver_backend: str = "torch"  # or "onnx"; an ONNX bundle is served as ONNX
+    triton_venv: Path = field(default_factory=lambda: _repository_root() / ".venv-triton")
+
+    def __post_init__(self) -> None:
+        unknown = set(self.systems) - set(SYSTEMS)
+        if unknown:
+            raise ValueError(f"unknown systems {sorted(unknown)}; known: {SYSTEMS}")
+        if BASELINE not in self.systems or len(set(self.systems)) != len(self.systems):
+            raise ValueError(f"systems name each system once, {BASELINE} among them (the ratios' base): "
+                             f"{self.systems}")
+        if self.rounds < 1:
+            raise ValueError(f"at least one round, got {self.rounds}")
+        if not self.sweep_clients or min(self.sweep_clients) < 1:
+            raise ValueError(f"the sweep needs levels of at least one client, got {self.sweep_clients}")
+        if self.sweep_s <= self.sweep_settle_s:
+            raise ValueError(f"a sweep level ({self.sweep_s} s) must outlast its settling ({self.sweep_settle_s} s)")
+        if self.mlserver_backend not in ("torch", "onnx"):
+            raise ValueError(f"mlserver_backend is torch or onnx, not {self.mlserver_backend!r}")
 
 
 # --- statistics (pure) ----------------------------------------------------------------------------------------
 
-RATIO_KEYS = ("p50_ms", "p95_ms", "p99_ms", "throughput_rps", "saturation_rps")
+def round_orders(systems: Sequence[str], rounds: int) -> list[tuple[str, ...]]:
+    """Each round's order: round r starts r systems further along, so over len(systems) rounds every system runs
+    once in every position."""
+    n = len(systems)
+    return [tuple(systems[(r + i) % n] for i in range(n)) for r in range(rounds)]
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def over_rounds(rounds: Sequence[dict]) -> tuple[dict[str, float | None], dict[str, list[float] | None]]:
+    """(median, [min, max]) over the rounds of every figure that is a number or None (a latency of a round that
+    answered nothing), each over the rounds where it is a number; None where no round has a number."""
+    keys = list(dict.fromkeys(key for figures in rounds for key, value in figures.items()
+                              if value is None or _is_number(value)))
+    medians: dict[str, float | None] = {}
+    spans: dict[str, list[float] | None] = {}
+    for key in keys:
+        values = [figures[key] for figures in rounds if _is_number(figures.get(key))]
+        medians[key] = float(np.median(values)) if values else None
+        spans[key] = [float(min(values)), float(max(values))] if values else None
+    return medians, spans
+
+
+def sweep_point(result: LoadResult, clients: int, settle_ms: float, end_ms: float) -> dict:
+    """One closed-loop level of a sweep: answers per second completed between settling and the end, and the latency
+    of the requests issued once every client ran (the clients start together, so queues need a moment to form)."""
+    counted = result.scheduled_ms >= settle_ms
+    ok = result.ok & counted
+    return {"clients": clients, "requests": int(counted.sum()), "answered": int(ok.sum()),
+            "shed": int((result.shed & counted).sum()), "failed": int((result.failed & counted).sum()),
+            "throughput_rps": closed_loop_throughput(result, settle_ms, end_ms),
+            **percentiles(result.latency_ms[ok])}
+
+
+def within_slo(point: dict, slo_ms: float) -> bool:
+    """The level's p99 is within the SLO and at most MAX_UNANSWERED_SHARE of its requests went unanswered."""
+    unanswered = point["shed"] + point["failed"]
+    return (point["p99_ms"] is not None and point["p99_ms"] <= slo_ms
+            and unanswered <= MAX_UNANSWERED_SHARE * point["requests"])
+
+
+def saturation_from_sweep(points: Sequence[dict], slo_ms: float) -> float:
+    """The most answers per second at a level within the SLO (`within_slo`); 0 when no level was."""
+    return max((p["throughput_rps"] for p in points if within_slo(p, slo_ms)), default=0.0)
+
+
+def sweep_over_rounds(sweeps: Sequence[Sequence[dict]]) -> list[dict]:
+    """Each concurrency level's median figures over the rounds, with their [min, max] (`min_max`)."""
+    levels = sorted({p["clients"] for sweep in sweeps for p in sweep})
+    curve = []
+    for clients in levels:
+        medians, spans = over_rounds([p for sweep in sweeps for p in sweep if p["clients"] == clients])
+        curve.append(medians | {"clients": clients, "min_max": spans})
+    return curve
+
+
+def system_summary(name: str, rounds: list[dict]) -> dict:
+    """A system's figures: the medians over its measured rounds under today's keys (`p50_ms`, `saturation_rps`, …),
+    their `min_max`, every round (`rounds`), the median sweep (`sweep`) and its `transport`; `error` when no round
+    was measured."""
+    measured = [r for r in rounds if "error" not in r]
+    base = {"transport": TRANSPORTS[name], "rounds_measured": len(measured), "rounds": rounds}
+    if not measured:
+        why = rounds[-1]["error"] if rounds else "not run"
+        return base | {"error": f"no round was measured; the last said: {why}"}
+    medians, spans = over_rounds([r["figures"] for r in measured])
+    return medians | base | {"min_max": spans, "sweep": sweep_over_rounds([r["sweep"] for r in measured])}
 
 
 def with_ratios(systems: dict[str, dict], baseline: str = BASELINE) -> dict[str, dict]:
-    """Each system's p50/p95/p99 and throughput over the baseline's (None where either is missing or zero)."""
-    base = systems[baseline]
+    """Each measured system's median p50/p95/p99, throughput and saturation over the baseline's (None where either
+    is missing or zero)."""
+    base = systems.get(baseline, {})
     for summary in systems.values():
-        summary["ratios"] = {key: _ratio(summary[key], base[key]) for key in RATIO_KEYS}
+        if "error" not in summary:
+            summary["ratios"] = {key: ratio(summary.get(key), base.get(key)) for key in RATIO_KEYS}
     return systems
 
 
-def goals(systems: dict[str, dict]) -> dict[str, bool | None]:
-    """The issue's goals, reported as measured: rampserve vanilla's throughput at least each peer's (both the
-    replay's, where every system below capacity answers at the offered rate, and the closed-loop saturation, which
-    tells what each sustains) and its p50 at most each peer's; rampserve with early exits the lowest p50 of all
-    (None: a system in question is missing)."""
-    peers = [systems[name] for name in ("ray_serve", "mlserver") if name in systems]
-    vanilla, exits = systems.get(BASELINE), systems.get("rampserve")
-    p50s = [s["p50_ms"] for s in systems.values()]
+def _latency(value: float | None) -> float:
+    """A missing latency (nothing answered) counts as infinitely slow."""
+    return np.inf if value is None else value
 
-    def every(test: Callable[[dict], bool]) -> bool | None:
-        return None if vanilla is None or not peers else all(test(peer) for peer in peers)
 
+def goals(systems: dict[str, dict]) -> dict[str, object]:
+    """Issue 15's goals on the medians over rounds, as measured, against the peers that were measured
+    (`peers_compared`): rampserve vanilla's p50 at most every peer's, its p99 at most P99_GOAL times the best peer's
+    and its saturation at least every peer's; rampserve with exits' p50 at most EXITS_P50_GOAL times the best
+    peer's. None: a system in question was not measured, or (saturation) no system compared had a sweep level within
+    the SLO, so that every saturation is 0 and comparing them says nothing."""
+    measured = {name: s for name, s in systems.items() if "error" not in s}
+    peers = {name: measured[name] for name in PEERS if name in measured}
+    vanilla, exits = measured.get(BASELINE), measured.get(EXITS)
+    best_p50 = min((_latency(p.get("p50_ms")) for p in peers.values()), default=None)
+    best_p99 = min((_latency(p.get("p99_ms")) for p in peers.values()), default=None)
+    against_vanilla = vanilla is not None and bool(peers)
+    saturations = against_vanilla and any(s["saturation_rps"] > 0 for s in (vanilla, *peers.values()))
     return {
-        "vanilla_throughput_at_least_peers": every(lambda p: vanilla["throughput_rps"] >= p["throughput_rps"]),
-        "vanilla_saturation_at_least_peers": every(lambda p: vanilla["saturation_rps"] >= p["saturation_rps"]),
-        "vanilla_p50_at_most_peers": every(lambda p: _le(vanilla["p50_ms"], p["p50_ms"])),
-        "rampserve_lowest_p50": None if exits is None or None in p50s else exits["p50_ms"] == min(p50s),
+        "peers_compared": list(peers),
+        "vanilla_p50_at_most_every_peer": all(_latency(vanilla["p50_ms"]) <= _latency(p["p50_ms"])
+                                              for p in peers.values()) if against_vanilla else None,
+        f"vanilla_p99_at_most_{P99_GOAL:g}x_best_peer": bool(_latency(vanilla["p99_ms"]) <= P99_GOAL * best_p99)
+        if against_vanilla else None,
+        "vanilla_saturation_at_least_every_peer": all(vanilla["saturation_rps"] >= p["saturation_rps"]
+                                                      for p in peers.values()) if saturations else None,
+        f"exits_p50_at_most_{EXITS_P50_GOAL:g}x_best_peer": bool(_latency(exits["p50_ms"]) <= EXITS_P50_GOAL * best_p50)
+        if exits is not None and peers else None,
     }
 
 
-def _served_as(kind: str, summary: dict | None) -> str:
-    """How a rampserve server ran the model, from the status it left: TorchScript when its executor compiled it."""
-    compiled = summary is not None and (summary["server"].get("status") or {}).get("compiled")
-    return "TorchScript" if compiled and kind == "torch" else kind
+def input_specs(feeds: Sequence[dict[str, np.ndarray]]) -> list[tuple[str, str, list[int]]]:
+    """Triton's declaration of each model input: (name, numpy dtype, the shape of one input without the batch axis,
+    -1 where the requests' shapes differ: text padded to each request's own length)."""
+    specs = []
+    for name, array in feeds[0].items():
+        shapes = np.array([feed[name].shape[1:] for feed in feeds])
+        fixed = (shapes == shapes[0]).all(axis=0)
+        specs.append((name, array.dtype.name, [int(d) if keep else -1 for d, keep in zip(shapes[0], fixed)]))
+    return specs
 
 
-def _le(value: float | None, other: float | None) -> bool:
-    """value ≤ other, a missing latency (nothing answered) counting as infinitely slow."""
-    return (np.inf if value is None else value) <= (np.inf if other is None else other)
+# --- the table ----------------------------------------------------------------------------------------------------
+
+def _median_range(summary: dict, key: str, spec: str) -> str:
+    """'median (min–max)' over the measured rounds."""
+    span = summary["min_max"].get(key)
+    spread = "" if span is None or summary["rounds_measured"] < 2 else f" ({span[0]:{spec}}–{span[1]:{spec}})"
+    return fmt(summary.get(key), spec) + spread
 
 
-PEER_COLUMNS = ("system", "sent", "shed", "failed", "p50 ms", "p95 ms", "p99 ms", "rps", "saturation rps",
-                "accuracy", "exits", "p50 ×van", "p95 ×van", "p99 ×van", "rps ×van", "saturation ×van")
+# (row, what each measured system shows in it)
+PEER_ROWS: tuple[tuple[str, Callable[[dict], str]], ...] = (
+    ("transport", lambda s: s["transport"]),
+    ("rounds measured", lambda s: f"{s['rounds_measured']}/{len(s['rounds'])}"),
+    ("replay p50 ms", lambda s: _median_range(s, "p50_ms", ".2f")),
+    ("replay p99 ms", lambda s: _median_range(s, "p99_ms", ".2f")),
+    ("replay rps", lambda s: _median_range(s, "throughput_rps", ".0f")),
+    ("saturation rps", lambda s: _median_range(s, "saturation_rps", ".0f")),
+    ("sweep max rps", lambda s: _median_range(s, "sweep_max_rps", ".0f")),
+    ("accuracy", lambda s: fmt(s.get("accuracy"), ".4f")),
+    ("exits", lambda s: fmt(s.get("exit_share"), ".1%")),
+    ("p50 ×vanilla", lambda s: fmt(s["ratios"]["p50_ms"], ".2f")),
+    ("p99 ×vanilla", lambda s: fmt(s["ratios"]["p99_ms"], ".2f")),
+    ("saturation ×vanilla", lambda s: fmt(s["ratios"]["saturation_rps"], ".2f")),
+)
 
 
 def peers_table(report: dict) -> Table:
-    table = Table(title=f"{report['model']} on {report['workload']}, {report['trace']} trace at "
-                        f"{report['rate_rps']:.0f} rps (vanilla saturation {_fmt(report['saturation_rps'], '.0f')} "
-                        f"rps), max batch {report['max_batch']}, max wait {report['max_delay_ms']:g} ms")
-    for column in PEER_COLUMNS:
-        table.add_column(column, justify="right")
-    for name, s in report["systems"].items():
-        table.add_row(name, str(s["requests"]), str(s["shed"]), str(s["failed"]),
-                      *(_fmt(s[f"p{q}_ms"], ".2f") for q in (50, 95, 99)), _fmt(s["throughput_rps"], ".1f"),
-                      _fmt(s["saturation_rps"], ".1f"), _fmt(s["accuracy"], ".4f"), _fmt(s["exit_share"], ".1%"),
-                      *(_fmt(s["ratios"][key], ".2f") for key in RATIO_KEYS))
+    """One column per system, one row per figure (the figures outnumber the systems, and a terminal's width): medians
+    over rounds with their min–max; a system that was not measured says so in every row."""
+    table = Table(title=f"{report['model']} on {report['workload']}: medians (min–max) over {report['rounds']} "
+                        f"rounds; {report['trace']} replay at {report['rate_rps']:.0f} rps, sweep of "
+                        f"{'/'.join(map(str, report['sweep_clients']))} clients, SLO {report['slo_ms']:.2f} ms, "
+                        f"max batch {report['max_batch']}, max wait {report['max_delay_ms']:g} ms")
+    systems = report["systems"]
+    table.add_column("")
+    for name in systems:
+        table.add_column(name, justify="right")
+    for label, cell in PEER_ROWS:
+        table.add_row(label, *(cell(s) if "error" not in s or label == "transport" else "[red]error[/red]"
+                               for s in systems.values()))
     return table
 
 
-# --- peers' processes -------------------------------------------------------------------------------------------
-
-class PeerProcess(ServerProcess):
-    """A peer server in its own process, on a free port, ready once `/v2/health/ready` answers 200 (as
-    `ServerProcess`, whose start and SIGTERM stop it keeps)."""
-
-    def __init__(self, command: Callable[[int], list[str]], log: Path, start_timeout_s: float) -> None:
-        self.log, self.start_timeout_s = log, start_timeout_s
-        self.port = _free_port()
-        self.command = command(self.port)
-        self.process = None
-        self.exit_code = None
-        self.killed = False
+def peers_notes(report: dict) -> list[str]:
+    """What the table cannot show: why a system was not measured, and which systems had no sweep level within the
+    SLO (saturation 0)."""
+    systems = report["systems"]
+    notes = [f"{name} was not measured: {s['error']}" for name, s in systems.items() if "error" in s]
+    never = [name for name, s in systems.items() if "error" not in s and not s["saturation_rps"]]
+    if never:
+        notes.append(f"no sweep level of {', '.join(never)} kept p99 within the SLO ({report['slo_ms']:.2f} ms) in "
+                     "at least half the rounds: median saturation 0 (a looser --slo-ms compares what they sustain)")
+    return notes
 
 
-def ensure_mlserver_venv(venv: Path, note: Callable[[str], None]) -> Path:
-    """MLServer's venv's `mlserver` executable, (re)installing the pinned requirements when the venv was not made
-    from the current requirements file (a copy kept in the venv says what it was made from)."""
-    requirements = MLSERVER_DIR / "requirements.txt"
+# --- peers' installations and commands ----------------------------------------------------------------------------
+
+def ensure_venv(venv: Path, requirements: Path, python: Path, note: Callable[[str], None]) -> Path:
+    """The venv's bin folder, (re)installing the pinned requirements with `python` when the venv was not made from
+    the current requirements file (a copy kept in the venv says what it was made from)."""
     stamp = venv / "rampserve-requirements.txt"
     if stamp.is_file() and stamp.read_text() == requirements.read_text():
-        return venv / "bin" / "mlserver"
-    note(f"installing MLServer into {venv} from {requirements}")
+        return venv / "bin"
+    if not python.is_file():
+        raise RuntimeError(f"{python} is needed to make {venv}")
+    note(f"installing {requirements} into {venv} (once)")
     if not (venv / "bin" / "python").is_file():
-        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        subprocess.run([str(python), "-m", "venv", str(venv)], check=True)
     subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "-r", str(requirements)], check=True)
     shutil.copyfile(requirements, stamp)
-    return venv / "bin" / "mlserver"
+    return venv / "bin"
 
 
 def export_torchscript(model: PreparedModel, example: dict[str, np.ndarray], path: Path) -> Path:
@@ -193,99 +349,148 @@ def mlserver_repository(root: Path, model_name: str, model_path: Path, max_batch
     return root
 
 
+def triton_command(python: Path, model_path: Path, model_name: str, inputs: list[tuple[str, str, list[int]]],
+                   max_batch: int, max_delay_ms: float) -> Callable[[int], list[str]]:
+    """PyTriton's server (`triton/server.py`) in its venv, HTTP on the given port, gRPC and metrics on free ones."""
+    return lambda port: [
+        str(python), str(TRITON_DIR / "server.py"), str(model_path), "--name", model_name, "--inputs",
+        json.dumps(inputs), "--http-port", str(port), "--grpc-port", str(free_port()), "--metrics-port",
+        str(free_port()), "--max-batch", str(max_batch), "--wait-ms", f"{max_delay_ms:g}"]
+
+
 # --- the benchmark ------------------------------------------------------------------------------------------------
 
 def run_peers(settings: PeerSettings, json_out: Path | None, plots_dir: Path | None, progress: bool = True) -> dict:
     live = settings.live
-    if settings.systems[0] != BASELINE:
-        raise ValueError(f"{BASELINE} runs first: it sets the rate and the ratios")
-    if settings.mlserver_backend not in ("torch", "onnx"):
-        raise ValueError(f"mlserver_backend is torch or onnx, not {settings.mlserver_backend!r}")
-    unknown = set(settings.systems) - set(SYSTEMS)
-    if unknown:
-        raise ValueError(f"unknown systems {sorted(unknown)}; known: {SYSTEMS}")
     note = tqdm.write if progress else (lambda _message: None)
     plan = plan_live(live)
-    bundle, model, slo, max_batch = plan.bundle, plan.model, plan.slo_ms, plan.max_batch
-    stream, first, probe_feeds = plan.stream, plan.first, plan.probe_feeds
-    mlserver = ensure_mlserver_venv(settings.mlserver_venv, note) if "mlserver" in settings.systems else None
+    model, slo, max_batch = plan.model, plan.slo_ms, plan.max_batch
+    inputs = v2_inputs(plan.probe_feeds[0])
     mlserver_backend = "onnx" if model.backend.kind == "onnx" else settings.mlserver_backend
 
-    results: dict[str, LoadResult] = {}
-    servers: dict[str, dict] = {}
-    saturations: dict[str, dict] = {}
+    # A peer that cannot be installed is measured in no round; the rest go on without it
+    install_errors: dict[str, str] = {}
+    if "triton" in settings.systems and model.backend.kind != "torch":
+        install_errors["triton"] = f"the Triton peer serves a TorchScript trace; this bundle is {model.backend.kind}"
+    venv_bins: dict[str, Path] = {}
+    for name, venv, requirements, python in (
+            ("mlserver", settings.mlserver_venv, MLSERVER_DIR / "requirements.txt", Path(sys.executable)),
+            ("triton", settings.triton_venv, TRITON_DIR / "requirements.txt", TRITON_PYTHON)):
+        if name in settings.systems and name not in install_errors:
+            try:
+                venv_bins[name] = ensure_venv(venv, requirements, python, note)
+            except (OSError, RuntimeError, subprocess.CalledProcessError) as exc:
+                install_errors[name] = f"installing {name}: {exc}"
+                note(install_errors[name])
+
     with tempfile.TemporaryDirectory(prefix="rampserve-peers-") as tmp:
         workdir = Path(tmp)
+        example = plan.probe_feeds[0]
+        traced = export_torchscript(model, example, workdir / "model.pt") if model.backend.kind == "torch" else None
+        model_file = traced if mlserver_backend == "torch" else export_onnx(model, example, workdir / "model.onnx")
 
-        def start(name: str) -> ServerProcess:
-            note(f"starting {name}")
+        def server(name: str) -> ServerProcess:
             log = workdir / f"{name}-server.log"
-            if name in (BASELINE, "rampserve"):
-                return ServerProcess(live.model, slo, max_batch, live.max_delay_ms, name == BASELINE,
-                                     live.server_args, log, live.start_timeout_s)
+            if name in (BASELINE, EXITS):
+                return ServerProcess(rampserve_serve(live.model, slo, max_batch, live.max_delay_ms, name == BASELINE,
+                                                     live.server_args), log, live.start_timeout_s)
             if name == "ray_serve":
-                return PeerProcess(lambda port: [
-                    sys.executable, "-m", "rampserve.bench.peers_ray", str(bundle), "--name", live.model,
+                return ServerProcess(lambda port: [
+                    sys.executable, "-m", "rampserve.bench.peers_ray", str(plan.bundle), "--name", live.model,
                     "--port", str(port), "--max-batch", str(max_batch), "--wait-ms", f"{live.max_delay_ms:g}"],
                     log, live.start_timeout_s)
-            model_path = (export_torchscript(model, probe_feeds[0], workdir / "model.pt") if mlserver_backend == "torch"
-                          else export_onnx(model, probe_feeds[0], workdir / "model.onnx"))
+            if name == "triton":
+                # Triton answers /v2/health/ready before its model is loaded; SIGTERM would leave tritonserver behind
+                return ServerProcess(triton_command(venv_bins[name] / "python", traced, live.model,
+                                                    input_specs(plan.probe_feeds), max_batch, live.max_delay_ms),
+                                     log, live.start_timeout_s, ready_path=f"/v2/models/{live.model}/ready",
+                                     stop_signal=signal.SIGINT)
 
-            def command(port: int) -> list[str]:
-                repository = mlserver_repository(workdir / "mlserver", live.model, model_path, max_batch,
-                                                 live.max_delay_ms, (port, _free_port(), _free_port()))
-                return [str(mlserver), "start", str(repository)]
+            def mlserver(port: int) -> list[str]:
+                repository = mlserver_repository(workdir / "mlserver", live.model, model_file, max_batch,
+                                                 live.max_delay_ms, (port, free_port(), free_port()))
+                return [str(venv_bins[name] / "mlserver"), "start", str(repository)]
 
-            return PeerProcess(command, log, live.start_timeout_s)
+            return ServerProcess(mlserver, log, live.start_timeout_s)
 
-        def job(srv: ServerProcess, rampserve_server: bool, **kwargs: object) -> Job:
-            # JSON bodies for every system: MLServer does not take Triton's binary tensors
-            return Job(srv.url(f"/v2/models/{live.model}/infer"), inputs, "label",
-                       srv.url("/status") if rampserve_server else None, live.timeout_s, json_bodies=True, **kwargs)
+        def job(srv: ServerProcess, name: str, **kwargs: object) -> Job:
+            status = srv.url("/status") if name in (BASELINE, EXITS) else None
+            return Job(srv.url(f"/v2/models/{live.model}/infer"), inputs, "label", status, live.timeout_s,
+                       json_bodies=TRANSPORTS[name] == JSON, **kwargs)
 
-        for name in settings.systems:
-            with start(name) as server:
-                rampserve_server = name in (BASELINE, "rampserve")
-                if name == BASELINE:
-                    metadata = _get_json(server.url(f"/v2/models/{live.model}"))
-                    inputs = tuple((i["name"], i["datatype"]) for i in metadata["inputs"])
-                    probe = _renamed(probe_feeds, [n for n, _ in inputs])
-                    clients = live.saturation_clients or 2 * max_batch + 2
-                # Every system's own closed-loop saturation: under the open-loop replay below capacity each one
-                # answers at the offered rate, so only this compares what they sustain.
-                note(f"{name} saturation: {clients} closed-loop clients for {live.saturation_s:g} s")
-                saturations[name] = measure_saturation(
-                    job(server, rampserve_server, clients=clients, duration_s=live.saturation_s, refused_pause_ms=slo),
-                    probe, live, workdir, progress)
-                note(f"{name} saturation: {saturations[name]['throughput_rps']:.0f} rps")
-                if name == BASELINE:
-                    saturation = saturations[name]
-                    rate, n, warmup, arrivals, warmup_arrivals = replay_schedule(live, saturation, stream)
-                    requests = _renamed(_encode(model, stream.task, stream.items(first, first + warmup + n)),
-                                        [n for n, _ in inputs])
-                    expected_s = float(arrivals[-1] + warmup_arrivals[-1]) / 1000.0
-                    note(f"replaying {n} requests ({live.trace}, {rate:.0f} rps) after {warmup} warm-up requests "
-                         "against each system")
-                results[name] = run_loadgen(job(server, rampserve_server), requests, workdir, name, expected_s,
-                                            progress, arrivals, warmup_arrivals)
-            servers[name] = server.outcome()
+        calibration = None
+        if live.rate_rps is None:
+            clients = live.saturation_clients or 2 * max_batch + 2
+            note(f"calibrating the rate: {BASELINE}'s saturation, {clients} closed-loop clients for "
+                 f"{live.saturation_s:g} s")
+            with server(BASELINE) as vanilla:
+                calibration = measure_saturation(job(vanilla, BASELINE, clients=clients, duration_s=live.saturation_s,
+                                                     refused_pause_ms=slo), plan.probe_feeds, live.model,
+                                                 live.saturation_rounds, live.saturation_settle_s, workdir, progress)
+        rate, n, warmup, arrivals, warmup_arrivals = replay_schedule(
+            live, None if calibration is None else calibration["throughput_rps"], plan.stream)
+        requests = encode_items(model, plan.stream.task, plan.stream.items(plan.first, plan.first + warmup + n))
+        expected_s = float(arrivals[-1] + warmup_arrivals[-1]) / 1000.0
+        reference = ramp_outputs(model, plan.bundle, plan.stream, plan.first + warmup, plan.first + warmup + n).final
 
-    note("scoring the answers against the original model's")
-    _, systems = score_systems(plan, live, results, servers, warmup, n)
-    for name, summary in systems.items():
-        summary["saturation_rps"] = saturations[name]["throughput_rps"]
-        summary["saturation"] = saturations[name]
+        def measure(name: str, label: str) -> dict:
+            """One round of one system: the replay, then the sweep."""
+            with server(name) as srv:
+                replayed = run_loadgen(job(srv, name), requests, workdir, f"{label} replay", expected_s, progress,
+                                       arrivals, warmup_arrivals)
+                sweep = []
+                for clients in settings.sweep_clients:
+                    result = run_loadgen(job(srv, name, clients=clients, duration_s=settings.sweep_s,
+                                             refused_pause_ms=slo), plan.probe_feeds, workdir,
+                                         f"{label} {clients} clients", settings.sweep_s, progress)
+                    sweep.append(sweep_point(result, clients, settings.sweep_settle_s * 1000.0,
+                                             settings.sweep_s * 1000.0))
+            figures = score_run(live, require_answers(replayed, f"{label} replay"), reference, srv.outcome())
+            figures |= {"saturation_rps": saturation_from_sweep(sweep, slo),
+                        "sweep_max_rps": max(p["throughput_rps"] for p in sweep)}
+            return {"figures": figures, "sweep": sweep}
+
+        orders = round_orders([s for s in settings.systems if s not in install_errors], settings.rounds)
+        rounds: dict[str, list[dict]] = {name: [] for name in settings.systems}
+        note(f"{settings.rounds} rounds at {rate:.0f} rps: {n} requests after {warmup} warm-up ones, then "
+             f"{len(settings.sweep_clients)} closed loops of {settings.sweep_s:g} s per system")
+        with tqdm(total=sum(map(len, orders)), desc="peers", unit="run", disable=not progress) as bar:
+            for index, order in enumerate(orders):
+                for position, name in enumerate(order):
+                    bar.set_postfix_str(f"round {index + 1}: {name}")
+                    entry = {"round": index + 1, "position": position + 1}
+                    try:
+                        entry |= measure(name, f"r{index + 1} {name}")
+                    except (OSError, RuntimeError, ValueError, KeyError) as exc:  # the others are measured without it
+                        entry["error"] = f"{type(exc).__name__}: {str(exc)[-2000:]}"
+                        note(f"round {index + 1}, {name}: {entry['error'][:300]}")
+                    rounds[name].append(entry)
+                    bar.update()
+
+    systems = {name: system_summary(name, rounds[name]) for name in settings.systems}
+    for name, why in install_errors.items():
+        systems[name]["error"] = why
     systems = with_ratios(systems)
     report = {
-        "model": live.model, "workload": live.workload, "trace": live.trace, "rate_rps": rate,
-        "saturation_rps": saturation["throughput_rps"], "saturation": saturation, "slo_ms": slo,
+        "model": live.model, "workload": live.workload, "trace": live.trace, "rate_rps": rate, "slo_ms": slo,
         "max_batch": max_batch, "max_delay_ms": live.max_delay_ms, "requests": n, "warmup_requests": warmup,
-        "duration_s": live.duration_s, "client": "v2 JSON bodies, one process (rampserve.bench.loadgen)",
-        "backends": {BASELINE: _served_as(model.backend.kind, systems.get(BASELINE)),
-                     "rampserve": f"{_served_as(model.backend.kind, systems.get('rampserve'))} with ramps",
-                     "ray_serve": "TorchScript" if model.backend.kind == "torch" else model.backend.kind,
-                     "mlserver": "TorchScript" if mlserver_backend == "torch" else "ONNX Runtime"},
+        "duration_s": live.duration_s, "rounds": settings.rounds, "orders": [list(order) for order in orders],
+        "sweep_clients": list(settings.sweep_clients), "sweep_s": settings.sweep_s,
+        "sweep_settle_s": settings.sweep_settle_s, "calibration": calibration,
+        "client": "one process per run (rampserve.bench.loadgen): binary tensors or v2 JSON, per system's transport",
+        "backends": {BASELINE: f"rampserve serve --vanilla ({model.backend.kind}; its executor compiles to "
+                                "TorchScript where it can: /status `compiled` in each round)",
+                     EXITS: f"rampserve serve ({model.backend.kind} with ramps; compiled sets where they compile)",
+                     "ray_serve": "TorchScript (rampserve's compiled original model) behind @serve.batch",
+                     "mlserver": "TorchScript" if mlserver_backend == "torch" else "ONNX Runtime",
+                     "triton": "TorchScript in PyTriton's Python process, behind tritonserver's dynamic batcher"},
         "systems": systems, "goals": goals(systems),
-        "settings": asdict(settings) | {"mlserver_venv": str(settings.mlserver_venv)},
+        "settings": asdict(settings) | {"mlserver_venv": str(settings.mlserver_venv),
+                                        "triton_venv": str(settings.triton_venv)},
     }
-    return write_report(report, results, json_out, plots_dir)
+    if plots_dir is not None:
+        from rampserve.bench.peers_plots import write_peer_plots
+
+        report["plots"] = [str(p) for p in write_peer_plots(report, plots_dir)]
+    write_json(report, json_out)
+    return report

@@ -392,14 +392,15 @@ def query_images(settings: RaceSettings) -> tuple[np.ndarray, np.ndarray, np.nda
 def remote_server(ref: str, model: object, vanilla: bool, start_timeout_s: float, stack: ExitStack) -> object:
     """`rampserve serve` for one model in a process of its own, with the settings the first server gives its own
     models (SLO twice the profiled batch-1 latency, the largest batch within it, no queue delay)."""
-    from rampserve.bench.live import ServerProcess
+    from rampserve.bench.harness import ServerProcess, rampserve_serve
     from rampserve.runtime.profile import max_batch_for_slo
 
     profile = model.model.profile
     slo_ms = 2.0 * profile.full(1)
     workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="rampserve-race-")))
-    return ServerProcess(ref, slo_ms, max_batch_for_slo(profile.batch_sizes, profile.full_ms, slo_ms), 0.0, vanilla,
-                         (), workdir / "remote-server.log", start_timeout_s)
+    max_batch = max_batch_for_slo(profile.batch_sizes, profile.full_ms, slo_ms)
+    return ServerProcess(rampserve_serve(ref, slo_ms, max_batch, 0.0, vanilla), workdir / "remote-server.log",
+                         start_timeout_s)
 
 
 def offline_accuracy(model: object, images: np.ndarray, labels: np.ndarray, batch: int = 250) -> float:
