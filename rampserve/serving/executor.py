@@ -23,6 +23,7 @@ import dataclasses
 import itertools
 import logging
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -238,7 +239,7 @@ class ProcessWorker:
         self._in_flight[request] = _InFlight(future, slot, on_final)
         channel.transport.write(wire.frame(wire.REQUEST, {
             "i": request, "rows": rows, "final": needs_final, "deadline": deadline_ms, "priority": priority,
-            "keep": on_final is not None, "slot": slot, "layout": layout}, body))
+            "keep": on_final is not None, "slot": slot, "layout": layout, "arrival": time.monotonic()}, body))
         return future
 
     def count_cached(self, labels: np.ndarray) -> None:
@@ -394,13 +395,14 @@ class ProcessWorker:
 
 
 class Executor:
-    """The executor process: a `ModelWorker` fed by the front end's frames, answering through the socket."""
+    """The executor process: a `ModelWorker` whose executor thread reads the front end's frames itself whenever it
+    waits for work (`ModelWorker.feed`), and answers through the socket from whichever thread has the answer."""
 
-    def __init__(self, sock: socket.socket, hello: dict, arena_fd: int) -> None:
+    def __init__(self, sock: socket.socket, reader: wire.FrameReader, hello: dict, arena_fd: int) -> None:
         from rampserve.runtime.bundle import load_bundle
         from rampserve.serving.models import served
 
-        self._sock, self._sending = sock, threading.Lock()
+        self._sock, self._reader, self._sending = sock, reader, threading.Lock()
         self._calls: dict[int, Future] = {}  # the front end's answers awaited, by call
         self._call_ids = itertools.count()
         self._calls_lock = threading.Lock()
@@ -411,9 +413,10 @@ class Executor:
         control = None if relayed is None else RelayedControl(self, configuration_from_json(relayed))
         self.worker = ModelWorker(model, settings_from_json(hello["settings"]), self.metrics, control)
         self.worker.on_configuration = lambda config: self.send(wire.frame(wire.CONFIGURATION, config.to_json()))
+        self.worker.feed = self._read
 
     def send(self, data: bytes) -> None:
-        with self._sending:  # the executor, releasing, control and reading threads all answer
+        with self._sending:  # the executor, releasing and control threads all answer
             self._sock.sendall(data)
 
     def call(self, make_frame: Callable[[int], bytes]) -> dict:
@@ -429,32 +432,48 @@ class Executor:
             with self._calls_lock:
                 self._calls.pop(call, None)
 
-    def serve(self, stream) -> None:
+    def serve(self) -> None:
         self.worker.start()
         freeze_startup_objects()
         self.send(wire.frame(wire.READY, {"pid": os.getpid()}))
-        while (message := wire.read_frame(stream)) is not None:
-            kind, header, body = message
-            if kind == wire.REQUEST:
-                self._admit(header, body)
-            elif kind == wire.CACHED:
-                self.worker.count_cached(np.frombuffer(body, np.int64).copy())
-            elif kind == wire.STATUS:
-                self.send(wire.frame(wire.REPLY, {"i": header["i"], "r": self.worker.status()}))
-            elif kind == wire.METRICS:
-                families = metric_families(self.metrics.registry, self.worker.served.name)
-                self.send(wire.frame(wire.REPLY, {"i": header["i"], "r": families}))
-            elif kind == wire.CONTROL_REPLY:
-                with self._calls_lock:
-                    future = self._calls.get(header["i"])
-                if future is not None:
-                    future.set_result(header)
-            elif kind == wire.QUIT:
-                break
+        self.worker.wait_stopped()
+        self.worker.stop()  # the control thread's last records, the compile worker
+
+    def _read(self, timeout: float | None) -> None:
+        """Whatever the front end sent, waiting at most `timeout` seconds for it (on the executor thread)."""
+        if not select.select([self._sock], [], [], timeout)[0]:
+            return
+        data = self._sock.recv(1 << 20)
+        if not data:  # the front end is gone: answer what was accepted, then end
+            self._quit()
+            return
+        for kind, header, body in self._reader.feed(data):
+            self._handle(kind, header, body)
+
+    def _handle(self, kind: int, header: dict, body: memoryview) -> None:
+        if kind == wire.REQUEST:
+            self._admit(header, body)
+        elif kind == wire.CACHED:
+            self.worker.count_cached(np.frombuffer(body, np.int64).copy())
+        elif kind == wire.STATUS:
+            self.send(wire.frame(wire.REPLY, {"i": header["i"], "r": self.worker.status()}))
+        elif kind == wire.METRICS:
+            families = metric_families(self.metrics.registry, self.worker.served.name)
+            self.send(wire.frame(wire.REPLY, {"i": header["i"], "r": families}))
+        elif kind == wire.CONTROL_REPLY:
+            with self._calls_lock:
+                future = self._calls.get(header["i"])
+            if future is not None:
+                future.set_result(header)
+        elif kind == wire.QUIT:
+            self._quit()
+
+    def _quit(self) -> None:
         with self._calls_lock:  # the front end answers no more: the control thread must not wait for it
             for future in self._calls.values():
-                future.set_exception(ConnectionError("the front end is gone"))
-        self.worker.stop()  # answers everything accepted
+                if not future.done():
+                    future.set_exception(ConnectionError("the front end is gone"))
+        self.worker.request_stop()
 
     def _admit(self, header: dict, body: memoryview) -> None:
         request, slot = header["i"], header["slot"]
@@ -463,7 +482,7 @@ class Executor:
         try:
             self.worker.admit(inputs, header["rows"], header["final"], partial(self._reply, request),
                               header["deadline"], header["priority"],
-                              partial(self._final, request) if header["keep"] else None)
+                              partial(self._final, request) if header["keep"] else None, header["arrival"])
         except Shed as exc:
             self.send(wire.frame(wire.REFUSED, refused_header(request, exc)))
 
@@ -531,11 +550,13 @@ def main(argv: list[str]) -> None:
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     logging.basicConfig(level=logging.WARNING, format="rampserve executor %(process)d: %(message)s")
     sock = socket.socket(fileno=sock_fd)
-    stream = sock.makefile("rb")
-    hello = wire.read_frame(stream)
+    reader = wire.FrameReader()
+    hello = None
+    while hello is None and (data := sock.recv(1 << 20)):
+        hello = next(iter(reader.feed(data)), None)  # nothing else comes before the executor is ready
     if hello is None or hello[0] != wire.HELLO:
         raise SystemExit("rampserve executor: the front end sent no HELLO")
-    Executor(sock, hello[1], arena_fd).serve(stream)
+    Executor(sock, reader, hello[1], arena_fd).serve()
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ from __future__ import annotations
 import mmap
 import os
 import struct
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 import numpy as np
 import orjson
 
@@ -54,8 +54,8 @@ class FrameReader:
     def __init__(self) -> None:
         self._buffer = bytearray()
 
-    def feed(self, data: bytes) -> Iterator[tuple[int, dict, memoryview]]:
-        """Every frame completed by `data`: its kind, header and body (valid until the next call)."""
+    def feed(self, data: bytes) -> list[tuple[int, dict, memoryview]]:
+        """Every frame completed by `data`: its kind, header and body."""
         self._buffer += data
         start = 0
         frames = []
@@ -66,25 +66,11 @@ class FrameReader:
                 break
             (head,) = HEADER.unpack_from(self._buffer, start + FRAME.size)
             at = start + FRAME.size + HEADER.size
-            frames.append((kind, orjson.loads(bytes(self._buffer[at:at + head])), bytes(self._buffer[at + head:end])))
+            frames.append((kind, orjson.loads(bytes(self._buffer[at:at + head])),
+                           memoryview(bytes(self._buffer[at + head:end]))))
             start = end
         del self._buffer[:start]
-        for kind, header, body in frames:
-            yield kind, header, memoryview(body)
-
-
-def read_frame(sock_file) -> tuple[int, dict, memoryview] | None:
-    """One frame from a blocking binary stream, or None at its end."""
-    prefix = sock_file.read(FRAME.size)
-    if len(prefix) < FRAME.size:
-        return None
-    size, kind = FRAME.unpack(prefix)
-    payload = sock_file.read(size)
-    if len(payload) < size:
-        return None
-    (head,) = HEADER.unpack_from(payload)
-    header = orjson.loads(payload[HEADER.size:HEADER.size + head])
-    return kind, header, memoryview(payload)[HEADER.size + head:]
+        return frames
 
 
 # ---- tensors ---------------------------------------------------------------------------------------------------
