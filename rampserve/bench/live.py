@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import itertools
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -51,6 +51,7 @@ from rampserve.workloads.streams import DEFAULT_LENGTH, Stream, get_stream
 from rampserve.workloads.traces import MAF_MINUTE_S, arrival_times, rate_over_time
 
 SATURATION_ITEMS = 1000  # distinct inputs the closed-loop probes cycle through
+FEEDING_CLIENTS = 8  # closed-loop clients of the probe of whether the front end keeps batches full (issue 15)
 # Issue 17's bars for exits that stop early, against vanilla in the same run (`versus_vanilla`)
 SATURATION_GOAL = 1.4  # managed closed-loop saturation at least this times vanilla's
 P50_GOAL, P99_GOAL = 0.5, 1.0  # at half of vanilla's saturation, p50 and p99 at most these times vanilla's
@@ -320,7 +321,10 @@ def live_table(report: dict) -> Table:
     table = Table(title=f"{report['model']} on {report['workload']}, {report['trace']} trace at "
                         f"{report['rate_rps']:.0f} rps (saturation {fmt(report['saturation_rps'], '.0f')} rps), "
                         f"SLO {report['slo_ms']:.2f} ms, max batch {report['max_batch']}, max delay "
-                        f"{report['max_delay_ms']:g} ms; server overhead {fmt(report['server_overhead_ms'], '.2f')} ms")
+                        f"{report['max_delay_ms']:g} ms; server overhead {fmt(report['server_overhead_ms'], '.2f')} ms "
+                        f"(binary), {fmt(report.get('server_overhead_json_ms'), '.2f')} ms (JSON); mean batch "
+                        f"{fmt(report.get('feeding', {}).get('mean_batch_size'), '.2f')} with {FEEDING_CLIENTS} "
+                        "closed-loop clients")
     # one column per system, one row per figure: the figures outnumber the systems, and a terminal's width
     rows = table_rows(report)
     table.add_column("")
@@ -349,15 +353,20 @@ def measure_overhead(job: Job, probe: list[dict[str, np.ndarray]], model: Prepar
                      feeds: list[dict[str, np.ndarray]], settings: LiveSettings, slo_ms: float, workdir: Path,
                      progress: bool) -> dict:
     """The server's own cost: its median latency with one request at a time, less the model's batch-1 time here
-    (timed while the server idles)."""
+    (timed while the server idles); with Triton's binary tensors (`server_overhead_ms`) and with plain JSON
+    bodies (`server_overhead_json_ms`)."""
     expected_s = settings.sequential_requests * slo_ms / 1000.0  # for the progress bar: each well within the SLO
-    sequential = require_answers(run_loadgen(job, probe, workdir, "one at a time", expected_s, progress),
-                                 "one at a time")
-    low_load_p50 = float(np.median(sequential.latency_ms[sequential.ok]))
+    low_load_p50 = {}
+    for transport in ("binary", "json"):
+        sequential = require_answers(run_loadgen(replace(job, json_bodies=transport == "json"), probe, workdir,
+                                                 f"one at a time ({transport})", expected_s, progress),
+                                     "one at a time")
+        low_load_p50[transport] = float(np.median(sequential.latency_ms[sequential.ok]))
     batch1 = batch1_inprocess_ms(model, feeds, settings.inprocess_rounds)
-    return {"server_overhead_ms": low_load_p50 - batch1, "batch1_inprocess_ms": batch1,
-            "low_load_p50_ms": low_load_p50, "low_load_requests": int(sequential.ok.sum()),
-            "inprocess_torch_threads": torch.get_num_threads()}
+    return {"server_overhead_ms": low_load_p50["binary"] - batch1,
+            "server_overhead_json_ms": low_load_p50["json"] - batch1, "batch1_inprocess_ms": batch1,
+            "low_load_p50_ms": low_load_p50["binary"], "low_load_p50_json_ms": low_load_p50["json"],
+            "low_load_requests": int(sequential.ok.sum()), "inprocess_torch_threads": torch.get_num_threads()}
 
 
 def simulated_oracle(outputs: RampOutputs, profile: LatencyProfile, arrivals_ms: np.ndarray, max_batch: int,
@@ -461,8 +470,17 @@ def run_live(settings: LiveSettings, json_out: Path | None, plots_dir: Path | No
             saturation = saturation_of(vanilla, "vanilla")
             overhead = measure_overhead(job(vanilla, clients=1, requests=settings.sequential_requests), probe, model,
                                         probe_feeds, settings, slo, workdir, progress)
-            note(f"one request at a time: p50 {overhead['low_load_p50_ms']:.3f} ms; "
+            note(f"one request at a time: p50 {overhead['low_load_p50_ms']:.3f} ms (binary), "
+                 f"{overhead['low_load_p50_json_ms']:.3f} ms (JSON); "
                  f"in-process batch 1: {overhead['batch1_inprocess_ms']:.3f} ms")
+            # Whether the front end keeps the model fed: a server that parses and writes too slowly leaves its batches
+            # small however many clients wait
+            note(f"{FEEDING_CLIENTS} closed-loop clients for {settings.saturation_s:g} s")
+            feeding = measure_saturation(job(vanilla, clients=FEEDING_CLIENTS, duration_s=settings.saturation_s,
+                                             refused_pause_ms=slo), probe, settings.model, 1,
+                                         settings.saturation_settle_s, workdir, progress)
+            note(f"{FEEDING_CLIENTS} clients: {feeding['throughput_rps']:.0f} rps, "
+                 f"mean batch {fmt(feeding['mean_batch_size'], '.2f')}")
 
             rate, n, warmup, arrivals, warmup_arrivals = replay_schedule(settings, saturation["throughput_rps"], stream)
             note(f"replaying {n} requests ({settings.trace}, {rate:.0f} rps) after {warmup} warm-up requests")
@@ -494,7 +512,7 @@ def run_live(settings: LiveSettings, json_out: Path | None, plots_dir: Path | No
         "model": settings.model, "workload": settings.workload, "trace": settings.trace, "rate_rps": rate,
         "saturation_rps": saturation["throughput_rps"], "saturation": saturation, "slo_ms": slo,
         "max_batch": max_batch, "max_delay_ms": settings.max_delay_ms, "requests": n, "warmup_requests": warmup,
-        "duration_s": settings.duration_s, **overhead, "oracle_sim": oracle,
+        "duration_s": settings.duration_s, **overhead, "feeding": feeding, "oracle_sim": oracle,
         "systems": systems,
         "versus_vanilla": versus_vanilla(systems["vanilla"], systems["rampserve"],
                                          rate / saturation["throughput_rps"]),
