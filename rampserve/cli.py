@@ -553,6 +553,24 @@ def bench_live(
     console.print(versus_table(report))
 
 
+@bench_app.command("executor")
+def bench_executor(
+    model: Annotated[str, typer.Option(help="zoo model")] = DEFAULT_MODEL,
+    rounds: Annotated[int, typer.Option(help="interleaved rounds (thread and process each start afresh)")] = 5,
+    max_batch: Annotated[int, typer.Option(help="largest batch of both servers")] = 8,
+    clients: Annotated[int, typer.Option(help="closed-loop clients")] = 8,
+    json_out: Annotated[Optional[Path], typer.Option("--json", help="write the results here")] = None,
+) -> None:
+    """The executor in the server's process or in one of its own: overhead, throughput and batch size."""
+    from rampserve.bench.executor import ExecutorBenchSettings, executor_table, run_executor_bench
+
+    try:
+        settings = ExecutorBenchSettings(model=model, rounds=rounds, max_batch=max_batch, clients=clients)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    console.print(executor_table(run_executor_bench(settings, json_out)))
+
+
 @bench_app.command("peers")
 def bench_peers(
     model: Annotated[str, typer.Option(help="zoo model")] = DEFAULT_MODEL,

@@ -1,0 +1,141 @@
+"""`rampserve bench executor`: where a bundle's executor should run, measured. The same vanilla server with its
+executor in a thread of the front end's process (`--executor thread`) and in a process of its own (`--executor
+process`), started afresh in every round, the order alternating round by round: one client at a time (the server's
+own overhead over the model's batch-1 time here, with binary tensors and with JSON bodies) and a closed loop of
+clients (throughput, latency, and the mean batch: whether the front end keeps the model fed). Figures are medians
+over rounds with their min-max, and process/thread ratios paired within each round (so a noisy phase of the
+machine lands on both).
+"""
+
+from __future__ import annotations
+
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+from rich.table import Table
+from tqdm.auto import tqdm
+
+from rampserve.bench.harness import (
+    ServerProcess, closed_loop_throughput, encode_items, fmt, mean_batch_size, percentiles, rampserve_serve,
+    require_answers, run_loadgen, v2_inputs, write_json,
+)
+from rampserve.bench.live import batch1_inprocess_ms
+from rampserve.bench.loadgen import Job, fetch_status
+from rampserve.bench.peers import over_rounds, round_orders
+from rampserve.runtime.bundle import load_bundle
+from rampserve.runtime.zoo_bundles import zoo_bundle
+from rampserve.workloads.streams import get_stream
+
+EXECUTORS = ("thread", "process")
+# Figures where lower is better (a ratio under 1 favours the process) and the others (higher is better)
+LOWER_IS_BETTER = ("overhead_binary_ms", "overhead_json_ms", "closed_p50_ms", "closed_p99_ms")
+
+
+@dataclass(frozen=True)
+class ExecutorBenchSettings:
+    model: str = "resnet18-fmnist"
+    workload: str = "fmnist-drift"
+    rounds: int = 5
+    max_batch: int = 8
+    slo_ms: float = 10.0  # only bounds the batch size and the adaptive batching's target
+    sequential_requests: int = 600  # one at a time; the first sixth warms up and is not counted
+    clients: int = 8  # the closed loop (issue 15: a mean batch of at least 3 with 8 clients)
+    closed_s: float = 8.0
+    closed_settle_s: float = 2.0
+    inprocess_rounds: int = 500
+    start_timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        if self.rounds < 1 or self.clients < 1:
+            raise ValueError("at least one round and one client")
+        if self.closed_s <= self.closed_settle_s:
+            raise ValueError(f"the closed loop ({self.closed_s} s) must outlast its settling ({self.closed_settle_s} s)")
+
+
+def paired_ratios(rounds: dict[str, list[dict]]) -> dict[str, dict]:
+    """Per figure, process over thread within each round: the median and [min, max] of those ratios."""
+    ratios: dict[str, dict] = {}
+    keys = [k for k in rounds["process"][0] if k in LOWER_IS_BETTER or k in ("closed_rps", "closed_mean_batch")]
+    for key in keys:
+        values = [p[key] / t[key] for p, t in zip(rounds["process"], rounds["thread"])
+                  if p.get(key) is not None and t.get(key)]
+        if values:
+            ratios[key] = {"median": float(np.median(values)), "min_max": [min(values), max(values)]}
+    return ratios
+
+
+def run_executor_bench(settings: ExecutorBenchSettings, json_out: Path | None, progress: bool = True) -> dict:
+    model = load_bundle(zoo_bundle(settings.model))
+    stream = get_stream(settings.workload)
+    start = stream.evaluation.start
+    feeds = encode_items(model, stream.task, stream.items(start, start + 500))
+    batch1 = batch1_inprocess_ms(model, feeds, settings.inprocess_rounds)
+    rounds: dict[str, list[dict]] = {kind: [] for kind in EXECUTORS}
+    orders = round_orders(EXECUTORS, settings.rounds)
+    warm = settings.sequential_requests // 6
+    with tempfile.TemporaryDirectory(prefix="rampserve-executor-") as tmp, \
+            tqdm(total=settings.rounds * len(EXECUTORS), desc="executor", unit="run", disable=not progress) as bar:
+        workdir = Path(tmp)
+        for order in orders:
+            for kind in order:
+                command = rampserve_serve(settings.model, settings.slo_ms, settings.max_batch, 0.0, True,
+                                          ("--executor", kind))
+                with ServerProcess(command, workdir / f"{kind}.log", settings.start_timeout_s) as server:
+                    url = server.url(f"/v2/models/{settings.model}/infer")
+                    figures: dict[str, float | None] = {}
+                    for transport in ("binary", "json"):
+                        job = Job(url, v2_inputs(feeds[0]), "label", None, clients=1,
+                                  requests=settings.sequential_requests, json_bodies=transport == "json")
+                        one = require_answers(run_loadgen(job, feeds, workdir, f"{kind} one at a time",
+                                                          settings.sequential_requests * 0.003, False), kind)
+                        figures[f"overhead_{transport}_ms"] = float(np.median(one.latency_ms[one.ok][warm:])) - batch1
+                    before = fetch_status(server.url("/status"))
+                    job = Job(url, v2_inputs(feeds[0]), "label", server.url("/status"), clients=settings.clients,
+                              duration_s=settings.closed_s)
+                    closed = require_answers(run_loadgen(job, feeds, workdir, f"{kind} closed loop",
+                                                         settings.closed_s, False), kind)
+                    counted = closed.ok & (closed.scheduled_ms >= settings.closed_settle_s * 1000.0)
+                    latency = percentiles(closed.latency_ms[counted], "closed_")
+                    figures |= {"closed_rps": closed_loop_throughput(closed, settings.closed_settle_s * 1000.0,
+                                                                     settings.closed_s * 1000.0),
+                                "closed_p50_ms": latency["closed_p50_ms"], "closed_p99_ms": latency["closed_p99_ms"],
+                                "closed_mean_batch": mean_batch_size(before, closed.status_after, settings.model),
+                                "closed_failed": int((~closed.ok).sum())}
+                rounds[kind].append(figures)
+                bar.update()
+    systems = {}
+    for kind in EXECUTORS:
+        medians, spans = over_rounds(rounds[kind])
+        systems[kind] = medians | {"min_max": spans, "rounds": rounds[kind]}
+    report = {"model": settings.model, "batch1_inprocess_ms": batch1, "orders": [list(o) for o in orders],
+              "settings": asdict(settings), "systems": systems, "process_over_thread": paired_ratios(rounds)}
+    write_json(report, json_out)
+    return report
+
+
+def executor_table(report: dict) -> Table:
+    settings = report["settings"]
+    table = Table(title=f"{report['model']}, vanilla, max batch {settings['max_batch']}: medians (min–max) over "
+                        f"{settings['rounds']} rounds; in-process batch 1 {report['batch1_inprocess_ms']:.3f} ms")
+    table.add_column("figure")
+    for kind in EXECUTORS:
+        table.add_column(f"executor {kind}", justify="right")
+    table.add_column("process / thread (paired)", justify="right")
+    rows = (("overhead, binary (ms)", "overhead_binary_ms", ".3f"), ("overhead, JSON (ms)", "overhead_json_ms", ".3f"),
+            (f"{settings['clients']} clients: rps", "closed_rps", ".0f"),
+            (f"{settings['clients']} clients: p50 ms", "closed_p50_ms", ".2f"),
+            (f"{settings['clients']} clients: p99 ms", "closed_p99_ms", ".2f"),
+            (f"{settings['clients']} clients: mean batch", "closed_mean_batch", ".2f"))
+    for label, key, spec in rows:
+        cells = []
+        for kind in EXECUTORS:
+            system = report["systems"][kind]
+            span = system["min_max"].get(key)
+            cells.append(fmt(system.get(key), spec) + ("" if span is None else f" ({span[0]:{spec}}–{span[1]:{spec}})"))
+        ratio = report["process_over_thread"].get(key)
+        cells.append("" if ratio is None else f"{ratio['median']:.2f} ({ratio['min_max'][0]:.2f}–"
+                                              f"{ratio['min_max'][1]:.2f})")
+        table.add_row(label, *cells)
+    return table
