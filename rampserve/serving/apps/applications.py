@@ -31,7 +31,7 @@ from rampserve.control.deciders import Candidate, Decision, first, make_decider
 from rampserve.control.selection import SelectionState, exp3_choose, exp3_update, exp4_update, exp4_votes
 from rampserve.serving.cache import cache_key
 from rampserve.serving.metrics import ServerMetrics
-from rampserve.serving.apps.predictors import Predictor
+from rampserve.serving.apps.predictors import Prediction, PredictRequest, Predictor
 from rampserve.serving.protocol import DATATYPES, ProtocolError, TensorSpec
 from rampserve.serving.apps.state_store import StateStore
 
@@ -42,6 +42,7 @@ DEFAULT_ETA = {"exp3": 0.1, "exp4": 0.1}
 RECENT_QUERIES = 10_000  # queries whose answers are kept for feedback
 APPLICATIONS_NAMESPACE = "applications"
 DEFAULT_CONTEXT = "default"
+APPLICATION_VERSION = "1"  # what v2 reports: an application is redefined in place, never versioned
 # Application names share the URL space with the server's own routes (`/{app}/predict`).
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 RESERVED_NAMES = frozenset({"v2", "metrics", "status", "admin", "apps"})
@@ -447,6 +448,47 @@ class Application:
 def _never(arrived: Sequence[Candidate], expected: int, final: bool) -> Decision | None:
     """Feedback waits for every model it asked (within the SLO)."""
     return None
+
+
+def context_of(uid: object) -> str:
+    """The selection context of a query: the user or session key it names, or the application's default."""
+    if uid is None:
+        return DEFAULT_CONTEXT
+    if not isinstance(uid, str | int) or isinstance(uid, bool) or not str(uid):
+        raise ProtocolError(f"'uid' must be a non-empty string, got {uid!r}")
+    return str(uid)
+
+
+class ApplicationPredictor(Predictor):
+    """An application as the data plane asks a model (`infer`): one query per request, its context from the
+    request's `uid` parameter, its decided output as the label (-1 where that is not an integer class) and the
+    rest of its answer as the response's parameters. Its deadline is its SLO, whatever the request's. Never
+    cached: its answers follow weights that feedback moves, and a default at the deadline is no answer to keep.
+    Not a model another application can ask (`predict`)."""
+
+    kind = "application"
+    version = APPLICATION_VERSION
+    cacheable = False
+
+    def __init__(self, app: Application) -> None:
+        self.app, self.name = app, app.name
+
+    @property
+    def inputs(self) -> tuple[TensorSpec, ...]:
+        return self.app.signature()
+
+    def problem_with(self, inputs: Mapping[str, np.ndarray], rows: int) -> str | None:
+        return None if rows == 1 else f"application '{self.name}' answers one query per request, got {rows}"
+
+    async def infer(self, request: PredictRequest) -> Prediction:
+        answer = await self.app.predict(request.inputs, context_of(request.parameters.get("uid")))
+        output = answer.output
+        label = output if isinstance(output, int) and not isinstance(output, bool) else -1
+        parameters = {k: v for k, v in answer.to_json().items() if k != "output"}
+        if answer.default:
+            parameters["default_output"] = output
+        return Prediction(np.array([label]), np.array([np.nan if answer.confidence is None else answer.confidence]),
+                          parameters, "default" if answer.default else "answered")
 
 
 def check_compatible(name: str, signatures: Mapping[str, tuple[TensorSpec, ...] | None]) -> None:

@@ -2,9 +2,12 @@
 a plain torch module, an ONNX graph, a scikit-learn estimator, any Python callable, or a model behind another
 Open Inference Protocol server (rampserve, Triton, MLServer).
 
-Each is a `Predictor`: `await predict(inputs)` gives a label and a confidence per input row. In-process models
-that are not bundles run on a thread of their own (one call at a time: a Python callable need not be
-thread-safe), with a bounded number of calls waiting, so overload is refused instead of queued without bound.
+Each is a `Predictor`: `await predict(inputs)` gives a label and a confidence per input row (what an application
+asks of its models), and `await infer(request)` answers a whole v2 request (what the data plane asks of every
+model): a bundle releases its label early, gives its logits when asked and hands its final answer to the
+prediction cache once its batch has run to the end. In-process models that are not bundles run on a thread of
+their own (one call at a time: a Python callable need not be thread-safe), with a bounded number of calls waiting,
+so overload is refused instead of queued without bound.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from torch import nn
 
 from rampserve.graph.torch_graph import TRACE_GUARD
 from rampserve.ramps.scores import top_label_and_error
-from rampserve.serving.models import V2_DATATYPES, ServedModel
+from rampserve.serving.models import LABEL_OUTPUT, LOGITS_OUTPUT, V2_DATATYPES, ServedModel
 from rampserve.serving.protocol import TensorSpec
 from rampserve.serving.worker import Answer, Worker
 
@@ -38,17 +41,39 @@ ONNX_DATATYPES = {"tensor(float)": "FP32", "tensor(double)": "FP64", "tensor(flo
 # Remote answers are retried only when the remote did not run the request (it refused it or was unreachable),
 # or the attempt timed out; a 4xx or a model failure would fail again.
 RETRY_STATUSES = frozenset({429, 502, 503, 504})
+# What every model but a bundle answers through v2: a label per input.
+LABEL_TENSOR = TensorSpec(LABEL_OUTPUT, "INT64", (-1,))
 
 
 class ModelUnavailable(Exception):
     """The model gave no answer: overloaded, unreachable, timed out or failed."""
 
 
+def per_input(values: Sequence) -> object:
+    """A response parameter with one value per input: the value itself for a one-input request, else a list."""
+    return values[0] if len(values) == 1 else list(values)
+
+
 @dataclass(frozen=True)
 class Prediction:
     labels: np.ndarray  # (rows,) int64
     confidences: np.ndarray  # (rows,) in [0, 1]
-    parameters: dict = field(default_factory=dict)  # where the answer came from (exit site, remote, ...)
+    parameters: dict  # the response's parameters: how the answer was reached (confidence, exit sites, ...)
+    outcome: str = "final"  # how requests are counted (rampserve_requests_total): early, final, answered, default
+    logits: np.ndarray | None = None  # a bundle's, when the request asked for them
+
+    @classmethod
+    def of_labels(cls, labels: np.ndarray, confidences: np.ndarray) -> Prediction:
+        """The answer of a model that gives labels and confidences alone (every kind but a bundle)."""
+        return cls(labels, confidences, {"confidence": per_input(confidences.tolist())})
+
+    @property
+    def outputs(self) -> dict[str, np.ndarray]:
+        """The v2 output tensors by name."""
+        tensors = {LABEL_OUTPUT: self.labels}
+        if self.logits is not None:
+            tensors[LOGITS_OUTPUT] = self.logits
+        return tensors
 
 
 def prediction_from_scores(scores: np.ndarray) -> Prediction:
@@ -58,14 +83,32 @@ def prediction_from_scores(scores: np.ndarray) -> Prediction:
     if scores.ndim == 1:
         if not np.issubdtype(scores.dtype, np.integer):
             raise ValueError(f"a model returning one value per input must return integer labels, got {scores.dtype}")
-        return Prediction(scores.astype(np.int64), np.ones(len(scores)))
+        return Prediction.of_labels(scores.astype(np.int64), np.ones(len(scores)))
     if scores.ndim != 2:
         raise ValueError(f"a model must return labels (rows,) or scores (rows, classes), got shape {scores.shape}")
     scores = scores.astype(np.float64)
     if np.all(scores >= 0) and np.allclose(scores.sum(axis=1), 1.0, atol=1e-4):
-        return Prediction(scores.argmax(axis=1).astype(np.int64), scores.max(axis=1))
+        return Prediction.of_labels(scores.argmax(axis=1).astype(np.int64), scores.max(axis=1))
     labels, errors = top_label_and_error(scores)
-    return Prediction(labels, 1.0 - errors)
+    return Prediction.of_labels(labels, 1.0 - errors)
+
+
+@dataclass(frozen=True)
+class PredictRequest:
+    """One v2 request as every model is asked it (`Predictor.infer`), whatever stands behind the name."""
+
+    inputs: Mapping[str, np.ndarray]
+    deadline_ms: float | None = None  # from arrival; None: the model's own
+    priority: int = 0  # higher is served first
+    outputs: tuple[str, ...] = (LABEL_OUTPUT,)  # the tensors the response carries
+    parameters: Mapping[str, object] = field(default_factory=dict)  # the request's, as sent (an application's uid)
+    # Called once with the request's final answer, on any thread, possibly after `infer` has returned (a bundle's
+    # batch runs on after it released the label early): what a prediction cache may keep
+    on_final: Callable[[Prediction], None] | None = None
+
+    @property
+    def rows(self) -> int:
+        return next(iter(self.inputs.values())).shape[0]
 
 
 class Predictor:
@@ -73,12 +116,36 @@ class Predictor:
     version: str
     kind: str
     inputs: tuple[TensorSpec, ...] | None  # None: not known until the model is asked (a bare callable)
+    outputs: tuple[TensorSpec, ...] = (LABEL_TENSOR,)
+    # Whether the prediction cache may answer for the model: its answer is a function of the inputs
+    cacheable: bool = True
+
+    @property
+    def platform(self) -> str:
+        """The v2 metadata's platform."""
+        return f"rampserve_{self.kind}"
 
     async def start(self) -> None:
         """Called once the event loop runs, before the first prediction."""
 
     async def predict(self, inputs: Mapping[str, np.ndarray], deadline_ms: float | None = None) -> Prediction:
+        """Labels and confidences per input row: what an application asks of each of its models."""
         raise NotImplementedError
+
+    def problem_with(self, inputs: Mapping[str, np.ndarray], rows: int) -> str | None:
+        """What is wrong with inputs the protocol accepted but the model cannot take, or None."""
+        return None
+
+    async def infer(self, request: PredictRequest) -> Prediction:
+        """The answer to a v2 request. A model's answer here is final as soon as it is given, so it goes to
+        `on_final` too."""
+        prediction = await self.predict(request.inputs, request.deadline_ms)
+        if request.on_final is not None:
+            request.on_final(prediction)
+        return prediction
+
+    def count_cached(self, labels: np.ndarray) -> None:
+        """Answers the prediction cache gave for the model, for books the model keeps (a bundle's controller)."""
 
     async def close(self) -> None:
         """Answer what was accepted, then release the model's resources."""
@@ -86,6 +153,18 @@ class Predictor:
     def describe(self) -> dict:
         return {"name": self.name, "version": self.version, "kind": self.kind,
                 "inputs": None if self.inputs is None else [spec.to_json() for spec in self.inputs]}
+
+
+def bundle_prediction(answer: Answer) -> Prediction:
+    """A bundle's answer with where each input was answered: the ramp (or None: the final layer), its error score
+    and confidence, the configuration and batch that answered."""
+    return Prediction(
+        answer.labels, answer.confidences,
+        {"early": answer.early, "exit_site": per_input(answer.exit_sites), "error_score": per_input(answer.error_scores),
+         "confidence": per_input(answer.confidences.tolist()), "config_version": answer.config_version,
+         "batch_id": answer.batch_id},
+        "early" if answer.early else "final",
+        None if answer.logits is None else answer.logits.astype(np.float32))
 
 
 class WorkerPredictor(Predictor):
@@ -101,14 +180,35 @@ class WorkerPredictor(Predictor):
     def served(self) -> ServedModel:
         return self.worker.served
 
+    @property
+    def outputs(self) -> tuple[TensorSpec, ...]:
+        return self.served.outputs
+
+    @property
+    def platform(self) -> str:
+        return self.served.platform
+
     async def start(self) -> None:
         await self.worker.launch()
 
     async def predict(self, inputs: Mapping[str, np.ndarray], deadline_ms: float | None = None) -> Prediction:
-        rows = next(iter(inputs.values())).shape[0]
-        answer: Answer = await self.worker.submit(inputs, rows, False, deadline_ms)
-        return Prediction(answer.labels, answer.confidences,
-                          {"early": answer.early, "exit_site": list(answer.exit_sites)})
+        return await self.infer(PredictRequest(inputs, deadline_ms))
+
+    def problem_with(self, inputs: Mapping[str, np.ndarray], rows: int) -> str | None:
+        return self.served.check_limits(inputs)
+
+    async def infer(self, request: PredictRequest) -> Prediction:
+        """The label as soon as a ramp or the final layer gives it; asking for the logits waits for the final
+        layer. The final answer reaches `on_final` once the batch has run to the end, however early the
+        response left."""
+        on_final = request.on_final
+        answer = await self.worker.submit(
+            request.inputs, request.rows, LOGITS_OUTPUT in request.outputs, request.deadline_ms, request.priority,
+            None if on_final is None else lambda final: on_final(bundle_prediction(final)))
+        return bundle_prediction(answer)
+
+    def count_cached(self, labels: np.ndarray) -> None:
+        self.worker.count_cached(labels)
 
     async def close(self) -> None:
         await self.worker.shutdown()
@@ -201,6 +301,8 @@ class RemotePredictor(Predictor):
     time, so at most one answer ever comes back."""
 
     kind = "remote"
+    # The remote's answer may be a ramp's (another rampserve releases early), which a cache would replay unchecked
+    cacheable = False
 
     def __init__(self, name: str, url: str, model: str, version: str | None = None, timeout_ms: float = 1000.0,
                  retries: int = 1, label_output: str = "label", scores_output: str | None = None,
@@ -263,7 +365,7 @@ class RemotePredictor(Predictor):
             confidences = prediction_from_scores(np.reshape(scores["data"], scores["shape"])).confidences
         else:
             confidences = np.ones(len(labels))
-        return Prediction(labels, confidences, {"remote": self.endpoint, "id": body.get("id")})
+        return Prediction.of_labels(labels, confidences)
 
     async def predict(self, inputs: Mapping[str, np.ndarray], deadline_ms: float | None = None) -> Prediction:
         self._in_flight += 1
