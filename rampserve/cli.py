@@ -591,6 +591,8 @@ def bench_peers(
                                                           "profiled batch within the SLO)")] = None,
     max_delay_ms: Annotated[float, typer.Option(help="max batching wait of every system")] = 0.0,
     ramp_budget: Annotated[float, typer.Option(help="what ramps may add to a non-exiting input")] = 0.02,
+    warmup_requests: Annotated[int, typer.Option(help="requests every system gets before its measured replay, each "
+                                                      "round (rampserve's controller learns from them)")] = 300,
     mlserver_backend: Annotated[str, typer.Option(help="MLServer runs the model as torch (TorchScript) or onnx")]
     = "torch",
     system: Annotated[Optional[list[str]], typer.Option(help="a system to run (repeatable; default all: "
@@ -607,7 +609,8 @@ def bench_peers(
     try:
         live = LiveSettings(model=model, workload=workload, trace=trace, rate_rps=rate, duration_s=duration,
                             saturation_s=saturation_s, saturation_rounds=1, slo_ms=slo_ms, max_batch=max_batch,
-                            max_delay_ms=max_delay_ms, server_args=("--ramp-budget", str(ramp_budget)))
+                            max_delay_ms=max_delay_ms, warmup_requests=warmup_requests,
+                            server_args=("--ramp-budget", str(ramp_budget)))
         settings = PeerSettings(live=live, systems=tuple(system or SYSTEMS), rounds=rounds,
                                 sweep_clients=tuple(sweep_clients or SWEEP_CLIENTS), sweep_s=sweep_s,
                                 sweep_settle_s=sweep_settle_s, mlserver_backend=mlserver_backend)
