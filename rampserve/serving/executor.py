@@ -177,10 +177,6 @@ class ProcessWorker:
         self._labels = {"model": served.name}
 
     @property
-    def configuration(self) -> Configuration | None:
-        return self._configuration
-
-    @property
     def pid(self) -> int | None:
         return None if self._channel is None else self._channel.process.pid
 

@@ -100,7 +100,7 @@ class ModelSettings:
     preload_s: float = 30.0
     # Where a bundle's executor runs: "process", a process of its own (`serving.executor`), so that the front end's
     # parsing and writing never holds the GIL the model's Python parts need; or "thread", in the server's process
-    # (a model built in memory, with no bundle on disk to load, always runs there, and so does one on Ray Serve)
+    # (a model built in memory, with no bundle on disk to load, always runs there)
     executor: str = "process"
     controller: ControllerSettings = field(default_factory=ControllerSettings)
 
