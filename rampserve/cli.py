@@ -224,6 +224,7 @@ def serve(
                                                       "redis://host:port/db")] = None,
     update_stream: Annotated[bool, typer.Option(help="follow model updates pushed to the Redis Stream "
                                                      "rampserve:model-updates")] = False,
+    dashboard: Annotated[bool, typer.Option(help="serve /dashboard, sampling every model once a second")] = True,
     admin_token: Annotated[Optional[str], typer.Option(envvar="RAMPSERVE_ADMIN_TOKEN",
                                                        help="token the admin endpoints require (needed when "
                                                             "bound beyond loopback)")] = None,
@@ -252,7 +253,7 @@ def serve(
     try:
         settings = ServerSettings(host=host, port=port, max_body_mb=max_body_mb, cache_mb=cache_mb,
                                   admin_token=admin_token, store=store, repository=repository,
-                                  update_stream=update_stream)
+                                  update_stream=update_stream, dashboard=dashboard)
         specs = [spec for path in apps or () for spec in read_applications(path)]
         if ray:
             from rampserve.serving.ray.serve import RayDeployment, serve_on_ray
@@ -569,6 +570,25 @@ def bench_executor(
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
     console.print(executor_table(run_executor_bench(settings, json_out)))
+
+
+@bench_app.command("dashboard")
+def bench_dashboard(
+    model: Annotated[str, typer.Option(help="zoo model")] = DEFAULT_MODEL,
+    models: Annotated[int, typer.Option(help="copies of the model served, all sampled (the load goes to the first)")]
+    = 1,
+    rounds: Annotated[int, typer.Option(help="interleaved rounds (each server starts afresh)")] = 5,
+    clients: Annotated[int, typer.Option(help="closed-loop clients")] = 8,
+    json_out: Annotated[Optional[Path], typer.Option("--json", help="write the results here")] = None,
+) -> None:
+    """What /dashboard costs serving: the server without it, and with it and a viewer polling once a second."""
+    from rampserve.bench.dashboard import DashboardBenchSettings, dashboard_table, run_dashboard_bench
+
+    try:
+        settings = DashboardBenchSettings(model=model, models=models, rounds=rounds, clients=clients)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    console.print(dashboard_table(run_dashboard_bench(settings, json_out)))
 
 
 @bench_app.command("peers")

@@ -3,7 +3,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-DEBIAN_PACKAGES=(dataset-fashion-mnist redis-server g++)
+# chromium and its driver: the dashboard's browser test (tests/test_dashboard.py)
+DEBIAN_PACKAGES=(dataset-fashion-mnist redis-server g++ chromium chromium-driver)
 missing=()
 for pkg in "${DEBIAN_PACKAGES[@]}"; do
   dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg")

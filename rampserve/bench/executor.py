@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 
 from rampserve.bench.harness import (
     ServerProcess, closed_loop_throughput, encode_items, fmt, mean_batch_size, percentiles, rampserve_serve,
-    require_answers, run_loadgen, v2_inputs, write_json,
+    require_answers, round_ratios, run_loadgen, v2_inputs, write_json,
 )
 from rampserve.bench.live import batch1_inprocess_ms
 from rampserve.bench.loadgen import Job, fetch_status
@@ -56,14 +56,8 @@ class ExecutorBenchSettings:
 
 def paired_ratios(rounds: dict[str, list[dict]]) -> dict[str, dict]:
     """Per figure, process over thread within each round: the median and [min, max] of those ratios."""
-    ratios: dict[str, dict] = {}
     keys = [k for k in rounds["process"][0] if k in LOWER_IS_BETTER or k in ("closed_rps", "closed_mean_batch")]
-    for key in keys:
-        values = [p[key] / t[key] for p, t in zip(rounds["process"], rounds["thread"])
-                  if p.get(key) is not None and t.get(key)]
-        if values:
-            ratios[key] = {"median": float(np.median(values)), "min_max": [min(values), max(values)]}
-    return ratios
+    return round_ratios(rounds["process"], rounds["thread"], keys)
 
 
 def run_executor_bench(settings: ExecutorBenchSettings, json_out: Path | None, progress: bool = True) -> dict:

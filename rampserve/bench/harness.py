@@ -61,6 +61,17 @@ def mean_batch_size(before: dict | str | None, after: dict | str | None, model: 
     return inputs / batches if batches > 0 else None
 
 
+def round_ratios(numerator: list[dict], denominator: list[dict], keys: list[str]) -> dict[str, dict]:
+    """Per figure, one system's over another's within each round (paired, so that a noisy phase of the machine lands
+    on both): the median and [min, max] of those ratios, over the rounds where both have the figure."""
+    ratios: dict[str, dict] = {}
+    for key in keys:
+        values = [n[key] / d[key] for n, d in zip(numerator, denominator) if n.get(key) is not None and d.get(key)]
+        if values:
+            ratios[key] = {"median": float(np.median(values)), "min_max": [min(values), max(values)]}
+    return ratios
+
+
 def most_frequent(errors: dict[str, int]) -> dict[str, int]:
     """The MAX_ERRORS most frequent error messages with their counts."""
     return dict(sorted(errors.items(), key=lambda item: -item[1])[:MAX_ERRORS])

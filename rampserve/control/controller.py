@@ -141,9 +141,10 @@ class Controller:
     def configuration(self) -> Configuration:
         return self.decisions[-1].configuration
 
-    def status(self) -> dict:
+    def status(self, latest_decisions: int | None = None) -> dict:
         """What a server reports of its controller: accuracy over the window and over every answer counted, the
-        answers counted, those that could not be verified, and the decisions."""
+        answers counted, those that could not be verified, and the decisions (the latest `latest_decisions` of
+        them; None: all, which grow with every change over the controller's life)."""
         window = self.window
         settings = self.settings
         return {"window_accuracy": window.accuracy, "cumulative_accuracy": window.cumulative,
@@ -153,7 +154,8 @@ class Controller:
                           "constraint": settings.accuracy_constraint, "history": self.history.size,
                           "certifications": self._looks},
                 "risk_scale": served_scale(self.scale),
-                "decisions": [d.to_json() for d in self.decisions]}
+                "decisions_made": len(self.decisions),
+                "decisions": [d.to_json() for d in self.decisions[-latest_decisions if latest_decisions else 0:]]}
 
     def readings(self) -> dict[str, float]:
         """What a server exports as gauges: the window's accuracy, the bound next to it, and risk control's scale."""

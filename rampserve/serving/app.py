@@ -26,6 +26,7 @@ from rampserve.serving.apps.predictors import WorkerPredictor
 from rampserve.serving.apps.state_store import StoreError
 from rampserve.serving.apps.update_stream import UpdateListener
 from rampserve.serving.cache import PredictionCache
+from rampserve.serving.dashboard import DashboardSampler, dashboard_router
 from rampserve.serving.metrics import MergedRegistry, ServerMetrics, watch_loop_lag
 from rampserve.serving.plane import DataPlane, InferResult, error_body
 from rampserve.serving.protocol import ProtocolError, server_metadata
@@ -43,6 +44,7 @@ class ServerState:
     caches: dict[str, PredictionCache] = field(default_factory=dict)
     admin_token: str | None = None  # None: admin endpoints are open (only allowed on loopback)
     listener: UpdateListener | None = None  # model updates from a Redis Stream
+    dashboard: bool = True  # sample the models once a second for /dashboard
     ready: bool = False
 
     @property
@@ -93,6 +95,7 @@ def http_response(result: InferResult) -> Response:
 
 def create_app(state: ServerState) -> FastAPI:
     catalogue = state.catalogue
+    sampler = DashboardSampler(catalogue, state.metrics) if state.dashboard else None
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -102,6 +105,8 @@ def create_app(state: ServerState) -> FastAPI:
         # Watched from here on: uvicorn accepts no connection until this returns, so a loop busy loading models
         # keeps no request waiting.
         lag_watch = asyncio.create_task(watch_loop_lag(state.metrics), name="event-loop lag")
+        if sampler is not None:
+            sampler.start()
         state.ready = True
         yield
         # uvicorn has stopped accepting and waited for the requests in flight; the models answer whatever is
@@ -109,6 +114,8 @@ def create_app(state: ServerState) -> FastAPI:
         state.ready = False
         lag_watch.cancel()
         await asyncio.wait([lag_watch])
+        if sampler is not None:
+            await sampler.stop()
         if state.listener is not None:
             await state.listener.stop()
         await catalogue.close()
@@ -267,6 +274,7 @@ def create_app(state: ServerState) -> FastAPI:
         return json_response({"name": model, "state": "UNAVAILABLE"})
 
     app.include_router(admin)
+    app.include_router(dashboard_router(sampler))
 
     # ---- observability ------------------------------------------------------------------------------------
 

@@ -337,28 +337,28 @@ class ProcessWorker:
 
     # ---- status and metrics -------------------------------------------------------------------------------------
 
-    async def _ask(self, kind: int) -> object:
+    async def _ask(self, kind: int, **question: object) -> object:
         channel = self._channel
         if channel is None:
             raise ExecutorLost(f"model {self.served.name}: its executor process is restarting")
         request = next(self._ids)
         future = asyncio.get_running_loop().create_future()
         self._replies[request] = future
-        channel.transport.write(wire.frame(kind, {"i": request}))
+        channel.transport.write(wire.frame(kind, {"i": request, **question}))
         try:
             return await asyncio.wait_for(future, CONTROL_TIMEOUT_S)
         finally:
             self._replies.pop(request, None)
 
-    async def current_status(self) -> dict:
+    async def current_status(self, latest_decisions: int | None = None) -> dict:
         executor = {"kind": "process", "pid": self.pid, "restarts": self.restarts, "in_flight": len(self._in_flight)}
         try:
-            status = await self._ask(wire.STATUS)
+            status = await self._ask(wire.STATUS, decisions=latest_decisions)
         except (ExecutorLost, TimeoutError) as exc:
             return {"name": self.served.name, "version": self.served.version, "executor": executor,
                     "unavailable": str(exc) or "no answer"}
         if self._control is not None:  # the controller's part, which the executor cannot ask for
-            status.update(await asyncio.to_thread(self._control.status))
+            status.update(await asyncio.to_thread(self._control.status, latest_decisions))
         return {**status, "executor": executor}
 
     async def exported_metrics(self) -> list[dict]:
@@ -452,7 +452,7 @@ class Executor:
         elif kind == wire.CACHED:
             self.worker.count_cached(np.frombuffer(body, np.int64).copy())
         elif kind == wire.STATUS:
-            self.send(wire.frame(wire.REPLY, {"i": header["i"], "r": self.worker.status()}))
+            self.send(wire.frame(wire.REPLY, {"i": header["i"], "r": self.worker.status(header.get("decisions"))}))
         elif kind == wire.METRICS:
             families = metric_families(self.metrics.registry, self.worker.served.name)
             self.send(wire.frame(wire.REPLY, {"i": header["i"], "r": families}))
@@ -532,7 +532,7 @@ class RelayedControl:
     def readings(self) -> dict[str, float]:
         return self._readings
 
-    def status(self) -> dict:
+    def status(self, latest_decisions: int | None = None) -> dict:
         return {}
 
 

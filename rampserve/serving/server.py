@@ -44,6 +44,7 @@ class ServerSettings:
     store_prefix: str = "rampserve"  # Redis keys' prefix: servers sharing it share applications and state
     repository: Path | None = None  # versioned models on disk, all loaded at start (latest version)
     update_stream: bool = False  # follow model updates pushed to the Redis Stream (needs a redis store)
+    dashboard: bool = True  # /dashboard, and the sampler behind it (once a second, in the front end)
 
 
 def is_loopback(host: str) -> bool:
@@ -84,7 +85,8 @@ def build_state(models: Sequence[ServedModel | Predictor], model_settings: Model
     if settings.update_stream:
         listener = UpdateListener(settings.store, partial(apply_update, catalogue))
     return ServerState(catalogue, metrics, int(settings.max_body_mb * (1 << 20)),
-                       int(settings.cache_mb * (1 << 20)), admin_token=settings.admin_token, listener=listener)
+                       int(settings.cache_mb * (1 << 20)), admin_token=settings.admin_token, listener=listener,
+                       dashboard=settings.dashboard)
 
 
 async def apply_update(catalogue: Catalogue, update: ModelUpdate) -> None:
@@ -126,8 +128,8 @@ def serve(refs: Sequence[str], model_settings: ModelSettings, settings: ServerSe
     host, port = sock.getsockname()[:2]
     freeze_startup_objects()
     print(f"rampserve: serving {', '.join(state.catalogue.models) or 'no models yet'} on http://{host}:{port} "
-          f"({'vanilla' if model_settings.vanilla else 'early exits'}); metrics at /metrics, status at /status",
-          flush=True)
+          f"({'vanilla' if model_settings.vanilla else 'early exits'}); metrics at /metrics, status at /status"
+          + (", dashboard at /dashboard" if settings.dashboard else ""), flush=True)
     uvicorn_server(state, settings).run(sockets=[sock])
 
 

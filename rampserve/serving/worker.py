@@ -122,7 +122,8 @@ class ControlLink(Protocol):
     def refresh(self) -> Configuration | None:
         """A configuration published since this worker last heard (by records of other workers), or None."""
 
-    def status(self) -> dict: ...
+    def status(self, latest_decisions: int | None = None) -> dict:
+        """The controller's status (`Controller.status`) with its latest decisions (None: all)."""
 
 
 class Worker(Protocol):
@@ -143,7 +144,8 @@ class Worker(Protocol):
     def count_cached(self, labels: np.ndarray) -> None:
         """Answers the prediction cache gave, for the controller's books."""
 
-    async def current_status(self) -> dict: ...
+    async def current_status(self, latest_decisions: int | None = None) -> dict:
+        """The status, with the controller's latest decisions (None: all of them)."""
 
     async def exported_metrics(self) -> list[dict]:
         """Metric families kept outside the server's registry, as `executor.metric_families` gives them."""
@@ -174,9 +176,9 @@ class LocalControl:
     def refresh(self) -> Configuration | None:
         return None  # this worker's records are the controller's only input
 
-    def status(self) -> dict:
+    def status(self, latest_decisions: int | None = None) -> dict:
         with self._lock:
-            return self.controller.status()
+            return self.controller.status(latest_decisions)
 
 
 class Shed(Exception):
@@ -476,6 +478,7 @@ class ModelWorker:
         # Answers given, one per input, by the path they took: what /status and /metrics report as the books
         self.answers = dict.fromkeys(ANSWER_PATHS, 0)
         self._answers_lock = threading.Lock()
+        self.exits: dict[str, int] = {}  # inputs of booked batches by the site that answered ("final": the last layer)
         self.recent_batches: deque[dict] = deque(maxlen=RECENT_BATCHES)
         self._published_sites: tuple[str, ...] = ()
         # Told of every configuration the executor adopts (an executor process tells its front end)
@@ -815,7 +818,9 @@ class ModelWorker:
         m.batch_limit.labels(**labels_).set(self.batch_size.size)
         sites, counts = np.unique(exits, return_counts=True)
         for j, count in zip(sites, counts):
-            m.exits.labels(site="final" if j == NO_EXIT else config.sites[j], **labels_).inc(int(count))
+            site = "final" if j == NO_EXIT else config.sites[j]
+            self.exits[site] = self.exits.get(site, 0) + int(count)
+            m.exits.labels(site=site, **labels_).inc(int(count))
         if self.control is None:
             return None
         return BatchRecord(config.version, config.sites, state.labels, state.errors, done.final, exits, queue_ms,
@@ -944,13 +949,13 @@ class ModelWorker:
     async def shutdown(self) -> None:
         await asyncio.to_thread(self.stop)
 
-    async def current_status(self) -> dict:
-        return {**self.status(), "executor": {"kind": "thread", "pid": os.getpid()}}
+    async def current_status(self, latest_decisions: int | None = None) -> dict:
+        return {**self.status(latest_decisions), "executor": {"kind": "thread", "pid": os.getpid()}}
 
     async def exported_metrics(self) -> list[dict]:
         return []  # its metrics are the server's own
 
-    def status(self) -> dict:
+    def status(self, latest_decisions: int | None = None) -> dict:
         status = {
             "name": self.served.name,
             "version": self.served.version,
@@ -969,13 +974,15 @@ class ModelWorker:
             "deadline_ms": self.deadline_ms,
             "queued_inputs": self._rows_queued,
             "batches": self.batches,
+            "batches_booked": self.batches_booked,
             "requests": self.requests_served,
             "inputs": self.inputs_served,
             "answers": dict(self.answers),
+            "exits": dict(self.exits),
             "mean_batch_size": self.inputs_served / self.batches_booked if self.batches_booked else None,
             "configuration": self.configuration.to_json(),
             "recent_batches": list(self.recent_batches),
         }
         if self.control is not None:
-            status.update(self.control.status())
+            status.update(self.control.status(latest_decisions))
         return status

@@ -49,8 +49,8 @@ class ControllerActor:
     def configuration(self) -> Configuration:
         return self.controller.configuration()
 
-    def status(self) -> dict:
-        return self.controller.status()
+    def status(self, latest_decisions: int | None = None) -> dict:
+        return self.controller.status(latest_decisions)
 
 
 def controller_name(model: str) -> str:
@@ -133,9 +133,9 @@ class RayControl:
     def readings(self) -> dict[str, float]:
         return self._readings
 
-    def status(self) -> dict:
+    def status(self, latest_decisions: int | None = None) -> dict:
         try:
-            self._status = {**ray.get(self._actor.status.remote(), timeout=self.timeout_s),
+            self._status = {**ray.get(self._actor.status.remote(latest_decisions), timeout=self.timeout_s),
                             "controller": self.name, "takeovers": self.takeovers}
         except (RayActorError, GetTimeoutError):
             pass  # the last known status; observe() notices the loss and takes over
