@@ -119,6 +119,22 @@ def test_a_point_after_a_reset_counts_from_zero_and_rates_are_per_second() -> No
         model_point(before, after, 0.0, LATENCY_BOUNDS)
 
 
+def test_a_restarted_executors_counts_start_from_zero_and_a_silent_one_shows_nothing_new() -> None:
+    old = ModelReading(executor=11, batches=10.0, inputs=20.0, exits={"final": 20.0}, queued=3, config_version=4)
+    # A new process counted more in its first second than the old one had in all: its counts are still its own
+    new = ModelReading(executor=12, batches=30.0, inputs=60.0, exits={"final": 50.0, "a": 10.0}, queued=0,
+                       config_version=4)
+    point = model_point(old, new, 1.0, LATENCY_BOUNDS)
+    assert point["exits"] == {"final": 50.0, "a": 10.0} and point["batch"] == 2.0
+    stale = ModelReading(executor=12, stale=True, batches=30.0, inputs=60.0, exits=new.exits)
+    quiet = model_point(new, stale, 1.0, LATENCY_BOUNDS)
+    assert quiet["exits"] == {"final": 0.0, "a": 0.0} and quiet["batch"] is None
+    assert (quiet["queue"], quiet["config_version"], quiet["accuracy"], quiet["thresholds"]) == (None, None, None, {})
+    # Its next answer counts from the last one it gave, not from nothing
+    back = ModelReading(executor=12, batches=31.0, inputs=62.0, exits={"final": 52.0, "a": 10.0})
+    assert model_point(stale, back, 1.0, LATENCY_BOUNDS)["exits"] == {"final": 2.0, "a": 0.0}
+
+
 @settings(max_examples=100, deadline=None)
 @given(st.integers(1, 8), st.integers(0, 30), st.integers(0, 40))
 def test_the_ring_gives_exactly_the_kept_samples_after_a_number(capacity: int, appended: int, since: int) -> None:

@@ -59,13 +59,17 @@ def front_end_readings(metrics: ServerMetrics) -> tuple[dict[str, tuple[float, f
     return {model: (answered, refused) for model, (answered, refused) in requests.items()}, latency
 
 
-def executor_reading(status: dict) -> dict:
-    """The fields of a `ModelReading` an executor's status gives (none where the executor did not answer)."""
+def executor_reading(status: dict, last: ModelReading | None) -> dict:
+    """The fields of a `ModelReading` an executor's status gives; where it did not answer, the last reading's
+    counters, marked stale (so that its next answer's counts are not taken for one interval's)."""
     if "unavailable" in status:
-        return {}
+        if last is None:
+            return {}
+        return {"executor": last.executor, "stale": True, "batches": last.batches, "inputs": last.inputs,
+                "exits": last.exits}
     configuration = status["configuration"]
     bound = status.get("bound")
-    return {"queued": status["queued_inputs"], "batches": status["batches_booked"], "inputs": status["inputs"],
+    return {"executor": status["executor"]["pid"], "queued": status["queued_inputs"], "batches": status["batches_booked"], "inputs": status["inputs"],
             "exits": status["exits"], "thresholds": dict(zip(configuration["sites"], configuration["thresholds"])),
             "config_version": configuration["version"], "window_accuracy": status.get("window_accuracy"),
             "accuracy_bound": None if bound is None else 1.0 - bound["disagreement_upper"]}
@@ -154,7 +158,7 @@ class DashboardSampler:
                 status = {"executor": None, "unavailable": f"{type(status).__name__}: {status}"}
             answered, refused = requests.get(name, (0.0, 0.0))
             readings[name] = ModelReading(answered, refused, tuple(latency.get(name, ())),
-                                          **(executor_reading(status) if status is not None else {}))
+                                          **({} if status is None else executor_reading(status, self._last.get(name))))
             summaries[name] = model_summary(status, self._decisions(name, status, wall))
         seconds = self.settings.interval_s if self._last_at is None else now - self._last_at
         points = {name: model_point(self._last.get(name, ModelReading()), reading, seconds, LATENCY_BOUNDS)

@@ -8,7 +8,7 @@ import itertools
 import math
 from collections import deque
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 
 def counter_delta(before: float, after: float) -> float:
@@ -60,6 +60,9 @@ class ModelReading:
     requests: float = 0.0  # answered requests (the front end's count)
     errors: float = 0.0  # refused or failed ones
     latency: tuple[float, ...] = ()  # the front end's request latency histogram, cumulative bucket counts
+    executor: int | None = None  # the executor's process (its pid): counters below are that process's
+    # The executor did not answer: its counters are those of the last reading, its gauges unknown
+    stale: bool = False
     queued: float | None = None  # inputs waiting in the executor's queue
     batches: float | None = None  # batches whose books are kept
     inputs: float | None = None  # inputs of those batches
@@ -78,6 +81,8 @@ def model_point(before: ModelReading, after: ModelReading, seconds: float,
     answered per site in between, and the configuration's and the controller's state now."""
     if seconds <= 0:
         raise ValueError(f"readings must be apart in time, got {seconds} s")
+    if before.executor != after.executor:  # another process (a restart): its counters started from 0
+        before = replace(before, batches=None, inputs=None, exits={})
     latency = bucket_deltas(before.latency, after.latency) if after.latency else []
 
     def quantile_ms(q: float) -> float | None:
@@ -88,18 +93,19 @@ def model_point(before: ModelReading, after: ModelReading, seconds: float,
     if after.batches is not None and after.inputs is not None:
         batches = counter_delta(before.batches or 0.0, after.batches)
         inputs = counter_delta(before.inputs or 0.0, after.inputs)
+    known = not after.stale
     return {
         "rps": counter_delta(before.requests, after.requests) / seconds,
         "errors_ps": counter_delta(before.errors, after.errors) / seconds,
         "p50_ms": quantile_ms(0.5),
         "p99_ms": quantile_ms(0.99),
-        "queue": after.queued,
+        "queue": after.queued if known else None,
         "batch": inputs / batches if batches else None,
         "exits": counter_deltas(before.exits, after.exits),
-        "thresholds": dict(after.thresholds),
-        "config_version": after.config_version,
-        "accuracy": after.window_accuracy,
-        "accuracy_bound": after.accuracy_bound,
+        "thresholds": dict(after.thresholds) if known else {},
+        "config_version": after.config_version if known else None,
+        "accuracy": after.window_accuracy if known else None,
+        "accuracy_bound": after.accuracy_bound if known else None,
     }
 
 
