@@ -579,13 +579,15 @@ def bench_dashboard(
     = 1,
     rounds: Annotated[int, typer.Option(help="interleaved rounds (each server starts afresh)")] = 5,
     clients: Annotated[int, typer.Option(help="closed-loop clients")] = 8,
+    poll_s: Annotated[float, typer.Option(help="the viewer's polling interval (the page's: 1 s; less magnifies "
+                                               "what polling costs)")] = 1.0,
     json_out: Annotated[Optional[Path], typer.Option("--json", help="write the results here")] = None,
 ) -> None:
     """What /dashboard costs serving: the server without it, and with it and a viewer polling once a second."""
     from rampserve.bench.dashboard import DashboardBenchSettings, dashboard_table, run_dashboard_bench
 
     try:
-        settings = DashboardBenchSettings(model=model, models=models, rounds=rounds, clients=clients)
+        settings = DashboardBenchSettings(model=model, models=models, rounds=rounds, clients=clients, poll_s=poll_s)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
     console.print(dashboard_table(run_dashboard_bench(settings, json_out)))

@@ -267,8 +267,8 @@ def test_the_dashboard_shows_in_a_browser_what_the_server_served(resnet_bundle, 
     controller = ControllerSettings(initial=(site,), start_thresholds={site: float(np.median(seen[site][1]))},
                                     accuracy_constraint=0.3)
     # Eager stages: the executor process starts without compiling (tens of seconds on a busy 2-core machine)
-    settings_ = ModelSettings(controller=controller, preload_s=0.0, deadline_ms=60_000.0, torchscript=False)
-    state = build_state([served], settings_, ServerSettings(port=0), [ApplicationSpec(APP, (MODEL,), "exp4")])
+    model_settings = ModelSettings(controller=controller, preload_s=0.0, deadline_ms=60_000.0, torchscript=False)
+    state = build_state([served], model_settings, ServerSettings(port=0), [ApplicationSpec(APP, (MODEL,), "exp4")])
     driver = None
     with running_server(state) as url:
         try:
@@ -354,7 +354,7 @@ def test_the_dashboard_shows_in_a_browser_what_the_server_served(resnet_bundle, 
     assert SCREENSHOT.stat().st_size > 10_000
 
 
-def test_a_server_without_the_dashboard_says_so(tmp_path) -> None:
+def test_a_server_without_the_dashboard_says_so() -> None:
     state = build_state([], ModelSettings(), ServerSettings(port=0, dashboard=False))
     with running_server(state) as url:
         for path in ("/dashboard", "/dashboard/data", "/dashboard/static/dashboard.js"):

@@ -24,7 +24,7 @@ from rich.table import Table
 from tqdm.auto import tqdm
 
 from rampserve.bench.harness import (
-    ServerProcess, closed_loop_throughput, encode_items, fmt, percentiles, rampserve_serve, require_answers,
+    ServerProcess, add_paired_rows, closed_loop_throughput, encode_items, percentiles, rampserve_serve, require_answers,
     round_ratios, run_loadgen, v2_inputs, write_json,
 )
 from rampserve.bench.loadgen import Job
@@ -55,8 +55,8 @@ class DashboardBenchSettings:
     start_timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
-        if self.rounds < 1 or self.clients < 1 or self.models < 1:
-            raise ValueError("at least one round, one client and one model")
+        if self.rounds < 1 or self.clients < 1 or self.models < 1 or not self.poll_s > 0:
+            raise ValueError("at least one round, one client and one model, and a positive polling interval")
         if self.closed_s <= self.closed_settle_s:
             raise ValueError(f"the closed loop ({self.closed_s} s) must outlast its settling ({self.closed_settle_s} s)")
 
@@ -224,14 +224,5 @@ def dashboard_table(report: dict) -> Table:
             (f"{settings['clients']} clients: p99 ms", "closed_p99_ms", ".2f"),
             ("sampler CPU per sample (ms, front end)", "sampler_cpu_ms_per_tick", ".3f"),
             ("a poll of /dashboard/data (ms)", "poll_ms", ".2f"), ("a poll's size (KiB)", "poll_kb", ".1f"))
-    for label, key, spec in rows:
-        cells = []
-        for arm in ARMS:
-            figures = report["arms"][arm]
-            span = figures["min_max"].get(key)
-            cells.append(fmt(figures.get(key), spec) + ("" if span is None else f" ({span[0]:{spec}}–{span[1]:{spec}})"))
-        ratio = report["on_over_off"].get(key)
-        cells.append("" if ratio is None else f"{ratio['median']:.3f} ({ratio['min_max'][0]:.3f}–"
-                                              f"{ratio['min_max'][1]:.3f})")
-        table.add_row(label, *cells)
+    add_paired_rows(table, rows, [report["arms"][arm] for arm in ARMS], report["on_over_off"], ".3f")
     return table

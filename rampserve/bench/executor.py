@@ -18,7 +18,7 @@ from rich.table import Table
 from tqdm.auto import tqdm
 
 from rampserve.bench.harness import (
-    ServerProcess, closed_loop_throughput, encode_items, fmt, mean_batch_size, percentiles, rampserve_serve,
+    ServerProcess, add_paired_rows, closed_loop_throughput, encode_items, mean_batch_size, percentiles, rampserve_serve,
     require_answers, round_ratios, run_loadgen, v2_inputs, write_json,
 )
 from rampserve.bench.live import batch1_inprocess_ms
@@ -122,14 +122,5 @@ def executor_table(report: dict) -> Table:
             (f"{settings['clients']} clients: p50 ms", "closed_p50_ms", ".2f"),
             (f"{settings['clients']} clients: p99 ms", "closed_p99_ms", ".2f"),
             (f"{settings['clients']} clients: mean batch", "closed_mean_batch", ".2f"))
-    for label, key, spec in rows:
-        cells = []
-        for kind in EXECUTORS:
-            system = report["systems"][kind]
-            span = system["min_max"].get(key)
-            cells.append(fmt(system.get(key), spec) + ("" if span is None else f" ({span[0]:{spec}}–{span[1]:{spec}})"))
-        ratio = report["process_over_thread"].get(key)
-        cells.append("" if ratio is None else f"{ratio['median']:.2f} ({ratio['min_max'][0]:.2f}–"
-                                              f"{ratio['min_max'][1]:.2f})")
-        table.add_row(label, *cells)
+    add_paired_rows(table, rows, [report["systems"][kind] for kind in EXECUTORS], report["process_over_thread"], ".2f")
     return table

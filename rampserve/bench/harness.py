@@ -20,6 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+from rich.table import Table
 from tqdm.auto import tqdm
 
 from rampserve.bench.loadgen import V2_DTYPES, Job, LoadResult, fetch_status, save_job
@@ -70,6 +71,21 @@ def round_ratios(numerator: list[dict], denominator: list[dict], keys: list[str]
         if values:
             ratios[key] = {"median": float(np.median(values)), "min_max": [min(values), max(values)]}
     return ratios
+
+
+def add_paired_rows(table: Table, rows: tuple[tuple[str, str, str], ...], systems: list[dict],
+                    ratios: dict[str, dict], ratio_spec: str) -> None:
+    """Rows (label, figure, format) of each system's median (min–max over rounds) and the ratio paired within
+    rounds (`round_ratios`) in the last column."""
+    for label, key, spec in rows:
+        cells = []
+        for system in systems:
+            span = system["min_max"].get(key)
+            cells.append(fmt(system.get(key), spec) + ("" if span is None else f" ({span[0]:{spec}}–{span[1]:{spec}})"))
+        ratio = ratios.get(key)
+        cells.append("" if ratio is None else f"{ratio['median']:{ratio_spec}} ({ratio['min_max'][0]:{ratio_spec}}–"
+                                              f"{ratio['min_max'][1]:{ratio_spec}})")
+        table.add_row(label, *cells)
 
 
 def most_frequent(errors: dict[str, int]) -> dict[str, int]:

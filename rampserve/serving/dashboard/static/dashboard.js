@@ -12,7 +12,7 @@
 
   const state = {
     started: null, seq: 0, capacity: 600, interval: 1, samples: [], events: [], summary: {models: {}, apps: {}},
-    sampler: {}, charts: {}, open: {}, renders: 0, polls: 0, failures: 0, lastError: null,
+    sampler: {}, charts: {}, open: {}, renders: 0, renderMs: null, polls: 0, failures: 0, lastError: null,
     // Per model and chart: the uPlot instance's data (x first), as drawn
     chartData() {
       const out = {};
@@ -339,6 +339,7 @@
   }
 
   function render() {
+    const began = performance.now();
     const models = Object.keys(state.summary.models);
     for (const model of models) {
       if (state.open[model] === undefined) state.open[model] = models.length <= OPEN_BY_DEFAULT;
@@ -351,6 +352,7 @@
     $("#status").textContent = `${models.length} model${models.length === 1 ? "" : "s"} · last sample ${last ? clock(last.t) : "–"} · ` +
       `${state.samples.length} samples kept (every ${state.interval} s) · sampler ${fmt(cost, 2)} ms CPU per sample`;
     state.renders += 1;
+    state.renderMs = performance.now() - began;
   }
 
   document.addEventListener("DOMContentLoaded", poll);
