@@ -53,9 +53,10 @@
       if (!response.ok) throw new Error(`${response.status} ${await response.text()}`);
       const data = await response.json();
       if (state.started !== null && data.started !== state.started) {
-        // Another server (or the same one restarted): its samples are numbered afresh
+        // Another server (or the same one restarted): its samples are numbered afresh, and the next poll asks
+        // for all it kept
         Object.assign(state, {started: null, seq: 0, samples: [], events: []});
-        return poll();
+        return;
       }
       absorb(data);
       state.polls += 1;
