@@ -250,6 +250,8 @@
     if (summary.slo_ms) facts.push(`SLO ${fmt(summary.slo_ms, 2)} ms, batch limit ${fmt(summary.batch_limit, 1)}`);
     if (summary.accuracy_floor != null) facts.push(`constraint: accuracy ≥ ${fmt(summary.accuracy_floor, 3)} at ` +
                                                    `${fmt(100 * summary.confidence, 0)}% confidence`);
+    if (summary.risk_scale != null) facts.push(`risk control serves ${fmt(100 * summary.risk_scale, 0)}% of the ` +
+                                               "certified thresholds");
     if (summary.exits) facts.push("answers since start: " + Object.entries(summary.exits).map(([s, n]) => `${s} ${n}`).join(" · "));
     $(".facts", card).textContent = facts.join(" — ");
     $(".facts", card).classList.toggle("unavailable", Boolean(summary.unavailable));
