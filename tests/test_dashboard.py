@@ -227,7 +227,7 @@ def browser(profile: Path):
     options.binary_location = str(CHROMIUM)
     for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                 "--disable-dev-shm-usage", "--window-size=1280,1500", f"--user-data-dir={profile}"):
+                 "--disable-dev-shm-usage", "--window-size=1280,1750", f"--user-data-dir={profile}"):
         options.add_argument(flag)
     options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
     # The driver's path is given: Selenium Manager, which could download one, is never asked

@@ -8,7 +8,9 @@
                   "#bcbd22", "#7f7f7f"];
   const FINAL_COLOR = "#b8c0cc";
   const CHART_HEIGHT = 170;
-  const OPEN_BY_DEFAULT = 4; // with more models than this, cards start closed (charts of closed cards are not drawn)
+  const OPEN_BY_DEFAULT = 4;
+  // Whole seconds between ticks at least: samples come once a second
+  const TIME_AXIS = {space: 60, incrs: [1, 2, 5, 10, 15, 30, 60, 120, 300, 600]}; // with more models than this, cards start closed (charts of closed cards are not drawn)
 
   const state = {
     started: null, seq: 0, capacity: 600, interval: 1, samples: [], events: [], summary: {models: {}, apps: {}},
@@ -180,14 +182,13 @@
       const floor = state.summary.models[model]?.accuracy_floor ?? null;
       const accuracy = column(model, (p) => p.accuracy);
       const bound = column(model, (p) => p.accuracy_bound);
-      const seen = accuracy.concat(bound).filter((v) => v !== null);
-      const low = Math.min(floor ?? 1, ...seen);
       return {
         title: "accuracy vs the original model", key: "accuracy",
         series: [lineSeries("window accuracy", COLORS[0]), lineSeries("guaranteed (lower bound)", COLORS[2]),
                  lineSeries("constraint", COLORS[3], {dash: [6, 4]})],
         data: [accuracy, bound, accuracy.map((v) => (v === null ? null : floor))],
-        range: [Math.max(0, low - 0.005), 1.0005],
+        // From just under the lowest of the data and the constraint, up to 1
+        range: (u, low) => [Math.max(0, Math.min(low ?? 1, floor ?? 1) - 0.005), 1.0005],
       };
     },
   };
@@ -207,13 +208,12 @@
     }
     if (!chart) {
       holder.replaceChildren(element("h4", {text: definition.title}));
-      const range = definition.range;
       const options = {
         width, height: CHART_HEIGHT, legend: {live: true},
-        scales: {x: {time: true}, y: range ? {range: () => range} : {}},
+        scales: {x: {time: true}, y: definition.range ? {range: definition.range} : {}},
         series: [{}, ...definition.series], bands: definition.bands || [],
         plugins: [changeMarkers(model)],
-        axes: [{}, {size: 50}],
+        axes: [TIME_AXIS, {size: 50}],
       };
       chart = {plot: new uPlot(options, data, holder), key: definition.key};
       charts[name] = chart;
@@ -335,7 +335,8 @@
       if (state.appsChart) state.appsChart.plot.destroy();
       holder.replaceChildren(element("h4", {text: "application queries and defaults per second"}));
       state.appsChart = {key, plot: new uPlot({width, height: CHART_HEIGHT, scales: {x: {time: true}},
-                                               series: [{}, ...series], axes: [{}, {size: 50}]}, [x, ...data], holder)};
+                                               series: [{}, ...series], axes: [TIME_AXIS, {size: 50}]}, [x, ...data],
+                                              holder)};
     } else {
       state.appsChart.plot.setData([x, ...data]);
     }
