@@ -31,7 +31,9 @@ def _write_json(data: dict, path: Path | None) -> None:
 
 @app.command()
 def prepare(
-    model: Annotated[str, typer.Argument(help="zoo name, a .onnx file, or module:factory for a torch module")],
+    model: Annotated[str, typer.Argument(
+        help="zoo name, a .onnx file, module:factory for a torch module, or hf:DIR for a Hugging Face sequence "
+             "classifier saved by save_pretrained (BERT, RoBERTa, MPNet, DistilBERT)")],
     out: Annotated[Path, typer.Option(help="bundle directory to write")],
     workload: Annotated[Optional[str], typer.Option(help="stream whose bootstrap part trains the ramps")] = None,
     ramp_kind: Annotated[str, typer.Option(
@@ -42,6 +44,8 @@ def prepare(
     cache_points: Annotated[int, typer.Option(help="cache ramps: centroids (kmeans) or stored inputs (knn)")] = 128,
     cache_neighbours: Annotated[int, typer.Option(help="cache ramps: neighbours looked up (knn)")] = 1,
     bootstrap: Annotated[int, typer.Option(help="bootstrap inputs to train ramps on, at most")] = 8000,
+    profile_budget: Annotated[Optional[float], typer.Option(
+        help="seconds the latency profile may spend per batch size on more rounds (default 5)")] = None,
     site_policy: Annotated[Optional[str], typer.Option(
         help="module:function choosing sites among the cut values, (dataflow, candidates) -> candidates")] = None,
     small: Annotated[bool, typer.Option(help="the zoo's tiny test variant")] = False,
@@ -58,8 +62,9 @@ def prepare(
         policy = import_object(site_policy) if site_policy else None
         cache = CacheSpec(reduction=cache_reduction, dim=cache_dim, lookup=cache_lookup, points=cache_points,
                           neighbours=cache_neighbours)
+        budget = {} if profile_budget is None else {"profile_budget_s": profile_budget}
         prepared = run_prepare(source, PrepareConfig(workload=workload, ramp_kind=ramp_kind, bootstrap_items=bootstrap,
-                                                     cache=cache), policy)
+                                                     cache=cache, **budget), policy)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
     save_bundle(prepared, out)

@@ -259,13 +259,24 @@ def chain_from_config(directory: Path) -> EncoderChain:
                                                                    attn_implementation=ATTENTION_IMPLEMENTATION))
 
 
+def check_checkpoint(directory: Path) -> PretrainedConfig:
+    """The config of the checkpoint in `directory`, after checking that it is a supported sequence classifier with
+    safetensors weights and a tokenizer.json."""
+    directory = Path(directory)
+    config = load_config(directory)
+    if not (directory / WEIGHTS_FILE).is_file() and not (directory / f"{WEIGHTS_FILE}.index.json").is_file():
+        raise HFModelError(f"{directory} has no {WEIGHTS_FILE}: rampserve loads safetensors weights only "
+                           "(save with save_pretrained, whose default is safetensors)")
+    if not (directory / TOKENIZER_FILE).is_file():
+        raise HFModelError(f"{directory} has no {TOKENIZER_FILE}: save the model's fast tokenizer with it "
+                           "(tokenizer.save_pretrained(DIR))")
+    return config
+
+
 def from_pretrained_dir(directory: Path) -> EncoderChain:
     """The checkpoint in `directory` (safetensors weights, never a pickle) as a chain, in eval mode."""
     directory = Path(directory)
-    load_config(directory)
-    if not (directory / WEIGHTS_FILE).is_file() and not (directory / f"{WEIGHTS_FILE}.index.json").is_file():
-        raise HFModelError(f"{directory} has no {WEIGHTS_FILE}: rampserve loads safetensors weights only "
-                           "(save with save_pretrained(..., safe_serialization=True))")
+    check_checkpoint(directory)
     model = AutoModelForSequenceClassification.from_pretrained(
         str(directory), local_files_only=True, use_safetensors=True, attn_implementation=ATTENTION_IMPLEMENTATION)
     return chain_of(model.eval())
