@@ -29,6 +29,7 @@ from typer.testing import CliRunner
 
 from rampserve.cli import app
 from rampserve.runtime.backends import TorchBackend
+from rampserve.runtime.prepare import model_encoder, prepared_encoder
 from rampserve.runtime.sources import ModelSource
 from rampserve.serving.models import load_served
 from rampserve.serving.server import ServerSettings, build_state, running_server
@@ -163,6 +164,9 @@ def test_prepare_hf_dir_writes_a_self_contained_bundle_that_serves_over_v2(tmp_p
 
     served = load_served(str(bundle))
     assert [i.name for i in served.inputs] == ["input_ids", "attention_mask"]
+    # the benches and `rampserve profile` encode the workload's texts with the tokenizer the bundle carries
+    carried = prepared_encoder(served.model, "text")(TEXTS)
+    assert all(np.array_equal(carried[k], encoded[k]) for k in encoded)
     with torch.inference_mode():
         expected = model(**{k: torch.from_numpy(v) for k, v in encoded.items()}).logits.numpy()
     state = build_state([served], ModelSettings(), ServerSettings(port=0))
@@ -201,6 +205,9 @@ def test_a_directory_that_is_not_a_supported_classifier_says_what_it_found(tmp_p
     random_classifier("bert").save_pretrained(no_tokenizer)
     with pytest.raises(ValueError, match="has no tokenizer.json"):
         ModelSource.parse(f"hf:{no_tokenizer}")
+
+    with pytest.raises(ValueError, match="text classifier: give it a text workload"):
+        model_encoder(ModelSource("hf", str(no_tokenizer)), "image")
 
     result = CliRunner().invoke(app, ["prepare", f"hf:{gpt2}", "--out", str(tmp_path / "b")])
     assert result.exit_code != 0 and "not supported" in result.output
