@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 import tritonclient.http as triton
+from safetensors.torch import load_file, save_file
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import (
@@ -205,6 +206,15 @@ def test_a_directory_that_is_not_a_supported_classifier_says_what_it_found(tmp_p
     random_classifier("bert").save_pretrained(no_tokenizer)
     with pytest.raises(ValueError, match="has no tokenizer.json"):
         ModelSource.parse(f"hf:{no_tokenizer}")
+
+    headless = tmp_path / "headless"
+    random_classifier("bert").save_pretrained(headless)
+    shutil.copyfile(minilm_dir() / hf_encoders.TOKENIZER_FILE, headless / hf_encoders.TOKENIZER_FILE)
+    weights = load_file(headless / hf_encoders.WEIGHTS_FILE)
+    save_file({k: v for k, v in weights.items() if not k.startswith("classifier.")},
+              headless / hf_encoders.WEIGHTS_FILE, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"weights lack \['classifier.bias', 'classifier.weight'\]"):
+        hf_encoders.from_pretrained_dir(headless)
 
     with pytest.raises(ValueError, match="text classifier: give it a text workload"):
         model_encoder(ModelSource("hf", str(no_tokenizer)), "image")
