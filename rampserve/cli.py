@@ -191,6 +191,8 @@ def serve(
     models: Annotated[Optional[list[str]], typer.Argument(help="zoo model names or bundle directories")] = None,
     host: Annotated[str, typer.Option(help="address to bind (loopback unless told otherwise)")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="port (0: any free one)")] = 8000,
+    grpc_port: Annotated[int, typer.Option(help="port of KServe v2 over gRPC, on the same host (0: no gRPC)")]
+    = 8001,
     slo_ms: Annotated[Optional[float], typer.Option(help="latency SLO per batch (default 2x batch-1 latency)")]
     = None,
     accuracy_constraint: Annotated[float, typer.Option(help="allowed share of answers that differ")] = 0.01,
@@ -238,8 +240,8 @@ def serve(
     autoscaling: Annotated[Optional[str], typer.Option(help="Ray Serve autoscaling_config as JSON (with --ray; "
                                                             "replaces --replicas)")] = None,
 ) -> None:
-    """Serve models and applications over HTTP (Open Inference Protocol v2, Clipper's application API) with
-    managed early exits."""
+    """Serve models and applications over HTTP (Open Inference Protocol v2, Clipper's application API) and gRPC
+    (KServe v2) with managed early exits."""
     from rampserve.control.controller import ControllerSettings
     from rampserve.serving.server import ServerSettings
     from rampserve.serving.server import serve as run_server
@@ -255,8 +257,8 @@ def serve(
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
     try:
-        settings = ServerSettings(host=host, port=port, max_body_mb=max_body_mb, cache_mb=cache_mb,
-                                  admin_token=admin_token, store=store, repository=repository,
+        settings = ServerSettings(host=host, port=port, grpc_port=grpc_port or None, max_body_mb=max_body_mb,
+                                  cache_mb=cache_mb, admin_token=admin_token, store=store, repository=repository,
                                   update_stream=update_stream)
         specs = [spec for path in apps or () for spec in read_applications(path)]
         if ray:
