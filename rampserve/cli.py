@@ -541,10 +541,11 @@ def bench_live(
     warmup_requests: Annotated[int, typer.Option(help="requests sent before each measured replay")] = 300,
     server_arg: Annotated[Optional[list[str]], typer.Option(help="more `rampserve serve` options for both servers")]
     = None,
+    transport: Annotated[str, typer.Option(help="what the client speaks: http (binary tensors) or grpc")] = "http",
     json_out: Annotated[Optional[Path], typer.Option("--json", help="write the results here")] = None,
     plots: Annotated[Optional[Path], typer.Option(help="write plots into this directory")] = None,
 ) -> None:
-    """Real servers, real HTTP: vanilla and rampserve on the same model, stream and open-loop trace."""
+    """Real servers, real HTTP (or gRPC): vanilla and rampserve on the same model, stream and open-loop trace."""
     from rampserve.bench.live import LiveSettings, live_table, run_live, versus_table
 
     try:
@@ -552,7 +553,8 @@ def bench_live(
                                 accuracy_constraint=accuracy_constraint, exit_mode=exit_mode,
                                 feedback_share=feedback_share, saturation_s=saturation_s,
                                 saturation_rounds=saturation_rounds, warmup_requests=warmup_requests,
-                                server_args=("--ramp-budget", str(ramp_budget), *(server_arg or ())))
+                                server_args=("--ramp-budget", str(ramp_budget), *(server_arg or ())),
+                                transport=transport)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
     report = run_live(settings, json_out, plots)
@@ -605,6 +607,9 @@ def bench_peers(
     system: Annotated[Optional[list[str]], typer.Option(help="a system to run (repeatable; default all: "
                                                              "rampserve_vanilla, rampserve, mlserver, ray_serve, "
                                                              "triton)")] = None,
+    transport: Annotated[str, typer.Option(help="http (binary tensors, or JSON to the JSON-only peers) or grpc "
+                                                "(to every system that serves it; Ray Serve stays on HTTP)")]
+    = "http",
     json_out: Annotated[Optional[Path], typer.Option("--json", help="write the results here")] = None,
     plots: Annotated[Optional[Path], typer.Option(help="write plots into this directory")] = None,
 ) -> None:
@@ -620,7 +625,8 @@ def bench_peers(
                             server_args=("--ramp-budget", str(ramp_budget)))
         settings = PeerSettings(live=live, systems=tuple(system or SYSTEMS), rounds=rounds,
                                 sweep_clients=tuple(sweep_clients or SWEEP_CLIENTS), sweep_s=sweep_s,
-                                sweep_settle_s=sweep_settle_s, mlserver_backend=mlserver_backend)
+                                sweep_settle_s=sweep_settle_s, mlserver_backend=mlserver_backend,
+                                transport=transport)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
     report = run_peers(settings, json_out, plots)
