@@ -570,7 +570,8 @@ def bench_executor(
     clients: Annotated[int, typer.Option(help="closed-loop clients")] = 8,
     json_out: Annotated[Optional[Path], typer.Option("--json", help="write the results here")] = None,
 ) -> None:
-    """The executor in the server's process or in one of its own: overhead, throughput and batch size."""
+    """The executor in the server's process or in one of its own: overhead, throughput and batch size, over HTTP
+    (binary tensors, JSON) and over gRPC."""
     from rampserve.bench.executor import ExecutorBenchSettings, executor_table, run_executor_bench
 
     try:
