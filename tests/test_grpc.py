@@ -26,6 +26,7 @@ from tritonclient.grpc import service_pb2_grpc
 
 from test_serving import MODEL, fixed_exits, get_json, original_logits
 from rampserve.serving.app import ServerState
+from rampserve.serving.apps.applications import ApplicationSpec
 from rampserve.serving.apps.predictors import FunctionPredictor, ModelUnavailable, Predictor
 from rampserve.serving.apps.state_store import StoreError
 from rampserve.serving.executor import ExecutorLost
@@ -49,12 +50,12 @@ def served(resnet_bundle) -> ServedModel:
 
 @contextmanager
 def grpc_server(models: Sequence[ServedModel | Predictor], settings: ModelSettings = THREAD,
-                **server: object) -> Iterator[tuple[str, str, ServerState]]:
+                apps: Sequence[ApplicationSpec] = (), **server: object) -> Iterator[tuple[str, str, ServerState]]:
     """A real server with gRPC on a free loopback port; yields its HTTP URL, its gRPC address and its state. The
     bundle's executor runs in the server's process (an executor process of its own takes seconds to start, and
     what it changes lies below the data plane: test_executor covers it)."""
     server_settings = ServerSettings(port=0, grpc_port=0, **server)
-    state = build_state(models, settings, server_settings)
+    state = build_state(models, settings, server_settings, apps)
     with running_server(state, server_settings) as url:
         yield url, f"127.0.0.1:{state.grpc.port}", state
 
@@ -191,12 +192,13 @@ FAILURES = {  # a model raising each, and the status code its refusal gets
 
 @pytest.fixture(scope="module")
 def many_models(served) -> Iterator[tuple[str, ServerState]]:
-    """The bundle (vanilla, in the server's process), a model of SPECS, one of each ONE_INPUT datatype and one per
-    FAILURES, behind one server that takes messages of at most 0.5 MiB."""
+    """The bundle (vanilla, in the server's process), a model of SPECS and an application over it, a model of each
+    ONE_INPUT datatype and one per FAILURES, behind one server that takes messages of at most 0.5 MiB."""
     models = [served, FunctionPredictor("m", constant, SPECS),
               *(FunctionPredictor(f"t-{d}", constant, (TensorSpec("t", d, (-1,)),)) for d in ONE_INPUT),
               *(FunctionPredictor(name, raising(error), SPECS) for name, (error, _, _) in FAILURES.items())]
-    with grpc_server(models, max_body_mb=0.5) as (_, address, state):
+    app = ApplicationSpec("app", ("m",), "exp4", slo_ms=5000.0)
+    with grpc_server(models, apps=[app], max_body_mb=0.5) as (_, address, state):
         yield address, state
 
 
@@ -331,6 +333,14 @@ def test_the_same_request_done_right_is_answered(many_models) -> None:
         code, details, _, answer = call(address, request)
         assert code == grpc.StatusCode.OK and list(answer.outputs[0].shape) == list(request.inputs[0].shape[:1]), \
             (request, details)
+
+
+def test_an_application_answers_under_its_name(many_models) -> None:
+    address, _ = many_models
+    code, details, _, answer = call(address, message(good_x(), good_ids(), model="app", uid="someone"))
+    assert code == grpc.StatusCode.OK, details
+    assert (answer.model_name, list(answer.outputs[0].contents.int64_contents)) == ("app", [0])
+    assert answer.parameters["models"].string_param == '["m"]'  # a list: JSON text
 
 
 @pytest.mark.parametrize("name", list(FAILURES))

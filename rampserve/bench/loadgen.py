@@ -54,7 +54,8 @@ NUMBER = re.compile(r"\d+(\.\d+)?")  # error messages are counted with their fig
 CLIENT_KEEPALIVE_S = 3.0
 GRPC_SCHEME = "grpc://"
 GRPC_INFER = "/inference.GRPCInferenceService/ModelInfer"
-# gRPC refusals as the HTTP statuses the results count (RESOURCE_EXHAUSTED: shed, as 429/503 are)
+# gRPC refusals as the HTTP statuses the results count: RESOURCE_EXHAUSTED is shed, as 429 is; UNAVAILABLE is the
+# server's 503 (an executor restarting), though a connection that failed reads the same over gRPC
 GRPC_STATUSES = {grpc.StatusCode.RESOURCE_EXHAUSTED: 429, grpc.StatusCode.UNAVAILABLE: 503,
                  grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.NOT_FOUND: 404, grpc.StatusCode.INTERNAL: 500}
 

@@ -4,7 +4,8 @@ A pure codec and validator: the HTTP server hands it the body and the `Inference
 and gets back checked arrays, or hands it arrays and gets back a body and headers, so every wire-format rule is
 tested here without sockets. `tritonclient.http` sends tensors as binary data by default (the JSON header, then
 each binary input's raw little-endian bytes in input order) and, when it lists no outputs, asks for every output
-in binary, so both encodings are first-class.
+in binary, so both encodings are first-class. The checks of a request object (`infer_request_from`) and the tensor
+decoders are gRPC's too (`grpc_codec`): a ModelInferRequest passes the same rules with the same messages.
 """
 
 from __future__ import annotations
