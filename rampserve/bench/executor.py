@@ -1,9 +1,10 @@
 """`rampserve bench executor`: where a bundle's executor should run, measured. The same vanilla server with its
 executor in a thread of the front end's process (`--executor thread`) and in a process of its own (`--executor
 process`), started afresh in every round, the order alternating round by round: one client at a time (the server's
-own overhead over the model's batch-1 time here, with binary tensors and with JSON bodies) and a closed loop of
-clients (throughput, latency, and the mean batch: whether the front end keeps the model fed). Figures are medians
-over rounds with their min-max, and process/thread ratios paired within each round (so a noisy phase of the
+own overhead over the model's batch-1 time here, with binary tensors and JSON bodies over HTTP and with KServe v2
+over gRPC) and a closed loop of clients over HTTP and over gRPC (throughput, latency, and the mean batch: whether
+the front end keeps the model fed), the transports' order rotating round by round too. Figures are medians over
+rounds with their min-max; process/thread and gRPC/HTTP ratios are paired within each round (so a noisy phase of the
 machine lands on both).
 """
 
@@ -18,8 +19,8 @@ from rich.table import Table
 from tqdm.auto import tqdm
 
 from rampserve.bench.harness import (
-    ServerProcess, add_paired_rows, closed_loop_throughput, encode_items, mean_batch_size, percentiles, rampserve_serve,
-    require_answers, round_ratios, run_loadgen, v2_inputs, write_json,
+    ServerProcess, add_paired_rows, closed_loop_throughput, encode_items, mean_batch_size, median_ratio, percentiles,
+    rampserve_serve, ratio_cell, require_answers, round_ratios, run_loadgen, v2_inputs, write_json,
 )
 from rampserve.bench.live import batch1_inprocess_ms
 from rampserve.bench.loadgen import Job, fetch_status
@@ -29,8 +30,12 @@ from rampserve.runtime.zoo_bundles import zoo_bundle
 from rampserve.workloads.streams import get_stream
 
 EXECUTORS = ("thread", "process")
-# Figures where lower is better (a ratio under 1 favours the process) and the others (higher is better)
-LOWER_IS_BETTER = ("overhead_binary_ms", "overhead_json_ms", "closed_p50_ms", "closed_p99_ms")
+ENCODINGS = ("binary", "json", "grpc")  # one at a time: binary tensors and JSON over HTTP, KServe v2 over gRPC
+CLOSED_LOOPS = {"binary": "closed", "grpc": "closed_grpc"}  # the closed loop's transports and their figures' prefix
+# Figures where lower is better (a ratio under 1 favours the process) and those where higher is better
+LOWER_IS_BETTER = ("overhead_binary_ms", "overhead_json_ms", "overhead_grpc_ms", "closed_p50_ms", "closed_p99_ms",
+                   "closed_grpc_p50_ms", "closed_grpc_p99_ms")
+HIGHER_IS_BETTER = ("closed_rps", "closed_mean_batch", "closed_grpc_rps", "closed_grpc_mean_batch")
 
 
 @dataclass(frozen=True)
@@ -56,8 +61,23 @@ class ExecutorBenchSettings:
 
 def paired_ratios(rounds: dict[str, list[dict]]) -> dict[str, dict]:
     """Per figure, process over thread within each round: the median and [min, max] of those ratios."""
-    keys = [k for k in rounds["process"][0] if k in LOWER_IS_BETTER or k in ("closed_rps", "closed_mean_batch")]
+    keys = [k for k in rounds["process"][0] if k in LOWER_IS_BETTER or k in HIGHER_IS_BETTER]
     return round_ratios(rounds["process"], rounds["thread"], keys)
+
+
+def grpc_over_binary(rounds: list[dict], batch1_ms: float) -> dict[str, dict]:
+    """One executor's rounds: gRPC over HTTP with binary tensors within each round, the median and [min, max] of
+    those ratios: one request at a time (its latency: the overhead plus the model's batch-1 time) and the closed
+    loop's throughput and latency."""
+    def latency(overhead: float | None) -> float | None:
+        return None if overhead is None else overhead + batch1_ms
+
+    pairs = {"one_at_a_time_p50": [(latency(r.get("overhead_grpc_ms")), latency(r.get("overhead_binary_ms")))
+                                   for r in rounds]}
+    for figure in ("rps", "p50_ms", "p99_ms"):
+        pairs[f"closed_{figure}"] = [(r.get(f"closed_grpc_{figure}"), r.get(f"closed_{figure}")) for r in rounds]
+    ratios = {key: median_ratio(values) for key, values in pairs.items()}
+    return {key: ratio for key, ratio in ratios.items() if ratio is not None}
 
 
 def run_executor_bench(settings: ExecutorBenchSettings, json_out: Path | None, progress: bool = True) -> dict:
@@ -77,26 +97,16 @@ def run_executor_bench(settings: ExecutorBenchSettings, json_out: Path | None, p
                 command = rampserve_serve(settings.model, settings.slo_ms, settings.max_batch, 0.0, True,
                                           ("--executor", kind))
                 with ServerProcess(command, workdir / f"{kind}.log", settings.start_timeout_s) as server:
-                    url = server.url(f"/v2/models/{settings.model}/infer")
                     figures: dict[str, float | None] = {}
-                    for transport in ("binary", "json"):
-                        job = Job(url, v2_inputs(feeds[0]), "label", None, clients=1,
-                                  requests=settings.sequential_requests, json_bodies=transport == "json")
+                    for encoding in rotated(ENCODINGS, len(rounds[kind])):
+                        job = Job(server.infer_url(settings.model, "grpc" if encoding == "grpc" else "http"),
+                                  v2_inputs(feeds[0]), "label", None, clients=1,
+                                  requests=settings.sequential_requests, json_bodies=encoding == "json")
                         one = require_answers(run_loadgen(job, feeds, workdir, f"{kind} one at a time",
                                                           settings.sequential_requests * 0.003, False), kind)
-                        figures[f"overhead_{transport}_ms"] = float(np.median(one.latency_ms[one.ok][warm:])) - batch1
-                    before = fetch_status(server.url("/status"))
-                    job = Job(url, v2_inputs(feeds[0]), "label", server.url("/status"), clients=settings.clients,
-                              duration_s=settings.closed_s)
-                    closed = require_answers(run_loadgen(job, feeds, workdir, f"{kind} closed loop",
-                                                         settings.closed_s, False), kind)
-                    counted = closed.ok & (closed.scheduled_ms >= settings.closed_settle_s * 1000.0)
-                    latency = percentiles(closed.latency_ms[counted], "closed_")
-                    figures |= {"closed_rps": closed_loop_throughput(closed, settings.closed_settle_s * 1000.0,
-                                                                     settings.closed_s * 1000.0),
-                                "closed_p50_ms": latency["closed_p50_ms"], "closed_p99_ms": latency["closed_p99_ms"],
-                                "closed_mean_batch": mean_batch_size(before, closed.status_after, settings.model),
-                                "closed_failed": int((~closed.ok).sum())}
+                        figures[f"overhead_{encoding}_ms"] = float(np.median(one.latency_ms[one.ok][warm:])) - batch1
+                    for transport in rotated(tuple(CLOSED_LOOPS), len(rounds[kind])):
+                        figures |= closed_loop(server, transport, feeds, settings, workdir, kind)
                 rounds[kind].append(figures)
                 bar.update()
     systems = {}
@@ -104,9 +114,34 @@ def run_executor_bench(settings: ExecutorBenchSettings, json_out: Path | None, p
         medians, spans = over_rounds(rounds[kind])
         systems[kind] = medians | {"min_max": spans, "rounds": rounds[kind]}
     report = {"model": settings.model, "batch1_inprocess_ms": batch1, "orders": [list(o) for o in orders],
-              "settings": asdict(settings), "systems": systems, "process_over_thread": paired_ratios(rounds)}
+              "settings": asdict(settings), "systems": systems, "process_over_thread": paired_ratios(rounds),
+              "grpc_over_binary": {kind: grpc_over_binary(rounds[kind], batch1) for kind in EXECUTORS}}
     write_json(report, json_out)
     return report
+
+
+def rotated(items: tuple[str, ...], by: int) -> tuple[str, ...]:
+    """`items` starting `by` further along: round r's order, so that none always runs first."""
+    return tuple(items[(by + i) % len(items)] for i in range(len(items)))
+
+
+def closed_loop(server: ServerProcess, transport: str, feeds: list[dict[str, np.ndarray]],
+                settings: ExecutorBenchSettings, workdir: Path, kind: str) -> dict[str, float | int | None]:
+    """`settings.clients` closed-loop clients over `transport` (binary or grpc): throughput, latency once they all
+    run, the mean batch and the requests that failed, under the transport's prefix (CLOSED_LOOPS)."""
+    prefix = CLOSED_LOOPS[transport]
+    before = fetch_status(server.url("/status"))
+    job = Job(server.infer_url(settings.model, "grpc" if transport == "grpc" else "http"), v2_inputs(feeds[0]),
+              "label", server.url("/status"), clients=settings.clients, duration_s=settings.closed_s)
+    closed = require_answers(run_loadgen(job, feeds, workdir, f"{kind} closed loop ({transport})", settings.closed_s,
+                                         False), kind)
+    counted = closed.ok & (closed.scheduled_ms >= settings.closed_settle_s * 1000.0)
+    latency = percentiles(closed.latency_ms[counted])
+    return {f"{prefix}_rps": closed_loop_throughput(closed, settings.closed_settle_s * 1000.0,
+                                                    settings.closed_s * 1000.0),
+            f"{prefix}_p50_ms": latency["p50_ms"], f"{prefix}_p99_ms": latency["p99_ms"],
+            f"{prefix}_mean_batch": mean_batch_size(before, closed.status_after, settings.model),
+            f"{prefix}_failed": int((~closed.ok).sum())}
 
 
 def executor_table(report: dict) -> Table:
@@ -117,10 +152,19 @@ def executor_table(report: dict) -> Table:
     for kind in EXECUTORS:
         table.add_column(f"executor {kind}", justify="right")
     table.add_column("process / thread (paired)", justify="right")
-    rows = (("overhead, binary (ms)", "overhead_binary_ms", ".3f"), ("overhead, JSON (ms)", "overhead_json_ms", ".3f"),
-            (f"{settings['clients']} clients: rps", "closed_rps", ".0f"),
-            (f"{settings['clients']} clients: p50 ms", "closed_p50_ms", ".2f"),
-            (f"{settings['clients']} clients: p99 ms", "closed_p99_ms", ".2f"),
-            (f"{settings['clients']} clients: mean batch", "closed_mean_batch", ".2f"))
-    add_paired_rows(table, rows, [report["systems"][kind] for kind in EXECUTORS], report["process_over_thread"], ".2f")
+    clients = settings["clients"]
+    rows = [("overhead, binary (ms)", "overhead_binary_ms", ".3f"), ("overhead, JSON (ms)", "overhead_json_ms", ".3f"),
+            ("overhead, gRPC (ms)", "overhead_grpc_ms", ".3f")]
+    for transport, prefix in CLOSED_LOOPS.items():
+        over = "" if transport == "binary" else " over gRPC"
+        rows += [(f"{clients} clients{over}: rps", f"{prefix}_rps", ".0f"),
+                 (f"{clients} clients{over}: p50 ms", f"{prefix}_p50_ms", ".2f"),
+                 (f"{clients} clients{over}: p99 ms", f"{prefix}_p99_ms", ".2f"),
+                 (f"{clients} clients{over}: mean batch", f"{prefix}_mean_batch", ".2f")]
+    add_paired_rows(table, rows, [report["systems"][kind] for kind in EXECUTORS], report["process_over_thread"])
+    for label, key in (("gRPC / binary: one at a time p50", "one_at_a_time_p50"),
+                       (f"gRPC / binary: {clients} clients rps", "closed_rps"),
+                       (f"gRPC / binary: {clients} clients p50", "closed_p50_ms"),
+                       (f"gRPC / binary: {clients} clients p99", "closed_p99_ms")):
+        table.add_row(label, *(ratio_cell(report["grpc_over_binary"][kind].get(key)) for kind in EXECUTORS), "")
     return table

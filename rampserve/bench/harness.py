@@ -1,8 +1,9 @@
 """What the live benches (`bench live`, `bench peers`, `bench race`) share: a server in a process of its own, the load
 generator run in another (`rampserve.bench.loadgen`), closed-loop saturation probes, and the requests they send.
 
-A server is any command that serves KServe v2 on a port it is given, ready once a readiness URL answers 200 and
-stopped with a signal it answers by finishing what it accepted; `rampserve_serve` is `rampserve serve`'s command.
+A server is any command that serves KServe v2 on the ports it is given (HTTP, and gRPC where it speaks it), ready
+once a readiness URL answers 200 and stopped with a signal it answers by finishing what it accepted;
+`rampserve_serve` is `rampserve serve`'s command. `transport` picks what the load generator speaks to it.
 """
 
 from __future__ import annotations
@@ -23,14 +24,15 @@ import numpy as np
 from rich.table import Table
 from tqdm.auto import tqdm
 
-from rampserve.bench.loadgen import V2_DTYPES, Job, LoadResult, fetch_status, save_job
-from rampserve.runtime.prepare import encoder_for, feeds_for
+from rampserve.bench.loadgen import V2_DTYPES, Job, LoadResult, fetch_status, grpc_url, save_job
+from rampserve.runtime.prepare import feeds_for, prepared_encoder
 from rampserve.runtime.prepared import PreparedModel
 
 QUANTILES = (25, 50, 95, 99)
 MAX_ERRORS = 10  # distinct error messages kept per run, the most frequent
 STOP_GRACE_S = 40.0  # a server told to stop answers what it accepted within this (rampserve's own grace is 30 s)
 READY_PATH = "/v2/health/ready"
+TRANSPORTS = ("http", "grpc")  # what a live bench's client speaks: v2 over HTTP, or KServe v2 over gRPC
 
 
 # --- statistics (pure) ----------------------------------------------------------------------------------------
@@ -62,19 +64,26 @@ def mean_batch_size(before: dict | str | None, after: dict | str | None, model: 
     return inputs / batches if batches > 0 else None
 
 
+def median_ratio(pairs: list[tuple[float | None, float | None]]) -> dict | None:
+    """The median and [min, max] of a / b over the pairs where both are known (and b is not 0); None if none is."""
+    values = [a / b for a, b in pairs if a is not None and b]
+    return {"median": float(np.median(values)), "min_max": [min(values), max(values)]} if values else None
+
+
 def round_ratios(numerator: list[dict], denominator: list[dict], keys: list[str]) -> dict[str, dict]:
     """Per figure, one system's over another's within each round (paired, so that a noisy phase of the machine lands
     on both): the median and [min, max] of those ratios, over the rounds where both have the figure."""
-    ratios: dict[str, dict] = {}
-    for key in keys:
-        values = [n[key] / d[key] for n, d in zip(numerator, denominator) if n.get(key) is not None and d.get(key)]
-        if values:
-            ratios[key] = {"median": float(np.median(values)), "min_max": [min(values), max(values)]}
-    return ratios
+    ratios = {key: median_ratio([(n.get(key), d.get(key)) for n, d in zip(numerator, denominator)]) for key in keys}
+    return {key: ratio for key, ratio in ratios.items() if ratio is not None}
 
 
-def add_paired_rows(table: Table, rows: tuple[tuple[str, str, str], ...], systems: list[dict],
-                    ratios: dict[str, dict], ratio_spec: str) -> None:
+def ratio_cell(ratio: dict | None, spec: str = ".2f") -> str:
+    """A `median_ratio` as a table cell: median (min–max)."""
+    return "" if ratio is None else f"{ratio['median']:{spec}} ({ratio['min_max'][0]:{spec}}–{ratio['min_max'][1]:{spec}})"
+
+
+def add_paired_rows(table: Table, rows: list[tuple[str, str, str]], systems: list[dict], ratios: dict[str, dict],
+                    ratio_spec: str = ".2f") -> None:
     """Rows (label, figure, format) of each system's median (min–max over rounds) and the ratio paired within
     rounds (`round_ratios`) in the last column."""
     for label, key, spec in rows:
@@ -82,10 +91,7 @@ def add_paired_rows(table: Table, rows: tuple[tuple[str, str, str], ...], system
         for system in systems:
             span = system["min_max"].get(key)
             cells.append(fmt(system.get(key), spec) + ("" if span is None else f" ({span[0]:{spec}}–{span[1]:{spec}})"))
-        ratio = ratios.get(key)
-        cells.append("" if ratio is None else f"{ratio['median']:{ratio_spec}} ({ratio['min_max'][0]:{ratio_spec}}–"
-                                              f"{ratio['min_max'][1]:{ratio_spec}})")
-        table.add_row(label, *cells)
+        table.add_row(label, *cells, ratio_cell(ratios.get(key), ratio_spec))
 
 
 def most_frequent(errors: dict[str, int]) -> dict[str, int]:
@@ -105,7 +111,7 @@ def ratio(value: float | None, base: float | None) -> float | None:
 
 def encode_items(model: PreparedModel, task: str, items: np.ndarray | list[str]) -> list[dict[str, np.ndarray]]:
     """One request per item, its inputs under the model's own input names (text: each padded to its own length)."""
-    encoder = encoder_for(task)
+    encoder = prepared_encoder(model, task)
     return [feeds_for(model.backend, encoder, items[i:i + 1]) for i in range(len(items))]
 
 
@@ -144,31 +150,38 @@ def tail(path: Path, lines: int = 30) -> str:
 
 
 def rampserve_serve(model: str, slo_ms: float, max_batch: int, max_delay_ms: float, vanilla: bool,
-                    extra_args: tuple[str, ...] = ()) -> Callable[[int], list[str]]:
-    """`rampserve serve` of a zoo model (or bundle) on 127.0.0.1 at a given port."""
-    return lambda port: [
+                    extra_args: tuple[str, ...] = ()) -> Callable[[int, int], list[str]]:
+    """`rampserve serve` of a zoo model (or bundle) on 127.0.0.1 at the given HTTP and gRPC ports."""
+    return lambda port, grpc_port: [
         sys.executable, "-m", "rampserve.cli", "serve", model, "--host", "127.0.0.1", "--port", str(port),
-        "--slo-ms", f"{slo_ms:.4f}", "--max-batch", str(max_batch), "--max-delay-ms", f"{max_delay_ms:g}",
+        "--grpc-port", str(grpc_port), "--slo-ms", f"{slo_ms:.4f}", "--max-batch", str(max_batch), "--max-delay-ms", f"{max_delay_ms:g}",
         *extra_args, *(["--vanilla"] if vanilla else [])]
 
 
 class ServerProcess:
-    """A server in its own process (and session, so that whatever it starts can be ended with it) on a free port,
-    ready on entry once `ready_path` answers 200, and stopped on exit with `stop_signal`, after which it answers
-    what it accepted; one still running after STOP_GRACE_S is killed with everything in its session."""
+    """A server in its own process (and session, so that whatever it starts can be ended with it) on free ports
+    (`command` is given the HTTP one and the gRPC one), ready on entry once `ready_path` answers 200, and stopped on
+    exit with `stop_signal`, after which it answers what it accepted; one still running after STOP_GRACE_S is
+    killed with everything in its session."""
 
-    def __init__(self, command: Callable[[int], list[str]], log: Path, start_timeout_s: float,
+    def __init__(self, command: Callable[[int, int], list[str]], log: Path, start_timeout_s: float,
                  ready_path: str = READY_PATH, stop_signal: signal.Signals = signal.SIGTERM) -> None:
         self.log, self.start_timeout_s = log, start_timeout_s
         self.ready_path, self.stop_signal = ready_path, stop_signal
-        self.port = free_port()
-        self.command = command(self.port)
+        self.port, self.grpc_port = free_port(), free_port()
+        self.command = command(self.port, self.grpc_port)
         self.process: subprocess.Popen | None = None
         self.exit_code: int | None = None
         self.killed = False  # did not stop within its grace period after the stop signal
 
     def url(self, path: str) -> str:
         return f"http://127.0.0.1:{self.port}{path}"
+
+    def infer_url(self, model: str, transport: str) -> str:
+        """Where a job sends its requests for `model` (a `Job.url`)."""
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport is one of {TRANSPORTS}, not {transport!r}")
+        return grpc_url(self.grpc_port, model) if transport == "grpc" else self.url(f"/v2/models/{model}/infer")
 
     def __enter__(self) -> ServerProcess:
         with self.log.open("wb") as log:
