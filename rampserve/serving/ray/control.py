@@ -26,6 +26,9 @@ log = logging.getLogger("rampserve.serving")
 # How long a replica waits for the controller before it takes it for lost; a batch record is small and the
 # controller's work per record is well under a millisecond, so seconds mean the actor is gone or stuck.
 CONTROLLER_TIMEOUT_S = 5.0
+# The first answer waits for Ray to start the actor's worker process, which imports torch: tens of seconds on a
+# busy 2-core machine, and not a sign that anything is lost.
+CONTROLLER_START_TIMEOUT_S = 60.0
 # Records kept for a lost controller's successor, at most (a replica keeps serving meanwhile; beyond this the
 # oldest are dropped, and the successor's counts miss them)
 UNDELIVERED_RECORDS = 4096
@@ -69,7 +72,7 @@ class RayControl:
         self._undelivered: deque[BatchRecord] = deque(maxlen=UNDELIVERED_RECORDS)
         self._checkpoint: dict | None = None  # the counts in the controller's latest answer to this replica
         self._actor = self._connect(settings)
-        self._current = ray.get(self._actor.configuration.remote(), timeout=timeout_s)
+        self._current = ray.get(self._actor.configuration.remote(), timeout=max(timeout_s, CONTROLLER_START_TIMEOUT_S))
         self._readings: dict[str, float] = {"window_accuracy": 1.0, "disagreement_upper": 0.0, "risk_scale": 1.0}
         self._status: dict = {"window_accuracy": 1.0, "cumulative_accuracy": 1.0, "decisions": []}
 
