@@ -23,7 +23,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from rampserve.bench.loadgen import V2_DTYPES, Job, LoadResult, fetch_status, save_job
-from rampserve.runtime.prepare import encoder_for, feeds_for
+from rampserve.runtime.prepare import encoder_for, feeds_for, model_source
 from rampserve.runtime.prepared import PreparedModel
 
 QUANTILES = (25, 50, 95, 99)
@@ -78,7 +78,7 @@ def ratio(value: float | None, base: float | None) -> float | None:
 
 def encode_items(model: PreparedModel, task: str, items: np.ndarray | list[str]) -> list[dict[str, np.ndarray]]:
     """One request per item, its inputs under the model's own input names (text: each padded to its own length)."""
-    encoder = encoder_for(task)
+    encoder = encoder_for(task, model_source(model))
     return [feeds_for(model.backend, encoder, items[i:i + 1]) for i in range(len(items))]
 
 

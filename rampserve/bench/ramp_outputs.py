@@ -17,7 +17,7 @@ from tqdm.auto import tqdm
 
 from rampserve.paths import home
 from rampserve.runtime.bundle import read_manifest
-from rampserve.runtime.prepare import encoder_for, feeds_for
+from rampserve.runtime.prepare import encoder_for, feeds_for, model_source
 from rampserve.runtime.prepared import PreparedModel
 from rampserve.workloads.streams import Stream
 
@@ -42,13 +42,16 @@ class RampOutputs:
 def _compute(model: PreparedModel, stream: Stream, start: int, stop: int, learn_batch: int | None = None
              ) -> RampOutputs:
     sites = tuple(model.site_names)
-    encoder = encoder_for(stream.task)
+    encoder = encoder_for(stream.task, model_source(model))
     # Text streams revisit the same sentences: run each distinct base row once (unless caches learn as they go,
     # when every visit counts).
     if stream.task == "text" and learn_batch is None:
         base = stream.base_ids(start, stop)
         distinct, first, inverse = np.unique(base, return_index=True, return_inverse=True)
-        positions = start + first
+        # in order of length, so that a batch pads little (a 12-layer encoder spends most of its time on padding
+        # in batches of texts in stream order)
+        by_length = np.argsort([len(stream.items(p, p + 1)[0]) for p in start + first], kind="stable")
+        positions, inverse = start + first[by_length], np.argsort(by_length)[inverse]
     else:
         positions, inverse = np.arange(start, stop), None
     labels = np.zeros((len(positions), len(sites)), dtype=np.int64)

@@ -133,7 +133,7 @@ def run_staging_bench(model: str = "resnet18-fmnist", batch_sizes: tuple[int, ..
 
     source = ModelSource.parse(model, small=small)
     module = load_trained(source)
-    bootstrap = bootstrap_inputs(default_workload(source), max(batch_sizes))
+    bootstrap = bootstrap_inputs(default_workload(source), max(batch_sizes), source)
     encoder, items = bootstrap.encoder, bootstrap.items
     torch_backend = TorchBackend(module)
     cases: list[StagingCase] = []

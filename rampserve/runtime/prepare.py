@@ -43,7 +43,13 @@ class PrepareConfig:
     progress: bool = True
 
 
-def encoder_for(task: str) -> Encoder:
+def encoder_for(task: str, source: ModelSource | None = None) -> Encoder:
+    """How a workload's raw items become a model's inputs: a zoo model's own encoder (its tokenizer), else the
+    task's default."""
+    if source is not None and source.kind == "zoo":
+        from rampserve.zoo.registry import get_entry
+
+        return get_entry(source.ref, small=source.small).encode
     if task == "image":
         from rampserve.workloads.fashion_mnist import to_model_input
 
@@ -61,6 +67,16 @@ def default_workload(source: ModelSource) -> str:
 
         return "rt-drift" if get_entry(source.ref, small=source.small).task == "text" else "fmnist-drift"
     raise ValueError(f"a {source.kind} model needs a workload to train its ramps on (e.g. fmnist-drift)")
+
+
+def token_reduction(source: ModelSource) -> str:
+    """How linear ramps reduce a (tokens, hidden) site of the model: its zoo entry's choice, else the first token
+    (a model whose layers do not zero padded positions would see the padding in a mean over tokens)."""
+    if source.kind == "zoo":
+        from rampserve.zoo.registry import get_entry
+
+        return get_entry(source.ref, small=source.small).token_reduce
+    return "first_token"
 
 
 def make_backend(source: ModelSource, policy: SitePolicy | None = None) -> Backend:
@@ -84,15 +100,22 @@ class BootstrapInputs:
     items: list | np.ndarray
 
 
-def bootstrap_inputs(workload: str, limit: int) -> BootstrapInputs:
-    """The first `limit` bootstrap items of a workload stream, with the encoder its task needs."""
+def model_source(model: PreparedModel) -> ModelSource | None:
+    """Where a prepared model came from, as its bundle records it."""
+    source = model.meta.get("source")
+    return None if source is None else ModelSource.from_json(source)
+
+
+def bootstrap_inputs(workload: str, limit: int, source: ModelSource | None = None) -> BootstrapInputs:
+    """The first `limit` bootstrap items of a workload stream, with the encoder that the model from `source` (or
+    else the workload's task) needs."""
     stream = get_stream(workload)
     start = stream.bootstrap.start
     stop = min(stream.bootstrap.stop, start + limit)
     items = stream.items(start, stop)
     if isinstance(items, list):  # repeated texts add nothing but weight: keep each once
         items = list(dict.fromkeys(items))
-    return BootstrapInputs(stream.task, encoder_for(stream.task), items)
+    return BootstrapInputs(stream.task, encoder_for(stream.task, source), items)
 
 
 def sample_feeds(backend: Backend, inputs: BootstrapInputs) -> Callable[[int], dict[str, np.ndarray]]:
@@ -115,7 +138,7 @@ def signature_from_workload(model: PreparedModel) -> ModelSignature:
         raise ValueError("the model has no signature, nor a workload to derive one from: give the PreparedModel "
                          "one (ModelSignature.of_example on two of its inputs)")
     try:
-        bootstrap = bootstrap_inputs(workload, EXAMPLE_ROWS)
+        bootstrap = bootstrap_inputs(workload, EXAMPLE_ROWS, model_source(model))
     except FileNotFoundError as exc:
         raise BundleError(f"{model.bundle_dir or 'the model'} was prepared before bundles carried their signature and example "
                           f"inputs, and its workload {workload!r} is not on this machine to derive them from "
@@ -126,7 +149,7 @@ def signature_from_workload(model: PreparedModel) -> ModelSignature:
 
 def reprofile(model: PreparedModel, config: PrepareConfig = PrepareConfig()) -> LatencyProfile:
     """Measure a prepared model's latency profile again, on this machine, with its workload's inputs."""
-    inputs = bootstrap_inputs(model.meta["workload"], config.bootstrap_items)
+    inputs = bootstrap_inputs(model.meta["workload"], config.bootstrap_items, model_source(model))
     return measure_profile(model, sample_feeds(model.backend, inputs), config.profile_batch_sizes,
                            config.profile_repeats, progress=config.progress, budget_s=config.profile_budget_s)
 
@@ -197,16 +220,17 @@ def prepare(source: ModelSource, config: PrepareConfig = PrepareConfig(),
     if not backend.sites:
         raise ValueError(f"{source.ref} has no sites where a ramp could go")
     workload = config.workload or default_workload(source)
-    bootstrap = bootstrap_inputs(workload, config.bootstrap_items)
+    bootstrap = bootstrap_inputs(workload, config.bootstrap_items, source)
     encoder, items = bootstrap.encoder, bootstrap.items
     sample = sample_feeds(backend, bootstrap)(EXAMPLE_ROWS)
 
+    token_reduce = token_reduction(source)
     site_names = [s.value for s in backend.sites]
     probe_acts, probe_logits = next(backend.site_activations([sample], site_names))
     num_classes = int(probe_logits.shape[1])
 
     def specs_of(kind: str) -> dict:
-        return {name: spec_for(kind, tuple(act.shape[1:]), num_classes, cache=config.cache)
+        return {name: spec_for(kind, tuple(act.shape[1:]), num_classes, token_reduce, cache=config.cache)
                 for name, act in probe_acts.items()}
 
     # Every kind reduces a site's activation the same way except the deep CNN head, which keeps a grid.
