@@ -31,7 +31,9 @@ def _write_json(data: dict, path: Path | None) -> None:
 
 @app.command()
 def prepare(
-    model: Annotated[str, typer.Argument(help="zoo name, a .onnx file, or module:factory for a torch module")],
+    model: Annotated[str, typer.Argument(
+        help="zoo name, a .onnx file, module:factory for a torch module, or hf:DIR for a Hugging Face sequence "
+             "classifier saved by save_pretrained (BERT, RoBERTa, MPNet, DistilBERT)")],
     out: Annotated[Path, typer.Option(help="bundle directory to write")],
     workload: Annotated[Optional[str], typer.Option(help="stream whose bootstrap part trains the ramps")] = None,
     ramp_kind: Annotated[str, typer.Option(
@@ -42,6 +44,8 @@ def prepare(
     cache_points: Annotated[int, typer.Option(help="cache ramps: centroids (kmeans) or stored inputs (knn)")] = 128,
     cache_neighbours: Annotated[int, typer.Option(help="cache ramps: neighbours looked up (knn)")] = 1,
     bootstrap: Annotated[int, typer.Option(help="bootstrap inputs to train ramps on, at most")] = 8000,
+    profile_budget: Annotated[Optional[float], typer.Option(
+        help="seconds the latency profile may spend per batch size on more rounds (default 5)")] = None,
     site_policy: Annotated[Optional[str], typer.Option(
         help="module:function choosing sites among the cut values, (dataflow, candidates) -> candidates")] = None,
     small: Annotated[bool, typer.Option(help="the zoo's tiny test variant")] = False,
@@ -58,8 +62,9 @@ def prepare(
         policy = import_object(site_policy) if site_policy else None
         cache = CacheSpec(reduction=cache_reduction, dim=cache_dim, lookup=cache_lookup, points=cache_points,
                           neighbours=cache_neighbours)
+        budget = {} if profile_budget is None else {"profile_budget_s": profile_budget}
         prepared = run_prepare(source, PrepareConfig(workload=workload, ramp_kind=ramp_kind, bootstrap_items=bootstrap,
-                                                     cache=cache), policy)
+                                                     cache=cache, **budget), policy)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
     save_bundle(prepared, out)
@@ -186,6 +191,8 @@ def serve(
     models: Annotated[Optional[list[str]], typer.Argument(help="zoo model names or bundle directories")] = None,
     host: Annotated[str, typer.Option(help="address to bind (loopback unless told otherwise)")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="port (0: any free one)")] = 8000,
+    grpc_port: Annotated[int, typer.Option(help="port of KServe v2 over gRPC, on the same host (0: no gRPC)")]
+    = 8001,
     slo_ms: Annotated[Optional[float], typer.Option(help="latency SLO per batch (default 2x batch-1 latency)")]
     = None,
     accuracy_constraint: Annotated[float, typer.Option(help="allowed share of answers that differ")] = 0.01,
@@ -233,8 +240,8 @@ def serve(
     autoscaling: Annotated[Optional[str], typer.Option(help="Ray Serve autoscaling_config as JSON (with --ray; "
                                                             "replaces --replicas)")] = None,
 ) -> None:
-    """Serve models and applications over HTTP (Open Inference Protocol v2, Clipper's application API) with
-    managed early exits."""
+    """Serve models and applications over HTTP (Open Inference Protocol v2, Clipper's application API) and gRPC
+    (KServe v2) with managed early exits."""
     from rampserve.control.controller import ControllerSettings
     from rampserve.serving.server import ServerSettings
     from rampserve.serving.server import serve as run_server
@@ -250,8 +257,8 @@ def serve(
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
     try:
-        settings = ServerSettings(host=host, port=port, max_body_mb=max_body_mb, cache_mb=cache_mb,
-                                  admin_token=admin_token, store=store, repository=repository,
+        settings = ServerSettings(host=host, port=port, grpc_port=grpc_port or None, max_body_mb=max_body_mb,
+                                  cache_mb=cache_mb, admin_token=admin_token, store=store, repository=repository,
                                   update_stream=update_stream)
         specs = [spec for path in apps or () for spec in read_applications(path)]
         if ray:
@@ -563,10 +570,11 @@ def bench_live(
     warmup_requests: Annotated[int, typer.Option(help="requests sent before each measured replay")] = 300,
     server_arg: Annotated[Optional[list[str]], typer.Option(help="more `rampserve serve` options for both servers")]
     = None,
+    transport: Annotated[str, typer.Option(help="what the client speaks: http (binary tensors) or grpc")] = "http",
     json_out: Annotated[Optional[Path], typer.Option("--json", help="write the results here")] = None,
     plots: Annotated[Optional[Path], typer.Option(help="write plots into this directory")] = None,
 ) -> None:
-    """Real servers, real HTTP: vanilla and rampserve on the same model, stream and open-loop trace."""
+    """Real servers, real HTTP (or gRPC): vanilla and rampserve on the same model, stream and open-loop trace."""
     from rampserve.bench.live import LiveSettings, live_table, run_live, versus_table
 
     try:
@@ -574,7 +582,8 @@ def bench_live(
                                 accuracy_constraint=accuracy_constraint, exit_mode=exit_mode,
                                 feedback_share=feedback_share, saturation_s=saturation_s,
                                 saturation_rounds=saturation_rounds, warmup_requests=warmup_requests,
-                                server_args=("--ramp-budget", str(ramp_budget), *(server_arg or ())))
+                                server_args=("--ramp-budget", str(ramp_budget), *(server_arg or ())),
+                                transport=transport)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
     report = run_live(settings, json_out, plots)
@@ -590,7 +599,8 @@ def bench_executor(
     clients: Annotated[int, typer.Option(help="closed-loop clients")] = 8,
     json_out: Annotated[Optional[Path], typer.Option("--json", help="write the results here")] = None,
 ) -> None:
-    """The executor in the server's process or in one of its own: overhead, throughput and batch size."""
+    """The executor in the server's process or in one of its own: overhead, throughput and batch size, over HTTP
+    (binary tensors, JSON) and over gRPC."""
     from rampserve.bench.executor import ExecutorBenchSettings, executor_table, run_executor_bench
 
     try:
@@ -627,6 +637,9 @@ def bench_peers(
     system: Annotated[Optional[list[str]], typer.Option(help="a system to run (repeatable; default all: "
                                                              "rampserve_vanilla, rampserve, mlserver, ray_serve, "
                                                              "triton)")] = None,
+    transport: Annotated[str, typer.Option(help="http (binary tensors, or JSON to the JSON-only peers) or grpc "
+                                                "(to every system that serves it; Ray Serve stays on HTTP)")]
+    = "http",
     json_out: Annotated[Optional[Path], typer.Option("--json", help="write the results here")] = None,
     plots: Annotated[Optional[Path], typer.Option(help="write plots into this directory")] = None,
 ) -> None:
@@ -642,7 +655,8 @@ def bench_peers(
                             server_args=("--ramp-budget", str(ramp_budget)))
         settings = PeerSettings(live=live, systems=tuple(system or SYSTEMS), rounds=rounds,
                                 sweep_clients=tuple(sweep_clients or SWEEP_CLIENTS), sweep_s=sweep_s,
-                                sweep_settle_s=sweep_settle_s, mlserver_backend=mlserver_backend)
+                                sweep_settle_s=sweep_settle_s, mlserver_backend=mlserver_backend,
+                                transport=transport)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
     report = run_peers(settings, json_out, plots)

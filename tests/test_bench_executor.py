@@ -1,4 +1,5 @@
-"""`bench executor`'s pure parts: ratios paired within rounds, the table, its settings."""
+"""`bench executor`'s pure parts: ratios paired within rounds (process/thread, gRPC/HTTP), the table, its settings,
+the transports' order rotating by round."""
 
 from __future__ import annotations
 
@@ -8,10 +9,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from rampserve.bench.executor import ExecutorBenchSettings, executor_table, paired_ratios
+from rampserve.bench.executor import (
+    ENCODINGS, EXECUTORS, ExecutorBenchSettings, executor_table, grpc_over_binary, paired_ratios, rotated,
+)
 
-FIGURES = ("overhead_binary_ms", "overhead_json_ms", "closed_rps", "closed_p50_ms", "closed_p99_ms",
-           "closed_mean_batch")
+FIGURES = ("overhead_binary_ms", "overhead_json_ms", "overhead_grpc_ms", "closed_rps", "closed_p50_ms",
+           "closed_p99_ms", "closed_mean_batch", "closed_grpc_rps", "closed_grpc_p50_ms", "closed_grpc_p99_ms",
+           "closed_grpc_mean_batch")
 
 
 def _round(value: float) -> dict:
@@ -29,6 +33,21 @@ def test_ratios_are_paired_within_each_round(pairs) -> None:
     assert "closed_failed" not in ratios  # a count, not a figure to compare
 
 
+def test_grpc_over_binary_is_paired_within_each_round_and_counts_the_models_time_in_latency() -> None:
+    rounds = [_round(1.0) | {"overhead_grpc_ms": 2.0, "closed_grpc_rps": 0.5},
+              _round(1.0) | {"overhead_grpc_ms": 0.5, "closed_grpc_rps": 2.0, "closed_grpc_p99_ms": None}]
+    ratios = grpc_over_binary(rounds, batch1_ms=1.0)
+    # (overhead + batch 1) in each round: (2 + 1) / (1 + 1) and (0.5 + 1) / (1 + 1)
+    assert ratios["one_at_a_time_p50"] == {"median": pytest.approx(1.125), "min_max": [0.75, 1.5]}
+    assert ratios["closed_rps"]["min_max"] == [0.5, 2.0] and ratios["closed_p99_ms"]["min_max"] == [1.0, 1.0]
+
+
+def test_each_round_starts_the_transports_one_further_along() -> None:
+    orders = [rotated(ENCODINGS, r) for r in range(len(ENCODINGS))]
+    assert orders[0] == ENCODINGS and all(sorted(o) == sorted(ENCODINGS) for o in orders)
+    assert len({o[0] for o in orders}) == len(ENCODINGS)  # each goes first once
+
+
 def test_a_round_without_a_figure_is_left_out_of_its_ratio() -> None:
     rounds = {"process": [_round(2.0), _round(3.0) | {"closed_mean_batch": None}],
               "thread": [_round(1.0), _round(1.0)]}
@@ -40,12 +59,16 @@ def test_the_table_shows_medians_spans_and_ratios() -> None:
     settings = ExecutorBenchSettings(rounds=2)
     systems = {kind: _round(value) | {"min_max": {key: [value, value] for key in FIGURES}, "rounds": []}
                for kind, value in (("thread", 1.0), ("process", 0.5))}
+    grpc = {"one_at_a_time_p50": {"median": 0.9, "min_max": [0.8, 1.0]}}
     report = {"model": "m", "batch1_inprocess_ms": 1.2, "settings": asdict(settings), "systems": systems,
-              "process_over_thread": {key: {"median": 0.5, "min_max": [0.4, 0.6]} for key in FIGURES}}
+              "process_over_thread": {key: {"median": 0.5, "min_max": [0.4, 0.6]} for key in FIGURES},
+              "grpc_over_binary": {kind: grpc for kind in EXECUTORS}}
     table = executor_table(report)
     assert [c.header for c in table.columns][1:] == ["executor thread", "executor process",
                                                      "process / thread (paired)"]
-    assert list(table.columns[3].cells) == ["0.50 (0.40–0.60)"] * len(FIGURES)
+    assert list(table.columns[3].cells)[:len(FIGURES)] == ["0.50 (0.40–0.60)"] * len(FIGURES)
+    ratio_rows = list(table.columns[0].cells).index("gRPC / binary: one at a time p50")
+    assert [list(table.columns[i].cells)[ratio_rows] for i in (1, 2)] == ["0.90 (0.80–1.00)"] * 2
 
 
 def test_settings_refuse_a_closed_loop_shorter_than_its_settling() -> None:

@@ -410,7 +410,7 @@ except KeyboardInterrupt:
 
 
 def test_a_server_process_waits_on_its_ready_path_and_stops_with_its_signal(tmp_path):
-    def command(port: int) -> list[str]:
+    def command(port: int, _grpc_port: int) -> list[str]:
         return [sys.executable, "-c", READY_ON_ONE_PATH, str(port)]
 
     with ServerProcess(command, tmp_path / "model.log", 30.0, ready_path="/v2/models/m/ready",

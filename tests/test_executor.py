@@ -216,7 +216,8 @@ def test_a_stopped_server_answers_what_it_accepted_and_leaves_no_process_or_shar
     before = shared_memory_files()
     # Batches wait up to 3 s to fill: the requests are still queued in the executor when the signal comes
     process = subprocess.Popen(
-        [sys.executable, "-m", "rampserve.cli", "serve", str(resnet_bundle), "--port", "0", "--max-batch", "64",
+        [sys.executable, "-m", "rampserve.cli", "serve", str(resnet_bundle), "--port", "0", "--grpc-port", "0",
+         "--max-batch", "64",
          "--max-delay-ms", "3000", "--no-adaptive-batching"], stdout=subprocess.PIPE, text=True)
     try:
         url = re.search(r"http://[\d.]+:\d+", process.stdout.readline()).group(0)

@@ -322,7 +322,8 @@ async def _shutdown_under_load(process: subprocess.Popen, url: str, bodies: list
 
 def test_cli_server_answers_what_it_accepted_when_stopped(resnet_bundle, served, fmnist_feeds) -> None:
     process = subprocess.Popen(
-        [sys.executable, "-m", "rampserve.cli", "serve", str(resnet_bundle), "--port", "0", "--max-batch", "64",
+        [sys.executable, "-m", "rampserve.cli", "serve", str(resnet_bundle), "--port", "0", "--grpc-port", "0",
+         "--max-batch", "64",
          "--max-delay-ms", "3000", "--no-adaptive-batching", "--deadline-ms", "60000"],
         stdout=subprocess.PIPE, text=True)
     try:

@@ -1,9 +1,10 @@
 """`rampserve bench executor`: where a bundle's executor should run, measured. The same vanilla server with its
 executor in a thread of the front end's process (`--executor thread`) and in a process of its own (`--executor
 process`), started afresh in every round, the order alternating round by round: one client at a time (the server's
-own overhead over the model's batch-1 time here, with binary tensors and with JSON bodies) and a closed loop of
-clients (throughput, latency, and the mean batch: whether the front end keeps the model fed). Figures are medians
-over rounds with their min-max, and process/thread ratios paired within each round (so a noisy phase of the
+own overhead over the model's batch-1 time here, with binary tensors and JSON bodies over HTTP and with KServe v2
+over gRPC) and a closed loop of clients over HTTP and over gRPC (throughput, latency, and the mean batch: whether
+the front end keeps the model fed), the transports' order rotating round by round too. Figures are medians over
+rounds with their min-max; process/thread and gRPC/HTTP ratios are paired within each round (so a noisy phase of the
 machine lands on both).
 """
 
@@ -29,8 +30,12 @@ from rampserve.runtime.zoo_bundles import zoo_bundle
 from rampserve.workloads.streams import get_stream
 
 EXECUTORS = ("thread", "process")
-# Figures where lower is better (a ratio under 1 favours the process) and the others (higher is better)
-LOWER_IS_BETTER = ("overhead_binary_ms", "overhead_json_ms", "closed_p50_ms", "closed_p99_ms")
+ENCODINGS = ("binary", "json", "grpc")  # one at a time: binary tensors and JSON over HTTP, KServe v2 over gRPC
+CLOSED_LOOPS = {"binary": "closed", "grpc": "closed_grpc"}  # the closed loop's transports and their figures' prefix
+# Figures where lower is better (a ratio under 1 favours the process) and those where higher is better
+LOWER_IS_BETTER = ("overhead_binary_ms", "overhead_json_ms", "overhead_grpc_ms", "closed_p50_ms", "closed_p99_ms",
+                   "closed_grpc_p50_ms", "closed_grpc_p99_ms")
+HIGHER_IS_BETTER = ("closed_rps", "closed_mean_batch", "closed_grpc_rps", "closed_grpc_mean_batch")
 
 
 @dataclass(frozen=True)
@@ -57,13 +62,32 @@ class ExecutorBenchSettings:
 def paired_ratios(rounds: dict[str, list[dict]]) -> dict[str, dict]:
     """Per figure, process over thread within each round: the median and [min, max] of those ratios."""
     ratios: dict[str, dict] = {}
-    keys = [k for k in rounds["process"][0] if k in LOWER_IS_BETTER or k in ("closed_rps", "closed_mean_batch")]
+    keys = [k for k in rounds["process"][0] if k in LOWER_IS_BETTER or k in HIGHER_IS_BETTER]
     for key in keys:
-        values = [p[key] / t[key] for p, t in zip(rounds["process"], rounds["thread"])
-                  if p.get(key) is not None and t.get(key)]
-        if values:
-            ratios[key] = {"median": float(np.median(values)), "min_max": [min(values), max(values)]}
+        ratio = _median_ratio([(p.get(key), t.get(key)) for p, t in zip(rounds["process"], rounds["thread"])])
+        if ratio is not None:
+            ratios[key] = ratio
     return ratios
+
+
+def grpc_over_binary(rounds: list[dict], batch1_ms: float) -> dict[str, dict]:
+    """One executor's rounds: gRPC over HTTP with binary tensors within each round, the median and [min, max] of
+    those ratios: one request at a time (its latency: the overhead plus the model's batch-1 time) and the closed
+    loop's throughput and latency."""
+    def latency(overhead: float | None) -> float | None:
+        return None if overhead is None else overhead + batch1_ms
+
+    pairs = {"one_at_a_time_p50": [(latency(r.get("overhead_grpc_ms")), latency(r.get("overhead_binary_ms")))
+                                   for r in rounds]}
+    for figure in ("rps", "p50_ms", "p99_ms"):
+        pairs[f"closed_{figure}"] = [(r.get(f"closed_grpc_{figure}"), r.get(f"closed_{figure}")) for r in rounds]
+    ratios = {key: _median_ratio(values) for key, values in pairs.items()}
+    return {key: ratio for key, ratio in ratios.items() if ratio is not None}
+
+
+def _median_ratio(pairs: list[tuple[float | None, float | None]]) -> dict | None:
+    values = [a / b for a, b in pairs if a is not None and b]
+    return {"median": float(np.median(values)), "min_max": [min(values), max(values)]} if values else None
 
 
 def run_executor_bench(settings: ExecutorBenchSettings, json_out: Path | None, progress: bool = True) -> dict:
@@ -83,26 +107,16 @@ def run_executor_bench(settings: ExecutorBenchSettings, json_out: Path | None, p
                 command = rampserve_serve(settings.model, settings.slo_ms, settings.max_batch, 0.0, True,
                                           ("--executor", kind))
                 with ServerProcess(command, workdir / f"{kind}.log", settings.start_timeout_s) as server:
-                    url = server.url(f"/v2/models/{settings.model}/infer")
                     figures: dict[str, float | None] = {}
-                    for transport in ("binary", "json"):
-                        job = Job(url, v2_inputs(feeds[0]), "label", None, clients=1,
-                                  requests=settings.sequential_requests, json_bodies=transport == "json")
+                    for encoding in rotated(ENCODINGS, len(rounds[kind])):
+                        job = Job(server.infer_url(settings.model, "grpc" if encoding == "grpc" else "http"),
+                                  v2_inputs(feeds[0]), "label", None, clients=1,
+                                  requests=settings.sequential_requests, json_bodies=encoding == "json")
                         one = require_answers(run_loadgen(job, feeds, workdir, f"{kind} one at a time",
                                                           settings.sequential_requests * 0.003, False), kind)
-                        figures[f"overhead_{transport}_ms"] = float(np.median(one.latency_ms[one.ok][warm:])) - batch1
-                    before = fetch_status(server.url("/status"))
-                    job = Job(url, v2_inputs(feeds[0]), "label", server.url("/status"), clients=settings.clients,
-                              duration_s=settings.closed_s)
-                    closed = require_answers(run_loadgen(job, feeds, workdir, f"{kind} closed loop",
-                                                         settings.closed_s, False), kind)
-                    counted = closed.ok & (closed.scheduled_ms >= settings.closed_settle_s * 1000.0)
-                    latency = percentiles(closed.latency_ms[counted], "closed_")
-                    figures |= {"closed_rps": closed_loop_throughput(closed, settings.closed_settle_s * 1000.0,
-                                                                     settings.closed_s * 1000.0),
-                                "closed_p50_ms": latency["closed_p50_ms"], "closed_p99_ms": latency["closed_p99_ms"],
-                                "closed_mean_batch": mean_batch_size(before, closed.status_after, settings.model),
-                                "closed_failed": int((~closed.ok).sum())}
+                        figures[f"overhead_{encoding}_ms"] = float(np.median(one.latency_ms[one.ok][warm:])) - batch1
+                    for transport in rotated(tuple(CLOSED_LOOPS), len(rounds[kind])):
+                        figures |= closed_loop(server, transport, feeds, settings, workdir, kind)
                 rounds[kind].append(figures)
                 bar.update()
     systems = {}
@@ -110,9 +124,34 @@ def run_executor_bench(settings: ExecutorBenchSettings, json_out: Path | None, p
         medians, spans = over_rounds(rounds[kind])
         systems[kind] = medians | {"min_max": spans, "rounds": rounds[kind]}
     report = {"model": settings.model, "batch1_inprocess_ms": batch1, "orders": [list(o) for o in orders],
-              "settings": asdict(settings), "systems": systems, "process_over_thread": paired_ratios(rounds)}
+              "settings": asdict(settings), "systems": systems, "process_over_thread": paired_ratios(rounds),
+              "grpc_over_binary": {kind: grpc_over_binary(rounds[kind], batch1) for kind in EXECUTORS}}
     write_json(report, json_out)
     return report
+
+
+def rotated(items: tuple[str, ...], by: int) -> tuple[str, ...]:
+    """`items` starting `by` further along: round r's order, so that none always runs first."""
+    return tuple(items[(by + i) % len(items)] for i in range(len(items)))
+
+
+def closed_loop(server: ServerProcess, transport: str, feeds: list[dict[str, np.ndarray]],
+                settings: ExecutorBenchSettings, workdir: Path, kind: str) -> dict[str, float | int | None]:
+    """`settings.clients` closed-loop clients over `transport` (binary or grpc): throughput, latency once they all
+    run, the mean batch and the requests that failed, under the transport's prefix (CLOSED_LOOPS)."""
+    prefix = CLOSED_LOOPS[transport]
+    before = fetch_status(server.url("/status"))
+    job = Job(server.infer_url(settings.model, "grpc" if transport == "grpc" else "http"), v2_inputs(feeds[0]),
+              "label", server.url("/status"), clients=settings.clients, duration_s=settings.closed_s)
+    closed = require_answers(run_loadgen(job, feeds, workdir, f"{kind} closed loop ({transport})", settings.closed_s,
+                                         False), kind)
+    counted = closed.ok & (closed.scheduled_ms >= settings.closed_settle_s * 1000.0)
+    latency = percentiles(closed.latency_ms[counted])
+    return {f"{prefix}_rps": closed_loop_throughput(closed, settings.closed_settle_s * 1000.0,
+                                                    settings.closed_s * 1000.0),
+            f"{prefix}_p50_ms": latency["p50_ms"], f"{prefix}_p99_ms": latency["p99_ms"],
+            f"{prefix}_mean_batch": mean_batch_size(before, closed.status_after, settings.model),
+            f"{prefix}_failed": int((~closed.ok).sum())}
 
 
 def executor_table(report: dict) -> Table:
@@ -123,19 +162,30 @@ def executor_table(report: dict) -> Table:
     for kind in EXECUTORS:
         table.add_column(f"executor {kind}", justify="right")
     table.add_column("process / thread (paired)", justify="right")
-    rows = (("overhead, binary (ms)", "overhead_binary_ms", ".3f"), ("overhead, JSON (ms)", "overhead_json_ms", ".3f"),
-            (f"{settings['clients']} clients: rps", "closed_rps", ".0f"),
-            (f"{settings['clients']} clients: p50 ms", "closed_p50_ms", ".2f"),
-            (f"{settings['clients']} clients: p99 ms", "closed_p99_ms", ".2f"),
-            (f"{settings['clients']} clients: mean batch", "closed_mean_batch", ".2f"))
+    clients = settings["clients"]
+    rows = [("overhead, binary (ms)", "overhead_binary_ms", ".3f"), ("overhead, JSON (ms)", "overhead_json_ms", ".3f"),
+            ("overhead, gRPC (ms)", "overhead_grpc_ms", ".3f")]
+    for transport, prefix in CLOSED_LOOPS.items():
+        over = "" if transport == "binary" else " over gRPC"
+        rows += [(f"{clients} clients{over}: rps", f"{prefix}_rps", ".0f"),
+                 (f"{clients} clients{over}: p50 ms", f"{prefix}_p50_ms", ".2f"),
+                 (f"{clients} clients{over}: p99 ms", f"{prefix}_p99_ms", ".2f"),
+                 (f"{clients} clients{over}: mean batch", f"{prefix}_mean_batch", ".2f")]
     for label, key, spec in rows:
         cells = []
         for kind in EXECUTORS:
             system = report["systems"][kind]
             span = system["min_max"].get(key)
             cells.append(fmt(system.get(key), spec) + ("" if span is None else f" ({span[0]:{spec}}–{span[1]:{spec}})"))
-        ratio = report["process_over_thread"].get(key)
-        cells.append("" if ratio is None else f"{ratio['median']:.2f} ({ratio['min_max'][0]:.2f}–"
-                                              f"{ratio['min_max'][1]:.2f})")
+        cells.append(_ratio_cell(report["process_over_thread"].get(key)))
         table.add_row(label, *cells)
+    for label, key in (("gRPC / binary: one at a time p50", "one_at_a_time_p50"),
+                       (f"gRPC / binary: {clients} clients rps", "closed_rps"),
+                       (f"gRPC / binary: {clients} clients p50", "closed_p50_ms"),
+                       (f"gRPC / binary: {clients} clients p99", "closed_p99_ms")):
+        table.add_row(label, *(_ratio_cell(report["grpc_over_binary"][kind].get(key)) for kind in EXECUTORS), "")
     return table
+
+
+def _ratio_cell(ratio: dict | None) -> str:
+    return "" if ratio is None else f"{ratio['median']:.2f} ({ratio['min_max'][0]:.2f}–{ratio['min_max'][1]:.2f})"

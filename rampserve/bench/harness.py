@@ -1,8 +1,9 @@
 """What the live benches (`bench live`, `bench peers`, `bench race`) share: a server in a process of its own, the load
 generator run in another (`rampserve.bench.loadgen`), closed-loop saturation probes, and the requests they send.
 
-A server is any command that serves KServe v2 on a port it is given, ready once a readiness URL answers 200 and
-stopped with a signal it answers by finishing what it accepted; `rampserve_serve` is `rampserve serve`'s command.
+A server is any command that serves KServe v2 on the ports it is given (HTTP, and gRPC where it speaks it), ready
+once a readiness URL answers 200 and stopped with a signal it answers by finishing what it accepted;
+`rampserve_serve` is `rampserve serve`'s command. `transport` picks what the load generator speaks to it.
 """
 
 from __future__ import annotations
@@ -22,14 +23,15 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
-from rampserve.bench.loadgen import V2_DTYPES, Job, LoadResult, fetch_status, save_job
-from rampserve.runtime.prepare import encoder_for, feeds_for, model_source
+from rampserve.bench.loadgen import V2_DTYPES, Job, LoadResult, fetch_status, grpc_url, save_job
+from rampserve.runtime.prepare import feeds_for, prepared_encoder
 from rampserve.runtime.prepared import PreparedModel
 
 QUANTILES = (25, 50, 95, 99)
 MAX_ERRORS = 10  # distinct error messages kept per run, the most frequent
 STOP_GRACE_S = 40.0  # a server told to stop answers what it accepted within this (rampserve's own grace is 30 s)
 READY_PATH = "/v2/health/ready"
+TRANSPORTS = ("http", "grpc")  # what a live bench's client speaks: v2 over HTTP, or KServe v2 over gRPC
 
 
 # --- statistics (pure) ----------------------------------------------------------------------------------------
@@ -78,7 +80,7 @@ def ratio(value: float | None, base: float | None) -> float | None:
 
 def encode_items(model: PreparedModel, task: str, items: np.ndarray | list[str]) -> list[dict[str, np.ndarray]]:
     """One request per item, its inputs under the model's own input names (text: each padded to its own length)."""
-    encoder = encoder_for(task, model_source(model))
+    encoder = prepared_encoder(model, task)
     return [feeds_for(model.backend, encoder, items[i:i + 1]) for i in range(len(items))]
 
 
@@ -117,31 +119,38 @@ def tail(path: Path, lines: int = 30) -> str:
 
 
 def rampserve_serve(model: str, slo_ms: float, max_batch: int, max_delay_ms: float, vanilla: bool,
-                    extra_args: tuple[str, ...] = ()) -> Callable[[int], list[str]]:
-    """`rampserve serve` of a zoo model (or bundle) on 127.0.0.1 at a given port."""
-    return lambda port: [
+                    extra_args: tuple[str, ...] = ()) -> Callable[[int, int], list[str]]:
+    """`rampserve serve` of a zoo model (or bundle) on 127.0.0.1 at the given HTTP and gRPC ports."""
+    return lambda port, grpc_port: [
         sys.executable, "-m", "rampserve.cli", "serve", model, "--host", "127.0.0.1", "--port", str(port),
-        "--slo-ms", f"{slo_ms:.4f}", "--max-batch", str(max_batch), "--max-delay-ms", f"{max_delay_ms:g}",
+        "--grpc-port", str(grpc_port), "--slo-ms", f"{slo_ms:.4f}", "--max-batch", str(max_batch), "--max-delay-ms", f"{max_delay_ms:g}",
         *extra_args, *(["--vanilla"] if vanilla else [])]
 
 
 class ServerProcess:
-    """A server in its own process (and session, so that whatever it starts can be ended with it) on a free port,
-    ready on entry once `ready_path` answers 200, and stopped on exit with `stop_signal`, after which it answers
-    what it accepted; one still running after STOP_GRACE_S is killed with everything in its session."""
+    """A server in its own process (and session, so that whatever it starts can be ended with it) on free ports
+    (`command` is given the HTTP one and the gRPC one), ready on entry once `ready_path` answers 200, and stopped on
+    exit with `stop_signal`, after which it answers what it accepted; one still running after STOP_GRACE_S is
+    killed with everything in its session."""
 
-    def __init__(self, command: Callable[[int], list[str]], log: Path, start_timeout_s: float,
+    def __init__(self, command: Callable[[int, int], list[str]], log: Path, start_timeout_s: float,
                  ready_path: str = READY_PATH, stop_signal: signal.Signals = signal.SIGTERM) -> None:
         self.log, self.start_timeout_s = log, start_timeout_s
         self.ready_path, self.stop_signal = ready_path, stop_signal
-        self.port = free_port()
-        self.command = command(self.port)
+        self.port, self.grpc_port = free_port(), free_port()
+        self.command = command(self.port, self.grpc_port)
         self.process: subprocess.Popen | None = None
         self.exit_code: int | None = None
         self.killed = False  # did not stop within its grace period after the stop signal
 
     def url(self, path: str) -> str:
         return f"http://127.0.0.1:{self.port}{path}"
+
+    def infer_url(self, model: str, transport: str) -> str:
+        """Where a job sends its requests for `model` (a `Job.url`)."""
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport is one of {TRANSPORTS}, not {transport!r}")
+        return grpc_url(self.grpc_port, model) if transport == "grpc" else self.url(f"/v2/models/{model}/infer")
 
     def __enter__(self) -> ServerProcess:
         with self.log.open("wb") as log:

@@ -34,8 +34,8 @@ from tqdm.auto import tqdm
 
 from rampserve.bench.figures import ACCURACY_WINDOW, exit_mode_figures, windows_below_share
 from rampserve.bench.harness import (
-    QUANTILES, ServerProcess, encode_items, fmt, get_json, mean_batch_size, measure_saturation, most_frequent,
-    percentiles, rampserve_serve, ratio, renamed, require_answers, run_loadgen, write_json,
+    QUANTILES, TRANSPORTS, ServerProcess, encode_items, fmt, get_json, mean_batch_size, measure_saturation,
+    most_frequent, percentiles, rampserve_serve, ratio, renamed, require_answers, run_loadgen, write_json,
 )
 from rampserve.bench.loadgen import Job, LoadResult
 from rampserve.bench.ramp_outputs import RampOutputs, ramp_outputs
@@ -93,6 +93,9 @@ class LiveSettings:
     # end (`--feedback-share`); None: not passed, the server's defaults
     exit_mode: str | None = None
     feedback_share: float | None = None
+    # What the client speaks: v2 over HTTP with Triton's binary tensors, or KServe v2 over gRPC (raw contents). The
+    # one-at-a-time overhead is measured over both either way.
+    transport: str = "http"
 
     def __post_init__(self) -> None:
         if self.saturation_s <= self.saturation_settle_s:
@@ -100,6 +103,8 @@ class LiveSettings:
                              f"({self.saturation_settle_s} s)")
         if self.saturation_rounds < 1:
             raise ValueError(f"saturation takes at least one round, got {self.saturation_rounds}")
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"transport is one of {TRANSPORTS}, not {self.transport!r}")
         if self.exit_mode is not None and self.exit_mode not in EXIT_MODES:
             raise ValueError(f"exit mode is one of {EXIT_MODES}, not {self.exit_mode!r}")
         if self.feedback_share is not None and not 0.0 < self.feedback_share <= 1.0:
@@ -349,23 +354,23 @@ def batch1_inprocess_ms(model: PreparedModel, feeds: list[dict[str, np.ndarray]]
                                desc="in-process batch 1")["batch 1"]
 
 
-def measure_overhead(job: Job, probe: list[dict[str, np.ndarray]], model: PreparedModel,
+def measure_overhead(jobs: dict[str, Job], probe: list[dict[str, np.ndarray]], model: PreparedModel,
                      feeds: list[dict[str, np.ndarray]], settings: LiveSettings, slo_ms: float, workdir: Path,
                      progress: bool) -> dict:
     """The server's own cost: its median latency with one request at a time, less the model's batch-1 time here
-    (timed while the server idles); with Triton's binary tensors (`server_overhead_ms`) and with plain JSON
-    bodies (`server_overhead_json_ms`)."""
+    (timed while the server idles); for each of `jobs` (one client each): Triton's binary tensors
+    (`server_overhead_ms`), plain JSON bodies (`server_overhead_json_ms`) and gRPC (`server_overhead_grpc_ms`)."""
     expected_s = settings.sequential_requests * slo_ms / 1000.0  # for the progress bar: each well within the SLO
     low_load_p50 = {}
-    for transport in ("binary", "json"):
-        sequential = require_answers(run_loadgen(replace(job, json_bodies=transport == "json"), probe, workdir,
-                                                 f"one at a time ({transport})", expected_s, progress),
-                                     "one at a time")
-        low_load_p50[transport] = float(np.median(sequential.latency_ms[sequential.ok]))
+    for encoding, job in jobs.items():
+        sequential = require_answers(run_loadgen(job, probe, workdir, f"one at a time ({encoding})", expected_s,
+                                                 progress), "one at a time")
+        low_load_p50[encoding] = float(np.median(sequential.latency_ms[sequential.ok]))
     batch1 = batch1_inprocess_ms(model, feeds, settings.inprocess_rounds)
-    return {"server_overhead_ms": low_load_p50["binary"] - batch1,
-            "server_overhead_json_ms": low_load_p50["json"] - batch1, "batch1_inprocess_ms": batch1,
-            "low_load_p50_ms": low_load_p50["binary"], "low_load_p50_json_ms": low_load_p50["json"],
+    named = {encoding: "" if encoding == "binary" else f"_{encoding}" for encoding in jobs}
+    return {**{f"server_overhead{suffix}_ms": low_load_p50[encoding] - batch1 for encoding, suffix in named.items()},
+            "batch1_inprocess_ms": batch1,
+            **{f"low_load_p50{suffix}_ms": low_load_p50[encoding] for encoding, suffix in named.items()},
             "low_load_requests": int(sequential.ok.sum()), "inprocess_torch_threads": torch.get_num_threads()}
 
 
@@ -449,8 +454,8 @@ def run_live(settings: LiveSettings, json_out: Path | None, plots_dir: Path | No
                 raise RuntimeError(f"the server's model takes {inputs}, the bundle's {model.backend.input_names}")
             probe = renamed(probe_feeds, [name for name, _ in inputs])
 
-            def job(srv: ServerProcess, **kwargs: object) -> Job:
-                return Job(srv.url(f"/v2/models/{settings.model}/infer"), inputs, "label", srv.url("/status"),
+            def job(srv: ServerProcess, transport: str = settings.transport, **kwargs: object) -> Job:
+                return Job(srv.infer_url(settings.model, transport), inputs, "label", srv.url("/status"),
                            settings.timeout_s, **kwargs)
 
             clients = settings.saturation_clients or 2 * max_batch + 2
@@ -468,10 +473,12 @@ def run_live(settings: LiveSettings, json_out: Path | None, plots_dir: Path | No
                 return measured
 
             saturation = saturation_of(vanilla, "vanilla")
-            overhead = measure_overhead(job(vanilla, clients=1, requests=settings.sequential_requests), probe, model,
-                                        probe_feeds, settings, slo, workdir, progress)
+            one_at_a_time = {"binary": job(vanilla, "http", clients=1, requests=settings.sequential_requests)}
+            one_at_a_time |= {"json": replace(one_at_a_time["binary"], json_bodies=True),
+                              "grpc": job(vanilla, "grpc", clients=1, requests=settings.sequential_requests)}
+            overhead = measure_overhead(one_at_a_time, probe, model, probe_feeds, settings, slo, workdir, progress)
             note(f"one request at a time: p50 {overhead['low_load_p50_ms']:.3f} ms (binary), "
-                 f"{overhead['low_load_p50_json_ms']:.3f} ms (JSON); "
+                 f"{overhead['low_load_p50_json_ms']:.3f} ms (JSON), {overhead['low_load_p50_grpc_ms']:.3f} ms (gRPC); "
                  f"in-process batch 1: {overhead['batch1_inprocess_ms']:.3f} ms")
             # Whether the front end keeps the model fed: a server that parses and writes too slowly leaves its batches
             # small however many clients wait

@@ -2,7 +2,8 @@
 interpreter (or a GIL) with the server or with the benchmark that starts both.
 
 `python -m rampserve.bench.loadgen JOB OUT` reads a job (`save_job`), sends its requests to a KServe v2
-infer endpoint with Triton's binary-data extension, and writes what happened to each request (`LoadResult`).
+infer endpoint, over HTTP with Triton's binary-data extension (or plain JSON) or over gRPC (raw tensor contents, one
+HTTP/2 connection), and writes what happened to each request (`LoadResult`).
 
 - **Open loop** (`Job.clients == 0`): request i is sent at its arrival time whatever the server has answered,
   after a warm-up run whose results are discarded. A pacing thread sleeps until each arrival (`time.sleep` wakes
@@ -19,6 +20,7 @@ start of the measured run.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import itertools
 import json
@@ -28,13 +30,16 @@ import threading
 import time
 import urllib.request
 from collections import Counter
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import aiohttp
+import grpc
 import numpy as np
 import orjson
 import uvloop
+from tritonclient.grpc import service_pb2 as pb
 
 # KServe v2 tensor datatypes (BYTES has no fixed width and is not sent by this benchmark).
 V2_DTYPES = {"BOOL": np.bool_, "UINT8": np.uint8, "UINT16": np.uint16, "UINT32": np.uint32, "UINT64": np.uint64,
@@ -47,11 +52,22 @@ NUMBER = re.compile(r"\d+(\.\d+)?")  # error messages are counted with their fig
 # aiohttp closes idle pooled connections after this long: sooner than servers do (uvicorn: 5 s), so a request is
 # never written to a connection the server is closing at that moment (a POST is not retried).
 CLIENT_KEEPALIVE_S = 3.0
+GRPC_SCHEME = "grpc://"
+GRPC_INFER = "/inference.GRPCInferenceService/ModelInfer"
+# gRPC refusals as the HTTP statuses the results count: RESOURCE_EXHAUSTED is shed, as 429 is; UNAVAILABLE is the
+# server's 503 (an executor restarting), though a connection that failed reads the same over gRPC
+GRPC_STATUSES = {grpc.StatusCode.RESOURCE_EXHAUSTED: 429, grpc.StatusCode.UNAVAILABLE: 503,
+                 grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.NOT_FOUND: 404, grpc.StatusCode.INTERNAL: 500}
+
+
+def grpc_url(port: int, model: str, host: str = "127.0.0.1") -> str:
+    """A job's `url` for a model served over gRPC (KServe v2's GRPCInferenceService)."""
+    return f"{GRPC_SCHEME}{host}:{port}/{model}"
 
 
 @dataclass(frozen=True)
 class Job:
-    url: str  # the model's infer endpoint
+    url: str  # the model's infer endpoint: http://host:port/v2/models/{model}/infer, or grpc_url()
     inputs: tuple[tuple[str, str], ...]  # (name, v2 datatype) of each model input, in the model's order
     output: str  # the output whose first value is the released label
     status_url: str | None  # read after the warm-up and at the end (the server's batch counts); None: not read
@@ -65,6 +81,10 @@ class Job:
     refused_pause_ms: float = 0.0
     # Plain v2 JSON bodies instead of Triton's binary tensors: for servers without the extension (MLServer).
     json_bodies: bool = False
+
+    @property
+    def over_grpc(self) -> bool:
+        return self.url.startswith(GRPC_SCHEME)
 
 
 @dataclass
@@ -151,7 +171,10 @@ def load_job(path: Path) -> tuple[Job, list[dict[str, np.ndarray]], np.ndarray, 
 
 def encode_request(job: Job, request: dict[str, np.ndarray]) -> tuple[bytes, dict[str, str]]:
     """Body and headers of a v2 infer request with Triton's binary-data extension: the JSON header, then each
-    input's raw little-endian bytes; the label comes back as JSON. With `job.json_bodies`, plain v2 JSON."""
+    input's raw little-endian bytes; the label comes back as JSON. With `job.json_bodies`, plain v2 JSON; over
+    gRPC, a ModelInferRequest with raw contents (and no headers)."""
+    if job.over_grpc:
+        return encode_grpc_request(job, request), {}
     if job.json_bodies:
         return encode_json_request(job, request)
     tensors = [np.asarray(request[name], dtype=np.dtype(V2_DTYPES[datatype]).newbyteorder("<"))
@@ -174,6 +197,31 @@ def encode_json_request(job: Job, request: dict[str, np.ndarray]) -> tuple[bytes
                        "data": tensor.ravel().tolist()})
     return json.dumps({"inputs": inputs, "outputs": [{"name": job.output}]}).encode(), \
         {"Content-Type": "application/json"}
+
+
+def encode_grpc_request(job: Job, request: dict[str, np.ndarray]) -> bytes:
+    message = pb.ModelInferRequest(model_name=job.url.rsplit("/", 1)[1])
+    for name, datatype in job.inputs:
+        tensor = np.asarray(request[name], dtype=np.dtype(V2_DTYPES[datatype]).newbyteorder("<"))
+        message.inputs.add(name=name, datatype=datatype, shape=tensor.shape)
+        message.raw_input_contents.append(tensor.tobytes())
+    message.outputs.add(name=job.output)
+    return message.SerializeToString()
+
+
+def read_grpc_answer(payload: bytes, output: str) -> tuple[int, bool, str | None]:
+    """(label, early, exit site) from a ModelInferResponse, its outputs raw or typed (MLServer answers typed)."""
+    answer = pb.ModelInferResponse.FromString(payload)
+    index = next(i for i, o in enumerate(answer.outputs) if o.name == output)
+    tensor = answer.outputs[index]
+    if answer.raw_output_contents:
+        label = int(np.frombuffer(answer.raw_output_contents[index], V2_DTYPES[tensor.datatype])[0])
+    else:
+        label = int(next(values for _, values in tensor.contents.ListFields())[0])
+    parameters = answer.parameters
+    early = "early" in parameters and parameters["early"].bool_param
+    site = parameters["exit_site"].string_param if "exit_site" in parameters else None  # none: the final layer
+    return label, early, site
 
 
 def read_answer(payload: bytes, output: str) -> tuple[int, bool, str | None]:
@@ -219,9 +267,10 @@ class _Recorder:
 
 
 class _Client:
-    def __init__(self, job: Job, session: aiohttp.ClientSession) -> None:
-        self.job = job
-        self.session = session
+    def __init__(self, job: Job, send: Callable[[tuple[bytes, dict[str, str]]], Awaitable[tuple[int, bytes]]]
+                 ) -> None:
+        self.job, self.send = job, send
+        self.read = read_grpc_answer if job.over_grpc else read_answer
         self.origin = time.perf_counter()
 
     def now_ms(self) -> float:
@@ -232,24 +281,23 @@ class _Client:
         """Send one request and record how it ended; returns its status."""
         sent = self.now_ms()
         try:
-            async with self.session.post(self.job.url, data=body[0], headers=body[1]) as response:
-                payload = await response.read()
-                status = response.status
+            status, payload = await self.send(body)
         except TimeoutError:
             recorder.errors[f"no answer within {self.job.timeout_s} s"] += 1
             recorder.add(index, scheduled_ms, sent, self.now_ms(), TIMED_OUT)
             return TIMED_OUT
-        except (aiohttp.ClientError, OSError) as exc:
+        except (aiohttp.ClientError, OSError, grpc.aio.AioRpcError) as exc:
             recorder.errors[f"{type(exc).__name__}: {exc}"] += 1
             recorder.add(index, scheduled_ms, sent, self.now_ms(), CLIENT_ERROR)
             return CLIENT_ERROR
         done = self.now_ms()
         if status != 200:
-            recorder.errors[f"HTTP {status}: {NUMBER.sub('#', payload[:200].decode(errors='replace'))}"] += 1
+            transport = "gRPC" if self.job.over_grpc else "HTTP"
+            recorder.errors[f"{transport} {status}: {NUMBER.sub('#', payload[:200].decode(errors='replace'))}"] += 1
             recorder.add(index, scheduled_ms, sent, done, status)
             return status
         try:
-            label, early, site = read_answer(payload, self.job.output)
+            label, early, site = self.read(payload, self.job.output)
         except (ValueError, KeyError, IndexError, TypeError, StopIteration) as exc:
             recorder.errors[f"unreadable answer ({type(exc).__name__}: {exc}): {payload[:200]!r}"] += 1
             recorder.add(index, scheduled_ms, sent, done, CLIENT_ERROR)
@@ -300,6 +348,33 @@ class _Client:
         return recorder
 
 
+def http_sender(job: Job, session: aiohttp.ClientSession
+                ) -> Callable[[tuple[bytes, dict[str, str]]], Awaitable[tuple[int, bytes]]]:
+    async def send(body: tuple[bytes, dict[str, str]]) -> tuple[int, bytes]:
+        async with session.post(job.url, data=body[0], headers=body[1]) as response:
+            return response.status, await response.read()
+
+    return send
+
+
+def grpc_sender(job: Job, channel: grpc.aio.Channel
+                ) -> Callable[[tuple[bytes, dict[str, str]]], Awaitable[tuple[int, bytes]]]:
+    """ModelInfer with the request already serialised; the answer is parsed once the clock has stopped."""
+    call = channel.unary_unary(GRPC_INFER)  # bytes in and out
+
+    async def send(body: tuple[bytes, dict[str, str]]) -> tuple[int, bytes]:
+        try:
+            return 200, await call(body[0], timeout=job.timeout_s)
+        except grpc.aio.AioRpcError as error:
+            if error.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise TimeoutError from None
+            if error.code() not in GRPC_STATUSES:
+                raise
+            return GRPC_STATUSES[error.code()], f"{error.code().name}: {error.details()}".encode()
+
+    return send
+
+
 async def run_job(job: Job, requests: list[dict[str, np.ndarray]], arrivals_ms: np.ndarray,
                   warmup_arrivals_ms: np.ndarray) -> LoadResult:
     bodies = [encode_request(job, request) for request in requests]
@@ -308,10 +383,14 @@ async def run_job(job: Job, requests: list[dict[str, np.ndarray]], arrivals_ms: 
     gc.collect()
     gc.freeze()
     gc.disable()
-    connector = aiohttp.TCPConnector(limit=job.max_connections, keepalive_timeout=CLIENT_KEEPALIVE_S)
-    timeout = aiohttp.ClientTimeout(total=job.timeout_s)
-    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
-        client = _Client(job, session)
+    async with contextlib.AsyncExitStack() as stack:
+        if job.over_grpc:
+            channel = grpc.aio.insecure_channel(job.url.removeprefix(GRPC_SCHEME).rsplit("/", 1)[0])
+            client = _Client(job, grpc_sender(job, await stack.enter_async_context(channel)))
+        else:
+            connector = aiohttp.TCPConnector(limit=job.max_connections, keepalive_timeout=CLIENT_KEEPALIVE_S)
+            session = aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=job.timeout_s))
+            client = _Client(job, http_sender(job, await stack.enter_async_context(session)))
         if job.clients > 0:
             recorder = await client.closed_loop(bodies)
             return recorder.result(None, fetch_status(job.status_url))

@@ -14,7 +14,9 @@ noisy machine, not one); each replays the same stream slice open loop at the sam
 then runs a concurrency sweep: closed loops of 1, 2, 4, 8 and 16 clients. Its saturation in that round is the most
 it answered per second at a level whose p99 stayed within the SLO. Each system's figures are medians over rounds,
 with their min and max; the goals compare medians. Requests carry Triton's binary tensors to the systems that read
-them (rampserve, Triton) and plain v2 JSON to the rest (`transport`). The rate is `bench live`'s: half of rampserve
+them (rampserve, Triton) and plain v2 JSON to the rest (`transport`); with `transport="grpc"`, KServe v2 over gRPC
+to every system that serves it (rampserve, Triton, MLServer; the Ray Serve peer has HTTP only: Ray Serve's proxy
+speaks gRPC only to servicers registered with it, which this peer, a plain HTTP deployment, has none of). The rate is `bench live`'s: half of rampserve
 vanilla's closed-loop saturation, probed before the rounds, unless given. A system that cannot be installed or
 started keeps its key, with `error` saying why.
 """
@@ -48,10 +50,11 @@ BASELINE = "rampserve_vanilla"
 EXITS = "rampserve"
 PEERS = ("mlserver", "ray_serve", "triton")
 SYSTEMS = (BASELINE, EXITS, *PEERS)
-BINARY, JSON = "binary", "json"
+BINARY, JSON, GRPC = "binary", "json", "grpc"
 # Triton's binary-data extension where the server reads it; MLServer's REST server does not, nor does the Ray Serve
 # peer (it reads what MLServer reads, so that the two JSON servers parse the same bodies)
 TRANSPORTS = {BASELINE: BINARY, EXITS: BINARY, "triton": BINARY, "mlserver": JSON, "ray_serve": JSON}
+GRPC_SYSTEMS = (BASELINE, EXITS, "triton", "mlserver")  # those that also serve KServe v2 over gRPC
 SWEEP_CLIENTS = (1, 2, 4, 8, 16)
 # A sweep level is within the SLO when its p99 is: at most this share of its requests may go unanswered (shed or
 # failed), since an unanswered request is one later than any SLO
@@ -88,6 +91,7 @@ class PeerSettings:
     mlserver_venv: Path = field(default_factory=lambda: _repository_root() / ".venv-mlserver")
     mlserver_backend: str = "torch"  # or "onnx"; an ONNX bundle is served as ONNX
     triton_venv: Path = field(default_factory=lambda: _repository_root() / ".venv-triton")
+    transport: str = "http"  # or "grpc": gRPC to the systems that serve it (GRPC_SYSTEMS), HTTP to the rest
 
     def __post_init__(self) -> None:
         unknown = set(self.systems) - set(SYSTEMS)
@@ -102,11 +106,18 @@ class PeerSettings:
             raise ValueError(f"the sweep needs levels of at least one client, got {self.sweep_clients}")
         if self.sweep_s <= self.sweep_settle_s:
             raise ValueError(f"a sweep level ({self.sweep_s} s) must outlast its settling ({self.sweep_settle_s} s)")
+        if self.transport not in ("http", GRPC):
+            raise ValueError(f"transport is http or grpc, not {self.transport!r}")
         if self.mlserver_backend not in ("torch", "onnx"):
             raise ValueError(f"mlserver_backend is torch or onnx, not {self.mlserver_backend!r}")
 
 
 # --- statistics (pure) ----------------------------------------------------------------------------------------
+
+def transport_of(name: str, transport: str) -> str:
+    """What the client speaks to a system: gRPC where asked and served, else its HTTP encoding (TRANSPORTS)."""
+    return GRPC if transport == GRPC and name in GRPC_SYSTEMS else TRANSPORTS[name]
+
 
 def round_orders(systems: Sequence[str], rounds: int) -> list[tuple[str, ...]]:
     """Each round's order: round r starts r systems further along, so over len(systems) rounds every system runs
@@ -166,12 +177,12 @@ def sweep_over_rounds(sweeps: Sequence[Sequence[dict]]) -> list[dict]:
     return curve
 
 
-def system_summary(name: str, rounds: list[dict]) -> dict:
+def system_summary(name: str, rounds: list[dict], transport: str | None = None) -> dict:
     """A system's figures: the medians over its measured rounds under today's keys (`p50_ms`, `saturation_rps`, …),
     their `min_max`, every round (`rounds`), the median sweep (`sweep`) and its `transport`; `error` when no round
     was measured."""
     measured = [r for r in rounds if "error" not in r]
-    base = {"transport": TRANSPORTS[name], "rounds_measured": len(measured), "rounds": rounds}
+    base = {"transport": transport or TRANSPORTS[name], "rounds_measured": len(measured), "rounds": rounds}
     if not measured:
         why = rounds[-1]["error"] if rounds else "not run"
         return base | {"error": f"no round was measured; the last said: {why}"}
@@ -351,10 +362,10 @@ def mlserver_repository(root: Path, model_name: str, model_path: Path, max_batch
 
 def triton_command(python: Path, model_path: Path, model_name: str, inputs: list[tuple[str, str, list[int]]],
                    max_batch: int, max_delay_ms: float) -> Callable[[int], list[str]]:
-    """PyTriton's server (`triton/server.py`) in its venv, HTTP on the given port, gRPC and metrics on free ones."""
-    return lambda port: [
+    """PyTriton's server (`triton/server.py`) in its venv, HTTP and gRPC on the given ports, metrics on a free one."""
+    return lambda port, grpc_port: [
         str(python), str(TRITON_DIR / "server.py"), str(model_path), "--name", model_name, "--inputs",
-        json.dumps(inputs), "--http-port", str(port), "--grpc-port", str(free_port()), "--metrics-port",
+        json.dumps(inputs), "--http-port", str(port), "--grpc-port", str(grpc_port), "--metrics-port",
         str(free_port()), "--max-batch", str(max_batch), "--wait-ms", f"{max_delay_ms:g}"]
 
 
@@ -395,7 +406,7 @@ def run_peers(settings: PeerSettings, json_out: Path | None, plots_dir: Path | N
                 return ServerProcess(rampserve_serve(live.model, slo, max_batch, live.max_delay_ms, name == BASELINE,
                                                      live.server_args), log, live.start_timeout_s)
             if name == "ray_serve":
-                return ServerProcess(lambda port: [
+                return ServerProcess(lambda port, _grpc_port: [
                     sys.executable, "-m", "rampserve.bench.peers_ray", str(plan.bundle), "--name", live.model,
                     "--port", str(port), "--max-batch", str(max_batch), "--wait-ms", f"{live.max_delay_ms:g}"],
                     log, live.start_timeout_s)
@@ -406,17 +417,18 @@ def run_peers(settings: PeerSettings, json_out: Path | None, plots_dir: Path | N
                                      log, live.start_timeout_s, ready_path=f"/v2/models/{live.model}/ready",
                                      stop_signal=signal.SIGINT)
 
-            def mlserver(port: int) -> list[str]:
+            def mlserver(port: int, grpc_port: int) -> list[str]:
                 repository = mlserver_repository(workdir / "mlserver", live.model, model_file, max_batch,
-                                                 live.max_delay_ms, (port, free_port(), free_port()))
+                                                 live.max_delay_ms, (port, grpc_port, free_port()))
                 return [str(venv_bins[name] / "mlserver"), "start", str(repository)]
 
             return ServerProcess(mlserver, log, live.start_timeout_s)
 
         def job(srv: ServerProcess, name: str, **kwargs: object) -> Job:
             status = srv.url("/status") if name in (BASELINE, EXITS) else None
-            return Job(srv.url(f"/v2/models/{live.model}/infer"), inputs, "label", status, live.timeout_s,
-                       json_bodies=TRANSPORTS[name] == JSON, **kwargs)
+            transport = transport_of(name, settings.transport)
+            return Job(srv.infer_url(live.model, "grpc" if transport == GRPC else "http"), inputs, "label", status,
+                       live.timeout_s, json_bodies=transport == JSON, **kwargs)
 
         calibration = None
         if live.rate_rps is None:
@@ -467,7 +479,8 @@ def run_peers(settings: PeerSettings, json_out: Path | None, plots_dir: Path | N
                     rounds[name].append(entry)
                     bar.update()
 
-    systems = {name: system_summary(name, rounds[name]) for name in settings.systems}
+    systems = {name: system_summary(name, rounds[name], transport_of(name, settings.transport))
+               for name in settings.systems}
     for name, why in install_errors.items():
         systems[name]["error"] = why
     systems = with_ratios(systems)
@@ -477,7 +490,8 @@ def run_peers(settings: PeerSettings, json_out: Path | None, plots_dir: Path | N
         "duration_s": live.duration_s, "rounds": settings.rounds, "orders": [list(order) for order in orders],
         "sweep_clients": list(settings.sweep_clients), "sweep_s": settings.sweep_s,
         "sweep_settle_s": settings.sweep_settle_s, "calibration": calibration,
-        "client": "one process per run (rampserve.bench.loadgen): binary tensors or v2 JSON, per system's transport",
+        "client": "one process per run (rampserve.bench.loadgen): binary tensors, v2 JSON or gRPC, per system's "
+                  "transport",
         "backends": {BASELINE: f"rampserve serve --vanilla ({model.backend.kind}; its executor compiles to "
                                 "TorchScript where it can: /status `compiled` in each round)",
                      EXITS: f"rampserve serve ({model.backend.kind} with ramps; compiled sets where they compile)",

@@ -17,7 +17,7 @@ from tqdm.auto import tqdm
 
 from rampserve.paths import home
 from rampserve.runtime.bundle import read_manifest
-from rampserve.runtime.prepare import encoder_for, feeds_for, model_source
+from rampserve.runtime.prepare import feeds_for, prepared_encoder
 from rampserve.runtime.prepared import PreparedModel
 from rampserve.workloads.streams import Stream
 
@@ -42,7 +42,7 @@ class RampOutputs:
 def _compute(model: PreparedModel, stream: Stream, start: int, stop: int, learn_batch: int | None = None
              ) -> RampOutputs:
     sites = tuple(model.site_names)
-    encoder = encoder_for(stream.task, model_source(model))
+    encoder = prepared_encoder(model, stream.task)
     # Text streams revisit the same sentences: run each distinct base row once (unless caches learn as they go,
     # when every visit counts).
     if stream.task == "text" and learn_batch is None:

@@ -1,6 +1,7 @@
 """Prepared-model bundles on disk: a JSON manifest (with the model's v2 signature), the model's weights
-(safetensors) or graph (ONNX), the ramps' weights and two example inputs (safetensors). Loading never unpickles
-anything, and checks every file's digest."""
+(safetensors) or graph (ONNX), the ramps' weights, two example inputs (safetensors) and what rebuilds the
+architecture without the model's source (a Hugging Face checkpoint's config.json and tokenizer.json). Loading never
+unpickles anything, and checks every file's digest."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from rampserve.runtime.compiled import write_atomically
 from rampserve.runtime.prepared import PreparedModel, SiteInfo
 from rampserve.runtime.profile import LatencyProfile
 from rampserve.runtime.signature import ModelSignature
-from rampserve.runtime.sources import ModelSource, build_architecture
+from rampserve.runtime.sources import ModelSource, architecture_files, build_architecture
 
 FORMAT = "rampserve-bundle"
 # 2: linear ramp heads are a bare Linear; 3: and keep their center. The signature and example inputs came later
@@ -69,6 +70,9 @@ def save_bundle(model: PreparedModel, out_dir: Path) -> Path:
                       for k, v in ramp.state_dict().items()}
         safetensors.torch.save_file(ramp_state, tmp / RAMPS_FILE)
         safetensors.numpy.save_file(dict(model.signature.example), tmp / EXAMPLE_FILE)
+        carried = [] if "source" not in model.meta else architecture_files(ModelSource.from_json(model.meta["source"]))
+        for file in carried:
+            shutil.copyfile(file, tmp / file.name)
         manifest = {
             "format": FORMAT,
             "format_version": FORMAT_VERSION,
@@ -80,7 +84,8 @@ def save_bundle(model: PreparedModel, out_dir: Path) -> Path:
             "profile": model.profile.to_json() if model.profile else None,
             "error_score": model.error_score,
             "meta": model.meta,
-            "files": {name: _digest(tmp / name) for name in (model_file, RAMPS_FILE, EXAMPLE_FILE)},
+            "files": {name: _digest(tmp / name)
+                      for name in (model_file, RAMPS_FILE, EXAMPLE_FILE, *(file.name for file in carried))},
         }
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
         if out_dir.exists():
@@ -160,7 +165,7 @@ def load_bundle(bundle_dir: Path) -> PreparedModel:
     names = {s.name for s in sites}
     policy = lambda graph, candidates: [c for c in candidates if c.value in names]  # noqa: E731
     if backend_kind == "torch":
-        module = build_architecture(source)
+        module = build_architecture(source, bundle_dir)
         _load_state(module, bundle_dir / TORCH_WEIGHTS, f"the architecture of {source.ref}")
         backend = TorchBackend(module, policy)
     elif backend_kind == "onnx":

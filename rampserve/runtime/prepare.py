@@ -43,13 +43,7 @@ class PrepareConfig:
     progress: bool = True
 
 
-def encoder_for(task: str, source: ModelSource | None = None) -> Encoder:
-    """How a workload's raw items become a model's inputs: a zoo model's own encoder (its tokenizer), else the
-    task's default."""
-    if source is not None and source.kind == "zoo":
-        from rampserve.zoo.registry import get_entry
-
-        return get_entry(source.ref, small=source.small).encode
+def encoder_for(task: str) -> Encoder:
     if task == "image":
         from rampserve.workloads.fashion_mnist import to_model_input
 
@@ -61,7 +55,38 @@ def encoder_for(task: str, source: ModelSource | None = None) -> Encoder:
     raise ValueError(f"no input encoder for task {task!r} (known: image, text)")
 
 
+def model_encoder(source: ModelSource | None, task: str, files_dir: Path | None = None) -> Encoder:
+    """How a workload's items of `task` become the inputs of the model from `source`: an hf checkpoint's texts go
+    through its own tokenizer (the one in `files_dir`, a bundle carrying it, else the checkpoint's directory), a
+    zoo text model's through its entry's encoder, anything else through the task's encoder."""
+    if source is not None and source.kind == "hf":
+        if task != "text":
+            raise ValueError(f"{source.ref} is a text classifier: give it a text workload (e.g. rt-drift), "
+                             f"not a {task} one")
+        from rampserve.zoo.hf_encoders import text_encoder
+
+        return text_encoder(files_dir or Path(source.ref))
+    if source is not None and source.kind == "zoo" and task == "text":
+        from rampserve.zoo.registry import get_entry
+
+        return get_entry(source.ref, small=source.small).encode
+    return encoder_for(task)
+
+
+def _source_and_files(model: PreparedModel) -> tuple[ModelSource | None, Path | None]:
+    source = ModelSource.from_json(model.meta["source"]) if "source" in model.meta else None
+    return source, model.bundle_dir
+
+
+def prepared_encoder(model: PreparedModel, task: str) -> Encoder:
+    """`model_encoder` for a prepared model, with the files its bundle carries when it was loaded from one."""
+    source, files_dir = _source_and_files(model)
+    return model_encoder(source, task, files_dir)
+
+
 def default_workload(source: ModelSource) -> str:
+    if source.kind == "hf":
+        return "rt-drift"  # a sequence classifier of text; the Rotten Tomatoes stream is the text workload here
     if source.kind == "zoo":
         from rampserve.zoo.registry import get_entry
 
@@ -100,22 +125,17 @@ class BootstrapInputs:
     items: list | np.ndarray
 
 
-def model_source(model: PreparedModel) -> ModelSource | None:
-    """Where a prepared model came from, as its bundle records it."""
-    source = model.meta.get("source")
-    return None if source is None else ModelSource.from_json(source)
-
-
-def bootstrap_inputs(workload: str, limit: int, source: ModelSource | None = None) -> BootstrapInputs:
-    """The first `limit` bootstrap items of a workload stream, with the encoder that the model from `source` (or
-    else the workload's task) needs."""
+def bootstrap_inputs(workload: str, limit: int, source: ModelSource | None = None,
+                     files_dir: Path | None = None) -> BootstrapInputs:
+    """The first `limit` bootstrap items of a workload stream, with the encoder its task needs (for the model from
+    `source`, see `model_encoder`)."""
     stream = get_stream(workload)
     start = stream.bootstrap.start
     stop = min(stream.bootstrap.stop, start + limit)
     items = stream.items(start, stop)
     if isinstance(items, list):  # repeated texts add nothing but weight: keep each once
         items = list(dict.fromkeys(items))
-    return BootstrapInputs(stream.task, encoder_for(stream.task, source), items)
+    return BootstrapInputs(stream.task, model_encoder(source, stream.task, files_dir), items)
 
 
 def sample_feeds(backend: Backend, inputs: BootstrapInputs) -> Callable[[int], dict[str, np.ndarray]]:
@@ -138,7 +158,7 @@ def signature_from_workload(model: PreparedModel) -> ModelSignature:
         raise ValueError("the model has no signature, nor a workload to derive one from: give the PreparedModel "
                          "one (ModelSignature.of_example on two of its inputs)")
     try:
-        bootstrap = bootstrap_inputs(workload, EXAMPLE_ROWS, model_source(model))
+        bootstrap = bootstrap_inputs(workload, EXAMPLE_ROWS, *_source_and_files(model))
     except FileNotFoundError as exc:
         raise BundleError(f"{model.bundle_dir or 'the model'} was prepared before bundles carried their signature and example "
                           f"inputs, and its workload {workload!r} is not on this machine to derive them from "
@@ -149,7 +169,7 @@ def signature_from_workload(model: PreparedModel) -> ModelSignature:
 
 def reprofile(model: PreparedModel, config: PrepareConfig = PrepareConfig()) -> LatencyProfile:
     """Measure a prepared model's latency profile again, on this machine, with its workload's inputs."""
-    inputs = bootstrap_inputs(model.meta["workload"], config.bootstrap_items, model_source(model))
+    inputs = bootstrap_inputs(model.meta["workload"], config.bootstrap_items, *_source_and_files(model))
     return measure_profile(model, sample_feeds(model.backend, inputs), config.profile_batch_sizes,
                            config.profile_repeats, progress=config.progress, budget_s=config.profile_budget_s)
 

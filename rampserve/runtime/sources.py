@@ -1,4 +1,5 @@
-"""Where a served model comes from: a zoo name, a `module:factory` that builds a torch module, or an ONNX file."""
+"""Where a served model comes from: a zoo name, a `module:factory` that builds a torch module, an ONNX file, or
+`hf:DIR`, a Hugging Face sequence classifier saved by `save_pretrained`."""
 
 from __future__ import annotations
 
@@ -9,14 +10,26 @@ from pathlib import Path
 from torch import nn
 
 
+HF_PREFIX = "hf:"
+
+
 @dataclass(frozen=True)
 class ModelSource:
-    kind: str  # "zoo", "factory" or "onnx"
-    ref: str  # zoo name, "package.module:function", or path of the .onnx file
+    kind: str  # "zoo", "factory", "onnx" or "hf"
+    ref: str  # zoo name, "package.module:function", path of the .onnx file, or the checkpoint's directory
     small: bool = False  # the zoo's tiny variant, for tests
 
     @classmethod
     def parse(cls, text: str, small: bool = False) -> ModelSource:
+        if text.startswith(HF_PREFIX):
+            from rampserve.zoo.hf_encoders import check_checkpoint
+
+            directory = Path(text.removeprefix(HF_PREFIX)).expanduser()
+            if not directory.is_dir():
+                raise ValueError(f"{text}: {directory} is not a directory (give hf:DIR, a directory written by "
+                                 "save_pretrained)")
+            check_checkpoint(directory)
+            return cls("hf", str(directory.resolve()))
         if text.endswith(".onnx"):
             if not Path(text).is_file():
                 raise ValueError(f"ONNX file {text} does not exist")
@@ -27,7 +40,7 @@ class ModelSource:
 
         if text not in zoo_names():
             raise ValueError(f"unknown model {text!r}: give a zoo name ({', '.join(zoo_names())}), "
-                             "a path ending in .onnx, or module:factory")
+                             "a path ending in .onnx, module:factory, or hf:DIR")
         return cls("zoo", text, small)
 
     def to_json(self) -> dict:
@@ -47,8 +60,12 @@ def import_object(ref: str):
         raise ValueError(f"cannot import {ref!r}: {exc}") from exc
 
 
-def build_architecture(source: ModelSource) -> nn.Module:
-    """The model's architecture, to receive weights from a bundle."""
+def build_architecture(source: ModelSource, bundle_dir: Path) -> nn.Module:
+    """The model's architecture, to receive weights from the bundle at `bundle_dir`."""
+    if source.kind == "hf":
+        from rampserve.zoo.hf_encoders import chain_from_config
+
+        return chain_from_config(bundle_dir)
     if source.kind == "zoo":
         from rampserve.zoo.registry import get_entry
 
@@ -64,9 +81,23 @@ def load_trained(source: ModelSource) -> nn.Module:
         from rampserve.zoo.registry import load_trained as load_zoo
 
         return load_zoo(source.ref, small=source.small)
+    if source.kind == "hf":
+        from rampserve.zoo.hf_encoders import from_pretrained_dir
+
+        return from_pretrained_dir(Path(source.ref))
     if source.kind == "factory":
         module = import_object(source.ref)()
         if not isinstance(module, nn.Module):
             raise ValueError(f"{source.ref} returned {type(module).__name__}, not a torch.nn.Module")
         return module.eval()
     raise ValueError(f"a {source.kind} source is not a torch module")
+
+
+def architecture_files(source: ModelSource) -> list[Path]:
+    """Files a bundle carries to rebuild the architecture (and encode inputs) without the source: an hf
+    checkpoint's config and tokenizer, so the bundle keeps working when the checkpoint's directory moves."""
+    if source.kind == "hf":
+        from rampserve.zoo.hf_encoders import ARCHITECTURE_FILES
+
+        return [Path(source.ref) / name for name in ARCHITECTURE_FILES]
+    return []

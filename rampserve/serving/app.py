@@ -12,6 +12,7 @@ import os
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import orjson
@@ -31,6 +32,9 @@ from rampserve.serving.plane import DataPlane, InferResult, error_body
 from rampserve.serving.protocol import ProtocolError, server_metadata
 from rampserve.serving.worker import Worker
 
+if TYPE_CHECKING:
+    from rampserve.serving.grpc_server import GrpcFrontEnd
+
 HEADER_LENGTH = "inference-header-content-length"
 
 
@@ -43,6 +47,7 @@ class ServerState:
     caches: dict[str, PredictionCache] = field(default_factory=dict)
     admin_token: str | None = None  # None: admin endpoints are open (only allowed on loopback)
     listener: UpdateListener | None = None  # model updates from a Redis Stream
+    grpc: GrpcFrontEnd | None = None  # KServe v2 over gRPC beside HTTP, same models and data plane
     ready: bool = False
 
     @property
@@ -96,17 +101,23 @@ def create_app(state: ServerState) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        if state.grpc is not None:  # a port already taken fails the start before any model is loaded
+            state.grpc.bind(plane, lambda: state.ready)
         await catalogue.start()
         if state.listener is not None:
             await state.listener.start()
         # Watched from here on: uvicorn accepts no connection until this returns, so a loop busy loading models
         # keeps no request waiting.
         lag_watch = asyncio.create_task(watch_loop_lag(state.metrics), name="event-loop lag")
+        if state.grpc is not None:
+            await state.grpc.start()
         state.ready = True
         yield
-        # uvicorn has stopped accepting and waited for the requests in flight; the models answer whatever is
-        # still queued before they stop.
+        # uvicorn has stopped accepting and waited for the requests in flight, gRPC does the same; the models
+        # answer whatever is still queued before they stop.
         state.ready = False
+        if state.grpc is not None:
+            await state.grpc.stop()
         lag_watch.cancel()
         await asyncio.wait([lag_watch])
         if state.listener is not None:

@@ -1,15 +1,17 @@
 """The data plane: every v2 inference request, whatever stands behind its model's name (a bundle's executor, in
-this process or its own, a callable, ONNX, scikit-learn, a remote model or an application), takes one path here:
-parse it, look up the prediction cache, ask the model (`Predictor.infer`), encode the answer. It knows nothing of
-transports: a front end hands it the body and the binary header's length and sends back the `InferResult`'s
-status, body and headers (the HTTP routes in `app.py`; a gRPC front end would do the same)."""
+this process or its own, a callable, ONNX, scikit-learn, a remote model or an application), and whichever transport
+brought it, takes one path here: decode it, look up the prediction cache, ask the model (`Predictor.infer`), encode
+the answer. `answer` is that path, with the transport's decoder and encoder; `infer` is HTTP's use of it (a body and
+its binary header's length in, an `InferResult`'s status, body and headers out), `grpc_server` gRPC's."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from typing import TypeVar
 
+import numpy as np
 import orjson
 
 from rampserve.serving.apps.applications import ApplicationPredictor
@@ -21,7 +23,10 @@ from rampserve.serving.executor import ExecutorLost
 from rampserve.serving.metrics import ServerMetrics
 from rampserve.serving.models import LABEL_OUTPUT
 from rampserve.serving.protocol import (
+    InferRequest,
     ProtocolError,
+    RequestedOutput,
+    TensorSpec,
     encode_infer_response,
     model_metadata,
     output_names_to_send,
@@ -44,12 +49,39 @@ class InferResult:
     outcome: str
 
 
+@dataclass(frozen=True)
+class Answer:
+    """A model's answer to a request, before a transport encodes it."""
+
+    model: str
+    version: str
+    id: str | None  # the request's
+    outputs: list[tuple[RequestedOutput, str, np.ndarray]]  # (output asked for, its v2 datatype, its values)
+    parameters: dict  # how it was answered: exit sites, early or final, cached, ...
+    outcome: str  # early, final, cached, answered or default (rampserve_requests_total)
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A request the plane refused or could not answer, whatever transport carries the refusal."""
+
+    status: int  # as HTTP answers it; gRPC maps it to a status code (`grpc_server.STATUS_CODES`)
+    message: str
+    outcome: str  # invalid, shed or failed
+    retry_after_s: int | None = None
+
+
+# What a transport makes of an answer (an HTTP body, a gRPC message)
+Encoded = TypeVar("Encoded")
+
+
 def error_body(message: str) -> bytes:
     return orjson.dumps({"error": message})
 
 
-def refusal(status: int, message: str, outcome: str, headers: dict[str, str] | None = None) -> InferResult:
-    return InferResult(status, error_body(message), {**(headers or {}), "Content-Type": JSON}, outcome)
+def http_refusal(refusal: Refusal) -> InferResult:
+    retry = {} if refusal.retry_after_s is None else {"Retry-After": str(refusal.retry_after_s)}
+    return InferResult(refusal.status, error_body(refusal.message), {**retry, "Content-Type": JSON}, refusal.outcome)
 
 
 def request_options(parameters: dict) -> tuple[float | None, int]:
@@ -96,44 +128,58 @@ class DataPlane:
 
     # ---- inference ----------------------------------------------------------------------------------------
 
-    async def infer(self, model: str, version: str | None, body: bytes, header_length: int | None,
-                    arrived: float | None = None) -> InferResult:
-        """Answer one request: `body` as sent, `header_length` the length of its JSON part when binary tensors
-        follow it (None: JSON only). `arrived` (time.perf_counter()) starts the latency the metrics observe, at
-        the request's arrival rather than once its body was read; default now."""
+    async def answer(self, model: str, version: str | None,
+                     decode: Callable[[Sequence[TensorSpec]], InferRequest], encode: Callable[[Answer], Encoded],
+                     arrived: float | None = None) -> Encoded | Refusal:
+        """Answer one request, whatever its transport: `decode` reads it against the model's inputs, `encode`
+        turns the answer into what the transport sends (a ProtocolError from either refuses the request).
+        `arrived` (time.perf_counter()) starts the latency the metrics observe, at the request's arrival rather
+        than once its body was read; default now."""
         arrived = time.perf_counter() if arrived is None else arrived
         try:
             # The model is looked up only now, after the transport's last await before it is asked: a swap in
             # between cannot hand this request to a version that is draining.
-            result = await self._answer(self.find(model, version), body, header_length)
+            answered = await self._answer(self.find(model, version), decode)
+            result: Encoded | Refusal = encode(answered)
         except ProtocolError as exc:
-            result = refusal(exc.status, exc.message, "invalid")
+            result = Refusal(exc.status, exc.message, "invalid")
         except Shed as exc:
-            retry = None if exc.retry_after_s is None else {"Retry-After": str(exc.retry_after_s)}
-            result = refusal(exc.status, exc.message, "shed", retry)
+            result = Refusal(exc.status, exc.message, "shed", exc.retry_after_s)
         except ModelUnavailable as exc:
-            result = refusal(503, str(exc), "shed")
+            result = Refusal(503, str(exc), "shed")
         except ExecutorLost as exc:  # its process died; a new one is starting
-            result = refusal(503, str(exc), "failed", {"Retry-After": "1"})
+            result = Refusal(503, str(exc), "failed", 1)
         except ExecutionFailed as exc:
-            result = refusal(500, str(exc), "failed")
+            result = Refusal(500, str(exc), "failed")
         except StoreError as exc:
-            result = refusal(503, f"the state store is unavailable: {exc}", "failed")
-        self._count(model, result.outcome, arrived)
+            result = Refusal(503, f"the state store is unavailable: {exc}", "failed")
+        self._count(model, result.outcome if isinstance(result, Refusal) else answered.outcome, arrived)
         return result
+
+    async def infer(self, model: str, version: str | None, body: bytes, header_length: int | None,
+                    arrived: float | None = None) -> InferResult:
+        """Answer one HTTP request: `body` as sent, `header_length` the length of its JSON part when binary tensors
+        follow it (None: JSON only)."""
+        result = await self.answer(model, version, lambda inputs: parse_infer_request(body, header_length, inputs),
+                                   http_answer, arrived)
+        return http_refusal(result) if isinstance(result, Refusal) else result
+
+    def refuse(self, model: str, error: ProtocolError) -> Refusal:
+        """A request its transport refused before the plane could read it (a body over the limit, a malformed
+        binary header length, a message that does not parse), counted as the plane counts the invalid requests it
+        refuses itself."""
+        self._count(model, "invalid", time.perf_counter())
+        return Refusal(error.status, error.message, "invalid")
 
     def refused(self, model: str, error: ProtocolError) -> InferResult:
-        """A request its transport refused before the plane could read it (a body over the limit, a malformed
-        binary header length), counted as the plane counts the invalid requests it refuses itself."""
-        result = refusal(error.status, error.message, "invalid")
-        self._count(model, result.outcome, time.perf_counter())
-        return result
+        """`refuse` for HTTP."""
+        return http_refusal(self.refuse(model, error))
 
-    async def _answer(self, predictor: Predictor, body: bytes, header_length: int | None) -> InferResult:
+    async def _answer(self, predictor: Predictor, decode: Callable[[Sequence[TensorSpec]], InferRequest]) -> Answer:
         inputs = predictor.inputs
         if inputs is None:
             raise ProtocolError(f"model '{predictor.name}' has no known input signature", 503)
-        parsed = parse_infer_request(body, header_length, inputs)
+        parsed = decode(inputs)
         problem = predictor.problem_with(parsed.inputs, parsed.batch_size)
         if problem:
             raise ProtocolError(problem)
@@ -157,11 +203,8 @@ class DataPlane:
             prediction = await predictor.infer(request)
             tensors, parameters, outcome = prediction.outputs, prediction.parameters, prediction.outcome
         datatypes = {spec.name: spec.datatype for spec in predictor.outputs}
-        response, headers = encode_infer_response(
-            predictor.name, predictor.version, parsed.id,
-            [(output.name, datatypes[output.name], tensors[output.name]) for output in wanted],
-            binary=[output.name for output in wanted if output.binary], parameters=parameters)
-        return InferResult(200, response, headers, outcome)
+        return Answer(predictor.name, predictor.version, parsed.id,
+                      [(output, datatypes[output.name], tensors[output.name]) for output in wanted], parameters, outcome)
 
     def _count(self, model: str, outcome: str, arrived: float) -> None:
         catalogue = self.catalogue
@@ -169,6 +212,15 @@ class DataPlane:
         self.metrics.requests.labels(model=label, outcome=outcome).inc()
         if outcome != "invalid":
             self.metrics.latency.labels(model=label).observe(time.perf_counter() - arrived)
+
+
+def http_answer(answer: Answer) -> InferResult:
+    """The v2 HTTP response: JSON, with the outputs asked for in binary after it (Triton's extension)."""
+    body, headers = encode_infer_response(
+        answer.model, answer.version, answer.id,
+        [(output.name, datatype, values) for output, datatype, values in answer.outputs],
+        binary=[output.name for output, _, _ in answer.outputs if output.binary], parameters=answer.parameters)
+    return InferResult(200, body, headers, answer.outcome)
 
 
 def checked_version(predictor: Predictor, version: str | None) -> Predictor:

@@ -4,7 +4,8 @@ A pure codec and validator: the HTTP server hands it the body and the `Inference
 and gets back checked arrays, or hands it arrays and gets back a body and headers, so every wire-format rule is
 tested here without sockets. `tritonclient.http` sends tensors as binary data by default (the JSON header, then
 each binary input's raw little-endian bytes in input order) and, when it lists no outputs, asks for every output
-in binary, so both encodings are first-class.
+in binary, so both encodings are first-class. The checks of a request object (`infer_request_from`) and the tensor
+decoders are gRPC's too (`grpc_codec`): a ModelInferRequest passes the same rules with the same messages.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import json
 import math
 import struct
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -105,13 +106,51 @@ def parse_infer_request(
     request = _load_json(body[:json_end])
     if not isinstance(request, dict):
         raise ProtocolError(f"request body must be a JSON object, got {type(request).__name__}")
+    binary = memoryview(body)[json_end:]
+    offset = 0  # binary inputs take consecutive slices of the bytes after the JSON, in input order
+
+    def read(_position: int, tensor: dict, params: dict, spec: TensorSpec, shape: tuple[int, ...]) -> np.ndarray:
+        nonlocal offset
+        name, size = spec.name, params.get("binary_data_size")
+        if ("data" in tensor) == (size is not None):
+            raise ProtocolError(f"input '{name}': give exactly one of 'data' and parameters.binary_data_size")
+        if size is None:
+            return decode_json_data(tensor["data"], spec, shape)
+        if header_length is None:
+            raise ProtocolError(f"input '{name}' has binary_data_size but the request has no "
+                                "Inference-Header-Content-Length header")
+        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+            raise ProtocolError(f"input '{name}': binary_data_size must be a non-negative integer, got {size!r}")
+        if offset + size > len(binary):
+            raise ProtocolError(f"input '{name}': binary_data_size {size} runs past the end of the body "
+                                f"({len(binary) - offset} bytes left)")
+        array = decode_binary_data(binary[offset:offset + size], spec, shape, "binary_data_size is")
+        offset += size
+        return array
+
+    parsed = infer_request_from(request, read, inputs, allow_nonfinite)
+    if offset != len(binary):
+        raise ProtocolError(f"{len(binary) - offset} bytes after the JSON belong to no input "
+                            f"(the inputs' binary_data_size add up to {offset})")
+    return parsed
+
+
+# Reads one input's values: (its position among the request's inputs, the tensor's v2 object, its parameters, the
+# model's input it is, its checked shape) -> the array. A JSON body reads 'data' or the binary extension's bytes; a
+# gRPC request reads raw_input_contents or typed contents (`grpc_codec`).
+TensorReader = Callable[[int, dict, dict, TensorSpec, tuple[int, ...]], np.ndarray]
+
+
+def infer_request_from(request: dict, read: TensorReader, inputs: Sequence[TensorSpec],
+                       allow_nonfinite: bool = False) -> InferRequest:
+    """Validate a v2 request object (the JSON form: id, parameters, inputs, outputs) against the model's inputs,
+    reading each tensor's values with `read`: every transport's requests pass the same checks."""
     request_id = request.get("id")
     if request_id is not None and not isinstance(request_id, str):
         raise ProtocolError(f"request 'id' must be a string, got {request_id!r}")
     parameters = _optional_dict(request, "parameters", "request")
     binary_outputs = _optional_bool(parameters, "binary_data_output", "request parameters")
-    decoded = _decode_inputs(request.get("inputs"), memoryview(body)[json_end:], header_length is not None,
-                             inputs, allow_nonfinite)
+    decoded = _decode_inputs(request.get("inputs"), read, inputs, allow_nonfinite)
     parsed = InferRequest(request_id, parameters, decoded, _parse_outputs(request.get("outputs"), binary_outputs),
                           binary_outputs)
     _batch_size(decoded)  # refuses inputs whose rows do not line up
@@ -148,17 +187,17 @@ def encode_infer_response(
         header["parameters"] = parameters
     tensors, chunks = [], []
     for name, datatype, array in outputs:
-        array = _as_datatype(np.asarray(array), datatype)
+        array = as_datatype(np.asarray(array), datatype)
         tensor: dict = {"name": name, "datatype": datatype, "shape": list(array.shape)}
         if name in binary:
-            chunks.append(_encode_binary(array, datatype))
+            chunks.append(encode_binary_data(array, datatype))
             tensor["parameters"] = {"binary_data_size": len(chunks[-1])}
         else:
             tensor["data"] = _json_data(name, array, datatype)
         tensors.append(tensor)
     header["outputs"] = tensors
     # ensure_ascii (the default) keeps characters and bytes equal, as tritonclient assumes for its own requests
-    head = json.dumps(header, separators=(",", ":"), default=_numpy_to_json).encode()
+    head = json.dumps(header, separators=(",", ":"), default=numpy_to_json).encode()
     if not chunks:
         return head, {"Content-Type": "application/json"}
     return head + b"".join(chunks), {"Content-Type": "application/octet-stream",
@@ -199,13 +238,12 @@ def _json_length(body: bytes, header_length: int | str | None) -> int:
     return length
 
 
-def _decode_inputs(raw_inputs: object, binary: memoryview, has_header: bool, specs: Sequence[TensorSpec],
+def _decode_inputs(raw_inputs: object, read: TensorReader, specs: Sequence[TensorSpec],
                    allow_nonfinite: bool) -> dict[str, np.ndarray]:
     if not isinstance(raw_inputs, list) or not raw_inputs:
         raise ProtocolError("'inputs' must be a non-empty list of tensors")
     spec_by_name = {spec.name: spec for spec in specs}
     decoded: dict[str, np.ndarray] = {}
-    offset = 0  # binary inputs take consecutive slices of the bytes after the JSON, in input order
     for position, tensor in enumerate(raw_inputs):
         if not isinstance(tensor, dict) or not isinstance(tensor.get("name"), str):
             raise ProtocolError(f"inputs[{position}] must be an object with a string 'name'")
@@ -216,29 +254,10 @@ def _decode_inputs(raw_inputs: object, binary: memoryview, has_header: bool, spe
             raise ProtocolError(f"input '{name}' appears more than once")
         spec = spec_by_name[name]
         shape = _checked_shape(tensor, spec)
-        params = _optional_dict(tensor, "parameters", f"input '{name}'")
-        size = params.get("binary_data_size")
-        if ("data" in tensor) == (size is not None):
-            raise ProtocolError(f"input '{name}': give exactly one of 'data' and parameters.binary_data_size")
-        if size is None:
-            array = _decode_json(tensor["data"], spec, shape)
-        else:
-            if not has_header:
-                raise ProtocolError(f"input '{name}' has binary_data_size but the request has no "
-                                    "Inference-Header-Content-Length header")
-            if isinstance(size, bool) or not isinstance(size, int) or size < 0:
-                raise ProtocolError(f"input '{name}': binary_data_size must be a non-negative integer, got {size!r}")
-            if offset + size > len(binary):
-                raise ProtocolError(f"input '{name}': binary_data_size {size} runs past the end of the body "
-                                    f"({len(binary) - offset} bytes left)")
-            array = _decode_binary(binary[offset:offset + size], spec, shape)
-            offset += size
+        array = read(position, tensor, _optional_dict(tensor, "parameters", f"input '{name}'"), spec, shape)
         if array.dtype.kind == "f" and not allow_nonfinite and not np.isfinite(array).all():
             raise ProtocolError(f"input '{name}': {spec.datatype} data holds NaN or infinity, which this model refuses")
         decoded[name] = array
-    if offset != len(binary):
-        raise ProtocolError(f"{len(binary) - offset} bytes after the JSON belong to no input "
-                            f"(the inputs' binary_data_size add up to {offset})")
     if missing := [name for name in spec_by_name if name not in decoded]:
         raise ProtocolError(f"missing inputs {missing}; the model's inputs are {list(spec_by_name)}")
     return decoded
@@ -276,20 +295,22 @@ def _load_json(text: bytes) -> object:
         raise ProtocolError(f"request body is not valid JSON: {error}") from None
 
 
-def _decode_json(data: object, spec: TensorSpec, shape: tuple[int, ...]) -> np.ndarray:
+def decode_json_data(data: object, spec: TensorSpec, shape: tuple[int, ...], source: str = "'data'") -> np.ndarray:
+    """An input's array from its values as a (flat or nested) list, checked against its datatype's range; `source`
+    names where the values came from in messages."""
     name, datatype, dtype = spec.name, spec.datatype, DATATYPES[spec.datatype]
     if not isinstance(data, list):
-        raise ProtocolError(f"input '{name}': 'data' must be a list, got {type(data).__name__}")
+        raise ProtocolError(f"input '{name}': {source} must be a list, got {type(data).__name__}")
     flat, count = _flatten(data), math.prod(shape)
     if len(flat) != count:
-        raise ProtocolError(f"input '{name}': shape {list(shape)} holds {count} elements, 'data' has {len(flat)}")
+        raise ProtocolError(f"input '{name}': shape {list(shape)} holds {count} elements, {source} has {len(flat)}")
     allowed, described = _JSON_ELEMENT_TYPES[dtype.kind]
     if wrong := set(map(type, flat)) - allowed:
         raise ProtocolError(f"input '{name}': {datatype} data must be {described}, got "
                             f"{', '.join(sorted(kind.__name__ for kind in wrong))}")
     if datatype == "BYTES":
         try:
-            return _object_array([text.encode() for text in flat], shape)
+            return object_array([text.encode() for text in flat], shape)
         except UnicodeEncodeError as error:
             raise ProtocolError(f"input '{name}': BYTES data is not valid Unicode: {error}") from None
     if dtype.kind in "iu" and flat:
@@ -311,13 +332,15 @@ def _flatten(data: list) -> list:
     return data
 
 
-def _decode_binary(raw: memoryview, spec: TensorSpec, shape: tuple[int, ...]) -> np.ndarray:
+def decode_binary_data(raw: memoryview, spec: TensorSpec, shape: tuple[int, ...], size_source: str) -> np.ndarray:
+    """An input's array from its raw little-endian bytes (BYTES: each element's uint32 length, then the element);
+    `size_source` names where its size came from in messages ("binary_data_size is")."""
     name, datatype, dtype, count = spec.name, spec.datatype, DATATYPES[spec.datatype], math.prod(shape)
     if datatype == "BYTES":
-        return _object_array(_split_bytes_elements(raw, count, name), shape)
+        return object_array(_split_bytes_elements(raw, count, name), shape)
     if len(raw) != count * dtype.itemsize:
         raise ProtocolError(f"input '{name}': shape {list(shape)} of {datatype} needs {count * dtype.itemsize} "
-                            f"bytes, binary_data_size is {len(raw)}")
+                            f"bytes, {size_source} {len(raw)}")
     if datatype == "BOOL" and count and np.frombuffer(raw, np.uint8).max() > 1:
         raise ProtocolError(f"input '{name}': BOOL bytes must be 0 or 1")
     # A copy owns writable memory: a view would pin the whole body and be read-only for the model's runtime.
@@ -341,7 +364,7 @@ def _split_bytes_elements(raw: memoryview, count: int, name: str) -> list[bytes]
     return elements
 
 
-def _object_array(elements: list[bytes], shape: tuple[int, ...]) -> np.ndarray:
+def object_array(elements: Sequence[bytes], shape: tuple[int, ...]) -> np.ndarray:
     # Filling an empty array keeps numpy from reading bytes of equal length as extra dimensions.
     array = np.empty(len(elements), dtype=object)
     array[:] = elements
@@ -384,20 +407,21 @@ def _optional_bool(params: Mapping, key: str, where: str, default: bool = False)
     return value
 
 
-def _as_datatype(array: np.ndarray, datatype: str) -> np.ndarray:
+def as_datatype(array: np.ndarray, datatype: str) -> np.ndarray:
     if datatype not in DATATYPES:
         raise ValueError(f"{datatype!r} is not a v2 datatype")
     return array.astype(DATATYPES[datatype], copy=False)
 
 
-def _encode_binary(array: np.ndarray, datatype: str) -> bytes:
+def encode_binary_data(array: np.ndarray, datatype: str) -> bytes:
+    """An array (already of its datatype) as raw bytes: the binary extension's and gRPC's raw contents."""
     if datatype != "BYTES":
         return array.tobytes()  # C order, and the dtype is little-endian already
-    encoded = [_element_bytes(value) for value in array.ravel()]
+    encoded = [element_bytes(value) for value in array.ravel()]
     return b"".join(_BYTES_LENGTH.pack(len(value)) + value for value in encoded)
 
 
-def _element_bytes(value: object) -> bytes:
+def element_bytes(value: object) -> bytes:
     """A BYTES output element; models may produce str, which goes as UTF-8."""
     if isinstance(value, str):
         return value.encode()
@@ -411,12 +435,12 @@ def _json_data(name: str, array: np.ndarray, datatype: str) -> list:
     if datatype != "BYTES":
         return array.ravel().tolist()
     try:
-        return [_element_bytes(value).decode() for value in array.ravel()]
+        return [element_bytes(value).decode() for value in array.ravel()]
     except UnicodeDecodeError:
         raise ProtocolError(f"output '{name}': BYTES data is not UTF-8; request it with binary_data true") from None
 
 
-def _numpy_to_json(value: object) -> object:
+def numpy_to_json(value: object) -> object:
     """Lets numpy scalars and arrays in response parameters serialise."""
     if isinstance(value, np.generic | np.ndarray):
         return value.tolist()

@@ -19,6 +19,7 @@ from rampserve.serving.app import ServerState, create_app
 from rampserve.serving.apps.applications import ApplicationSpec
 from rampserve.serving.apps.catalogue import Catalogue, CatalogueError, ModelRepository
 from rampserve.serving.executor import make_worker
+from rampserve.serving.grpc_server import GrpcFrontEnd, address
 from rampserve.serving.metrics import ServerMetrics
 from rampserve.serving.models import ServedModel, load_served
 from rampserve.serving.apps.predictors import Predictor, WorkerPredictor
@@ -33,6 +34,7 @@ LOOPBACK = "127.0.0.1"
 class ServerSettings:
     host: str = LOOPBACK  # loopback unless told otherwise
     port: int = 8000
+    grpc_port: int | None = None  # KServe v2 over gRPC on the same host (0: any free port); None: no gRPC
     max_body_mb: float = 64.0
     cache_mb: float = 0.0  # prediction cache per model; 0: off
     # Longest the server waits, once told to stop, for requests in flight before it closes their connections.
@@ -83,8 +85,11 @@ def build_state(models: Sequence[ServedModel | Predictor], model_settings: Model
     listener = None
     if settings.update_stream:
         listener = UpdateListener(settings.store, partial(apply_update, catalogue))
-    return ServerState(catalogue, metrics, int(settings.max_body_mb * (1 << 20)),
-                       int(settings.cache_mb * (1 << 20)), admin_token=settings.admin_token, listener=listener)
+    max_body = int(settings.max_body_mb * (1 << 20))
+    grpc = None if settings.grpc_port is None else GrpcFrontEnd(settings.host, settings.grpc_port, max_body,
+                                                                settings.graceful_timeout_s)
+    return ServerState(catalogue, metrics, max_body, int(settings.cache_mb * (1 << 20)),
+                       admin_token=settings.admin_token, listener=listener, grpc=grpc)
 
 
 async def apply_update(catalogue: Catalogue, update: ModelUpdate) -> None:
@@ -125,7 +130,8 @@ def serve(refs: Sequence[str], model_settings: ModelSettings, settings: ServerSe
     sock = bind(settings.host, settings.port)
     host, port = sock.getsockname()[:2]
     freeze_startup_objects()
-    print(f"rampserve: serving {', '.join(state.catalogue.models) or 'no models yet'} on http://{host}:{port} "
+    grpc = "" if settings.grpc_port is None else f", gRPC on {address(host, settings.grpc_port)}"
+    print(f"rampserve: serving {', '.join(state.catalogue.models) or 'no models yet'} on http://{host}:{port}{grpc} "
           f"({'vanilla' if model_settings.vanilla else 'early exits'}); metrics at /metrics, status at /status",
           flush=True)
     uvicorn_server(state, settings).run(sockets=[sock])

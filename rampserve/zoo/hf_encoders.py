@@ -259,15 +259,31 @@ def chain_from_config(directory: Path) -> EncoderChain:
                                                                    attn_implementation=ATTENTION_IMPLEMENTATION))
 
 
+def check_checkpoint(directory: Path) -> PretrainedConfig:
+    """The config of the checkpoint in `directory`, after checking that it is a supported sequence classifier with
+    safetensors weights and a tokenizer.json."""
+    directory = Path(directory)
+    config = load_config(directory)
+    if not (directory / WEIGHTS_FILE).is_file() and not (directory / f"{WEIGHTS_FILE}.index.json").is_file():
+        raise HFModelError(f"{directory} has no {WEIGHTS_FILE}: rampserve loads safetensors weights only "
+                           "(save with save_pretrained, whose default is safetensors)")
+    if not (directory / TOKENIZER_FILE).is_file():
+        raise HFModelError(f"{directory} has no {TOKENIZER_FILE}: save the model's fast tokenizer with it "
+                           "(tokenizer.save_pretrained(DIR))")
+    return config
+
+
 def from_pretrained_dir(directory: Path) -> EncoderChain:
     """The checkpoint in `directory` (safetensors weights, never a pickle) as a chain, in eval mode."""
     directory = Path(directory)
-    load_config(directory)
-    if not (directory / WEIGHTS_FILE).is_file() and not (directory / f"{WEIGHTS_FILE}.index.json").is_file():
-        raise HFModelError(f"{directory} has no {WEIGHTS_FILE}: rampserve loads safetensors weights only "
-                           "(save with save_pretrained(..., safe_serialization=True))")
-    model = AutoModelForSequenceClassification.from_pretrained(
-        str(directory), local_files_only=True, use_safetensors=True, attn_implementation=ATTENTION_IMPLEMENTATION)
+    check_checkpoint(directory)
+    model, loading = AutoModelForSequenceClassification.from_pretrained(
+        str(directory), local_files_only=True, use_safetensors=True, attn_implementation=ATTENTION_IMPLEMENTATION,
+        output_loading_info=True)
+    if loading["missing_keys"]:
+        # transformers would start these from random weights; a served classifier must be the checkpoint's
+        raise HFModelError(f"{directory}'s weights lack {sorted(loading['missing_keys'])}: is it a fine-tuned "
+                           "sequence classifier?")
     return chain_of(model.eval())
 
 
@@ -283,10 +299,9 @@ def tokenize(tokenizer: Tokenizer, texts: Iterable[str]) -> dict[str, np.ndarray
 
 
 @lru_cache(maxsize=8)
-def _tokenizer(directory: Path, max_length: int) -> Tokenizer:
+def _tokenizer(directory: Path, max_length: int, modified_ns: int) -> Tokenizer:
+    """`modified_ns` (tokenizer.json's) keys the cache, so a bundle rewritten in place gets its new tokenizer."""
     file = directory / TOKENIZER_FILE
-    if not file.is_file():
-        raise HFModelError(f"{directory} has no {TOKENIZER_FILE} (a fast tokenizer saved with the model)")
     tokenizer = Tokenizer.from_file(str(file))
     pad_id = json.loads((directory / CONFIG_FILE).read_text()).get("pad_token_id")
     pad_token = tokenizer.id_to_token(pad_id) if pad_id is not None else None
@@ -301,5 +316,9 @@ def _tokenizer(directory: Path, max_length: int) -> Tokenizer:
 def text_encoder(directory: Path, max_length: int = MAX_LENGTH) -> Callable[[Iterable[str]], dict[str, np.ndarray]]:
     """Texts -> `input_ids`, `attention_mask` with the tokenizer saved in `directory` (padding with its config's
     pad_token_id), padded to the batch's longest text, at most `max_length` tokens."""
-    tokenizer = _tokenizer(Path(directory).resolve(), max_length)
+    directory = Path(directory).resolve()
+    file = directory / TOKENIZER_FILE
+    if not file.is_file():
+        raise HFModelError(f"{directory} has no {TOKENIZER_FILE} (a fast tokenizer saved with the model)")
+    tokenizer = _tokenizer(directory, max_length, file.stat().st_mtime_ns)
     return lambda texts: tokenize(tokenizer, texts)

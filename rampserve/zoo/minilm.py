@@ -21,12 +21,9 @@ from torch import nn
 from transformers import BertConfig
 from transformers.models.bert.modeling_bert import BertEmbeddings, BertLayer
 
+from rampserve.zoo.hf_encoders import ATTENTION_IMPLEMENTATION, MAX_LENGTH, additive_mask, tokenize
+
 NUM_CLASSES = 2
-MAX_LENGTH = 64
-# Added to attention scores at padded keys; finite (not -inf) so a softmax never sees a row of -inf.
-MASK_FILL = torch.finfo(torch.float32).min
-# Plain matmul-softmax attention: deterministic, as fast as SDPA here on CPU, and it exports to ONNX as is.
-ATTENTION_IMPLEMENTATION = "eager"
 
 
 def model_dir() -> Path:
@@ -82,10 +79,9 @@ class MiniLMClassifier(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         hidden = self.embeddings(input_ids)
-        # Built from `attention_mask` alone (a fixed dtype, not hidden.dtype) so it stays a side input.
-        additive_mask = (1.0 - attention_mask[:, None, None, :].to(torch.float32)) * MASK_FILL
+        mask = additive_mask(attention_mask)
         for layer in self.layers:
-            hidden = layer(hidden, additive_mask)
+            hidden = layer(hidden, mask)
         return self.head(hidden)
 
     def load_pretrained_encoder(self) -> None:
@@ -126,11 +122,4 @@ def _tokenizer(max_length: int) -> Tokenizer:
 
 def encode_texts(texts: Iterable[str], max_length: int = MAX_LENGTH) -> dict[str, np.ndarray]:
     """Token ids and attention mask, int64 (N, L), padded to the longest text in `texts` (at most max_length)."""
-    encodings = _tokenizer(max_length).encode_batch(list(texts))
-    width = len(encodings[0].ids) if encodings else 0
-    return {
-        "input_ids": np.array([e.ids for e in encodings], dtype=np.int64).reshape(len(encodings), width),
-        "attention_mask": np.array([e.attention_mask for e in encodings], dtype=np.int64).reshape(
-            len(encodings), width
-        ),
-    }
+    return tokenize(_tokenizer(max_length), texts)

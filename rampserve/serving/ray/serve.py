@@ -1,7 +1,8 @@
 """rampserve on Ray Serve: the same HTTP API (v2, applications, `/metrics`, `/status`) served by the replicas of
 one deployment, each with its own batchers and early-exit executors. Each model has one controller for all
 replicas, a Ray actor (`ray/control.py`), so accuracy is judged over all of its traffic. Replica count and
-autoscaling pass through to Ray Serve unchanged.
+autoscaling pass through to Ray Serve unchanged. gRPC is not served here: Ray Serve's proxy owns the ports and
+speaks gRPC only to services registered with it, so replicas serve HTTP alone.
 
 Ray is an optional dependency (`pip install rampserve[ray]`); this module imports it.
 """
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import ray
 from fastapi import FastAPI
@@ -78,6 +79,9 @@ def serve_on_ray(refs: Sequence[str], model_settings: ModelSettings, settings: S
     """Deploy on the Ray cluster named by RAY_ADDRESS (or a local one) and serve until interrupted; Ray Serve's
     proxy listens on the server's host and port."""
     check_admin_access(settings)  # before any replica starts, which would refuse the same way
+    if settings.grpc_port is not None:
+        print("rampserve: no gRPC on Ray Serve (its proxy serves HTTP here); --grpc-port is ignored", flush=True)
+        settings = replace(settings, grpc_port=None)  # replicas on one machine would all take the same port
     ray.init(namespace="rampserve")  # named: the models' controllers are detached actors found by name
     serve.start(http_options={"host": settings.host, "port": settings.port})
     scale = deployment.autoscaling or f"{deployment.replicas} replica(s)"
