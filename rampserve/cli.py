@@ -456,6 +456,35 @@ def bench_sim(
             console.print(f"wrote {path}")
 
 
+@bench_app.command("reductions")
+def bench_reductions(
+    model: Annotated[str, typer.Option(help="zoo text model")] = "mpnet-rt",
+    workload: Annotated[str, typer.Option(help="text stream")] = "rt-drift",
+    json_out: Annotated[Optional[Path], typer.Option("--json", help="write the results here")] = None,
+    small: Annotated[bool, typer.Option(help="the zoo's tiny variant")] = False,
+) -> None:
+    """Linear ramps reducing each site by the first token or by the mean over the input's own tokens, trained as
+    prepare trains them: agreement with the model on the evaluation stream, and the share each can answer at 99%."""
+    from rampserve.bench.reductions import ReductionSettings, run_reductions
+
+    try:
+        report = run_reductions(ReductionSettings(model=model, workload=workload, small=small))
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    table = Table(title=f"{model} on {workload}: ramp reductions ({report['evaluation_inputs']} distinct evaluation "
+                        f"inputs, weighted by visits)")
+    table.add_column("site")
+    for how in report["reductions"]:
+        table.add_column(f"{how} agreement", justify="right")
+        table.add_column(f"{how} exits at 99%", justify="right")
+    for i, site in enumerate(report["sites"]):
+        cells = [f"{rows[i][key]:.3f}" for rows in report["reductions"].values()
+                 for key in ("agreement", "exit_share_at_99")]
+        table.add_row(site, *cells)
+    console.print(table)
+    _write_json(report, json_out)
+
+
 @bench_app.command("freeze")
 def bench_freeze(
     models: Annotated[str, typer.Option(help="zoo models, comma-separated")] = "resnet18-fmnist,resnet50-fmnist",

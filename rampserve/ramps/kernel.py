@@ -25,7 +25,7 @@ log = logging.getLogger("rampserve.kernel")
 
 SOURCE = Path(__file__).with_name("kernels") / "ramp_exit.cpp"
 # The reductions and error scores as the operators number them
-REDUCE_CODES = {"identity": 0, "first_token": 1, "token_mean": 2}
+REDUCE_CODES = {"identity": 0, "first_token": 1, "token_mean": 2, "token_mean_masked": 4}
 POOLED = 3  # a pooling reduction, given to the operator as a matrix
 LANES = 16  # the operator's vector width: a pooling matrix's cells are padded to a multiple of it
 SCORE_CODES = {"max_prob": 0, "entropy": 1}

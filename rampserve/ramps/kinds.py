@@ -20,7 +20,8 @@ from rampserve.ramps.scores import top_label_and_error
 @dataclass(frozen=True)
 class RampSpec:
     kind: str  # "linear" (Apparate's default), "deep" or "cache" (Freeze Inference)
-    reduce: str  # "spatial_mean", "grid_mean", "spatial_grid", "first_token", "token_mean", "identity"
+    reduce: str  # "spatial_mean", "grid_mean", "spatial_grid", "first_token", "token_mean",
+    # "token_mean_masked", "identity"
     feature_shape: tuple[int, ...]  # per-sample shape after `reduce`
     num_classes: int
     cache: CacheSpec | None = None  # for kind "cache"

@@ -26,9 +26,9 @@ from rampserve.ramps.pooling import POOLING_REDUCTIONS, pooling_matrix
 from rampserve.ramps.scores import ERROR_SCORES
 
 # The reductions a tap computes; a ramp with another (a deep head's grid) is evaluated in Python
-TAPPED_REDUCTIONS = (*POOLING_REDUCTIONS, "identity", "first_token", "token_mean")
+TAPPED_REDUCTIONS = (*POOLING_REDUCTIONS, "identity", "first_token", "token_mean", "token_mean_masked")
 # The operator set from which each reduction takes its axes as an input rather than as an attribute
-AXES_AS_INPUT_SINCE = {"ReduceSum": 13, "ReduceMean": 18}
+AXES_AS_INPUT_SINCE = {"ReduceSum": 13, "ReduceMean": 18, "ReduceMax": 18}
 
 
 def can_tap(ramp: object) -> bool:
@@ -56,10 +56,11 @@ def ramp_tap(ramp: Ramp, site: str, activation_shape: tuple[int, ...], opset: in
         nodes.append(helper.make_node(op, inputs, [output], name=output, **attributes))
         return output
 
-    def over_axis_1(op: str, value: str) -> str:
+    def over_axis(op: str, value: str, axis: int = 1, keepdims: int = 0) -> str:
         if opset >= AXES_AS_INPUT_SINCE[op]:
-            return node(op, [value, constant(f"{op}_axes", np.array([1], dtype=np.int64))], keepdims=0)
-        return node(op, [value], axes=[1], keepdims=0)
+            axes = constant(f"{op}_axes{axis}", np.array([axis], dtype=np.int64))
+            return node(op, [value, axes], keepdims=keepdims)
+        return node(op, [value], axes=[axis], keepdims=keepdims)
 
     reduce = ramp.spec.reduce
     if reduce in POOLING_REDUCTIONS:
@@ -73,8 +74,15 @@ def ramp_tap(ramp: Ramp, site: str, activation_shape: tuple[int, ...], opset: in
         features = node("Flatten", [site], axis=1)
     elif reduce == "first_token":
         features = node("Gather", [site, constant("first", np.array(0, dtype=np.int64))], axis=1)
+    elif reduce == "token_mean_masked":  # the sum over tokens by the count of tokens whose row is not all zero
+        present = node("Cast", [node("Greater", [over_axis("ReduceMax", node("Abs", [site]), axis=2),
+                                                 constant("zero", np.array(0.0, dtype=np.float32))])],
+                       to=TensorProto.FLOAT)
+        count = node("Max", [over_axis("ReduceSum", present, keepdims=1),
+                             constant("one_token", np.array(1.0, dtype=np.float32))])
+        features = node("Div", [over_axis("ReduceSum", site), count])
     else:
-        features = over_axis_1("ReduceMean", site)
+        features = over_axis("ReduceMean", site)
     head = ramp.head
     centered = node("Sub", [features, constant("center", ramp.center.detach().numpy().astype(np.float32))])
     product = node("MatMul", [centered, constant("weight_t", head.weight.detach().numpy().T.astype(np.float32))])
@@ -85,7 +93,7 @@ def ramp_tap(ramp: Ramp, site: str, activation_shape: tuple[int, ...], opset: in
         confidence = node("ReduceMax", [probabilities], output=f"{prefix}/confidence", keepdims=0)
     elif score == "entropy":  # confidence = 1 - entropy / log(classes), entropy = -sum p log p
         plogp = node("Mul", [probabilities, node("LogSoftmax", [logits], axis=1)])
-        scaled = node("Mul", [node("ReduceMax", [over_axis_1("ReduceSum", plogp)], keepdims=0),
+        scaled = node("Mul", [node("ReduceMax", [over_axis("ReduceSum", plogp)], keepdims=0),
                               constant("inverse_log_classes", np.array(1.0 / np.log(ramp.spec.num_classes),
                                                                        dtype=np.float32))])
         confidence = node("Add", [scaled, constant("one", np.array(1.0, dtype=np.float32))],

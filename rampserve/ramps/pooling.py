@@ -35,9 +35,23 @@ def reduce_activation(activation: torch.Tensor, how: str) -> torch.Tensor:
         return activation[:, 0]
     if how == "token_mean":
         return activation.mean(dim=1)
+    if how == "token_mean_masked":
+        return masked_token_mean(activation)
     if how == "identity":
         return activation.flatten(1)
     raise ValueError(f"unknown reduction {how!r}")
+
+
+def masked_token_mean(activation: torch.Tensor) -> torch.Tensor:
+    """(n, tokens, hidden) -> (n, hidden): the mean over the tokens whose rows are not all zero.
+
+    An encoder whose layers zero the hidden states of padded positions (the zoo's and Hugging Face adapters'
+    layers do) gives every input the same features however much the batch pads it, where `token_mean` divides
+    by the padded length. A real token's row is never exactly zero after a layer norm; an input of padding
+    only gives zeros."""
+    present = activation.ne(0).any(dim=2, keepdim=True)
+    count = present.sum(dim=1).clamp_min(1).to(activation.dtype)
+    return activation.sum(dim=1) / count
 
 
 def pooling_matrix(activation_shape: tuple[int, ...], reduce: str) -> np.ndarray:

@@ -94,6 +94,16 @@ def default_workload(source: ModelSource) -> str:
     raise ValueError(f"a {source.kind} model needs a workload to train its ramps on (e.g. fmnist-drift)")
 
 
+def token_reduction(source: ModelSource) -> str:
+    """How linear ramps reduce a (tokens, hidden) site of the model: its zoo entry's choice, else the first token
+    (a model whose layers do not zero padded positions would see the padding in a mean over tokens)."""
+    if source.kind == "zoo":
+        from rampserve.zoo.registry import get_entry
+
+        return get_entry(source.ref, small=source.small).token_reduce
+    return "first_token"
+
+
 def make_backend(source: ModelSource, policy: SitePolicy | None = None) -> Backend:
     if source.kind == "onnx":
         return OnnxBackend(Path(source.ref), policy)
@@ -234,12 +244,13 @@ def prepare(source: ModelSource, config: PrepareConfig = PrepareConfig(),
     encoder, items = bootstrap.encoder, bootstrap.items
     sample = sample_feeds(backend, bootstrap)(EXAMPLE_ROWS)
 
+    token_reduce = token_reduction(source)
     site_names = [s.value for s in backend.sites]
     probe_acts, probe_logits = next(backend.site_activations([sample], site_names))
     num_classes = int(probe_logits.shape[1])
 
     def specs_of(kind: str) -> dict:
-        return {name: spec_for(kind, tuple(act.shape[1:]), num_classes, cache=config.cache)
+        return {name: spec_for(kind, tuple(act.shape[1:]), num_classes, token_reduce, cache=config.cache)
                 for name, act in probe_acts.items()}
 
     # Every kind reduces a site's activation the same way except the deep CNN head, which keeps a grid.

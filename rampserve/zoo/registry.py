@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from rampserve.workloads.fashion_mnist import to_model_input
-from rampserve.zoo import cnn, minilm
+from rampserve.zoo import cnn, minilm, mpnet
 from rampserve.zoo.minilm import MiniLMClassifier, build_minilm, encode_texts
 from rampserve.zoo.train import (
     Recipe,
@@ -43,6 +43,7 @@ class ZooEntry:
     build: Callable[[], nn.Module]  # untrained architecture, deterministic
     encode: Callable[[Any], dict[str, np.ndarray]]  # raw items -> model feeds keyed by input name
     train: Callable[..., dict]  # trains unless cached; returns metrics {"test_accuracy": ..., "seconds": ...}
+    token_reduce: str = "first_token"  # how a linear ramp reduces a (tokens, hidden) site (ramps.kinds.spec_for)
 
 
 EntryFactory = Callable[[bool], ZooEntry]
@@ -100,7 +101,8 @@ CNN_SMALL_WIDTH = 4
 CNN_SMALL_CONFIG = TrainConfig(epochs=1, batch_size=64, lr=4e-3, weight_decay=0.05, max_train=2000, max_test=1000)
 
 
-def _entry(name: str, task: str, num_classes: int, build: Callable[[], nn.Module], recipe: Recipe) -> ZooEntry:
+def _entry(name: str, task: str, num_classes: int, build: Callable[[], nn.Module], recipe: Recipe,
+           token_reduce: str = "first_token") -> ZooEntry:
     return ZooEntry(
         name=name,
         task=task,
@@ -109,6 +111,7 @@ def _entry(name: str, task: str, num_classes: int, build: Callable[[], nn.Module
         build=build,
         encode=recipe.encode,
         train=partial(train_cached, recipe),
+        token_reduce=token_reduce,
     )
 
 
@@ -165,3 +168,28 @@ def _minilm_rt(small: bool) -> ZooEntry:
         config=MINILM_SMALL_CONFIG if small else MINILM_CONFIG,
     )
     return _entry("minilm-rt", "text", minilm.NUM_CLASSES, build, recipe)
+
+
+# MPNet-base (all-mpnet-base-v2) on Rotten Tomatoes: only the mean-pooling head trains, on the frozen encoder's
+# features computed once (see zoo.mpnet). The small variant keeps the first two pretrained layers and sees 256
+# snippets.
+MPNET_CONFIG = TrainConfig(epochs=30, batch_size=32, lr=1e-3, weight_decay=0.01, warmup=0.1)
+MPNET_SMALL_CONFIG = TrainConfig(epochs=3, batch_size=32, lr=1e-3, weight_decay=0.01, warmup=0.1, max_train=256,
+                                 max_test=256)
+MPNET_SMALL_LAYERS = 2
+
+
+@register("mpnet-rt")
+def _mpnet_rt(small: bool) -> ZooEntry:
+    layers = MPNET_SMALL_LAYERS if small else None
+    recipe = Recipe(
+        artifact=artifact_name("mpnet-rt", small),
+        init=seeded(partial(mpnet.build_mpnet, layers, pretrained=True)),
+        encode=mpnet.encode_texts,
+        input_names=TEXT_INPUTS,
+        data=rotten_tomatoes_examples,
+        config=MPNET_SMALL_CONFIG if small else MPNET_CONFIG,
+        trainable=lambda model: model.head.classifier,
+    )
+    return _entry("mpnet-rt", "text", mpnet.NUM_CLASSES, seeded(partial(mpnet.build_mpnet, layers)), recipe,
+                  token_reduce="token_mean_masked")

@@ -33,6 +33,7 @@ from rampserve.workloads.rotten_tomatoes import load_rotten_tomatoes, rt_movie_s
 WEIGHTS_FILE = "model.safetensors"
 METRICS_FILE = "metrics.json"
 EVAL_BATCH_SIZE = 256
+FEATURE_BATCH_SIZE = 32  # inputs of the frozen part of a model computed at once (see `part_inputs`)
 # Text batches are drawn from windows of this many batches sorted by length, so each batch pads little.
 LENGTH_BUCKET_BATCHES = 50
 
@@ -79,6 +80,9 @@ class Recipe:
     input_names: tuple[str, ...]
     data: Callable[[TrainConfig], tuple[Examples, Examples]]  # (train, test)
     config: TrainConfig
+    # The only part that trains, where the rest stays frozen (None: the whole model trains). Its input, computed
+    # by the frozen rest, is the same every epoch: it is computed once per example (see `fit_part`).
+    trainable: Callable[[nn.Module], nn.Module] | None = None
 
 
 def fashion_mnist_examples(config: TrainConfig) -> tuple[Examples, Examples]:
@@ -147,14 +151,36 @@ def deterministic(seed: int) -> Iterator[None]:
         torch.use_deterministic_algorithms(previous)
 
 
+def part_inputs(model: nn.Module, part: nn.Module, recipe: Recipe, examples: Examples) -> torch.Tensor:
+    """What `part` of `model` receives (its one positional input) for each example, in order, with the model in
+    eval mode and without gradients. Examples run in order of size, so that a batch pads little."""
+    model.eval()
+    order = np.argsort(examples.lengths, kind="stable") if examples.lengths is not None else np.arange(len(examples))
+    seen: list[torch.Tensor] = []
+    hook = part.register_forward_pre_hook(lambda _, args: seen.append(args[0].detach()))
+    try:
+        with torch.no_grad():
+            for start in tqdm(range(0, len(order), FEATURE_BATCH_SIZE), desc=f"{recipe.artifact}: frozen features",
+                              unit="batch"):
+                model(*_feeds(recipe, examples.items[order[start:start + FEATURE_BATCH_SIZE]]))
+    finally:
+        hook.remove()
+    inputs = torch.empty_like(torch.cat(seen))
+    inputs[torch.from_numpy(order)] = torch.cat(seen)
+    return inputs
+
+
 def fit(recipe: Recipe) -> tuple[nn.Module, dict[str, Any]]:
-    """Train `recipe.init()` with AdamW on a one-cycle schedule; returns the model (eval mode) and metrics."""
+    """Train `recipe.init()` (or only its `recipe.trainable` part) with AdamW on a one-cycle schedule; returns the
+    model (eval mode) and metrics."""
     config = recipe.config
     started = time.perf_counter()
     train, test = recipe.data(config)
     with deterministic(config.seed):
         model = recipe.init()
-        parameters = [p for p in model.parameters() if p.requires_grad]
+        part = recipe.trainable(model) if recipe.trainable else model
+        inputs = None if recipe.trainable is None else part_inputs(model, part, recipe, train)
+        parameters = [p for p in part.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(parameters, lr=config.lr, weight_decay=config.weight_decay)
         steps_per_epoch = -(-len(train) // config.batch_size)
         schedule = torch.optim.lr_scheduler.OneCycleLR(
@@ -163,9 +189,9 @@ def fit(recipe: Recipe) -> tuple[nn.Module, dict[str, Any]]:
         rng = np.random.default_rng(config.seed)
         with tqdm(total=config.epochs * steps_per_epoch, desc=recipe.artifact, unit="step") as progress:
             for _ in range(config.epochs):
-                model.train()
+                part.train()
                 for batch in epoch_batches(train, config.batch_size, rng):
-                    logits = model(*_feeds(recipe, train.items[batch]))
+                    logits = model(*_feeds(recipe, train.items[batch])) if inputs is None else part(inputs[batch])
                     loss = nn.functional.cross_entropy(logits, torch.from_numpy(train.labels[batch]))
                     optimizer.zero_grad(set_to_none=True)
                     loss.backward()

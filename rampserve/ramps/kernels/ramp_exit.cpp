@@ -12,6 +12,8 @@
 //     reduce 0 (flat):        features = x.flatten(1)
 //     reduce 1 (first token): features = x[:, 0] of an (n, T, D) activation
 //     reduce 2 (token mean):  features = x.mean(dim=1) of an (n, T, D) activation
+//     reduce 4 (masked token mean): features = x.sum(dim=1) / (tokens whose row is not all zero), at least 1:
+//                             the mean over an input's own tokens where the model zeroes padded positions
 //     reduce 3 (pooled):      features = (x.reshape(n * C, H * W) @ pool).reshape(n, -1)[:, :C * cells] of an
 //                             (n, C, H, W) activation, `pool` (H * W, cells rounded up to 16) holding a pooling's
 //                             weights (one channel's), zero beyond its cells
@@ -54,7 +56,7 @@
 
 namespace {
 
-constexpr int64_t kFlat = 0, kFirstToken = 1, kTokenMean = 2, kPooled = 3;
+constexpr int64_t kFlat = 0, kFirstToken = 1, kTokenMean = 2, kPooled = 3, kTokenMeanMasked = 4;
 constexpr int64_t kMaxProb = 0, kEntropy = 1;
 
 // Dot products of R rows with K weight rows at once, 16 lanes wide: each loaded vector serves several
@@ -193,7 +195,7 @@ at::Tensor checked_activation(const char* op, const at::Tensor& activation, cons
               op, " takes a contiguous float32 (classes, features) weight and a (classes,) bias");
   TORCH_CHECK(center.scalar_type() == at::kFloat && center.is_contiguous() && center.numel() == weight.size(1),
               op, " takes a contiguous float32 center of the head's width");
-  TORCH_CHECK(reduce >= kFlat && reduce <= kPooled, op, ": unknown reduction ", reduce);
+  TORCH_CHECK(reduce >= kFlat && reduce <= kTokenMeanMasked, op, ": unknown reduction ", reduce);
   TORCH_CHECK(reduce == kFlat || activation.dim() == (reduce == kPooled ? 4 : 3),
               op, ": reduction ", reduce, " does not take an activation of rank ", activation.dim());
   const at::Tensor x = activation.contiguous();
@@ -234,17 +236,24 @@ void write_logits(const at::Tensor& x, const at::Tensor& pool, const at::Tensor&
     for (; m < maps; ++m)
       pool_maps<1>(data + m * positions, positions, weights, padded, pooled.data() + m * cells, cells);
     matmul_rows(pooled.data(), rows, features, c, w, classes, features, target, out_stride);
-  } else if (reduce == kTokenMean) {
+  } else if (reduce == kTokenMean || reduce == kTokenMeanMasked) {
     thread_local std::vector<float> means;
     means.assign(rows * features, 0.0f);
     const int64_t tokens = x.size(1);
     for (int64_t r = 0; r < rows; ++r) {
       float* mean = means.data() + r * features;
+      int64_t present = 0;
       for (int64_t t = 0; t < tokens; ++t) {
         const float* token = data + r * row_size + t * features;
-        for (int64_t d = 0; d < features; ++d) mean[d] += token[d];
+        bool nonzero = false;
+        for (int64_t d = 0; d < features; ++d) {
+          mean[d] += token[d];
+          nonzero = nonzero || token[d] != 0.0f;
+        }
+        present += nonzero;
       }
-      for (int64_t d = 0; d < features; ++d) mean[d] /= static_cast<float>(tokens);
+      const int64_t count = reduce == kTokenMean ? tokens : std::max<int64_t>(present, 1);
+      for (int64_t d = 0; d < features; ++d) mean[d] /= static_cast<float>(count);
     }
     matmul_rows(means.data(), rows, features, c, w, classes, features, target, out_stride);
   } else {  // flat rows, or the first token, which leads each row
