@@ -56,6 +56,12 @@ class TokenEmbeddings(nn.Module):
     def __init__(self, embeddings: nn.Module) -> None:
         super().__init__()
         self.embeddings = embeddings
+        # A padding index only keeps the padding's embedding from learning, and its forward is the same without
+        # one; but F.embedding checks it against the table's size, which a TorchScript trace then reads as a
+        # constant (and warns), so the serving path would be refused compilation.
+        for table in embeddings.modules():
+            if isinstance(table, nn.Embedding):
+                table.padding_idx = None
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embeddings(input_ids)

@@ -51,13 +51,7 @@ def build_mpnet(num_layers: int | None = None, pretrained: bool = False) -> Enco
     if pretrained:
         state = {key: tensor for key, tensor in load_file(str(model_dir() / WEIGHTS_FILE)).items()
                  if not key.startswith("encoder.layer.") or int(key.split(".")[2]) < config.num_hidden_layers}
-    parts = build_encoder(config, state)
-    embeddings = parts.embeddings.embeddings
-    # A padding index only keeps the padding's embedding from learning (and the encoder does not train); but as
-    # F.embedding checks it against the table's size, a TorchScript trace reads that size as a constant and
-    # warns, and the serving path is refused compilation.
-    embeddings.word_embeddings.padding_idx = embeddings.position_embeddings.padding_idx = None
-    return parts.chain(MeanPoolingHead(config.hidden_size))
+    return build_encoder(config, state).chain(MeanPoolingHead(config.hidden_size))
 
 
 def encode_texts(texts) -> dict:
