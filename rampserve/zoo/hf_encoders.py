@@ -239,6 +239,17 @@ def chain_of(model: PreTrainedModel) -> EncoderChain:
     return encoder_parts(getattr(model, family.base)).chain(head).eval()
 
 
+def packaged_config(config_type: type[PretrainedConfig], file: Path,
+                    num_layers: int | None = None) -> PretrainedConfig:
+    """A zoo encoder's config from its package's config.json, with this layout's attention, optionally cut to the
+    first `num_layers` (the zoo's small variants)."""
+    config = config_type.from_json_file(str(file))
+    config._attn_implementation = ATTENTION_IMPLEMENTATION
+    if num_layers is not None:
+        config.num_hidden_layers = num_layers
+    return config
+
+
 def load_config(directory: Path) -> PretrainedConfig:
     """The classifier's config from `directory`/config.json, checked to be a supported sequence classifier."""
     directory = Path(directory)

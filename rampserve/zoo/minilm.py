@@ -21,7 +21,7 @@ from torch import nn
 from transformers import BertConfig
 from transformers.models.bert.modeling_bert import BertEmbeddings, BertLayer
 
-from rampserve.zoo.hf_encoders import ATTENTION_IMPLEMENTATION, MAX_LENGTH, additive_mask, tokenize
+from rampserve.zoo.hf_encoders import MAX_LENGTH, additive_mask, packaged_config, tokenize
 
 NUM_CLASSES = 2
 
@@ -32,11 +32,7 @@ def model_dir() -> Path:
 
 def load_config(num_layers: int | None = None) -> BertConfig:
     """The encoder's config from the package's config.json, optionally cut to the first `num_layers`."""
-    config = BertConfig.from_json_file(str(model_dir() / "config.json"))
-    config._attn_implementation = ATTENTION_IMPLEMENTATION
-    if num_layers is not None:
-        config.num_hidden_layers = num_layers
-    return config
+    return packaged_config(BertConfig, model_dir() / "config.json", num_layers)
 
 
 class EncoderLayer(nn.Module):

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from torch import nn
 from transformers import MPNetConfig
 
-from rampserve.zoo.hf_encoders import ATTENTION_IMPLEMENTATION, EncoderChain, build_encoder, text_encoder
+from rampserve.zoo.hf_encoders import EncoderChain, build_encoder, packaged_config, text_encoder
 from rampserve.zoo.mpnet_weights import WEIGHTS_FILE, model_dir
 
 NUM_CLASSES = 2
@@ -37,11 +37,7 @@ class MeanPoolingHead(nn.Module):
 
 def load_config(num_layers: int | None = None) -> MPNetConfig:
     """all-mpnet-base-v2's config, optionally cut to its first `num_layers`."""
-    config = MPNetConfig.from_json_file(str(model_dir() / "config.json"))
-    config._attn_implementation = ATTENTION_IMPLEMENTATION
-    if num_layers is not None:
-        config.num_hidden_layers = num_layers
-    return config
+    return packaged_config(MPNetConfig, model_dir() / "config.json", num_layers)
 
 
 def build_mpnet(num_layers: int | None = None, pretrained: bool = False) -> EncoderChain:
