@@ -104,6 +104,19 @@ def token_reduction(source: ModelSource) -> str:
     return "first_token"
 
 
+def ramp_training_items(source: ModelSource, bootstrap: list | np.ndarray, limit: int) -> list | np.ndarray:
+    """What the ramps train on: the bootstrap, then the zoo entry's own in-domain inputs (`ZooEntry.ramp_items`)
+    not already in it, `limit` in all."""
+    if source.kind != "zoo" or not isinstance(bootstrap, list):
+        return bootstrap
+    from rampserve.zoo.registry import get_entry
+
+    extra = get_entry(source.ref, small=source.small).ramp_items
+    if extra is None:
+        return bootstrap
+    return list(dict.fromkeys([*bootstrap, *extra()]))[:max(limit, len(bootstrap))]
+
+
 def make_backend(source: ModelSource, policy: SitePolicy | None = None) -> Backend:
     if source.kind == "onnx":
         return OnnxBackend(Path(source.ref), policy)
@@ -241,7 +254,7 @@ def prepare(source: ModelSource, config: PrepareConfig = PrepareConfig(),
         raise ValueError(f"{source.ref} has no sites where a ramp could go")
     workload = config.workload or default_workload(source)
     bootstrap = bootstrap_inputs(workload, config.bootstrap_items, source)
-    encoder, items = bootstrap.encoder, bootstrap.items
+    encoder, items = bootstrap.encoder, ramp_training_items(source, bootstrap.items, config.bootstrap_items)
     sample = sample_feeds(backend, bootstrap)(EXAMPLE_ROWS)
 
     token_reduce = token_reduction(source)

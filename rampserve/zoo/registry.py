@@ -44,6 +44,9 @@ class ZooEntry:
     encode: Callable[[Any], dict[str, np.ndarray]]  # raw items -> model feeds keyed by input name
     train: Callable[..., dict]  # trains unless cached; returns metrics {"test_accuracy": ..., "seconds": ...}
     token_reduce: str = "first_token"  # how a linear ramp reduces a (tokens, hidden) site (ramps.kinds.spec_for)
+    # In-domain inputs outside every stream (the model's own training inputs) on which ramps learn the model's
+    # answers beside the workload's bootstrap; none by default
+    ramp_items: Callable[[], list] | None = None
 
 
 EntryFactory = Callable[[bool], ZooEntry]
@@ -102,7 +105,7 @@ CNN_SMALL_CONFIG = TrainConfig(epochs=1, batch_size=64, lr=4e-3, weight_decay=0.
 
 
 def _entry(name: str, task: str, num_classes: int, build: Callable[[], nn.Module], recipe: Recipe,
-           token_reduce: str = "first_token") -> ZooEntry:
+           token_reduce: str = "first_token", ramp_items: Callable[[], list] | None = None) -> ZooEntry:
     return ZooEntry(
         name=name,
         task=task,
@@ -112,6 +115,7 @@ def _entry(name: str, task: str, num_classes: int, build: Callable[[], nn.Module
         encode=recipe.encode,
         train=partial(train_cached, recipe),
         token_reduce=token_reduce,
+        ramp_items=ramp_items,
     )
 
 
@@ -182,14 +186,18 @@ MPNET_SMALL_LAYERS = 2
 @register("mpnet-rt")
 def _mpnet_rt(small: bool) -> ZooEntry:
     layers = MPNET_SMALL_LAYERS if small else None
+    config = MPNET_SMALL_CONFIG if small else MPNET_CONFIG
     recipe = Recipe(
         artifact=artifact_name("mpnet-rt", small),
         init=seeded(partial(mpnet.build_mpnet, layers, pretrained=True)),
         encode=mpnet.encode_texts,
         input_names=TEXT_INPUTS,
         data=rotten_tomatoes_examples,
-        config=MPNET_SMALL_CONFIG if small else MPNET_CONFIG,
+        config=config,
         trainable=lambda model: model.head.classifier,
     )
+    # The bootstrap holds 853 distinct snippets: ramps after layer 11 of 12 agreed only 0.91 with the head on them.
+    # The training movies' snippets (never streamed) give the ramps ten times as many of the model's answers.
     return _entry("mpnet-rt", "text", mpnet.NUM_CLASSES, seeded(partial(mpnet.build_mpnet, layers)), recipe,
-                  token_reduce="token_mean_masked")
+                  token_reduce="token_mean_masked",
+                  ramp_items=lambda: list(rotten_tomatoes_examples(config)[0].items))
