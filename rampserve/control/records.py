@@ -27,10 +27,33 @@ class Configuration:
     version: int
     sites: tuple[str, ...]
     thresholds: tuple[float, ...]
+    # Shadow batches: one batch in `shadow_every` (0: none) evaluates the ramp at every site of `shadow_sites`
+    # (the model's sites, model order) and reports them all, the inactive ones at threshold 0 (they exit nothing),
+    # so the controller can judge ramp sets it has not deployed on the same inputs as the one it has
+    shadow_sites: tuple[str, ...] = ()
+    shadow_every: int = 0
 
     def __post_init__(self) -> None:
         if len(self.sites) != len(self.thresholds):
             raise ValueError(f"{len(self.sites)} sites but {len(self.thresholds)} thresholds")
+        if self.shadow_every < 0:
+            raise ValueError(f"shadow_every must be >= 0, got {self.shadow_every}")
+        if self.shadow_every and not set(self.sites) <= set(self.shadow_sites):
+            raise ValueError(f"shadow sites {self.shadow_sites} do not hold the active sites {self.sites}")
+
+    def shadowed(self) -> Configuration:
+        """What a shadow batch serves: the same exits as this configuration, with every shadow site's ramp
+        evaluated (the inactive ones at threshold 0)."""
+        if not self.shadow_every:
+            return self
+        thresholds = dict(zip(self.sites, self.thresholds))
+        return Configuration(self.version, self.shadow_sites,
+                             tuple(thresholds.get(s, 0.0) for s in self.shadow_sites), self.shadow_sites,
+                             self.shadow_every)
+
+    def is_shadow_batch(self, batch_index: int) -> bool:
+        """Whether the `batch_index`-th batch served under this configuration (from 0) is a shadow batch."""
+        return bool(self.shadow_every) and batch_index % self.shadow_every == 0
 
     def exits(self, errors: np.ndarray) -> np.ndarray:
         """Exit index per input for errors (n, active ramps)."""
@@ -39,7 +62,8 @@ class Configuration:
         return first_exits(errors, np.array(self.thresholds))
 
     def to_json(self) -> dict:
-        return {"version": self.version, "sites": list(self.sites), "thresholds": list(self.thresholds)}
+        return {"version": self.version, "sites": list(self.sites), "thresholds": list(self.thresholds),
+                "shadow_sites": list(self.shadow_sites), "shadow_every": self.shadow_every}
 
 
 @dataclass(frozen=True)

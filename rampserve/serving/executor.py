@@ -493,7 +493,8 @@ class Executor:
 
 
 def configuration_from_json(data: dict) -> Configuration:
-    return Configuration(data["version"], tuple(data["sites"]), tuple(data["thresholds"]))
+    return Configuration(data["version"], tuple(data["sites"]), tuple(data["thresholds"]),
+                         tuple(data.get("shadow_sites", ())), int(data.get("shadow_every", 0)))
 
 
 class RelayedControl:
