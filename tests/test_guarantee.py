@@ -9,9 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rampserve.control.guarantee import (
-    FULLY_OBSERVED, SAMPLED, binomial_upper, look_delta, smallest_certifying,
+    FULLY_OBSERVED, SAMPLED, DisagreementMonitor, binomial_upper, smallest_certifying,
 )
-from rampserve.control.monitor import RampHistory
+from rampserve.control.monitor import ExitHistory
 from rampserve.control.records import NO_EXIT, NO_LABEL, BatchRecord, first_exits
 from rampserve.control.risk import SCALE_STEP, rolled_scale, served_scale
 from rampserve.control.thresholds import ExitData, certified_thresholds
@@ -26,7 +26,6 @@ def test_the_bound_is_clopper_pearsons_and_grows_with_disagreements():
     assert binomial_upper(np.array([10]), 10, DELTA)[0] == 1.0
     n = smallest_certifying(CONSTRAINT, DELTA)
     assert binomial_upper(np.array([0]), n, DELTA)[0] <= CONSTRAINT < binomial_upper(np.array([0]), n - 1, DELTA)[0]
-    assert sum(look_delta(DELTA, k) for k in range(1, 10_000)) < DELTA
 
 
 def _stream(rng: np.random.Generator, n: int, slopes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -98,10 +97,11 @@ def test_a_sampled_disagreement_stands_for_the_exits_not_sampled():
 
 
 def test_the_history_keeps_only_observed_inputs_weighted_by_the_sample():
-    history = RampHistory(("a", "b"), 16)
-    history.add(_stop_record(0.25))
-    correct, errors, _ = history.latest()
-    strata, weights = history.sample_design()
+    history = ExitHistory(("a", "b"), 16)
+    history.add(_stop_record(0.25), first=0)
+    rows = history.rows(("a", "b"))
+    correct, errors = history.columns(rows, ("a", "b"))
+    _, strata, weights = history.design(rows)
     assert np.isfinite(errors).all() and len(errors) == 2
     np.testing.assert_array_equal(correct, [[False, True], [False, True]])
     np.testing.assert_array_equal(strata, [SAMPLED, FULLY_OBSERVED])
@@ -146,3 +146,44 @@ def test_rolling_risk_control_keeps_the_long_run_disagreement_whatever_the_strea
         assert scale <= 1.0
         total, answers = total + disagreement.sum(), answers + len(wrong)
     assert total / answers <= target + (1.0 + step * most) / (step * answers) + 1e-9
+
+
+def _alarm_rate(rng: np.random.Generator, rate: float, looks: int, batch: int, trials: int,
+                weight: float = 1.0) -> float:
+    """Share of trials whose monitor ever alarms over `looks` batches of answers, each wrong with probability
+    `rate` / `weight` and then counted `weight` times (stop mode's sampled estimate when weight > 1)."""
+    alarms = 0
+    for _ in range(trials):
+        monitor = DisagreementMonitor(CONSTRAINT, DELTA)
+        wrong = (rng.random((looks, batch)) < rate / weight) * weight
+        for look in wrong:
+            monitor.add(look)
+            if monitor.alarm:
+                alarms += 1
+                break
+    return alarms / trials
+
+
+@settings(max_examples=6, deadline=None)
+@given(st.floats(0.2, 1.0), st.sampled_from([1, 8, 32]), st.sampled_from([1.0, 10.0]), st.integers(0, 2 ** 16))
+def test_the_monitor_raises_a_false_alarm_in_at_most_delta_of_trials_however_often_it_looks(
+        share, batch, weight, seed):
+    """Answers whose disagreement is within the constraint, looked at after every batch (at least 100 looks):
+    the share of trials with any alarm stays within delta, with three binomial deviations for the trials' noise."""
+    trials = 300
+    rate = _alarm_rate(np.random.default_rng(seed), share * CONSTRAINT, looks=150, batch=batch, trials=trials,
+                       weight=weight)
+    assert rate <= DELTA + 3 * np.sqrt(DELTA * (1 - DELTA) / trials)
+
+
+def test_the_monitor_finds_disagreement_well_above_the_constraint():
+    """At three times the constraint, 5,000 answers are enough for nearly every trial to alarm."""
+    assert _alarm_rate(np.random.default_rng(1), 3 * CONSTRAINT, looks=500, batch=10, trials=100) >= 0.9
+
+
+def test_the_monitor_starts_over_when_reset():
+    monitor = DisagreementMonitor(CONSTRAINT, DELTA)
+    monitor.add(np.ones(20))
+    assert monitor.alarm and monitor.answers == 20
+    monitor.reset()
+    assert not monitor.alarm and monitor.log_evidence() == 0.0 and monitor.answers == 0

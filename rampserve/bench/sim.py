@@ -22,7 +22,7 @@ from rampserve.bench.queueing import BatchOutcome, QueueResult, max_rate_within_
 from rampserve.bench.ramp_outputs import RampOutputs, ramp_outputs
 from rampserve.control.controller import Controller, ControllerSettings
 from rampserve.control.costs import CostModel
-from rampserve.control.ramps import fits_budget
+from rampserve.control.ramps import fits_budget, initial_sites
 from rampserve.control.records import NO_EXIT, NO_LABEL, BatchRecord, Configuration
 from rampserve.control.thresholds import ExitData, evaluate, tune_greedy
 from rampserve.ramps.oracle import earliest_correct_exit
@@ -89,15 +89,22 @@ def replay(scenario: Scenario, start: Configuration, controller: Controller | No
     exit_column = np.full(n, NO_EXIT, dtype=np.int64)
     pending: deque[tuple[float, Configuration]] = deque()
     applied = [(0.0, start)]
-    current = {"config": start, "columns": np.array(outputs.columns(start.sites), dtype=np.int64)}
+    current = {"config": start, "batches": 0}
     draw = np.random.default_rng(seed)
 
     def serve(start_ms: float, requests: np.ndarray) -> BatchOutcome:
         while pending and pending[0][0] <= start_ms:
             when, config = pending.popleft()
-            current.update(config=config, columns=np.array(outputs.columns(config.sites), dtype=np.int64))
+            current.update(config=config, batches=0)
             applied.append((when, config))
-        config, columns = current["config"], current["columns"]
+        config = current["config"]
+        # A shadow batch evaluates every site's ramp (inactive ones exit nothing) and, in stop mode, runs every
+        # input to the end, as the live server's shadow batches do
+        shadow = config.is_shadow_batch(current["batches"])
+        current["batches"] += 1
+        if shadow:
+            config = config.shadowed()
+        columns = np.array(outputs.columns(config.sites), dtype=np.int64)
         labels = outputs.labels[requests][:, columns]
         errors = outputs.errors[requests][:, columns]
         exits = config.exits(errors)
@@ -108,11 +115,12 @@ def replay(scenario: Scenario, start: Configuration, controller: Controller | No
             exit_column[requests] = np.where(exits == NO_EXIT, NO_EXIT, columns[exits])
         exit_index = np.where(exits == NO_EXIT, len(columns), exits)
         if stop and len(columns):
-            kept = draw.random(len(requests)) < feedback_share
+            kept = np.ones(len(requests), dtype=bool) if shadow else draw.random(len(requests)) < feedback_share
             leaves = np.where(kept, len(columns), exit_index)  # the segment after which each input stops running
             running = (leaves[:, None] >= np.arange(len(columns) + 1)[None, :]).sum(axis=0)
             release_ms, duration_ms = costs.stopping_batch(config.sites, running)
-            record = _stopped(record, exits, kept, feedback_share)
+            record = replace(_stopped(record, exits, kept, feedback_share), forced=kept) if shadow else \
+                _stopped(record, exits, kept, feedback_share)
         else:
             times = costs.times(config.sites, len(requests))
             release_ms, duration_ms = times.release_ms, times.duration_ms
@@ -335,7 +343,8 @@ def run_sim(settings: SimSettings, progress: Callable[[str], None] = lambda _: N
 
     progress("rampserve")
     runs["rampserve"] = managed(control)
-    runs["rampserve_no_adjust"] = managed(replace(control, ramp_adjustment=False))
+    spread = initial_sites(scenario.costs, control.ramp_budget, budget_batch)
+    runs["rampserve_no_adjust"] = managed(replace(control, ramp_adjustment=False, initial=spread))
     runs["rampserve_no_tuning"] = managed(replace(control, threshold_tuning=False, start_thresholds=dict(
         zip(all_sites, (float(t) for t in per_ramp)))))
     systems = with_savings({name: summarize(run, settings.worst_window) for name, run in runs.items()})
@@ -352,7 +361,7 @@ def run_sim(settings: SimSettings, progress: Callable[[str], None] = lambda _: N
         "vanilla": lambda sc: replay(sc, Configuration(0, (), ())), "oracle": replay_oracle,
         **{name: (lambda sc, c=config: static(c, sc)) for name, config in static_configs.items()},
         "rampserve": lambda sc: managed(control, sc),
-        "rampserve_no_adjust": lambda sc: managed(replace(control, ramp_adjustment=False), sc),
+        "rampserve_no_adjust": lambda sc: managed(replace(control, ramp_adjustment=False, initial=spread), sc),
         "rampserve_no_tuning": lambda sc: managed(replace(control, threshold_tuning=False, start_thresholds=dict(
             zip(all_sites, (float(t) for t in per_ramp)))), sc)}
     capacity = 1000.0 / scenario.costs.profile.full(1)

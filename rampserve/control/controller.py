@@ -1,52 +1,73 @@
 """The controller: feed it batch records, read its current configuration.
 
-Deterministic given its records (the decision times it measures are reported, never used to decide), and
-free of threads and I/O: the live server and the trace simulator both drive it.
+Deterministic given its records, and free of threads and I/O: the live server and the trace simulator both drive
+it. What it does:
+- Warm-up: the first inputs are served as shadow batches (every site's ramp evaluated, none exiting), so the
+  first ramp set is chosen from data, not guessed.
+- Search rounds, every `search_every` inputs: every ramp set within the budget is estimated on the same recent
+  shadow inputs (a share of batches keeps evaluating every ramp) for the objective the user asked to cut, each
+  with the thresholds it would be certified at; the best replaces the deployed set only when it gains more than
+  the hysteresis and was not left recently. The kept or new set's thresholds are then certified on every recent
+  input that saw its ramps (one look per round).
+- Between rounds, rolling risk control scales the certified thresholds (drift), and an anytime-valid monitor of
+  the released answers' disagreement triggers a recertification when it finds them above the constraint.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from rampserve.control.costs import CostModel
-from rampserve.control.guarantee import RiskBound, look_delta, smallest_certifying
-from rampserve.control.monitor import AccuracyWindow, RampHistory
-from rampserve.control.ramps import adjust_ramps, initial_sites, ramp_utilities
+from rampserve.control.guarantee import DisagreementMonitor, RiskBound
+from rampserve.control.monitor import AccuracyWindow, ExitHistory
+from rampserve.control.objective import OBJECTIVES
+from rampserve.control.ramps import SetEstimate, estimate, fits_budget, search_sets
 from rampserve.control.records import BatchRecord, Configuration
 from rampserve.control.risk import rolled_scale, served_scale
-from rampserve.control.thresholds import ExitData, certified_thresholds
+from rampserve.control.thresholds import ExitData, certified_thresholds, tune_greedy
 from rampserve.runtime.profile import LatencyProfile
 
-
 EXIT_MODES = ("release", "stop")
+# certified: thresholds certified at the stated confidence on recent inputs, rolling risk control below them;
+# long-run: thresholds tuned on recent inputs at the full constraint, rolling risk control alone bounds the long-run
+# disagreement (deterministically, whatever the stream)
+GUARANTEES = ("certified", "long-run")
+# Modelled cost of a decision: tuning reads every row of every active ramp some hundred times. Charged per row and
+# ramp of the data each threshold choice reads (certifying 4,096 inputs at 4 ramps took 70 ms on this 2-core
+# machine), so that the simulator's decision delays, and with them its results, do not depend on the wall clock.
+DECISION_NS_PER_CELL = 4000.0
+DECISION_BASE_MS = 0.05
 
 
 @dataclass(frozen=True)
 class ControllerSettings:
     accuracy_constraint: float = 0.01  # allowed share of answers that differ from the original model's
     window: int = 16  # released answers whose accuracy `/status` reports as the window's
-    # Recent observed inputs of the active set that tuning evaluates. The bound needs many: at a 1% constraint
-    # and 95% confidence, 300 inputs without one disagreement are the fewest that let anything exit.
+    # Recent observed inputs that tuning reads, and as many shadow inputs that the ramp-set search reads
     history: int = 4096
-    adjust_every: int = 128  # inputs between ramp adjustment rounds (Apparate: 128)
-    # Outputs of its own a ramp needs before tuning may raise its threshold (at least as many as the bound needs
-    # to let anything exit): a handful of lucky answers from a ramp just activated would otherwise license a
-    # threshold that the next inputs break.
-    min_ramp_outputs: int = 64
+    search_every: int = 2048  # inputs between ramp-set searches; each also recertifies the thresholds
+    warmup: int = 1024  # shadow inputs gathered before the first search (or, without search, the first tuning)
+    shadow_share: float = 0.1  # after warm-up, the share of batches that evaluate every ramp (0: no search)
+    search_rows: int = 2048  # newest shadow inputs the search judges sets on
+    beam: int = 3  # sets of each size the search keeps growing
+    # A set replaces the deployed one only when its estimated objective is lower by this share (or equal, with the
+    # mean lower by this share): estimates from a few thousand inputs differ by noise alone
+    hysteresis: float = 0.03
+    objective: str = "p50"  # see `objective.OBJECTIVES`
+    guarantee: str = "certified"
     # Thresholds keep an upper confidence bound on released answers' disagreement with the original model within
-    # the constraint at this confidence (see `guarantee`)
+    # the constraint at this confidence (see `guarantee`); the monitor's alarm uses it too
     confidence: float = 0.95
-    # Rolling risk control (see `risk`): how far one disagreement moves the scale on the certified thresholds
-    # (a share of them); the constraint's worth of agreement moves it back as far
+    # Rolling risk control (see `risk`): how far one disagreement moves the scale on the tuned thresholds (a share
+    # of them); the constraint's worth of agreement moves it back as far
     risk_step: float = 0.05
-    # Share of the constraint rolling risk control holds the long-run disagreement to. The constraint is judged
-    # on windows of answers too (1,000 in the benches); a long-run mean at the constraint itself would leave
-    # about half of them above it (measured: 7.4% of 1,000-answer windows below 0.99 at 1, 1.9% at 0.5)
-    risk_target_share: float = 0.5
+    # Share of the constraint rolling risk control holds the long-run disagreement to (None: 0.5 with the certified
+    # guarantee, 1 with long-run). The constraint is judged on windows of answers too (1,000 in the benches); a
+    # long-run mean at the constraint itself leaves about half of them above it
+    risk_target_share: float | None = None
     exit_mode: str = "release"  # "release": every input runs to the end; "stop": exited inputs leave the batch
     feedback_share: float = 0.1  # stop mode: share of the inputs kept running to the end to measure agreement
     ramp_budget: float = 0.02  # what active ramps may add to a non-exiting input, share of the model's latency
@@ -55,26 +76,34 @@ class ControllerSettings:
     min_step: float = 0.01
     threshold_tuning: bool = True
     ramp_adjustment: bool = True
-    initial: tuple[str, ...] | None = None  # active ramps to start from; None: spread the budget evenly
-    # Threshold a ramp starts at when it becomes active (absent: 0, no exits until tuning raises it).
+    initial: tuple[str, ...] | None = None  # active ramps to start from; None: none until the first search
+    # Threshold a ramp is served at while tuning is off, or until the first tuning (absent: 0, no exits)
     start_thresholds: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.accuracy_constraint < 1.0:
             raise ValueError(f"accuracy constraint must lie in [0, 1), got {self.accuracy_constraint}")
-        if self.history < self.adjust_every:
-            raise ValueError(f"history ({self.history}) must cover a ramp adjustment round ({self.adjust_every})")
+        if min(self.history, self.search_every, self.warmup, self.search_rows, self.beam) < 1:
+            raise ValueError("history, search_every, warmup, search_rows and beam must be positive")
         if self.ramp_budget < 0:
             raise ValueError(f"ramp budget must be >= 0, got {self.ramp_budget}")
         if not 0.0 < self.confidence < 1.0:
             raise ValueError(f"confidence must lie in (0, 1), got {self.confidence}")
         if self.exit_mode not in EXIT_MODES:
             raise ValueError(f"exit mode must be one of {EXIT_MODES}, got {self.exit_mode!r}")
+        if self.objective not in OBJECTIVES:
+            raise ValueError(f"objective must be one of {OBJECTIVES}, got {self.objective!r}")
+        if self.guarantee not in GUARANTEES:
+            raise ValueError(f"guarantee must be one of {GUARANTEES}, got {self.guarantee!r}")
         if not 0.0 < self.feedback_share <= 1.0:
             raise ValueError(f"feedback share must lie in (0, 1], got {self.feedback_share}")
+        if not 0.0 <= self.shadow_share <= 1.0:
+            raise ValueError(f"shadow share must lie in [0, 1], got {self.shadow_share}")
+        if not 0.0 <= self.hysteresis < 1.0:
+            raise ValueError(f"hysteresis must lie in [0, 1), got {self.hysteresis}")
         if self.risk_step <= 0:
             raise ValueError(f"risk step must be positive, got {self.risk_step}")
-        if not 0.0 < self.risk_target_share <= 1.0:
+        if self.risk_target_share is not None and not 0.0 < self.risk_target_share <= 1.0:
             raise ValueError(f"risk target share must lie in (0, 1], got {self.risk_target_share}")
 
     @property
@@ -89,6 +118,24 @@ class ControllerSettings:
     def kept_share(self) -> float:
         """Share of exited inputs that run to the end: all of them in release mode."""
         return self.feedback_share if self.stops else 1.0
+
+    @property
+    def risk_target(self) -> float:
+        """The long-run disagreement rolling risk control holds answers to."""
+        share = self.risk_target_share
+        if share is None:
+            share = 0.5 if self.guarantee == "certified" else 1.0
+        return self.accuracy_constraint * share
+
+    @property
+    def searches(self) -> bool:
+        """Whether ramp sets are searched (which needs shadow batches)."""
+        return self.ramp_adjustment and self.shadow_share > 0
+
+    @property
+    def shadow_every(self) -> int:
+        """After warm-up, one batch in this many is a shadow batch."""
+        return max(1, round(1.0 / self.shadow_share)) if self.searches else 0
 
 
 @dataclass(frozen=True)
@@ -107,6 +154,8 @@ class Decision:
 
 @dataclass
 class DecisionTimes:
+    """Wall-clock time of each decision, for reports (the simulator charges the modelled time instead)."""
+
     tune_ms: list[float] = field(default_factory=list)
     adjust_ms: list[float] = field(default_factory=list)
 
@@ -115,26 +164,34 @@ class Controller:
     def __init__(self, profile: LatencyProfile, settings: ControllerSettings = ControllerSettings()) -> None:
         self.settings = settings
         self.costs = CostModel(profile, settings.stops)
-        batch = settings.budget_batch_size or 1
-        sites = settings.initial if settings.initial is not None else \
-            initial_sites(self.costs, settings.ramp_budget, batch)
+        sites = tuple(settings.initial or ())
         unknown = [s for s in sites if s not in self.costs.position]
         if unknown:
             raise ValueError(f"{unknown} are not sites of this model; sites: {list(profile.sites)}")
-        first = Configuration(0, tuple(sites), tuple(settings.start_thresholds.get(s, 0.0) for s in sites))
+        every = self.costs.sites
+        first = Configuration(0, sites, tuple(settings.start_thresholds.get(s, 0.0) for s in sites),
+                              every if settings.searches else (), 1 if settings.searches else 0)
         self.window = AccuracyWindow(settings.window)
-        self.history = RampHistory(first.sites, settings.history)
-        self.decisions: list[Decision] = [Decision(first, 0, "initial: ramps spread over the budget", 0.0)]
+        self.recent = ExitHistory(every, settings.history)
+        self.shadow = ExitHistory(every, settings.history)
+        self.delta = 1.0 - settings.confidence
+        self.monitor = DisagreementMonitor(settings.accuracy_constraint, self.delta)
+        reason = "initial: shadow batches until the first search" if settings.searches else "initial"
+        self.decisions: list[Decision] = [Decision(first, 0, reason, 0.0)]
         self.times = DecisionTimes()
-        self.last_decision_ms = 0.0  # time the latest observe() spent deciding
-        self._since_adjust = 0
+        self.last_decision_ms = 0.0  # modelled time the latest observe() spent deciding
+        self.last_search: list[SetEstimate] = []  # the latest search's estimates, best first
         self.unverified = 0  # answers released before their batch failed (counted as disagreements)
+        self._observed = 0  # inputs learned from (their sequence numbers)
+        self._since_round = 0
+        self._warm = False
+        self._left: dict[tuple[str, ...], int] = {}  # sets replaced, and when (inputs observed)
+        self._work = 0  # cells read by threshold choices in the decision under way
         self._tighten_only = False
         self._caught_up = {"recent": [], "served": 0, "correct": 0, "unverified": 0}  # see catch_up
-        self._measured: dict[tuple[str, ...], tuple[float, tuple[float, ...]]] = {}  # see ramps.Known
         self.bound = 0.0  # see disagreement_bound
         self._looks = 0  # certifications published
-        self._certifying = False  # the decision under way publishes newly certified thresholds
+        self._certifying = False  # the decision under way publishes newly tuned thresholds
         self.scale = 1.0  # rolling risk control's scale on the thresholds tuning chose (see `risk`)
         self._ceiling = np.array(first.thresholds)  # the thresholds tuning chose, served times the scale
 
@@ -143,18 +200,24 @@ class Controller:
 
     def status(self, latest_decisions: int | None = None) -> dict:
         """What a server reports of its controller: accuracy over the window and over every answer counted, the
-        answers counted, those that could not be verified, and the decisions (the latest `latest_decisions` of
-        them; None: all, which grow with every change over the controller's life)."""
+        answers counted, those that could not be verified, the latest search, and the decisions (the latest
+        `latest_decisions` of them; None: all, which grow with every change over the controller's life)."""
         window = self.window
         settings = self.settings
+        set_changes = sum(a.configuration.sites != b.configuration.sites
+                          for a, b in zip(self.decisions, self.decisions[1:]))
         return {"window_accuracy": window.accuracy, "cumulative_accuracy": window.cumulative,
                 "inputs_observed": window.served, "unverified_answers": self.unverified,
                 "exit_mode": settings.exit_mode, "feedback_share": settings.kept_share,
+                "objective": settings.objective, "guarantee": settings.guarantee,
                 "bound": {"disagreement_upper": self.bound, "confidence": settings.confidence,
-                          "constraint": settings.accuracy_constraint, "history": self.history.size,
-                          "certifications": self._looks},
+                          "constraint": settings.accuracy_constraint, "history": self.recent.size,
+                          "certifications": self._looks, "monitor_log_evidence": self.monitor.log_evidence()},
                 "risk_scale": served_scale(self.scale),
-                "decisions_made": len(self.decisions),
+                "shadow": {"every": self.configuration().shadow_every, "inputs": self.shadow.size},
+                "search": [e.to_json() for e in self.last_search[:5]],
+                "decisions_made": len(self.decisions), "set_changes": set_changes,
+                "threshold_changes": len(self.decisions) - 1 - set_changes,
                 "decisions": [d.to_json() for d in self.decisions[-latest_decisions if latest_decisions else 0:]]}
 
     def readings(self) -> dict[str, float]:
@@ -183,6 +246,8 @@ class Controller:
         current = self.configuration()
         disagreement = record.wrong_estimate()
         self.window.add(disagreement)
+        if record.version == current.version:
+            self.monitor.add(disagreement)
         if record.unverified:
             # Answers nobody can check count against the constraint; until the next configuration, thresholds
             # may only tighten: a failure must never be what loosens them
@@ -190,38 +255,48 @@ class Controller:
             self._tighten_only = True
         settings = self.settings
         served = served_scale(self.scale)
-        self.scale = rolled_scale(self.scale, disagreement, settings.accuracy_constraint * settings.risk_target_share,
-                                  settings.risk_step)
+        self.scale = rolled_scale(self.scale, disagreement, settings.risk_target, settings.risk_step)
         rescaled = settings.threshold_tuning and served_scale(self.scale) != served
         change = None
-        if not (record.cached or record.unverified) and record.sites == current.sites:
-            # (a record of an active set already replaced fits no column of the history)
+        if not (record.cached or record.unverified):
             change = self._learn(record)
+        if change is None and settings.threshold_tuning and self._warm and self.monitor.alarm:
+            change = self._decide(self.times.tune_ms, self._recertify, "monitor: released answers above the constraint")
         if change is None and rescaled:
             change = self._decide(self.times.tune_ms, self._rescale, "risk control")
         return change
 
     def _learn(self, record: BatchRecord) -> Configuration | None:
-        """Add a batch to the history, and adjust ramps or retune when a round is due."""
-        self.history.add(record)
-        self._since_adjust += record.inputs
+        """Add a batch's ramp outputs to the history (whatever configuration served them: outputs do not depend
+        on thresholds), and search or retune when a round is due."""
+        first = self._observed
+        self._observed += record.inputs
+        self.recent.add(record, first)
+        if set(record.sites) == set(self.costs.sites):
+            self.shadow.add(record, first)
+        self._since_round += record.inputs
         settings = self.settings
-        if self._since_adjust >= settings.adjust_every:
-            self._since_adjust = 0
-            self._measure_bound()
-            if settings.ramp_adjustment:
-                return self._decide(self.times.adjust_ms, self._adjust, "ramp adjustment")
-            if settings.threshold_tuning and not self._gathering():
-                return self._decide(self.times.tune_ms, self._retune, "periodic retune")
+        if not self._warm:
+            gathered = self.shadow.size if settings.searches else len(self.recent.rows(self.configuration().sites))
+            if gathered < settings.warmup:
+                return None
+            self._warm = True
+        elif self._since_round < settings.search_every:
+            return None
+        self._since_round = 0
+        if settings.searches:
+            return self._decide(self.times.adjust_ms, self._search, "search")
+        if settings.threshold_tuning:
+            return self._decide(self.times.tune_ms, self._recertify, "periodic retune")
         return None
 
     def _decide(self, timings: list[float], decide, reason: str) -> Configuration | None:
         start = time.perf_counter()
         self._certifying = False
+        self._work = 0
         change = decide()
-        elapsed = (time.perf_counter() - start) * 1000.0
-        timings.append(elapsed)
-        self.last_decision_ms = elapsed
+        timings.append((time.perf_counter() - start) * 1000.0)
+        self.last_decision_ms = DECISION_BASE_MS + self._work * DECISION_NS_PER_CELL * 1e-6
         if change is None:
             return None
         sites, ceiling, detail = change
@@ -230,115 +305,116 @@ class Controller:
         if self._tighten_only and sites == current.sites:
             thresholds = np.minimum(thresholds, current.thresholds)
         self._ceiling = np.asarray(ceiling, dtype=float)
-        if sites == current.sites and tuple(thresholds) == current.thresholds:
+        if self._certifying:
+            self.monitor.reset()  # the thresholds it watched are replaced, or certified anew
+        shadow_every = self.settings.shadow_every
+        if sites == current.sites and tuple(thresholds) == current.thresholds and \
+                shadow_every == current.shadow_every:
             return None
         self._tighten_only = False
         if self._certifying:
             self._looks += 1
-        configuration = Configuration(current.version + 1, sites, tuple(float(t) for t in thresholds))
-        self.decisions.append(Decision(configuration, self.window.served, f"{reason}: {detail}", elapsed))
-        self.window.clear()
         if sites != current.sites:
-            self.history = self.history.for_sites(sites)
-            self._since_adjust = 0
-        self._measure_bound()
+            self._left[current.sites] = self._observed
+        configuration = Configuration(current.version + 1, sites, tuple(float(t) for t in thresholds),
+                                      current.shadow_sites, shadow_every)
+        self.decisions.append(Decision(configuration, self.window.served, f"{reason}: {detail}",
+                                       self.last_decision_ms))
+        self.window.clear()
+        self.bound = self.disagreement_bound()
         return configuration
 
-    def _exit_data(self) -> ExitData:
-        correct, errors, batch = self.history.latest()
-        strata, weights = self.history.sample_design()
-        return ExitData(correct, errors, self.costs.saved_ms(self.history.sites, batch), strata, weights)
+    def _data(self, rows: np.ndarray, history: ExitHistory, sites: tuple[str, ...]) -> ExitData:
+        correct, errors = history.columns(rows, sites)
+        batch, strata, weights = history.design(rows)
+        return ExitData(correct, errors, self.costs.saved_ms(sites, batch), strata, weights)
 
-    def look_delta(self) -> float:
-        """Error probability of the thresholds certified now: the k-th certification published gets
-        delta / (k (k + 1)). Configurations that only scale certified thresholds (rolling risk control) are not
-        new looks."""
-        return look_delta(1.0 - self.settings.confidence, self._looks + 1)
+    def tuning_data(self, sites: tuple[str, ...]) -> ExitData:
+        """Every recent input that saw each of `sites`' ramps: those of the history, and the shadow inputs older
+        than it (a set judged by the search before it served has those alone)."""
+        recent = self._data(self.recent.rows(sites), self.recent, sites)
+        oldest = self.recent.oldest()
+        older = self._data(self.shadow.rows(sites, before=oldest), self.shadow, sites)
+        return ExitData(*(np.concatenate([a, b]) for a, b in zip(
+            (older.correct, older.errors, older.saved_ms, older.strata, older.weights),
+            (recent.correct, recent.errors, recent.saved_ms, recent.strata, recent.weights))))
 
-    def _bound(self, data: ExitData) -> RiskBound:
-        return RiskBound.of(data.strata, data.weights, self.settings.accuracy_constraint, self.look_delta())
-
-    def _tuning_data(self) -> tuple[ExitData, np.ndarray | None]:
-        """The inputs tuning judges, and the ramps it must leave at 0. Every ramp is judged on the inputs that saw
-        all of them, once there are enough for the bound to let anything exit: past inputs that never reached a
-        new ramp would dilute its mistakes (3 wrong exits in 64 look like 3 in 512). Until then the new ramps
-        stay at 0."""
-        data = self._exit_data()
-        needed = self._outputs_needed()
-        complete = np.isfinite(data.errors).all(axis=1)
-        if complete.sum() >= needed:
-            return data.rows(complete), None
-        return data, np.isinf(data.errors).sum(axis=0) > data.size - needed
-
-    def tuned_thresholds(self) -> np.ndarray:
-        """Thresholds certified on the history within the constraint at the configuration's confidence."""
-        if not self.history.sites or not self.history.size:
-            return np.zeros(len(self.history.sites))
+    def choose_thresholds(self, data: ExitData, sites: tuple[str, ...]) -> np.ndarray:
+        """Thresholds for `sites` from `data`: certified at the configuration's confidence, or tuned at the full
+        constraint (long-run guarantee), or the start thresholds where tuning is off."""
         settings = self.settings
-        data, frozen = self._tuning_data()
-        self._certifying = True
-        return certified_thresholds(data, settings.accuracy_constraint, self.look_delta(), settings.initial_step,
-                                    settings.min_step, frozen)
+        if not settings.threshold_tuning:
+            return np.array([settings.start_thresholds.get(s, 0.0) for s in sites])
+        if not sites or not data.size:
+            return np.zeros(len(sites))
+        self._work += data.size * len(sites)
+        if settings.guarantee == "long-run":
+            return tune_greedy(data, settings.target_accuracy, settings.initial_step, settings.min_step).thresholds
+        return certified_thresholds(data, settings.accuracy_constraint, self.delta, settings.initial_step,
+                                    settings.min_step)
 
-    def _gathering(self) -> bool:
-        """Whether some active ramp has fewer outputs of its own than certifying it needs."""
-        if not self.history.sites or not self.history.size:
-            return bool(self.history.sites)
-        _, errors, _ = self.history.latest()
-        return bool((np.isfinite(errors).sum(axis=0) < self._outputs_needed()).any())
+    def _tuned(self, sites: tuple[str, ...]) -> np.ndarray:
+        self._certifying = self.settings.threshold_tuning
+        return self.choose_thresholds(self.tuning_data(sites), sites)
 
-    def _outputs_needed(self) -> int:
-        """Outputs of its own a ramp needs before tuning may raise it: enough for the bound to let anything exit,
-        where half the inputs test the thresholds that the other half chose."""
-        return max(self.settings.min_ramp_outputs,
-                   2 * smallest_certifying(self.settings.accuracy_constraint, self.look_delta()))
+    def _recertify(self) -> tuple[tuple[str, ...], np.ndarray, str]:
+        sites = self.configuration().sites
+        return sites, self._tuned(sites), "thresholds retuned"
 
-    def _measure_bound(self) -> None:
-        self.bound = self.disagreement_bound()
+    def _rescale(self) -> tuple[tuple[str, ...], np.ndarray, str]:
+        return self.configuration().sites, self._ceiling, \
+            f"thresholds served at {served_scale(self.scale):.2f} of tuned"
+
+    def budget_batch(self) -> int:
+        if self.settings.budget_batch_size is not None or not self.recent.size:
+            return self.settings.budget_batch_size or 1
+        batch, _, _ = self.recent.design(self.recent.rows(()))
+        return int(np.median(batch))
+
+    def _search(self) -> tuple[tuple[str, ...], np.ndarray, str]:
+        """Estimate every set within the budget on the shadow inputs; deploy the best when it beats the deployed
+        set by the hysteresis, then tune the deployed set's thresholds on all it has."""
+        settings = self.settings
+        current = self.configuration().sites
+        rows = self.shadow.rows(())[-settings.search_rows:]
+        batch, _, _ = self.shadow.design(rows)
+        vanilla = np.array([self.costs.times((), int(b)).vanilla_ms for b in batch])
+
+        def judge(sites: tuple[str, ...]) -> SetEstimate:
+            data = self._data(rows, self.shadow, sites)
+            return estimate(self.costs, data, self.choose_thresholds(data, sites), sites, vanilla,
+                            settings.objective)
+
+        settle = 2 * settings.search_every  # a set left this recently is not returned to
+        recently_left = {s for s, when in self._left.items() if self._observed - when < settle}
+        budget_batch = self.budget_batch()
+        self.last_search = search_sets(self.costs, judge, settings.ramp_budget, budget_batch, settings.beam,
+                                       excluded=lambda s: s != current and s in recently_left)
+        judged = {e.sites: e for e in self.last_search}
+        deployed = judged.get(current) or judge(current)
+        best = self.last_search[0]
+        if best.sites != current and self._gains(best, deployed) and \
+                fits_budget(self.costs, best.sites, settings.ramp_budget, budget_batch):
+            detail = (f"{list(best.sites)} estimated at {settings.objective} {best.objective_ms:.3f} ms "
+                      f"({best.exit_share:.0%} exits) against {deployed.objective_ms:.3f} ms for {list(current)}, "
+                      f"on {len(rows)} shadow inputs")
+            return best.sites, self._tuned(best.sites), detail
+        return current, self._tuned(current), "set kept, thresholds retuned"
+
+    def _gains(self, candidate: SetEstimate, deployed: SetEstimate) -> bool:
+        keep = 1.0 - self.settings.hysteresis
+        return candidate.objective_ms < keep * deployed.objective_ms or (
+            candidate.objective_ms <= deployed.objective_ms and candidate.mean_ms < keep * deployed.mean_ms)
 
     def disagreement_bound(self) -> float:
-        """The upper confidence bound on the current configuration's disagreement, over the history (1 before
-        there is one; 0 where no ramp can exit). `bound` holds it as of the last decision or adjustment round."""
+        """The upper confidence bound on the current configuration's disagreement over the inputs its tuning reads
+        (1 before there are any; 0 where no ramp can exit)."""
         current = self.configuration()
         thresholds = np.array(current.thresholds)
         if not current.sites or not (thresholds > 0).any():
             return 0.0
-        if current.sites != self.history.sites or not self.history.size:
+        data = self.tuning_data(current.sites)
+        if not data.size:
             return 1.0
-        data, _ = self._tuning_data()
-        return float(self._bound(data).upper(data.wrong_by_stratum(thresholds)))
-
-    def _retune(self) -> tuple[tuple[str, ...], np.ndarray, str]:
-        return self.history.sites, self.tuned_thresholds(), "thresholds retuned"
-
-    def _rescale(self) -> tuple[tuple[str, ...], np.ndarray, str]:
-        return self.history.sites, self._ceiling, f"thresholds served at {served_scale(self.scale):.2f} of tuned"
-
-    def budget_batch(self) -> int:
-        if self.settings.budget_batch_size is not None or not self.history.size:
-            return self.settings.budget_batch_size or 1
-        return int(np.median(self.history.latest()[2]))
-
-    def _adjust(self) -> tuple[tuple[str, ...], Sequence[float], str] | None:
-        current = self.configuration()
-        if self._gathering():
-            # A ramp still gathering the outputs its bound needs has exited nothing yet (unless it was given a
-            # start threshold, which stands until the bound can judge it or risk control scales it): its utility says
-            # nothing, and replacing it would restart the wait
-            return None
-        _, errors, batch = self.history.latest(self.settings.adjust_every)
-        _, weights = self.history.sample_design(self.settings.adjust_every)
-        # Ramps are judged at the thresholds tuning chose, not at the share risk control serves for now
-        tuned = self._ceiling
-        if current.sites and tuned.min() > 0:  # every ramp tuned: a fair measurement
-            utility, _ = ramp_utilities(self.costs, current.sites, tuned, errors, batch, weights)
-            self._measured[current.sites] = (float(utility.sum()) / weights.sum(), tuple(float(t) for t in tuned))
-        adjustment = adjust_ramps(
-            self.costs, current.sites, tuned, errors, batch, self.settings.ramp_budget,
-            self.budget_batch(), self.tuned_thresholds if self.settings.threshold_tuning else None,
-            self.settings.start_thresholds, self._measured, weights)
-        if adjustment is not None:
-            return adjustment.sites, adjustment.thresholds, adjustment.reason
-        # Without this, thresholds that could safely rise after the workload gets easier would stay where the
-        # last certification left them.
-        return self._retune() if self.settings.threshold_tuning else None
+        bound = RiskBound.of(data.strata, data.weights, self.settings.accuracy_constraint, self.delta)
+        return float(bound.upper(data.wrong_by_stratum(thresholds)))

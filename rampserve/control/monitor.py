@@ -60,67 +60,67 @@ class AccuracyWindow:
         return self.correct / self.served if self.served else 1.0
 
 
-class RampHistory:
-    """The last `capacity` observed inputs served by one active set: per active ramp whether its top label was
-    right and its error score, the batch size each input was served in, and its stratum and weight (an input
-    that exited and ran on as stop mode's feedback sample stands for 1 / share inputs; see `guarantee`). Inputs
-    that stopped at their exit are not here: they have no final label to judge against. A ring buffer, so
+class ExitHistory:
+    """The last `capacity` observed inputs, with a column for every site of the model: whether that site's ramp's
+    top label was right and its error score, where the ramp ran for the input (a shadow batch runs them all; other
+    batches only the active ones), the batch size it was served in, its stratum and weight (an input that exited and
+    ran on as stop mode's feedback sample stands for 1 / share inputs; see `guarantee`) and its sequence number.
+    Inputs that stopped at their exit are not here: they have no final label to judge against. A ring buffer, so
     observing a batch costs a copy of its rows and nothing else."""
 
     def __init__(self, sites: tuple[str, ...], capacity: int) -> None:
         self.sites = sites
         self.capacity = capacity
-        r = len(sites)
-        self._correct = np.zeros((capacity, r), dtype=bool)
-        self._errors = np.zeros((capacity, r))
+        self.column = {s: i for i, s in enumerate(sites)}
+        width = len(sites)
+        self._correct = np.zeros((capacity, width), dtype=bool)
+        self._errors = np.full((capacity, width), np.inf)
+        self._seen = np.zeros((capacity, width), dtype=bool)
         self._batch = np.zeros(capacity, dtype=np.int64)
         self._strata = np.zeros(capacity, dtype=np.int64)
         self._weights = np.ones(capacity)
+        self._sequence = np.zeros(capacity, dtype=np.int64)
         self._next = 0
         self.size = 0
 
-    def add(self, record: BatchRecord) -> None:
+    def add(self, record: BatchRecord, first: int) -> None:
+        """The record's observed inputs, numbered from `first` in the record's order."""
         observed = record.observed()
         if not observed.any():
             return
-        weights = record.weights()[observed]  # above 1 only for stop mode's feedback sample
-        correct = (record.labels == record.final[:, None])[observed][-self.capacity:]
-        errors = record.errors[observed][-self.capacity:]
-        rows = (self._next + np.arange(len(errors))) % self.capacity
-        self._correct[rows] = correct
-        self._errors[rows] = errors
+        weights = record.weights()[observed][-self.capacity:]
+        columns = [self.column[s] for s in record.sites]
+        rows = (self._next + np.arange(len(weights))) % self.capacity
+        self._seen[rows] = False
+        self._seen[np.ix_(rows, columns)] = True
+        self._errors[rows] = np.inf
+        self._errors[np.ix_(rows, columns)] = record.errors[observed][-len(rows):]
+        self._correct[rows] = False
+        self._correct[np.ix_(rows, columns)] = (record.labels == record.final[:, None])[observed][-len(rows):]
         self._batch[rows] = record.batch_sizes()[observed][-len(rows):]
-        self._strata[rows] = np.where(weights > 1.0, SAMPLED, FULLY_OBSERVED)[-len(rows):]
-        self._weights[rows] = weights[-len(rows):]
+        self._strata[rows] = np.where(weights > 1.0, SAMPLED, FULLY_OBSERVED)
+        self._weights[rows] = weights
+        self._sequence[rows] = (first + np.flatnonzero(observed))[-len(rows):]
         self._next = int((rows[-1] + 1) % self.capacity)
         self.size = min(self.capacity, self.size + len(rows))
 
-    def for_sites(self, sites: tuple[str, ...]) -> RampHistory:
-        """This history seen by another active set: kept ramps keep their columns, so tuning right after a
-        change still sees the recent past; a new ramp has no outputs for past inputs, which count as never
-        exiting there (an infinite error score) until it has its own."""
-        moved = RampHistory(sites, self.capacity)
-        old = {s: i for i, s in enumerate(self.sites)}
-        moved._errors[:] = np.inf
-        for column, site in enumerate(sites):
-            if site in old:
-                moved._correct[:, column] = self._correct[:, old[site]]
-                moved._errors[:, column] = self._errors[:, old[site]]
-        moved._batch[:] = self._batch
-        moved._strata[:], moved._weights[:] = self._strata, self._weights
-        moved._next, moved.size = self._next, self.size
-        return moved
+    def rows(self, sites: tuple[str, ...], before: int | None = None) -> np.ndarray:
+        """Ring positions, oldest first, of the inputs every one of `sites` saw (numbered below `before`)."""
+        rows = (self._next - self.size + np.arange(self.size)) % self.capacity
+        seen = self._seen[rows][:, [self.column[s] for s in sites]].all(axis=1)
+        if before is not None:
+            seen &= self._sequence[rows] < before
+        return rows[seen]
 
-    def latest(self, count: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(correct, errors, batch sizes) of the newest `count` inputs (all kept by default), oldest first."""
-        rows = self._rows(count)
-        return self._correct[rows], self._errors[rows], self._batch[rows]
+    def oldest(self) -> int | None:
+        """Sequence number of the oldest input held."""
+        return int(self._sequence[(self._next - self.size) % self.capacity]) if self.size else None
 
-    def sample_design(self, count: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """(strata, weights) of the newest `count` inputs, as `latest` orders them."""
-        rows = self._rows(count)
-        return self._strata[rows], self._weights[rows]
+    def columns(self, rows: np.ndarray, sites: tuple[str, ...]) -> tuple[np.ndarray, np.ndarray]:
+        """(correct, errors) of `rows` at `sites`."""
+        columns = [self.column[s] for s in sites]
+        return self._correct[rows][:, columns], self._errors[rows][:, columns]
 
-    def _rows(self, count: int | None) -> np.ndarray:
-        count = self.size if count is None else min(count, self.size)
-        return (self._next - count + np.arange(count)) % self.capacity
+    def design(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(batch sizes, strata, weights) of `rows`."""
+        return self._batch[rows], self._strata[rows], self._weights[rows]
