@@ -30,8 +30,9 @@ from rampserve.bench.sim import (
 )
 from rampserve.control.controller import Controller, ControllerSettings
 from rampserve.control.costs import CostModel
-from rampserve.control.records import BatchRecord, Configuration, first_exits
+from rampserve.control.records import BatchRecord, Configuration
 from rampserve.ramps.cache import CacheSpec
+from rampserve.ramps.exit_rule import first_exits
 from rampserve.ramps.oracle import NO_EXIT
 from rampserve.runtime.bundle import load_bundle
 from rampserve.runtime.prepare import PrepareConfig

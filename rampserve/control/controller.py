@@ -19,10 +19,8 @@ from rampserve.control.ramps import adjust_ramps, initial_sites, ramp_utilities
 from rampserve.control.records import BatchRecord, Configuration
 from rampserve.control.risk import rolled_scale, served_scale
 from rampserve.control.thresholds import ExitData, certified_thresholds
+from rampserve.ramps.exit_rule import EXIT_MODES
 from rampserve.runtime.profile import LatencyProfile
-
-
-EXIT_MODES = ("release", "stop")
 
 
 @dataclass(frozen=True)

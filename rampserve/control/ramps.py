@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from rampserve.control.costs import CostModel
-from rampserve.control.records import NO_EXIT, first_exits
+from rampserve.ramps.exit_rule import NO_EXIT, first_exits
 
 
 def fits_budget(costs: CostModel, sites: Sequence[str], budget: float, batch_size: int) -> bool:

@@ -17,8 +17,9 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from rampserve.graph.torch_graph import torchscript_quietly
+from rampserve.ramps.exit_rule import NEVER_STOP
 from rampserve.ramps.fused import StashedRamp, fused_ramp
-from rampserve.runtime.compiled import NEVER_STOP, CompiledSet
+from rampserve.runtime.compiled import CompiledSet
 from rampserve.runtime.timing import interleaved_samples, paired_median
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
