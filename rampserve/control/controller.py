@@ -20,7 +20,7 @@ from rampserve.control.records import BatchRecord, Configuration
 from rampserve.control.risk import rolled_scale, served_scale
 from rampserve.control.thresholds import ExitData, certified_thresholds
 from rampserve.ramps.exit_rule import EXIT_MODES
-from rampserve.runtime.profile import LatencyProfile
+from rampserve.runtime.latency import LatencyProfile
 
 
 @dataclass(frozen=True)

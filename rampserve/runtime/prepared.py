@@ -28,7 +28,7 @@ from rampserve.runtime.compiled import (
     SetRunner,
     StopSetRunner,
 )
-from rampserve.runtime.profile import LatencyProfile
+from rampserve.runtime.latency import LatencyProfile
 from rampserve.runtime.signature import ModelSignature
 
 log = logging.getLogger("rampserve.runtime")

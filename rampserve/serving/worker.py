@@ -42,8 +42,8 @@ from rampserve.control.controller import Controller, ControllerSettings
 from rampserve.control.records import NO_EXIT, NO_LABEL, BatchRecord, Configuration, merged
 from rampserve.ramps import exit_rule, kernel
 from rampserve.ramps.scores import top_label_and_error
-from rampserve.runtime.profile import max_batch_for_slo
 from rampserve.runtime.compiled import CompiledSet
+from rampserve.runtime.latency import max_batch_for_slo
 from rampserve.runtime.prepared import COMPILED_SETS_KEPT
 from rampserve.serving.batching import AdaptiveBatchSize, BatchTimeEstimate, expected_wait_ms
 from rampserve.serving.compiler import CompileOutcome, CompileService, likely_next_sets
