@@ -14,7 +14,7 @@ from rampserve.control.monitor import AccuracyWindow, RampHistory
 from rampserve.control.ramps import adjust_ramps, evenly_spaced, fits_budget, initial_sites, ramp_utilities
 from rampserve.control.records import NO_EXIT, NO_LABEL, BatchRecord, Configuration, merged
 from rampserve.control.risk import served_scale
-from rampserve.runtime.profile import LatencyProfile
+from rampserve.runtime.latency import LatencyProfile
 
 SITES = tuple(f"s{i}" for i in range(8))
 

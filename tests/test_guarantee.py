@@ -12,9 +12,10 @@ from rampserve.control.guarantee import (
     FULLY_OBSERVED, SAMPLED, DisagreementMonitor, binomial_upper, smallest_certifying,
 )
 from rampserve.control.monitor import ExitHistory
-from rampserve.control.records import NO_EXIT, NO_LABEL, BatchRecord, first_exits
+from rampserve.control.records import NO_LABEL, BatchRecord
 from rampserve.control.risk import SCALE_STEP, rolled_scale, served_scale
 from rampserve.control.thresholds import ExitData, certified_thresholds
+from rampserve.ramps.exit_rule import NO_EXIT, first_exits
 
 CONSTRAINT, DELTA, TRIALS = 0.01, 0.05, 150
 

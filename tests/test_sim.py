@@ -10,7 +10,7 @@ from rampserve.bench.sim import Scenario, SimSettings, replay, replay_oracle, ru
 from rampserve.control.controller import Controller, ControllerSettings
 from rampserve.control.costs import CostModel
 from rampserve.control.records import Configuration
-from rampserve.runtime.profile import LatencyProfile
+from rampserve.runtime.latency import LatencyProfile
 
 SITES = ("a", "b", "c")
 

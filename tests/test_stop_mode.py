@@ -14,8 +14,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from rampserve.control.controller import ControllerSettings
-from rampserve.control.records import NO_EXIT, NO_LABEL, Configuration, first_exits
-from rampserve.runtime.compiled import STOP_MARGIN, set_key
+from rampserve.control.records import NO_EXIT, NO_LABEL, Configuration
+from rampserve.ramps.exit_rule import STOP_MARGIN, first_exits
+from rampserve.runtime.compiled import set_key
 from rampserve.serving.metrics import ServerMetrics
 from rampserve.serving.models import served as make_served
 from rampserve.serving.worker import ModelSettings, ModelWorker, _Pending, future_reply

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from rampserve.control.controller import EXIT_MODES, ControllerSettings
+from rampserve.control.controller import ControllerSettings
+from rampserve.ramps.exit_rule import EXIT_MODES
 
 ACCURACY_WINDOW = 1000  # requests per window of `windows_below_share`
 

@@ -30,13 +30,14 @@ from rampserve.bench.sim import (
 )
 from rampserve.control.controller import Controller, ControllerSettings
 from rampserve.control.costs import CostModel
-from rampserve.control.records import BatchRecord, Configuration, first_exits
+from rampserve.control.records import BatchRecord, Configuration
 from rampserve.ramps.cache import CacheSpec
+from rampserve.ramps.exit_rule import first_exits
 from rampserve.ramps.oracle import NO_EXIT
 from rampserve.runtime.bundle import load_bundle
+from rampserve.runtime.latency import max_batch_for_slo
 from rampserve.runtime.prepare import PrepareConfig
 from rampserve.runtime.prepared import PreparedModel
-from rampserve.runtime.profile import max_batch_for_slo
 from rampserve.runtime.zoo_bundles import zoo_bundle
 from rampserve.workloads.streams import FMNIST_PHASE_LENGTH, get_stream
 from rampserve.workloads.traces import arrival_times

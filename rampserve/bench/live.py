@@ -41,12 +41,13 @@ from rampserve.bench.loadgen import Job, LoadResult
 from rampserve.bench.ramp_outputs import RampOutputs, ramp_outputs
 from rampserve.bench.sim import Scenario, _rolling_min_mean, replay, replay_oracle, summarize, with_savings
 from rampserve.runtime.timing import interleaved_medians
-from rampserve.control.controller import EXIT_MODES, ControllerSettings
+from rampserve.control.controller import ControllerSettings
 from rampserve.control.costs import CostModel
 from rampserve.control.records import Configuration
+from rampserve.ramps.exit_rule import EXIT_MODES
 from rampserve.runtime.bundle import load_bundle
+from rampserve.runtime.latency import LatencyProfile, max_batch_for_slo
 from rampserve.runtime.prepared import PreparedModel
-from rampserve.runtime.profile import LatencyProfile, max_batch_for_slo
 from rampserve.workloads.streams import DEFAULT_LENGTH, Stream, get_stream
 from rampserve.workloads.traces import MAF_MINUTE_S, arrival_times, rate_over_time
 

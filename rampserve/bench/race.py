@@ -393,7 +393,7 @@ def remote_server(ref: str, model: object, vanilla: bool, start_timeout_s: float
     """`rampserve serve` for one model in a process of its own, with the settings the first server gives its own
     models (SLO twice the profiled batch-1 latency, the largest batch within it, no queue delay)."""
     from rampserve.bench.harness import ServerProcess, rampserve_serve
-    from rampserve.runtime.profile import max_batch_for_slo
+    from rampserve.runtime.latency import max_batch_for_slo
 
     profile = model.model.profile
     slo_ms = 2.0 * profile.full(1)

@@ -27,7 +27,7 @@ from rampserve.control.records import NO_EXIT, NO_LABEL, BatchRecord, Configurat
 from rampserve.control.thresholds import ExitData, evaluate, tune_greedy
 from rampserve.ramps.oracle import earliest_correct_exit
 from rampserve.runtime.bundle import load_bundle
-from rampserve.runtime.profile import max_batch_for_slo
+from rampserve.runtime.latency import max_batch_for_slo
 from rampserve.workloads.streams import get_stream
 from rampserve.workloads.traces import arrival_times
 

@@ -28,9 +28,9 @@ from rampserve.control.ramps import SetEstimate, estimate, fits_budget, search_s
 from rampserve.control.records import BatchRecord, Configuration
 from rampserve.control.risk import rolled_scale, served_scale
 from rampserve.control.thresholds import ExitData, certified_thresholds, tune_greedy
-from rampserve.runtime.profile import LatencyProfile
+from rampserve.ramps.exit_rule import EXIT_MODES
+from rampserve.runtime.latency import LatencyProfile
 
-EXIT_MODES = ("release", "stop")
 # certified: thresholds certified at the stated confidence on recent inputs, rolling risk control below them;
 # long-run: thresholds tuned on recent inputs at the full constraint, rolling risk control alone bounds the long-run
 # disagreement (deterministically, whatever the stream)

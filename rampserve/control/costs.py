@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from rampserve.runtime.profile import LatencyProfile
+from rampserve.runtime.latency import LatencyProfile
 
 
 @dataclass(frozen=True)

@@ -6,18 +6,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-NO_EXIT = -1
+from rampserve.ramps.exit_rule import NO_EXIT, first_exits
+
 NO_LABEL = -1  # a final label that is not known (the batch failed before its last layer)
-
-
-def first_exits(errors: np.ndarray, thresholds: np.ndarray) -> np.ndarray:
-    """Per input (row), the first active ramp (column) whose error score is below its threshold, else NO_EXIT.
-
-    `thresholds` may carry leading candidate axes: shape (..., r) against errors (n, r) gives (..., n).
-    """
-    passes = errors < np.asarray(thresholds)[..., None, :]
-    first = passes.argmax(axis=-1)
-    return np.where(passes.any(axis=-1), first, NO_EXIT)
 
 
 @dataclass(frozen=True)

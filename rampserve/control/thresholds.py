@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from rampserve.control.guarantee import FULLY_OBSERVED, STRATA, RiskBound
-from rampserve.control.records import NO_EXIT, first_exits
+from rampserve.ramps import exit_rule
+from rampserve.ramps.exit_rule import NO_EXIT, first_exits
 
 # Thresholds are placed just above an observed error score so that input exits (errors must be below it).
 _ABOVE = 1e-9
@@ -125,8 +126,8 @@ def tune_greedy(data: ExitData, target_accuracy: float, initial_step: float = 0.
     while True:
         # Raising ramp j can only move inputs that pass it today without exiting, and their error scores at
         # j are at or above its threshold already.
-        passing_errors = np.where((exit_column[:, None] > columns[None, :]) & (data.errors < MAX_THRESHOLD),
-                                  data.errors, np.inf)
+        passing_errors = np.where((exit_column[:, None] > columns[None, :])
+                                  & exit_rule.exits(data.errors, MAX_THRESHOLD), data.errors, np.inf)
         movable = passing_errors.min(axis=0)
         open_ramps &= movable < np.inf
         if not open_ramps.any():
@@ -134,12 +135,12 @@ def tune_greedy(data: ExitData, target_accuracy: float, initial_step: float = 0.
         # Below a known failure, bisect instead of stepping: doubling after every success and halving after
         # every failure would otherwise creep towards the boundary one constant step at a time.
         stepped = thresholds + np.minimum(step, (ceiling - thresholds) / 2)
-        stretched = stepped <= movable
+        stretched = ~exit_rule.exits(movable, stepped)  # the step moves no input, not even the lowest passing
         raised = np.minimum(np.where(stretched, movable + _ABOVE, stepped), MAX_THRESHOLD)
         open_ramps &= raised < ceiling
         if not open_ramps.any():
             continue
-        moving = passing_errors < np.where(open_ramps, raised, 0.0)
+        moving = exit_rule.exits(passing_errors, np.where(open_ramps, raised, 0.0))
         right_change = moving * (right_at_ramps - right_now[:, None])  # (n, r): +1 fixed, -1 broken
         gain = (moving * (saved_at_ramps - saved_now[:, None]) * weights[:, None]).sum(axis=0) / total
         loss = -(right_change * weights[:, None]).sum(axis=0) / total
@@ -174,7 +175,7 @@ def tune_greedy(data: ExitData, target_accuracy: float, initial_step: float = 0.
     while True:
         best: tuple[float, float, int, float] | None = None
         for j in np.flatnonzero(tunable):
-            passing = (exit_column > j) & (data.errors[:, j] < MAX_THRESHOLD)
+            passing = (exit_column > j) & exit_rule.exits(data.errors[:, j], MAX_THRESHOLD)
             order = np.argsort(data.errors[passing, j], kind="stable")
             errors = data.errors[passing, j][order]
             if not len(errors):
@@ -198,7 +199,7 @@ def tune_greedy(data: ExitData, target_accuracy: float, initial_step: float = 0.
         if best is None:
             break
         _, _, chosen, threshold = best
-        moved = (exit_column > chosen) & (data.errors[:, chosen] < threshold)
+        moved = (exit_column > chosen) & exit_rule.exits(data.errors[:, chosen], threshold)
         thresholds[chosen] = threshold
         exit_column[moved] = chosen
         wrong = wrong - ((right_at_ramps[moved, chosen] - right_now[moved]) @ strata[moved])
@@ -232,7 +233,7 @@ def tune_grid(data: ExitData, target_accuracy: float, grid_step: float = 0.05) -
         if saved + data.saved_ms[undecided, ramp].sum() <= best["saved"]:
             return
         for value in grid:
-            leaving = undecided & (data.errors[:, ramp] < value)
+            leaving = undecided & exit_rule.exits(data.errors[:, ramp], value)
             leaving_wrong = wrong + int((leaving & ~data.correct[:, ramp]).sum())
             if leaving_wrong > allowed_wrong:
                 break

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-NO_EXIT = -1
+from rampserve.ramps.exit_rule import NO_EXIT
 
 
 def earliest_correct_exit(ramp_labels: np.ndarray, final_labels: np.ndarray) -> np.ndarray:

@@ -19,8 +19,8 @@ from rampserve import __version__
 from rampserve.ramps.kinds import make_ramp
 from rampserve.runtime.backends import OnnxBackend, TorchBackend
 from rampserve.runtime.compiled import write_atomically
+from rampserve.runtime.latency import LatencyProfile
 from rampserve.runtime.prepared import PreparedModel, SiteInfo
-from rampserve.runtime.profile import LatencyProfile
 from rampserve.runtime.signature import ModelSignature
 from rampserve.runtime.sources import ModelSource, architecture_files, build_architecture
 

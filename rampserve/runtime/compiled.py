@@ -44,21 +44,9 @@ from torch import nn
 
 from rampserve.graph.torch_graph import torchscript_quietly
 from rampserve.ramps import kernel
+from rampserve.ramps.exit_rule import EXIT_MARGIN, EXIT_MODES, NEVER_STOP, STOP_MARGIN, exit_floor
 
 FORMAT = 5
-# An exit floor above every confidence (they lie in [0, 1]): no input exits there
-NEVER_STOP = 2.0
-# Slack on "no input of this ramp can exit": the ramp operator and Python score the same float32 logits in
-# double, so this only covers two double computations of the same numbers
-EXIT_MARGIN = 1e-9
-# The same for a ramp fused into an ONNX stage, whose confidence is computed in float32 (a few units of its
-# rounding, 6e-8 each)
-ONNX_EXIT_MARGIN = 1e-5
-# How far above 1 - threshold a row's confidence must be for a stop-mode runner to take it out of the batch: the
-# releasing thread's test (error score < threshold, in double from the same float32 logits) then certainly
-# releases it. A row inside the margin is released but runs on, which costs only its compute
-STOP_MARGIN = 1e-6
-EXIT_MODES = ("release", "stop")
 
 
 class RunnerStage(nn.Module):
@@ -225,19 +213,19 @@ class CompiledSet:
 
     def floors(self, thresholds: tuple[float, ...] | None) -> list[float]:
         """The runner's exit floor per site for `thresholds` (in `sites`' order; None: no input exits anywhere),
-        and one for the last stage. An input exits where 1 - confidence < threshold, never at threshold 0; the
-        margin covers the rounding of two computations of the confidence from the same logits."""
+        and one for the last stage: below the confidence of every input the exit rule releases, by the margin
+        that covers the rounding of two computations of the confidence from the same logits (`exit_floor`)."""
         return self._floors_for(self._floors, thresholds, -self.exit_margin)
 
     def _floors_for(self, cache: list, thresholds: tuple[float, ...] | None, offset: float) -> list[float]:
-        """1 - threshold + `offset` per site (never for threshold 0 or no thresholds) and never for the last
-        stage, kept in `cache` for the thresholds last asked for."""
+        """`exit_floor` with `offset` per site (never for no thresholds) and never for the last stage, kept in
+        `cache` for the thresholds last asked for."""
         cached_key, floors = cache[0]  # one item, read and replaced whole: threads may share a set
         if cached_key != thresholds or not floors:
             if thresholds is None:
                 floors = [NEVER_STOP] * (len(self.sites) + 1)
             else:
-                floors = [1.0 - t + offset if t > 0 else NEVER_STOP for t in thresholds] + [NEVER_STOP]
+                floors = [exit_floor(t, offset) for t in thresholds] + [NEVER_STOP]
             cache[0] = (thresholds, floors)
         return floors
 

@@ -16,8 +16,9 @@ from rampserve.ramps.oracle import NO_EXIT, earliest_correct_exit, exit_latency
 from rampserve.ramps.train import Features, TrainConfig, TrainReport, build_cache_ramps, collect_features, train_ramps
 from rampserve.runtime.backends import Backend, OnnxBackend, TorchBackend
 from rampserve.runtime.bundle import BundleError
+from rampserve.runtime.latency import LatencyProfile
 from rampserve.runtime.prepared import PreparedModel, SiteInfo
-from rampserve.runtime.profile import DEFAULT_BATCH_SIZES, PROFILE_BUDGET_S, LatencyProfile, measure_profile
+from rampserve.runtime.profile import DEFAULT_BATCH_SIZES, PROFILE_BUDGET_S, measure_profile
 from rampserve.runtime.signature import ModelSignature
 from rampserve.runtime.sources import ModelSource, load_trained
 from rampserve.workloads.streams import get_stream

@@ -15,13 +15,12 @@ import torch
 from rampserve.graph.torch_graph import TRACE_GUARD, torchscript_quietly
 from rampserve.ramps import kernel
 from rampserve.ramps.cache import CacheRamp
+from rampserve.ramps.exit_rule import EXIT_MODES, ONNX_EXIT_MARGIN
 from rampserve.ramps.fused import FusedRamp, fused_ramp
 from rampserve.ramps.kinds import Ramp, RampSpec
 from rampserve.ramps.scores import top_label_and_error
 from rampserve.runtime.backends import Backend
 from rampserve.runtime.compiled import (
-    EXIT_MODES,
-    ONNX_EXIT_MARGIN,
     CompiledSet,
     OnnxSetRunner,
     RampBuffers,
@@ -29,7 +28,7 @@ from rampserve.runtime.compiled import (
     SetRunner,
     StopSetRunner,
 )
-from rampserve.runtime.profile import LatencyProfile
+from rampserve.runtime.latency import LatencyProfile
 from rampserve.runtime.signature import ModelSignature
 
 log = logging.getLogger("rampserve.runtime")

@@ -40,10 +40,10 @@ import torch
 
 from rampserve.control.controller import Controller, ControllerSettings
 from rampserve.control.records import NO_EXIT, NO_LABEL, BatchRecord, Configuration, merged
-from rampserve.ramps import kernel
+from rampserve.ramps import exit_rule, kernel
 from rampserve.ramps.scores import top_label_and_error
-from rampserve.runtime.profile import max_batch_for_slo
 from rampserve.runtime.compiled import CompiledSet
+from rampserve.runtime.latency import max_batch_for_slo
 from rampserve.runtime.prepared import COMPILED_SETS_KEPT
 from rampserve.serving.batching import AdaptiveBatchSize, BatchTimeEstimate, expected_wait_ms
 from rampserve.serving.compiler import CompileOutcome, CompileService, likely_next_sets
@@ -274,7 +274,7 @@ class _BatchState:
         requests whose every input has exited are answered (unless they wait for the logits)."""
         self.labels[:, j], self.errors[:, j] = ramp_labels, ramp_errors
         self.scored[j] = True
-        leaving = (self.exits == NO_EXIT) & (ramp_errors < self.thresholds[j]) & self._open_rows()
+        leaving = (self.exits == NO_EXIT) & exit_rule.exits(ramp_errors, self.thresholds[j]) & self._open_rows()
         if not leaving.any():
             return
         self.exits[leaving] = j

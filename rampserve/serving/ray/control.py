@@ -19,7 +19,7 @@ from ray.exceptions import GetTimeoutError, RayActorError
 
 from rampserve.control.controller import Controller, ControllerSettings
 from rampserve.control.records import BatchRecord, Configuration
-from rampserve.runtime.profile import LatencyProfile
+from rampserve.runtime.latency import LatencyProfile
 
 log = logging.getLogger("rampserve.serving")
 
