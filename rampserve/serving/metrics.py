@@ -75,6 +75,10 @@ class ServerMetrics:
                              ["model", "site"], registry=r)
         self.stopped_rows = Counter("rampserve_stopped_rows", "Inputs that left their batch at the ramp they exited "
                                     "at and never ran to its end (exit mode 'stop')", ["model"], registry=r)
+        self.shadow_batches = Counter(
+            "rampserve_shadow_batches", "Shadow batches of the configuration in force (every site's ramp evaluated "
+            "for the controller, answers unchanged) by outcome: served, or skipped (served plainly) while the set "
+            "of every site was not loaded yet", ["model", "outcome"], registry=r)
         self.window_accuracy = Gauge("rampserve_window_accuracy",
                                      "Agreement of released answers with the original model, recent window",
                                      ["model"], registry=r)

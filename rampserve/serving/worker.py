@@ -15,6 +15,14 @@ scores) and those whose request wants the logits, which run to the end so that t
 the exits' agreement. The record then has no final label (NO_LABEL) for an input that left, and NO_LABEL labels
 and NaN error scores at the ramps after the one it left at. ONNX models and the eager path (a set that does not
 compile, or no ramp operator) serve stop mode as release mode.
+
+Shadow batches (`Configuration.shadow_every`): the executor counts the batches it serves under each configuration
+version, and serves each shadow batch among them with `Configuration.shadowed()`: the ramp at every shadow site
+runs, the inactive ones at threshold 0, so the answers released are the configuration's own and the record tells
+the controller what every ramp said on the same inputs. In stop mode a shadow batch keeps every input to the end,
+so each is observed, standing for itself alone. A shadow batch runs the set of every shadow site, which is loaded
+by the control thread once compiled (asked for ahead, never compiled on the serving path); until then shadow
+batches are served plainly and counted as skipped.
 """
 
 from __future__ import annotations
@@ -472,6 +480,14 @@ class ModelWorker:
             settings.torchscript and control is not None
             and (kernel.available() or not model.compiles_to_torchscript)) else None
         self.batches = 0  # run (each one's id is the count before it)
+        # The version whose batches the executor is counting, and how many it has run, for its shadow batches
+        self._counted_version: int | None = None
+        self._version_batches = 0
+        self.shadow_batches = 0
+        self.shadow_batches_skipped = 0  # its set was not loaded yet: served plainly
+        # The shadow sites and their set (None: eager) that shadow batches run, once loaded by the control thread:
+        # the same whatever the configuration's thresholds, so one load serves every later configuration
+        self._shadow_set: tuple[tuple[str, ...], CompiledSet | None] | None = None
         self.batches_booked = 0  # counted in the books, which lag the runs by a batch or two
         self.inputs_served = 0
         self.requests_served = 0
@@ -519,6 +535,7 @@ class ModelWorker:
         self._adopt(config)
         if self._compiler is not None and self.control is not None:
             self._preload(config.sites)
+            self._load_shadow_set(config)  # preloaded now, if the compile was in time
         self._executor.start()
         if self._control is not None:
             self._control.start()
@@ -663,6 +680,9 @@ class ModelWorker:
         if not batch:
             return
         config, compiled = self._serving
+        shadow = self._shadow_batch(config)
+        if shadow is not None:
+            config, compiled = shadow
         model = self.served.model
         feeds = stack_inputs(self.served.inputs, [p.inputs for p in batch])
         state = _BatchState(config, batch, self.batches, self.metrics.answer.labels(**self._labels))
@@ -694,7 +714,9 @@ class ModelWorker:
                 thresholds = config.thresholds if config.sites == compiled.sites else \
                     tuple(config.thresholds[j] for j in columns)
                 if stops:  # the feedback sample, drawn before the run whatever the scores, and the logits' rows
-                    state.sample = self._feedback.random(state.n) < self.feedback_share
+                    # (a shadow batch keeps every input: none stops, so each is observed)
+                    state.sample = np.ones(state.n, dtype=bool) if shadow is not None else \
+                        self._feedback.random(state.n) < self.feedback_share
                     state.wants_final = np.repeat([p.needs_final for p in batch], [p.rows for p in batch])
                     state.unstoppable = [columns[j] for j, fused in enumerate(compiled.fused) if not fused]
                     keep = state.sample | state.wants_final
@@ -743,12 +765,30 @@ class ModelWorker:
         done = _Answered(state, final, [column for column, _ in unscored], late, started, finished,
                          min(p.arrival for p in batch))
         if stops:
-            done.feedback_share = self.feedback_share
+            done.feedback_share = 1.0 if shadow is not None else self.feedback_share
             done.unscored_rows = [outputs.buffers.reached(j) for _, j in unscored]
         if self._control is not None:  # the books, off this thread: the next batch is waiting
             self._records.put(done)
         else:
             self._book(done)
+
+    def _shadow_batch(self, config: Configuration) -> tuple[Configuration, CompiledSet | None] | None:
+        """Count the batch about to run under `config`; where it is a shadow batch whose set is loaded, what it runs
+        instead (the shadowed configuration and that set). One whose set is not is served plainly, and counted."""
+        if config.version != self._counted_version:
+            self._counted_version, self._version_batches = config.version, 0
+        index = self._version_batches
+        self._version_batches += 1
+        if not config.is_shadow_batch(index):
+            return None
+        shadow_set = self._shadow_set  # one read: the control thread may replace it
+        if shadow_set is None or shadow_set[0] != config.shadow_sites:
+            self.shadow_batches_skipped += 1
+            self.metrics.shadow_batches.labels(outcome="skipped", **self._labels).inc()
+            return None
+        self.shadow_batches += 1
+        self.metrics.shadow_batches.labels(outcome="served", **self._labels).inc()
+        return config.shadowed(), shadow_set[1]
 
     @staticmethod
     def _stopped(state: _BatchState, compiled: CompiledSet, left: np.ndarray, columns: list[int], output: np.ndarray,
@@ -882,6 +922,7 @@ class ModelWorker:
             if pending is not None and self._ready(pending):
                 self._pending = None
                 self._adopt(pending)
+            self._load_shadow_set(self.configuration)
 
     def _compile_finished(self, outcome: CompileOutcome) -> None:
         """From the compile service's thread: count it and wake the control thread, which may adopt a pending
@@ -896,7 +937,9 @@ class ModelWorker:
         with a configuration change under load. Waits at most `preload_s`; later sets go on compiling in the
         background and load when they are needed."""
         model = self.served.model
-        upcoming = likely_next_sets(active, model.site_names, limit=COMPILED_SETS_KEPT - 1)
+        # The set of every site first: shadow batches run it, and a controller warming up asks for them at once
+        upcoming = list(dict.fromkeys([tuple(model.site_names), *likely_next_sets(active, model.site_names)]))
+        upcoming = upcoming[:COMPILED_SETS_KEPT - 1]
         for sites in upcoming:
             self._compiler.request(sites)
         deadline = time.monotonic() + self.settings.preload_s
@@ -904,10 +947,11 @@ class ModelWorker:
             if self._compiler.wait(sites, deadline - time.monotonic(), urgent=False):
                 self._ready(Configuration(0, sites, (0.0,) * len(sites)))
 
-    def _ready(self, config: Configuration) -> bool:
+    def _ready(self, config: Configuration, urgent: bool = True) -> bool:
         """Whether `config` can run now: its compiled set is loaded (the compile service's set on disk, loaded
         here, in the control thread), or it does not compile and runs eagerly. A set still compiling is
-        asked for, urgently, and the configuration waits; the executor serves the one in force meanwhile."""
+        asked for (urgently, unless told otherwise) and the configuration waits; the executor serves the one in
+        force meanwhile."""
         model = self.served.model
         if not self.settings.torchscript or model.has_compiled(config.sites, self._mode):
             return True
@@ -915,7 +959,7 @@ class ModelWorker:
             model.compile(config.sites, self.served.example, self._mode)
             return True
         if not self._compiler.ready(config.sites):
-            self._compiler.request(config.sites, urgent=True)
+            self._compiler.request(config.sites, urgent=urgent)
             return False
         try:
             model.install(config.sites, self._compiler.load(config.sites), self._mode)
@@ -924,8 +968,19 @@ class ModelWorker:
         self.metrics.compiles.labels(outcome="loaded", **self._labels).inc()
         return True
 
+    def _load_shadow_set(self, config: Configuration) -> None:
+        """Where `config` has shadow batches, load the set they run once it is ready (asked for, not urgently:
+        the configuration is in force, only its shadow batches wait, served plainly meanwhile)."""
+        if not config.shadow_every or (self._shadow_set is not None and self._shadow_set[0] == config.shadow_sites):
+            return
+        shadowed = config.shadowed()
+        if self._ready(shadowed, urgent=False):
+            self._shadow_set = (shadowed.sites, self.served.model.compiled_set(shadowed.sites, self._mode)
+                                if self.settings.torchscript else None)
+
     def _adopt(self, config: Configuration) -> None:
         compiled = self.served.model.compiled_set(config.sites, self._mode) if self.settings.torchscript else None
+        self._load_shadow_set(config)  # before the swap: the new configuration's first batch is a shadow batch
         self._serving = (config, compiled)  # the executor reads it at its next batch
         self.metrics.config_changes.labels(**self._labels).inc()
         self._publish(config)
@@ -974,6 +1029,9 @@ class ModelWorker:
             "deadline_ms": self.deadline_ms,
             "queued_inputs": self._rows_queued,
             "batches": self.batches,
+            # batches that evaluated every site's ramp for the controller, and those served plainly instead
+            "shadow_batches": self.shadow_batches,
+            "shadow_batches_skipped": self.shadow_batches_skipped,
             "batches_booked": self.batches_booked,
             "requests": self.requests_served,
             "inputs": self.inputs_served,
