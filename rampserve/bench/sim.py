@@ -119,8 +119,7 @@ def replay(scenario: Scenario, start: Configuration, controller: Controller | No
             leaves = np.where(kept, len(columns), exit_index)  # the segment after which each input stops running
             running = (leaves[:, None] >= np.arange(len(columns) + 1)[None, :]).sum(axis=0)
             release_ms, duration_ms = costs.stopping_batch(config.sites, running)
-            record = replace(_stopped(record, exits, kept, feedback_share), forced=kept) if shadow else \
-                _stopped(record, exits, kept, feedback_share)
+            record = _stopped(record, exits, kept, 1.0 if shadow else feedback_share)
         else:
             times = costs.times(config.sites, len(requests))
             release_ms, duration_ms = times.release_ms, times.duration_ms
