@@ -102,7 +102,7 @@ def test_the_history_keeps_only_observed_inputs_weighted_by_the_sample():
     history.add(_stop_record(0.25), first=0)
     rows = history.rows(("a", "b"))
     correct, errors = history.columns(rows, ("a", "b"))
-    _, strata, weights = history.design(rows)
+    _, strata, weights, _ = history.design(rows)
     assert np.isfinite(errors).all() and len(errors) == 2
     np.testing.assert_array_equal(correct, [[False, True], [False, True]])
     np.testing.assert_array_equal(strata, [SAMPLED, FULLY_OBSERVED])

@@ -505,5 +505,6 @@ def test_the_controller_learns_each_ramps_error_in_the_models_own_score(served, 
         while get_json(url + "/status")["models"][MODEL]["inputs_observed"] < len(x):
             assert time.monotonic() < deadline, "the controller never observed every input"
             time.sleep(0.01)
-        _, errors, _ = state.workers[MODEL].control.controller.history.latest(len(x))
+        recent = state.workers[MODEL].control.controller.recent
+        _, errors = recent.columns(recent.rows((model.site_names[1],))[-len(x):], (model.site_names[1],))
     np.testing.assert_allclose(errors[:, 0], seen[0], rtol=0, atol=1e-5)

@@ -121,6 +121,6 @@ class ExitHistory:
         columns = [self.column[s] for s in sites]
         return self._correct[rows][:, columns], self._errors[rows][:, columns]
 
-    def design(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(batch sizes, strata, weights) of `rows`."""
-        return self._batch[rows], self._strata[rows], self._weights[rows]
+    def design(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(batch sizes, strata, weights, sequence numbers) of `rows`."""
+        return self._batch[rows], self._strata[rows], self._weights[rows], self._sequence[rows]

@@ -8,7 +8,12 @@ import numpy as np
 # p50/p95: that quantile of per-input latency; mean: mean latency; throughput: mean compute per input (stop mode,
 # where an exited input leaves its batch and frees the rest of the model for others)
 OBJECTIVES = ("p50", "p95", "mean", "throughput")
-_QUANTILES = {"p50": 0.5, "p95": 0.95}
+# A quantile is judged as the mean of the quantiles in a band around it: per-input latencies take a few values (one
+# per exit site), so the quantile itself jumps from one to the next as an estimate's exit share crosses it, and a set
+# estimated at 51% exits on a sample serves most windows of the stream at 49% (measured on resnet18-fmnist: the
+# search flipped between such sets 32 times in 108k inputs, p50 0.79x vanilla where sets exiting 75% reach 0.56x)
+_QUANTILES = {"p50": (0.5, 0.1), "p95": (0.95, 0.04)}  # (quantile, half-width of its band)
+_BAND_POINTS = 9
 
 
 def weighted_quantile(values: np.ndarray, weights: np.ndarray, q: float) -> float:
@@ -24,7 +29,9 @@ def weighted_quantile(values: np.ndarray, weights: np.ndarray, q: float) -> floa
 def objective_ms(latency_ms: np.ndarray, weights: np.ndarray, objective: str) -> float:
     """The objective's value (lower is better) over inputs with these latencies, each standing for `weights`."""
     if objective in _QUANTILES:
-        return weighted_quantile(latency_ms, weights, _QUANTILES[objective])
+        q, half = _QUANTILES[objective]
+        return float(np.mean([weighted_quantile(latency_ms, weights, band)
+                              for band in np.linspace(q - half, min(q + half, 1.0), _BAND_POINTS)]))
     if objective in ("mean", "throughput"):
         total = float(np.sum(weights))
         return float(np.dot(latency_ms, weights) / total) if total else 0.0

@@ -29,6 +29,9 @@ class ExitData:
     saved_ms: np.ndarray  # (n, r + 1) time saved against vanilla per exit ramp, last column: no exit
     strata: np.ndarray | None = field(default=None)  # (n,) FULLY_OBSERVED or SAMPLED; None: all fully observed
     weights: np.ndarray | None = field(default=None)  # (n,) inputs each row stands for; None: 1 each
+    # (n,) a number each input keeps for life (the controller's count of inputs), which splits the rows into
+    # Learn-then-Test's halves the same way however the window over them moves; None: rows in order
+    sequence: np.ndarray | None = field(default=None)
 
     def __post_init__(self) -> None:
         n = len(self.errors)
@@ -36,6 +39,8 @@ class ExitData:
             object.__setattr__(self, "strata", np.full(n, FULLY_OBSERVED, dtype=np.int64))
         if self.weights is None:
             object.__setattr__(self, "weights", np.ones(n))
+        if self.sequence is None:
+            object.__setattr__(self, "sequence", np.arange(n))
 
     @property
     def size(self) -> int:
@@ -47,7 +52,7 @@ class ExitData:
 
     def rows(self, mask: np.ndarray) -> ExitData:
         return ExitData(self.correct[mask], self.errors[mask], self.saved_ms[mask], self.strata[mask],
-                        self.weights[mask])
+                        self.weights[mask], self.sequence[mask])
 
 
     def stratum_weights(self) -> np.ndarray:
@@ -253,13 +258,13 @@ PATH_SCALES = np.round(np.arange(1, 81) / 40, 6)
 def certified_thresholds(data: ExitData, constraint: float, delta: float, initial_step: float = 0.1,
                          min_step: float = 0.01, frozen: np.ndarray | None = None) -> np.ndarray:
     """Thresholds whose released answers' disagreement is within `constraint` with probability at least
-    1 - delta, by Learn-then-Test: tuning on half the inputs (alternate rows) chooses a direction, and the other
+    1 - delta, by Learn-then-Test: tuning on half the inputs (even sequence numbers) chooses a direction, and the other
     half tests the path of scaled directions in order, from no exit up, each against the upper confidence bound
     (`RiskBound`); the last that passes before the first that fails is chosen (fixed-sequence testing: the path
     is fixed before the test half is seen, so no share of delta is spent on its length). All zeros where even the
     first point fails: a ramp whose bound cannot be met yet stays at threshold 0."""
-    rows = np.arange(data.size)
-    chooser, tester = data.rows(rows % 2 == 0), data.rows(rows % 2 == 1)
+    halves = data.sequence % 2 == 0
+    chooser, tester = data.rows(halves), data.rows(~halves)
     direction = tune_greedy(chooser, 1.0 - constraint, initial_step, min_step, frozen).thresholds
     if not (direction > 0).any() or not tester.size:
         return np.zeros(data.ramps)
