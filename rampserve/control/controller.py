@@ -16,7 +16,7 @@ it. What it does:
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -167,6 +167,9 @@ class Controller:
     def __init__(self, profile: LatencyProfile, settings: ControllerSettings = ControllerSettings()) -> None:
         self.settings = settings
         self.costs = CostModel(profile, settings.stops)
+        # What a client waits for (release times) whatever the exit mode; in stop mode `costs` also counts the
+        # compute an exit frees, which is what the throughput objective and tuning's savings weigh
+        self.latency = self.costs if settings.objective == "throughput" else CostModel(profile)
         sites = tuple(settings.initial or ())
         unknown = [s for s in sites if s not in self.costs.position]
         if unknown:
@@ -397,8 +400,9 @@ class Controller:
 
         def judge(sites: tuple[str, ...]) -> SetEstimate:
             data = self._data(rows, self.shadow, sites)
-            return estimate(self.costs, data, self.ranking_thresholds(data, sites), sites, vanilla,
-                            settings.objective)
+            thresholds = self.ranking_thresholds(data, sites)
+            waited = replace(data, saved_ms=self.latency.saved_ms(sites, batch))
+            return estimate(waited, thresholds, sites, vanilla, settings.objective)
 
         settle = 2 * settings.search_every  # a set left this recently is not returned to
         recently_left = {s for s, when in self._left.items() if self._observed - when < settle}

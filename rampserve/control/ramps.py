@@ -61,8 +61,8 @@ class SetEstimate:
                 "mean_ms": self.mean_ms, "exit_share": self.exit_share}
 
 
-def estimate(costs: CostModel, data: ExitData, thresholds: np.ndarray, sites: tuple[str, ...],
-             vanilla_ms: np.ndarray, objective: str) -> SetEstimate:
+def estimate(data: ExitData, thresholds: np.ndarray, sites: tuple[str, ...], vanilla_ms: np.ndarray,
+             objective: str) -> SetEstimate:
     """What `sites` at `thresholds` give on `data`'s inputs: each leaves at its first exit (or runs to the end,
     charged every active ramp), its latency the vanilla model's less the time saved there."""
     exits = first_exits(data.errors, thresholds) if sites else np.full(data.size, NO_EXIT)
