@@ -44,6 +44,8 @@ def prepare(
     cache_points: Annotated[int, typer.Option(help="cache ramps: centroids (kmeans) or stored inputs (knn)")] = 128,
     cache_neighbours: Annotated[int, typer.Option(help="cache ramps: neighbours looked up (knn)")] = 1,
     bootstrap: Annotated[int, typer.Option(help="bootstrap inputs to train ramps on, at most")] = 8000,
+    in_domain: Annotated[int, typer.Option(
+        help="a zoo model's own in-domain inputs (never streamed) to train ramps on besides, at most")] = 16000,
     profile_budget: Annotated[Optional[float], typer.Option(
         help="seconds the latency profile may spend per batch size on more rounds (default 5)")] = None,
     site_policy: Annotated[Optional[str], typer.Option(
@@ -64,7 +66,7 @@ def prepare(
                           neighbours=cache_neighbours)
         budget = {} if profile_budget is None else {"profile_budget_s": profile_budget}
         prepared = run_prepare(source, PrepareConfig(workload=workload, ramp_kind=ramp_kind, bootstrap_items=bootstrap,
-                                                     cache=cache, **budget), policy)
+                                                     in_domain_items=in_domain, cache=cache, **budget), policy)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
     save_bundle(prepared, out)
@@ -108,6 +110,7 @@ def inspect_bundle(bundle: Path) -> dict:
         "whole_model_ms": {str(b): at(profile["full_ms"], b) for b in (1, 16)} if profile else None,
         "oracle_val": meta["oracle_val"],
         "training": {k: meta["training"][k] for k in ("num_train", "num_val", "collect_seconds", "train_seconds")},
+        "ramp_data": meta.get("ramp_data"),  # absent from bundles prepared before it was recorded
     }
 
 
@@ -141,6 +144,10 @@ def print_inspection(report: dict) -> None:
         f"Oracle on {oracle['inputs']} validation inputs: mean latency savings {oracle['mean_savings']:.1%}, "
         f"median {oracle['median_savings']:.1%} (batch 1)."
     )
+    if data := report["ramp_data"]:
+        extra = data["in_domain"]
+        console.print(f"Ramps trained on {data['bootstrap']['items']} bootstrap inputs of {data['bootstrap']['workload']}"
+                      + (f" and {extra['items']} from the {extra['source']}." if extra["items"] else "."))
 
 
 @app.command()

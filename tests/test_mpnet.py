@@ -93,20 +93,3 @@ def test_mpnet_small_prepares_with_padding_invariant_ramps_and_stages_exactly(fr
                       lambda site, top, error, key=(row, how): seen.__setitem__(key, error))
         np.testing.assert_allclose(seen[(row, "alone")], seen[(row, "padded")], rtol=1e-4, atol=1e-5)
 
-
-def test_ramps_learn_on_the_bootstrap_then_the_training_movies_snippets_never_on_streamed_ones() -> None:
-    from rampserve.runtime.prepare import ramp_training_items
-    from rampserve.runtime.sources import ModelSource
-    from rampserve.workloads.streams import get_stream
-
-    stream = get_stream("rt-drift")
-    bootstrap = list(dict.fromkeys(stream.items(stream.bootstrap.start, stream.bootstrap.stop)))
-    source = ModelSource("zoo", "mpnet-rt", small=True)
-    items = ramp_training_items(source, bootstrap, limit=len(bootstrap) + 100)
-    assert items[:len(bootstrap)] == bootstrap
-    assert len(items) == len(bootstrap) + 100 and len(set(items)) == len(items)
-    streamed = set(stream.items(stream.evaluation.start, stream.evaluation.stop))
-    assert not streamed & set(items[len(bootstrap):])
-    # A limit below the bootstrap keeps the bootstrap whole; a model without its own inputs trains on it alone
-    assert ramp_training_items(source, bootstrap, limit=10) == bootstrap
-    assert ramp_training_items(ModelSource("zoo", "minilm-rt", small=True), bootstrap, limit=10**6) == bootstrap

@@ -93,7 +93,8 @@ def test_a_bundle_from_before_signatures_serves_where_its_workload_is(resnet_pre
 
 
 def test_the_zoo_upgrades_a_cached_bundle_from_before_signatures_in_place(resnet_bundle, bootstrap_rows,
-                                                                          tmp_path, monkeypatch) -> None:
+                                                                          small_prepare_config, tmp_path,
+                                                                          monkeypatch) -> None:
     import rampserve.runtime.zoo_bundles as zoo_bundles
 
     monkeypatch.setenv("RAMPSERVE_HOME", str(tmp_path))
@@ -104,7 +105,7 @@ def test_the_zoo_upgrades_a_cached_bundle_from_before_signatures_in_place(resnet
         raise AssertionError("the cached bundle was prepared again")
 
     monkeypatch.setattr(zoo_bundles, "prepare", no_prepare)
-    assert zoo_bundles.zoo_bundle("resnet18-fmnist", small=True) == cached
+    assert zoo_bundles.zoo_bundle("resnet18-fmnist", small=True, config=small_prepare_config) == cached
     after = read_manifest(cached)  # checks every file's digest, the new example's too
     assert after["signature"] == FMNIST_SIGNATURE
     assert {k: v for k, v in after["files"].items() if k != EXAMPLE_FILE} == before["files"]

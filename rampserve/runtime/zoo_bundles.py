@@ -6,22 +6,26 @@ from pathlib import Path
 
 from rampserve.paths import bundles_dir
 from rampserve.runtime.bundle import BundleError, load_bundle, read_manifest, save_bundle, write_signature
-from rampserve.runtime.prepare import PrepareConfig, prepare, signature_from_workload
+from rampserve.runtime.prepare import PrepareConfig, prepare, ramp_data, signature_from_workload
 from rampserve.runtime.sources import ModelSource
 
 
 def zoo_bundle(model: str, small: bool = False, config: PrepareConfig = PrepareConfig(), variant: str = "") -> Path:
     """The bundle of zoo model `model` prepared with `config` (kept under the name `model[-small][-variant]`),
-    preparing it (and training the model, if needed) when missing, broken, or made with other ramps, and giving it
-    its signature when it was prepared before bundles carried one."""
+    preparing it (and training the model, if needed) when missing, broken, made with other ramps, or with ramps
+    trained on other data (a bundle from before bundles recorded it counts as such), and giving it its signature
+    when it was prepared before bundles carried one."""
     bundle = bundles_dir() / (model + ("-small" if small else "") + (f"-{variant}" if variant else ""))
+    source = ModelSource.parse(model, small=small)
     try:
         manifest = read_manifest(bundle)
         caches = [site["ramp"]["cache"] for site in manifest["sites"] if site["ramp"].get("cache")]
         if manifest["meta"]["ramp_kind"] != config.ramp_kind or any(c != config.cache.to_json() for c in caches):
             raise BundleError(f"{bundle} was prepared with other ramps")
+        if manifest["meta"].get("ramp_data") != ramp_data(source, config).record():
+            raise BundleError(f"{bundle} has ramps trained on other data")
     except BundleError:
-        save_bundle(prepare(ModelSource.parse(model, small=small), config), bundle)
+        save_bundle(prepare(source, config), bundle)
         return bundle
     if "signature" not in manifest:
         # Upgraded in place rather than prepared again: the cache is shared by every rampserve on the machine, and

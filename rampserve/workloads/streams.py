@@ -128,15 +128,27 @@ def _lighting(positions: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray
     )
 
 
-def _render_fmnist(images: np.ndarray, seed: int, positions: np.ndarray, base_ids: np.ndarray) -> np.ndarray:
+def _render_fmnist(images: np.ndarray, seed: int, positions: np.ndarray, base_ids: np.ndarray,
+                   noise_keys: np.ndarray | None = None) -> np.ndarray:
+    """`images[base_ids]` under the lighting of their stream positions, with sensor noise drawn per noise key
+    (default: the position)."""
     contrast, black_level, noise_std = (value[:, None, None] for value in _lighting(positions))
     noise = np.empty((len(positions), *images.shape[1:]), dtype=np.float32)
-    for row, position in enumerate(positions):
-        # A child seed per position keeps every slice independent of what else is rendered.
-        rng = np.random.default_rng(np.random.SeedSequence(seed, spawn_key=(int(position),)))
+    for row, key in enumerate(positions if noise_keys is None else noise_keys):
+        # A child seed per key keeps every slice independent of what else is rendered.
+        rng = np.random.default_rng(np.random.SeedSequence(seed, spawn_key=(int(key),)))
         rng.standard_normal(dtype=np.float32, out=noise[row])
     pixels = images[base_ids] * contrast + black_level + noise * noise_std
     return np.clip(np.rint(pixels), 0, 255).astype(np.uint8)
+
+
+def fmnist_drift_lighting(images: np.ndarray, seed: int, limit: int | None = None) -> np.ndarray:
+    """The first `limit` of `images` (uint8 (N, 28, 28), from outside the stream) as fmnist-drift's camera shows
+    them: image i at its own time of day, the N times spread evenly over one day in an order drawn from `seed` (so
+    the first few span the day too), with sensor noise of its own drawn from `seed` and i."""
+    rows = np.arange(len(images))[:limit]
+    times = np.random.default_rng(seed).permutation(len(images))[rows] * DAY_LENGTH // len(images)
+    return _render_fmnist(images, seed, times, rows, noise_keys=rows)
 
 
 def _fmnist_drift(length: int, bootstrap_length: int, seed: int) -> _Layout:

@@ -1,0 +1,125 @@
+"""What ramps learn on: the workload's bootstrap, then the zoo model's own in-domain inputs, which no stream shows;
+bundles record it, and the zoo's bundle cache prepares a bundle again when it differs."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from rampserve.runtime.bundle import read_manifest
+from rampserve.runtime.prepare import PrepareConfig, ramp_data
+from rampserve.runtime.sources import ModelSource
+from rampserve.workloads.fashion_mnist import load_fashion_mnist
+from rampserve.workloads.streams import get_stream
+from rampserve.zoo import get_entry
+
+FMNIST_CNNS = ("resnet18-fmnist", "resnet50-fmnist", "vgg11-fmnist", "vgg16-fmnist")
+
+
+@pytest.fixture(scope="module")
+def streamed_images() -> set[bytes]:
+    """Every Fashion-MNIST image fmnist-drift renders (before lighting and noise), checked to be its base images."""
+    stream = get_stream("fmnist-drift")
+    test_images, _ = load_fashion_mnist("test")
+    # At midday (position 0) a rendered input is its base image plus noise of std 2: the stream draws on these
+    rendered = stream.items(0, 16).astype(np.float32)
+    assert np.abs(rendered - test_images[stream.base_ids(0, 16)]).mean() < 5
+    return {image.tobytes() for image in test_images[np.unique(stream.base_ids(0, stream.length))]}
+
+
+def _unit_rows(images: np.ndarray) -> np.ndarray:
+    """Each image as a centred unit vector: dot products are correlations, blind to contrast and black level."""
+    rows = images.reshape(len(images), -1).astype(np.float32)
+    rows -= rows.mean(axis=1, keepdims=True)
+    return rows / np.linalg.norm(rows, axis=1, keepdims=True)
+
+
+@pytest.mark.parametrize("name", FMNIST_CNNS)
+def test_fmnist_ramps_learn_on_train_split_images_the_stream_never_shows(name: str, streamed_images) -> None:
+    data = ramp_data(ModelSource("zoo", name), PrepareConfig())
+    assert data.record() == {"bootstrap": {"workload": "fmnist-drift", "items": 8000},
+                             "in_domain": {"source": "Fashion-MNIST train split under fmnist-drift's lighting",
+                                           "items": 16000}}
+    # The bootstrap first, whole, then the in-domain images
+    np.testing.assert_array_equal(data.items, np.concatenate([data.bootstrap.items, data.in_domain]))
+    # Every in-domain image (a sample of them) is a train-split image under lighting and noise: it is closer to
+    # one of those than to any image the stream shows
+    train_images = load_fashion_mnist("train")[0]
+    assert not {image.tobytes() for image in train_images} & streamed_images
+    shown = np.frombuffer(b"".join(streamed_images), np.uint8).reshape(-1, 28, 28)
+    sample = _unit_rows(data.in_domain[::80])
+    to_train = (sample @ _unit_rows(train_images).T).max(axis=1)
+    assert (to_train > (sample @ _unit_rows(shown).T).max(axis=1)).all()
+
+
+def test_in_domain_images_are_the_entrys_first_and_can_be_left_out() -> None:
+    source = ModelSource("zoo", "resnet18-fmnist", small=True)
+    load = get_entry("resnet18-fmnist", small=True).ramp_items.load
+    data = ramp_data(source, PrepareConfig(bootstrap_items=300, in_domain_items=100))
+    np.testing.assert_array_equal(data.in_domain, load(256)[:100])
+    assert len(data.items) == 400
+    none = ramp_data(source, PrepareConfig(bootstrap_items=300, in_domain_items=0))
+    assert none.record()["in_domain"] == {"source": None, "items": 0}
+    np.testing.assert_array_equal(none.items, none.bootstrap.items)
+
+
+@pytest.mark.parametrize("name", ["minilm-rt", "mpnet-rt"])
+def test_text_ramps_learn_on_the_training_movies_snippets_never_on_streamed_ones(name: str) -> None:
+    stream = get_stream("rt-drift")
+    data = ramp_data(ModelSource("zoo", name, small=True), PrepareConfig(in_domain_items=100))
+    bootstrap = list(dict.fromkeys(stream.items(stream.bootstrap.start, stream.bootstrap.stop)))
+    assert data.items[:len(bootstrap)] == bootstrap
+    assert len(data.in_domain) == 100 and len(set(data.items)) == len(data.items)
+    assert not set(stream.items(stream.evaluation.start, stream.evaluation.stop)) & set(data.in_domain)
+    # No snippet is taken twice, however many are asked for: the small variants trained on 256
+    assert len(ramp_data(ModelSource("zoo", name, small=True), PrepareConfig()).in_domain) == 256
+
+
+def test_a_model_outside_the_zoo_learns_on_the_bootstrap_alone(tmp_path: Path) -> None:
+    data = ramp_data(ModelSource("onnx", str(tmp_path / "m.onnx")), PrepareConfig(workload="fmnist-drift",
+                                                                                  bootstrap_items=50))
+    assert data.record() == {"bootstrap": {"workload": "fmnist-drift", "items": 50},
+                             "in_domain": {"source": None, "items": 0}}
+
+
+def test_the_zoo_prepares_a_cached_bundle_again_when_its_ramps_learned_on_other_data(
+        resnet_prepared, resnet_bundle, small_prepare_config, tmp_path, monkeypatch) -> None:
+    import rampserve.runtime.zoo_bundles as zoo_bundles
+
+    # The bundle records what its ramps learned on, and they learned on that
+    recorded = resnet_prepared.meta["ramp_data"]
+    assert recorded == {"bootstrap": {"workload": "fmnist-drift", "items": 1200},
+                        "in_domain": {"source": "Fashion-MNIST train split under fmnist-drift's lighting",
+                                      "items": 256}}
+    training = resnet_prepared.meta["training"]
+    assert training["num_train"] + training["num_val"] == 1200 + 256
+
+    monkeypatch.setenv("RAMPSERVE_HOME", str(tmp_path))
+    cached = Path(shutil.copytree(resnet_bundle, tmp_path / "bundles" / "resnet18-fmnist-small"))
+    prepared: list[PrepareConfig] = []
+
+    def spy(source: ModelSource, config: PrepareConfig):
+        prepared.append(config)
+        return resnet_prepared
+
+    monkeypatch.setattr(zoo_bundles, "prepare", spy)
+    assert zoo_bundles.zoo_bundle("resnet18-fmnist", small=True, config=small_prepare_config) == cached
+    assert prepared == []
+    for other in (replace(small_prepare_config, in_domain_items=100),
+                  replace(small_prepare_config, bootstrap_items=600)):
+        assert zoo_bundles.zoo_bundle("resnet18-fmnist", small=True, config=other) == cached
+        assert prepared[-1] == other
+    # A bundle from before bundles recorded their ramps' data is prepared again too
+    manifest = json.loads((cached / "manifest.json").read_text())
+    del manifest["meta"]["ramp_data"]
+    (cached / "manifest.json").write_text(json.dumps(manifest))
+    assert "ramp_data" not in read_manifest(cached)["meta"]
+    zoo_bundles.zoo_bundle("resnet18-fmnist", small=True, config=small_prepare_config)
+    assert prepared == [replace(small_prepare_config, in_domain_items=100),
+                        replace(small_prepare_config, bootstrap_items=600), small_prepare_config]
+    assert read_manifest(cached)["meta"]["ramp_data"] == recorded
