@@ -23,6 +23,8 @@ from rampserve.runtime.profile import LatencyProfile
 
 
 EXIT_MODES = ("release", "stop")
+OBJECTIVES = ("p50", "p95", "mean", "throughput")
+GUARANTEES = ("certified", "long-run")
 
 
 @dataclass(frozen=True)
@@ -58,8 +60,16 @@ class ControllerSettings:
     initial: tuple[str, ...] | None = None  # active ramps to start from; None: spread the budget evenly
     # Threshold a ramp starts at when it becomes active (absent: 0, no exits until tuning raises it).
     start_thresholds: dict[str, float] = field(default_factory=dict)
+    objective: str = "p50"  # what ramp-set search optimises: one of OBJECTIVES
+    guarantee: str = "certified"  # how thresholds hold the constraint: one of GUARANTEES
+    search_every: int = 2048  # inputs between ramp-set searches
+    shadow_share: float = 0.05  # share of batches that evaluate inactive ramps (shadow batches)
 
     def __post_init__(self) -> None:
+        if self.objective not in OBJECTIVES:
+            raise ValueError(f"objective must be one of {OBJECTIVES}, got {self.objective!r}")
+        if self.guarantee not in GUARANTEES:
+            raise ValueError(f"guarantee must be one of {GUARANTEES}, got {self.guarantee!r}")
         if not 0.0 <= self.accuracy_constraint < 1.0:
             raise ValueError(f"accuracy constraint must lie in [0, 1), got {self.accuracy_constraint}")
         if self.history < self.adjust_every:
