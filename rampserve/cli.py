@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
+from collections.abc import Callable
+from inspect import Parameter, signature
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -20,6 +24,43 @@ app.add_typer(zoo_app, name="zoo")
 console = Console(width=None if sys.stdout.isatty() else 132)
 
 DEFAULT_MODEL = "resnet18-fmnist"
+
+# Controller settings that `serve`, `bench sim` and `bench live` take alike (`controller_options`); None (not
+# given): the controller's own
+CONTROLLER_OPTIONS: dict[str, object] = {
+    "objective": Annotated[Optional[str], typer.Option(
+        help="what the ramp-set search minimises or raises: p50, p95, mean or throughput (default p50)")],
+    "guarantee": Annotated[Optional[str], typer.Option(
+        help="how thresholds keep the accuracy constraint: certified (a confidence bound) or long-run (default "
+             "certified)")],
+    "risk_target_share": Annotated[Optional[float], typer.Option(
+        help="share of the constraint rolling risk control holds long-run disagreement to (default 0.65 with "
+             "the certified guarantee, 1 with long-run)")],
+    "confidence": Annotated[Optional[float], typer.Option(help="confidence of the bound on disagreement (default "
+                                                               "0.95)")],
+    "search_every": Annotated[Optional[int], typer.Option(help="inputs between ramp-set searches (default 2048)")],
+    "history": Annotated[Optional[int], typer.Option(help="recent inputs threshold tuning judges (default 4096)")],
+    "shadow_share": Annotated[Optional[float], typer.Option(
+        help="share of batches that also run inactive ramps, to measure them (default 0.1)")],
+}
+
+
+def controller_options(command: Callable[..., None]) -> Callable[..., None]:
+    """Give a command the CONTROLLER_OPTIONS; it gets those given, as ControllerSettings fields, in its
+    `controller_flags` argument."""
+    declared = signature(command, eval_str=True)
+    own = [p for name, p in declared.parameters.items() if name != "controller_flags"]
+    added = [Parameter(name, Parameter.KEYWORD_ONLY, default=None, annotation=annotation)
+             for name, annotation in CONTROLLER_OPTIONS.items()]
+
+    @functools.wraps(command)
+    def with_flags(**kwargs: object) -> None:
+        given = {name: kwargs.pop(name) for name in CONTROLLER_OPTIONS}
+        command(**kwargs, controller_flags={name: value for name, value in given.items() if value is not None})
+
+    with_flags.__signature__ = declared.replace(parameters=own + added)  # what typer reads the options from
+    with_flags.__annotations__ = {p.name: p.annotation for p in own + added}
+    return with_flags
 
 
 def _write_json(data: dict, path: Path | None) -> None:
@@ -194,6 +235,7 @@ def profile(
 
 
 @app.command()
+@controller_options
 def serve(
     models: Annotated[Optional[list[str]], typer.Argument(help="zoo model names or bundle directories")] = None,
     host: Annotated[str, typer.Option(help="address to bind (loopback unless told otherwise)")] = "127.0.0.1",
@@ -247,6 +289,8 @@ def serve(
     replicas: Annotated[int, typer.Option(help="Ray Serve replicas (with --ray)")] = 1,
     autoscaling: Annotated[Optional[str], typer.Option(help="Ray Serve autoscaling_config as JSON (with --ray; "
                                                             "replaces --replicas)")] = None,
+    *,
+    controller_flags: dict[str, object],
 ) -> None:
     """Serve models and applications over HTTP (Open Inference Protocol v2, Clipper's application API) and gRPC
     (KServe v2) with managed early exits."""
@@ -261,7 +305,7 @@ def serve(
             max_queue=max_queue, deadline_ms=deadline_ms, vanilla=vanilla, torch_threads=torch_threads or None,
             torchscript=torchscript, cache_updates=cache_updates, preload_s=preload_s, executor=executor,
             controller=ControllerSettings(accuracy_constraint=accuracy_constraint, ramp_budget=ramp_budget,
-                                          exit_mode=exit_mode, feedback_share=feedback_share))
+                                          exit_mode=exit_mode, feedback_share=feedback_share, **controller_flags))
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
     try:
@@ -403,7 +447,77 @@ def _sim_table(report: dict) -> Table:
     return table
 
 
+# `bench sim --seeds`: each SEED_FIGURES figure's column heading and format, narrow enough for 132 columns
+SEED_COLUMNS = {"accuracy": ("accuracy", ".4f"), "windows_below_share": ("1k below", ".1%"),
+                "p50_ratio": ("p50 ×van", ".2f"), "p99_ratio": ("p99 ×van", ".2f"), "exit_share": ("exits", ".1%"),
+                "oracle_share": ("oracle", ".2f"), "saturation_ratio": ("sat ×van", ".2f"),
+                "ramp_set_changes": ("set chg", "g"), "threshold_changes": ("thr chg", "g")}
+SEED_COLUMNS_NOTE = ("oracle: share of the oracle's p50 saving; set chg, thr chg: configurations that changed the "
+                     "ramp set, and thresholds alone")
+
+
+def _seeds_table(title: str, rows: list[tuple[str, list[str]]]) -> Table:
+    table = Table(title=title, caption=SEED_COLUMNS_NOTE)
+    table.add_column("system")
+    for heading, _ in SEED_COLUMNS.values():
+        table.add_column(heading, justify="right")
+    for name, cells in rows:
+        table.add_row(name, *cells)
+    return table
+
+
+def _seed_table(report: dict) -> Table:
+    """One seed's run, compactly: `seed_figures`."""
+    from rampserve.bench.sim import seed_figures
+
+    return _seeds_table(
+        f"seed {report['seed']}: {report['model']} on {report['workload']}, {report['trace']} trace, "
+        f"{report['rate_rps']:.0f} rps",
+        [(name, [_fmt(figures[figure], spec) for figure, (_, spec) in SEED_COLUMNS.items()])
+         for name, figures in seed_figures(report).items()])
+
+
+def _seeds_summary_table(summary: dict, seeds: int) -> Table:
+    """`seed_summary`: in each cell the median over the seeds, and below it the worst seed's value."""
+    def cell(figure: dict | None, spec: str) -> str:
+        return "-" if figure is None else f"{figure['median']:{spec}}\n{figure['worst']:{spec}}"
+
+    return _seeds_table(
+        f"over {seeds} seeds: each system's median, and below it the worst seed's value",
+        [(f"{name}\n  worst", [cell(figures[figure], spec) for figure, (_, spec) in SEED_COLUMNS.items()])
+         for name, figures in summary.items()])
+
+
+def _print_sim_run(report: dict) -> None:
+    """One seed's run in full: the systems, what the controller did, saturation and the risk step sweep."""
+    console.print(_sim_table(report))
+    rampserve = report["systems"]["rampserve"]
+    measured = report["wall"]["decisions"]["rampserve"]
+    console.print(f"rampserve: {rampserve['ramp_set_changes']} ramp-set changes and {rampserve['threshold_changes']} "
+                  f"threshold-only changes; threshold tuning {measured['tune_ms_mean']:.2f} ms mean (measured) over "
+                  f"{rampserve['tunings']} runs, ramp adjustment {measured['adjust_ms_mean']:.2f} ms mean over "
+                  f"{rampserve['adjustments']}, {rampserve['mean_active_ramps']:.2f} active ramps on average; "
+                  f"exit mode {rampserve['exit_mode']}, feedback share {rampserve['feedback_share']:.2f}")
+    hindsight = report["systems"]["static_hindsight"]
+    console.print(f"static hindsight: the best of {hindsight['ramp_sets_tuned']} ramp sets tuned "
+                  f"({hindsight['ramp_set_search']} search)")
+    half = report["at_half_vanilla_saturation"]
+    if half is not None:
+        console.print(f"saturation: rampserve {report['saturation_ratio']:.2f}x vanilla's; at half of vanilla's "
+                      f"({half['rate_rps']:.0f} rps) rampserve's p50 is {half['p50_ratio']:.2f}x vanilla's, p99 "
+                      f"{half['p99_ratio']:.2f}x, accuracy {half['systems']['rampserve']['accuracy']:.4f}")
+    if report["risk_step_sweep"]:
+        sweep = Table(title="rolling risk control's step")
+        for col in ("step", "accuracy", "worst 1k", "1k windows below", "p50 saved", "tunings"):
+            sweep.add_column(col, justify="right")
+        for step, s in report["risk_step_sweep"].items():
+            sweep.add_row(step, f"{s['accuracy']:.4f}", f"{s['worst_window_accuracy']:.3f}",
+                          f"{s['windows_below_share']:.1%}", f"{s['p50_savings']:+.1%}", str(s["tunings"]))
+        console.print(sweep)
+
+
 @bench_app.command("sim")
+@controller_options
 def bench_sim(
     model: Annotated[str, typer.Option(help="zoo model")] = DEFAULT_MODEL,
     workload: Annotated[str, typer.Option(help="stream: fmnist-drift or rt-drift")] = "fmnist-drift",
@@ -419,48 +533,53 @@ def bench_sim(
     exit_mode: Annotated[str, typer.Option(help="release: exited inputs run on to the end; stop: they leave")]
     = "release",
     feedback_share: Annotated[float, typer.Option(help="stop mode: share of inputs kept running to the end")] = 0.1,
-    confidence: Annotated[float, typer.Option(help="confidence of the bound on disagreement")] = 0.95,
+    seeds: Annotated[int, typer.Option(help="run everything for seeds 0 to N - 1 (each its own stream order and "
+                                            "trace) and sum each system up over them")] = 1,
+    saturation: Annotated[Optional[bool], typer.Option(
+        "--saturation/--no-saturation", help="search each system's saturation, then run vanilla and rampserve at half "
+                                             "of vanilla's (default: with one seed only)")] = None,
+    risk_sweep: Annotated[Optional[bool], typer.Option(
+        "--risk-sweep/--no-risk-sweep", help="rerun rampserve at other rolling risk control steps (default: with one "
+                                             "seed only)")] = None,
     json_out: Annotated[Optional[Path], typer.Option("--json", help="write the results here")] = None,
-    plots: Annotated[Optional[Path], typer.Option(help="write plots into this directory")] = None,
+    plots: Annotated[Optional[Path], typer.Option(help="write plots into this directory (a folder per seed with "
+                                                       "several)")] = None,
     small: Annotated[bool, typer.Option(help="the zoo's tiny variant")] = False,
+    *,
+    controller_flags: dict[str, object],
 ) -> None:
     """Replay a drifting stream through the trace simulator: vanilla, oracle, static baselines and rampserve;
     then each one's saturation, and vanilla and rampserve at half of vanilla's."""
-    from rampserve.bench.sim import SimSettings, run_sim
+    from rampserve.bench.sim import SimSettings, run_seeds
     from rampserve.control.controller import ControllerSettings
 
+    single = seeds == 1
     try:
         settings = SimSettings(model=model, workload=workload, trace=trace, rate_rps=rate, slo_ms=slo_ms,
                                length=length, small=small, controller=ControllerSettings(
                                    accuracy_constraint=accuracy_constraint, ramp_budget=ramp_budget,
-                                   risk_step=risk_step, exit_mode=exit_mode, feedback_share=feedback_share, confidence=confidence))
-        result = run_sim(settings, progress=lambda stage: console.print(f"[dim]simulating {stage}[/dim]"))
+                                   risk_step=risk_step, exit_mode=exit_mode, feedback_share=feedback_share,
+                                   **controller_flags),
+                               saturation=single if saturation is None else saturation)
+        if not (single if risk_sweep is None else risk_sweep):
+            settings = replace(settings, risk_step_sweep=())
+        result = run_seeds(settings, seeds, progress=lambda stage: console.print(f"[dim]simulating {stage}[/dim]"))
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
-    report = result.report
-    console.print(_sim_table(report))
-    rampserve = report["systems"]["rampserve"]
-    console.print(f"rampserve: threshold tuning {rampserve['tune_ms_mean']:.2f} ms mean over {rampserve['tunings']} "
-                  f"runs, ramp adjustment {rampserve['adjust_ms_mean']:.2f} ms mean over "
-                  f"{rampserve['adjustments']}, {rampserve['mean_active_ramps']:.2f} active ramps on average; "
-                  f"exit mode {rampserve['exit_mode']}, feedback share {rampserve['feedback_share']:.2f}")
-    half = report["at_half_vanilla_saturation"]
-    console.print(f"saturation: rampserve {report['saturation_ratio']:.2f}x vanilla's; at half of vanilla's "
-                  f"({half['rate_rps']:.0f} rps) rampserve's p50 is {half['p50_ratio']:.2f}x vanilla's, p99 "
-                  f"{half['p99_ratio']:.2f}x, accuracy {half['systems']['rampserve']['accuracy']:.4f}")
-    sweep = Table(title="rolling risk control's step")
-    for col in ("step", "accuracy", "worst 1k", "1k windows below", "p50 saved", "tunings"):
-        sweep.add_column(col, justify="right")
-    for step, s in report["risk_step_sweep"].items():
-        sweep.add_row(step, f"{s['accuracy']:.4f}", f"{s['worst_window_accuracy']:.3f}",
-                      f"{s['windows_below_share']:.1%}", f"{s['p50_savings']:+.1%}", str(s["tunings"]))
-    console.print(sweep)
-    _write_json(report, json_out)
+    if single:
+        _print_sim_run(result.results[0].report)
+        _write_json(result.results[0].report, json_out)
+    else:
+        for seed_result in result.results:
+            console.print(_seed_table(seed_result.report))
+        console.print(_seeds_summary_table(result.summary, seeds))
+        _write_json(result.report(), json_out)
     if plots is not None:
         from rampserve.bench.sim_plots import write_plots
 
-        for path in write_plots(result, plots):
-            console.print(f"wrote {path}")
+        for seed_result in result.results:
+            for path in write_plots(seed_result, plots if single else plots / f"seed-{seed_result.report['seed']}"):
+                console.print(f"wrote {path}")
 
 
 @bench_app.command("reductions")
@@ -558,6 +677,7 @@ def bench_freeze(
 
 
 @bench_app.command("live")
+@controller_options
 def bench_live(
     model: Annotated[str, typer.Option(help="zoo model")] = DEFAULT_MODEL,
     workload: Annotated[str, typer.Option(help="stream: fmnist-drift or rt-drift")] = "fmnist-drift",
@@ -581,6 +701,8 @@ def bench_live(
     transport: Annotated[str, typer.Option(help="what the client speaks: http (binary tensors) or grpc")] = "http",
     json_out: Annotated[Optional[Path], typer.Option("--json", help="write the results here")] = None,
     plots: Annotated[Optional[Path], typer.Option(help="write plots into this directory")] = None,
+    *,
+    controller_flags: dict[str, object],
 ) -> None:
     """Real servers, real HTTP (or gRPC): vanilla and rampserve on the same model, stream and open-loop trace."""
     from rampserve.bench.live import LiveSettings, live_table, run_live, versus_table
@@ -588,7 +710,7 @@ def bench_live(
     try:
         settings = LiveSettings(model=model, workload=workload, trace=trace, rate_rps=rate, duration_s=duration,
                                 accuracy_constraint=accuracy_constraint, exit_mode=exit_mode,
-                                feedback_share=feedback_share, saturation_s=saturation_s,
+                                feedback_share=feedback_share, controller=controller_flags, saturation_s=saturation_s,
                                 saturation_rounds=saturation_rounds, warmup_requests=warmup_requests,
                                 server_args=("--ramp-budget", str(ramp_budget), *(server_arg or ())),
                                 transport=transport)

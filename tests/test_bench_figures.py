@@ -1,6 +1,6 @@
 """Figures every benchmark reports per system: the share of 1,000-request windows below the accuracy target, a
-managed system's exit mode, and saturation as the highest rate whose p99 stays within the SLO (pure helpers, and
-the simulators' use of them on a hand-made scenario)."""
+managed system's exit mode, its configuration changes, and saturation as the highest rate whose p99 stays within
+the SLO (pure helpers, and the simulators' use of them on a hand-made scenario)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rampserve.bench.figures import controller_exit_mode, exit_mode_figures, windows_below_share
+from rampserve.bench.figures import (
+    configuration_changes, controller_exit_mode, exit_mode_figures, windows_below_share,
+)
 from rampserve.bench.queueing import max_rate_within_slo
 from rampserve.control.controller import ControllerSettings
 
@@ -64,6 +66,23 @@ def test_exit_mode_figures_release_runs_every_row_to_the_end():
         {"exit_mode": "stop", "feedback_share": 0.2}
     assert controller_exit_mode(ControllerSettings(exit_mode="release", feedback_share=0.2)) == \
         {"exit_mode": "release", "feedback_share": 1.0}
+
+
+# --- configuration_changes --------------------------------------------------------------------------------------
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.lists(st.sampled_from("abcd"), max_size=3, unique=True).map(sorted), max_size=30))
+def test_every_change_is_either_of_the_ramp_set_or_of_thresholds_alone(site_sets):
+    changes = configuration_changes(site_sets)
+    assert changes["ramp_set_changes"] + changes["threshold_changes"] == max(len(site_sets) - 1, 0)
+    assert changes["ramp_set_changes"] == sum(site_sets[i] != site_sets[i - 1] for i in range(1, len(site_sets)))
+
+
+def test_configuration_changes_compare_each_decision_with_the_one_before():
+    decisions = [("a", "c"), ("a", "c"), ("b",), ("b",), ("b",), ("a", "c")]
+    assert configuration_changes(decisions) == {"ramp_set_changes": 2, "threshold_changes": 3}
+    assert configuration_changes([["a"]]) == configuration_changes([]) == \
+        {"ramp_set_changes": 0, "threshold_changes": 0}
 
 
 # --- max_rate_within_slo ----------------------------------------------------------------------------------------

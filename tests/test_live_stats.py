@@ -194,12 +194,15 @@ def test_the_managed_exit_mode_is_what_the_server_reports_else_what_it_was_told(
     assert managed_exit_mode(LiveSettings(model="m"), None) == {"exit_mode": "release", "feedback_share": 1.0}
 
 
-def test_live_settings_pass_the_exit_mode_to_the_managed_server_only_when_given():
+def test_live_settings_pass_the_exit_mode_and_controller_settings_to_the_managed_server_only_when_given():
     assert LiveSettings().managed_args() == ("--accuracy-constraint", "0.01")
     assert LiveSettings(exit_mode="stop", feedback_share=0.1, accuracy_constraint=0.02).managed_args() == \
         ("--accuracy-constraint", "0.02", "--exit-mode", "stop", "--feedback-share", "0.1")
+    assert LiveSettings(controller={"objective": "p95", "search_every": 1024, "shadow_share": 0.1}).managed_args() == \
+        ("--accuracy-constraint", "0.01", "--objective", "p95", "--search-every", "1024", "--shadow-share", "0.1")
     for bad in ({"exit_mode": "halt"}, {"feedback_share": 1.5}, {"feedback_share": 0.0}, {"saturation_rounds": 0},
-                {"saturation_s": 2.0, "saturation_settle_s": 2.0}):
+                {"saturation_s": 2.0, "saturation_settle_s": 2.0}, {"controller": {"objective": "p75"}},
+                {"controller": {"guarantee": "hopeful"}}):
         with pytest.raises(ValueError):
             LiveSettings(**bad)
 

@@ -105,12 +105,33 @@ def test_bench_live_reads_configuration_changes_and_loop_lag_from_two_status_rep
                                "lag_samples_over_5ms": slow}}
 
     figures = server_figures(status(3, 4, 12.5), status(7, 10, 30.0), "m")
-    assert figures == {"config_changes": 4, "max_loop_lag_ms": 30.0, "loop_lag_samples_over_5ms": 6}
+    assert figures == {"config_changes": 4, "ramp_set_changes": None, "threshold_changes": None,
+                       "max_loop_lag_ms": 30.0, "loop_lag_samples_over_5ms": 6}
     # a peer's status, a failed read, an unknown model: nothing to report
     assert set(server_figures({"replicas": 2}, {"replicas": 2}, "m").values()) == {None}
     assert server_figures("GET /status: timed out", status(1, 0, 1.0), "m") == \
-        {"config_changes": None, "max_loop_lag_ms": 1.0, "loop_lag_samples_over_5ms": None}
+        {"config_changes": None, "ramp_set_changes": None, "threshold_changes": None, "max_loop_lag_ms": 1.0,
+         "loop_lag_samples_over_5ms": None}
     assert server_figures(status(1, 0, 1.0), status(1, 0, 1.0), "other")["config_changes"] is None
+
+
+def test_bench_live_tells_ramp_set_changes_from_threshold_changes_made_between_two_status_reports() -> None:
+    def decision(version: int, *sites: str) -> dict:
+        return {"version": version, "sites": list(sites), "thresholds": [0.1] * len(sites), "observed": 0,
+                "reason": ""}
+
+    def status(*decisions: dict) -> dict:
+        return {"models": {"m": {"configuration": decisions[-1], "decisions": list(decisions)}}}
+
+    made = [decision(0, "a"), decision(1, "a"), decision(2, "b"), decision(3, "b", "c"), decision(4, "b", "c"),
+            decision(5, "b", "c")]
+    # decision 1 was in force at the first read: from it, 2 and 3 changed the set, 4 and 5 thresholds alone
+    figures = server_figures(status(*made[:2]), status(*made), "m")
+    assert (figures["config_changes"], figures["ramp_set_changes"], figures["threshold_changes"]) == (4, 2, 2)
+    # nothing decided in between; no decisions at all (vanilla)
+    assert server_figures(status(*made), status(*made), "m")["ramp_set_changes"] == 0
+    vanilla = {"models": {"m": {"configuration": decision(0)}}}
+    assert server_figures(vanilla, vanilla, "m")["threshold_changes"] is None
 
 
 def test_the_live_table_shows_configuration_changes_and_loop_lag() -> None:
@@ -119,7 +140,10 @@ def test_the_live_table_shows_configuration_changes_and_loop_lag() -> None:
               "exit_share": 0.0, "mean_batch_size": None, "oracle_share": None}
     report = {"systems": {"vanilla": system | {"config_changes": 0, "max_loop_lag_ms": 12.34,
                                                "loop_lag_samples_over_5ms": 3},
-                          "peer": system}}
-    vanilla, peer = (dict(zip(TABLE_COLUMNS, row, strict=True)) for row in table_rows(report))
+                          "peer": system,
+                          "rampserve": system | {"config_changes": 7, "ramp_set_changes": 2, "threshold_changes": 5}}}
+    vanilla, peer, managed = (dict(zip(TABLE_COLUMNS, row, strict=True)) for row in table_rows(report))
     assert (vanilla["configs"], vanilla["max loop lag ms"], vanilla["lag >5 ms"]) == ("0", "12.3", "3")
     assert (peer["configs"], peer["max loop lag ms"], peer["lag >5 ms"]) == ("-", "-", "-")
+    assert (managed["configs"], managed["set changes"], managed["threshold changes"]) == ("7", "2", "5")
+    assert (peer["set changes"], peer["threshold changes"]) == ("-", "-")

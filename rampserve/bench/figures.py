@@ -1,7 +1,10 @@
 """Figures every benchmark reports per system, whatever serves it (simulated queue or live server): how often
-accuracy over a window of requests fell below the constraint, and how a managed system's exits ran."""
+accuracy over a window of requests fell below the constraint, how a managed system's exits ran, and how often its
+controller changed the ramp set against the thresholds alone."""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -41,3 +44,12 @@ def exit_mode_figures(exit_mode: str, feedback_share: float) -> dict:
 def controller_exit_mode(settings: ControllerSettings) -> dict:
     """`exit_mode_figures` of a managed system's controller settings."""
     return exit_mode_figures(settings.exit_mode, settings.feedback_share)
+
+
+def configuration_changes(site_sets: Sequence[Sequence[str]]) -> dict[str, int]:
+    """How a controller's decisions changed its configuration, given each decision's active sites in order (the
+    configuration in force before the first change first): `ramp_set_changes` counts decisions whose sites differ
+    from the previous decision's, `threshold_changes` those that kept the sites (only thresholds moved)."""
+    sets = [tuple(s) for s in site_sets]
+    changed = sum(a != b for a, b in zip(sets, sets[1:]))
+    return {"ramp_set_changes": changed, "threshold_changes": max(len(sets) - 1, 0) - changed}

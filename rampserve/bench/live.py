@@ -9,7 +9,8 @@ trace simulator's oracle on the same stream and arrivals gives the savings an ex
 
 Per-system figures carry `bench sim`'s keys. Latency percentiles, accuracy and exits are over answered requests;
 shed (429/503) and failed requests (other errors, timeouts) are counted apart. From the server's own status:
-configurations it adopted during the run and its event loop's lag (`server_figures`).
+configurations it adopted during the run, of them those that changed the ramp set and those that moved thresholds
+alone, and its event loop's lag (`server_figures`).
 
 Each system's `saturation_rps` is its own closed-loop saturation, measured as `bench peers` measures it
 (`measure_saturation`, the median of `saturation_rounds` probes, every round reported): vanilla's before its replay
@@ -24,7 +25,7 @@ from __future__ import annotations
 
 import itertools
 import tempfile
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -32,7 +33,7 @@ import torch
 from rich.table import Table
 from tqdm.auto import tqdm
 
-from rampserve.bench.figures import ACCURACY_WINDOW, exit_mode_figures, windows_below_share
+from rampserve.bench.figures import ACCURACY_WINDOW, configuration_changes, exit_mode_figures, windows_below_share
 from rampserve.bench.harness import (
     QUANTILES, TRANSPORTS, ServerProcess, encode_items, fmt, get_json, mean_batch_size, measure_saturation,
     most_frequent, percentiles, rampserve_serve, ratio, renamed, require_answers, run_loadgen, write_json,
@@ -94,6 +95,10 @@ class LiveSettings:
     # end (`--feedback-share`); None: not passed, the server's defaults
     exit_mode: str | None = None
     feedback_share: float | None = None
+    # More of the managed server's controller settings, as ControllerSettings fields given to it as `rampserve serve`
+    # options (objective, guarantee, risk_target_share, confidence, search_every, history, shadow_share); absent:
+    # the server's defaults
+    controller: dict[str, float | int | str] = field(default_factory=dict)
     # What the client speaks: v2 over HTTP with Triton's binary tensors, or KServe v2 over gRPC (raw contents). The
     # one-at-a-time overhead is measured over both either way.
     transport: str = "http"
@@ -110,12 +115,15 @@ class LiveSettings:
             raise ValueError(f"exit mode is one of {EXIT_MODES}, not {self.exit_mode!r}")
         if self.feedback_share is not None and not 0.0 < self.feedback_share <= 1.0:
             raise ValueError(f"feedback share must lie in (0, 1], got {self.feedback_share}")
+        ControllerSettings(**self.controller)  # what the server would refuse to start with
 
     def managed_args(self) -> tuple[str, ...]:
         """`rampserve serve` options of the managed server alone, before `server_args` (which may override)."""
         return ("--accuracy-constraint", f"{self.accuracy_constraint:g}",
                 *(("--exit-mode", self.exit_mode) if self.exit_mode is not None else ()),
-                *(("--feedback-share", f"{self.feedback_share:g}") if self.feedback_share is not None else ()))
+                *(("--feedback-share", f"{self.feedback_share:g}") if self.feedback_share is not None else ()),
+                *(arg for name, value in self.controller.items()
+                  for arg in (f"--{name.replace('_', '-')}", f"{value:g}" if isinstance(value, float) else str(value))))
 
 
 # --- statistics (pure) ----------------------------------------------------------------------------------------
@@ -135,17 +143,36 @@ def live_arrivals(trace: str, n: int, rate_rps: float, seed: int, trace_minutes:
 
 def server_figures(before: dict | str | None, after: dict | str | None, model: str) -> dict[str, float | None]:
     """What the server reports of itself between two status reads: `config_changes` (how far the model's
-    configuration version moved), `loop_lag_samples_over_5ms` (event-loop lag samples over 5 ms taken in between)
-    and `max_loop_lag_ms`, the largest lag since the server became ready: the status keeps no maximum per run, so
-    this bounds the run's from above (a vanilla server's covers its saturation probe too). None where a report
-    lacks the figure (a peer server, a failed read)."""
+    configuration version moved), of the controller's decisions in between those that changed the ramp set and
+    those that moved thresholds alone (`decision_changes`), `loop_lag_samples_over_5ms` (event-loop lag samples
+    over 5 ms taken in between) and `max_loop_lag_ms`, the largest lag since the server became ready: the status
+    keeps no maximum per run, so this bounds the run's from above (a vanilla server's covers its saturation probe
+    too). None where a report lacks the figure (a peer server, a failed read)."""
     def change(*path: str) -> float | None:
         first, last = _status_number(before, path), _status_number(after, path)
         return None if first is None or last is None else last - first
 
     return {"config_changes": change("models", model, "configuration", "version"),
+            **decision_changes(before, after, model),
             "max_loop_lag_ms": _status_number(after, ("event_loop", "max_lag_ms")),
             "loop_lag_samples_over_5ms": change("event_loop", "lag_samples_over_5ms")}
+
+
+def decision_changes(before: dict | str | None, after: dict | str | None, model: str) -> dict[str, int | None]:
+    """`configuration_changes` of the controller decisions the model's status lists at the second read from the one
+    in force at the first read on (decisions carry their configuration's version); None for both where either read
+    lists none (a vanilla server, a failed read)."""
+    first, last = _decisions(before, model), _decisions(after, model)
+    if not first or not last:
+        return {"ramp_set_changes": None, "threshold_changes": None}
+    since = [d for d in last if d["version"] >= first[-1]["version"]]
+    return configuration_changes([d["sites"] for d in since])
+
+
+def _decisions(status: dict | str | None, model: str) -> list[dict] | None:
+    model_status = status.get("models", {}).get(model) if isinstance(status, dict) else None
+    decisions = model_status.get("decisions") if isinstance(model_status, dict) else None
+    return decisions if isinstance(decisions, list) else None
 
 
 def _status_number(status: dict | str | None, path: tuple[str, ...]) -> float | None:
@@ -231,6 +258,7 @@ def table_rows(report: dict) -> list[tuple[str, ...]]:
             fmt(s["accuracy"], ".4f"), fmt(s["worst_window_accuracy"], ".3f"),
             fmt(s.get("windows_below_share"), ".1%"), fmt(s["exit_share"], ".1%"), _mode(s),
             fmt(s["mean_batch_size"], ".2f"), fmt(s.get("config_changes"), "d"),
+            fmt(s.get("ramp_set_changes"), "d"), fmt(s.get("threshold_changes"), "d"),
             fmt(s.get("max_loop_lag_ms"), ".1f"), fmt(s.get("loop_lag_samples_over_5ms"), "d"),
             *(fmt(ratio(s.get(key), vanilla.get(key)), ".2f")
               for key in ("saturation_rps", "p50_ms", "p99_ms", "throughput_rps")),
@@ -241,7 +269,8 @@ def table_rows(report: dict) -> list[tuple[str, ...]]:
 
 TABLE_COLUMNS = ("system", "sent", "shed", "failed", "p25 ms", "p50 ms", "p95 ms", "p99 ms", "rps", "sat rps",
                  "accuracy", "worst 1k", "1k <target", "exits", "exit mode", "mean batch", "configs",
-                 "max loop lag ms", "lag >5 ms", "sat ×van", "p50 ×van", "p99 ×van", "rps ×van", "oracle share")
+                 "set changes", "threshold changes", "max loop lag ms", "lag >5 ms", "sat ×van", "p50 ×van",
+                 "p99 ×van", "rps ×van", "oracle share")
 
 
 def _at_most(value: float | None, bound: float) -> bool | None:

@@ -2,29 +2,37 @@
 each configuration's latency from the model's measured profile, and compare exit policies (Apparate §5).
 
 Ramp outputs are real (computed once per input by `ramp_outputs`); time is simulated. The controller's
-configurations apply only once it would have finished computing them (its measured decision time after the
-batch that triggered them), and every active ramp's cost is charged to every batch it runs in.
+configurations apply only once it would have finished computing them (its decision time after the batch that
+triggered them), and every active ramp's cost is charged to every batch it runs in.
+
+A run is a function of its settings (model, stream, trace, seed and the rest): every draw is seeded, and what the
+clock measured (each stage's seconds, the controller's measured decision times) is kept apart in the report's
+`wall` section. `run_seeds` repeats a run over seeds and sums each system's figures up over them
+(`seed_summary`).
 """
 
 from __future__ import annotations
 
 import itertools
+import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 from tqdm.auto import tqdm
 
-from rampserve.bench.figures import controller_exit_mode, windows_below_share
+from rampserve.bench.figures import configuration_changes, controller_exit_mode, windows_below_share
+from rampserve.bench.harness import ratio
 from rampserve.bench.queueing import BatchOutcome, QueueResult, max_rate_within_slo, run_queue
 from rampserve.bench.ramp_outputs import RampOutputs, ramp_outputs
 from rampserve.control.controller import Controller, ControllerSettings
 from rampserve.control.costs import CostModel
 from rampserve.control.ramps import fits_budget, initial_sites
 from rampserve.control.records import NO_EXIT, NO_LABEL, BatchRecord, Configuration
-from rampserve.control.thresholds import ExitData, evaluate, tune_greedy
+from rampserve.control.thresholds import ExitData, TuningResult, evaluate, tune_greedy
 from rampserve.ramps.oracle import earliest_correct_exit
 from rampserve.runtime.bundle import load_bundle
 from rampserve.runtime.latency import max_batch_for_slo
@@ -35,6 +43,10 @@ from rampserve.workloads.traces import arrival_times
 SATURATION_LOW, SATURATION_HIGH = 0.01, 10.0
 STATIC_SAMPLE = 0.1  # share of the evaluation stream the static baselines are tuned on (uniformly drawn)
 SHARED_THRESHOLDS = np.round(np.arange(0.0, 1.0, 0.005), 6)
+# The static-hindsight baseline tunes every ramp set within the budget when there are at most this many (resnet18:
+# 162 at a 2% budget); beyond, a beam search of this width (mpnet-rt: 2,047 sets, 10 to 26 minutes exhaustively)
+HINDSIGHT_EXHAUSTIVE_SETS = 256
+HINDSIGHT_BEAM = 8
 
 
 @dataclass(frozen=True)
@@ -50,7 +62,10 @@ class SimSettings:
     controller: ControllerSettings = field(default_factory=ControllerSettings)
     risk_step_sweep: tuple[float, ...] = (0.02, 0.05, 0.2)  # rolling risk control's step (see control.risk)
     worst_window: int = 1000
+    saturation: bool = True  # search each system's saturation, then run vanilla and rampserve at half of vanilla's
     saturation_requests: int = 20_000  # stream prefix the saturation search replays at each rate
+    hindsight_exhaustive_sets: int = HINDSIGHT_EXHAUSTIVE_SETS
+    hindsight_beam: int = HINDSIGHT_BEAM
     small: bool = False
     bundle: Path | None = None  # a prepared bundle to use instead of the zoo model's
 
@@ -178,20 +193,83 @@ def shared_threshold(data: ExitData, target_accuracy: float) -> float:
     return best
 
 
+RampSet = tuple[str, ...]
+
+
+def sets_within(sites: Sequence[str], fits: Callable[[RampSet], bool]) -> Iterator[RampSet]:
+    """Every ramp set that `fits`, by size, then in the sites' order. A ramp's cost is never negative, so once
+    no set of a size fits, no larger one does."""
+    for size in range(1, len(sites) + 1):
+        found = False
+        for chosen in itertools.combinations(sites, size):
+            if fits(chosen):
+                found = True
+                yield chosen
+        if not found:
+            return
+
+
+def beam_search(sites: Sequence[str], fits: Callable[[RampSet], bool], saving: Callable[[RampSet], float],
+                width: int) -> list[RampSet]:
+    """Ramp sets grown one site at a time within `fits`: every single site, then each size's sets that extend one
+    of the `width` best (by `saving`; ties to the earlier set) of the size below. Returns every set scored, by
+    size, then in the sites' order. Every k + 1-site set that fits has k-site subsets that fit, so with `width` at
+    least the number of sets that fit, the search scores all of them."""
+    if width < 1:
+        raise ValueError(f"beam width must be at least 1, got {width}")
+    position = {s: i for i, s in enumerate(sites)}
+
+    def in_order(chosen: RampSet) -> list[int]:
+        return [position[s] for s in chosen]
+
+    scored: list[RampSet] = []
+    level = [(s,) for s in sites if fits((s,))]
+    while level:
+        scored += level
+        kept = sorted(level, key=saving, reverse=True)[:width]  # stable: ties keep the earlier set
+        grown = {tuple(sorted((*chosen, s), key=position.__getitem__)) for chosen in kept for s in sites
+                 if s not in chosen}
+        level = sorted((chosen for chosen in grown if fits(chosen)), key=in_order)
+    return scored
+
+
+@dataclass(frozen=True)
+class HindsightSearch:
+    configuration: Configuration
+    saved_ms: float  # its mean saving on the evaluation stream (-inf when no set fits the budget)
+    search: str  # "exhaustive" or "beam"
+    tuned: int  # ramp sets whose thresholds were tuned
+
+
 def hindsight_configuration(scenario: Scenario, batch_sizes: np.ndarray, budget: float, budget_batch: int,
-                            target_accuracy: float) -> tuple[Configuration, int]:
+                            target_accuracy: float, exhaustive_sets: int = HINDSIGHT_EXHAUSTIVE_SETS,
+                            beam: int = HINDSIGHT_BEAM) -> HindsightSearch:
     """The paper's "-opt" baselines: the best fixed ramp set within the ramp budget and its thresholds, tuned
-    with the whole evaluation stream in hand. Returns it and how many ramp sets were searched."""
-    sites = scenario.costs.sites
+    with the whole evaluation stream in hand. Every set that fits when at most `exhaustive_sets` do, else the
+    sets a `beam_search` of width `beam` reaches; among equal savings, the smaller set, then the earlier."""
+    costs = scenario.costs
     rows = np.arange(len(batch_sizes))
-    sets = [s for k in range(1, len(sites) + 1) for s in itertools.combinations(sites, k)
-            if fits_budget(scenario.costs, s, budget, budget_batch)]
-    best = (-np.inf, Configuration(0, (), ()))
-    for chosen in tqdm(sets, desc="static hindsight: ramp sets", unit="set"):
-        tuned = tune_greedy(exit_data(scenario, rows, chosen, batch_sizes), target_accuracy)
-        if tuned.saved_ms > best[0]:
-            best = (tuned.saved_ms, Configuration(0, chosen, tuple(float(t) for t in tuned.thresholds)))
-    return best[1], len(sets)
+    tuned: dict[RampSet, TuningResult] = {}
+
+    def fits(chosen: RampSet) -> bool:
+        return fits_budget(costs, chosen, budget, budget_batch)
+
+    few = list(itertools.islice(sets_within(costs.sites, fits), exhaustive_sets + 1))
+    search = "exhaustive" if len(few) <= exhaustive_sets else "beam"
+    with tqdm(total=len(few) if search == "exhaustive" else None, desc=f"static hindsight: ramp sets ({search})",
+              unit="set", leave=False) as bar:
+        def saving(chosen: RampSet) -> float:
+            if chosen not in tuned:
+                tuned[chosen] = tune_greedy(exit_data(scenario, rows, chosen, batch_sizes), target_accuracy)
+                bar.update()
+            return tuned[chosen].saved_ms
+
+        candidates = few if search == "exhaustive" else beam_search(costs.sites, fits, saving, beam)
+        if not candidates:
+            return HindsightSearch(Configuration(0, (), ()), -np.inf, search, 0)
+        best = max(candidates, key=saving)  # the first of equals: candidates come by size, then in model order
+    thresholds = tuple(float(t) for t in tuned[best].thresholds)
+    return HindsightSearch(Configuration(0, best, thresholds), tuned[best].saved_ms, search, len(tuned))
 
 
 def mean_rate_rps(arrivals_ms: np.ndarray) -> float:
@@ -242,18 +320,26 @@ def summarize(run: SystemRun, worst_window: int) -> dict:
     }
     if run.controller is not None:
         times = run.controller.times
+        decisions = run.controller.decisions
         summary |= {
-            "tune_ms_mean": float(np.mean(times.tune_ms)) if times.tune_ms else 0.0,
             "tunings": len(times.tune_ms),
-            "adjust_ms_mean": float(np.mean(times.adjust_ms)) if times.adjust_ms else 0.0,
             "adjustments": len(times.adjust_ms),
-            "configurations": len(run.controller.decisions),
+            "configurations": len(decisions),
+            **configuration_changes([d.configuration.sites for d in decisions]),
             "mean_active_ramps": _mean_active_ramps(run),
         }
     elif run.applied and run.applied[0][1].sites:
         config = run.applied[0][1]
         summary |= {"sites": list(config.sites), "thresholds": list(config.thresholds)}
     return summary
+
+
+def measured_decision_times(controller: Controller) -> dict:
+    """The controller's decision times as the clock measured them: they differ run to run."""
+    times = controller.times
+    return {"tune_ms_mean": float(np.mean(times.tune_ms)) if times.tune_ms else 0.0,
+            "adjust_ms_mean": float(np.mean(times.adjust_ms)) if times.adjust_ms else 0.0,
+            "decision_ms": [d.decision_ms for d in controller.decisions]}
 
 
 def _mean_active_ramps(run: SystemRun) -> float:
@@ -303,25 +389,33 @@ def load_scenario(settings: SimSettings) -> tuple[Scenario, dict]:
     return scenario, info
 
 
+@contextmanager
+def _stage(name: str, seconds: dict[str, float], progress: Callable[[str], None]) -> Iterator[None]:
+    """Announce a stage of a run and record the seconds it took."""
+    progress(name)
+    start = time.perf_counter()
+    yield
+    seconds[name] = time.perf_counter() - start
+
+
 def run_sim(settings: SimSettings, progress: Callable[[str], None] = lambda _: None) -> SimResult:
-    scenario, info = load_scenario(settings)
+    seconds: dict[str, float] = {}
+    with _stage("scenario", seconds, progress):
+        scenario, info = load_scenario(settings)
     control = settings.controller
     target = control.target_accuracy
     runs: dict[str, SystemRun] = {}
 
-    progress("vanilla")
-    runs["vanilla"] = replay(scenario, Configuration(0, (), ()))
+    with _stage("vanilla", seconds, progress):
+        runs["vanilla"] = replay(scenario, Configuration(0, (), ()))
     batch_sizes = runs["vanilla"].queue.batch_sizes[runs["vanilla"].queue.batch_of]
     budget_batch = control.budget_batch_size or int(np.median(batch_sizes))
-    progress("oracle")
-    runs["oracle"] = replay_oracle(scenario)
+    with _stage("oracle", seconds, progress):
+        runs["oracle"] = replay_oracle(scenario)
 
     n = len(batch_sizes)
     sample = np.sort(np.random.default_rng(settings.seed).choice(n, int(n * STATIC_SAMPLE), replace=False))
     all_sites = scenario.costs.sites
-    sample_data = exit_data(scenario, sample, all_sites, batch_sizes[sample])
-    shared = shared_threshold(sample_data, target)
-    per_ramp = tune_greedy(sample_data, target).thresholds
     stop = control.stops  # static systems in stop mode stop every exit: they learn nothing from the end
 
     def static(config: Configuration, scenario_: Scenario = scenario) -> SystemRun:
@@ -331,58 +425,67 @@ def run_sim(settings: SimSettings, progress: Callable[[str], None] = lambda _: N
         controller = Controller(scenario_.costs.profile, settings_)
         return replay(scenario_, controller.configuration(), controller, stop, settings_.kept_share, settings.seed)
 
-    progress("static baselines")
-    static_configs = {
-        "static_shared": Configuration(0, all_sites, (shared,) * len(all_sites)),
-        "static_per_ramp": Configuration(0, all_sites, tuple(float(t) for t in per_ramp))}
-    hindsight, searched = hindsight_configuration(scenario, batch_sizes, control.ramp_budget, budget_batch, target)
-    static_configs["static_hindsight"] = hindsight
-    for name, config in static_configs.items():
-        runs[name] = static(config)
+    with _stage("static hindsight", seconds, progress):
+        hindsight = hindsight_configuration(scenario, batch_sizes, control.ramp_budget, budget_batch, target,
+                                            settings.hindsight_exhaustive_sets, settings.hindsight_beam)
+    with _stage("static baselines", seconds, progress):
+        sample_data = exit_data(scenario, sample, all_sites, batch_sizes[sample])
+        shared = shared_threshold(sample_data, target)
+        per_ramp = tune_greedy(sample_data, target).thresholds
+        static_configs = {
+            "static_shared": Configuration(0, all_sites, (shared,) * len(all_sites)),
+            "static_per_ramp": Configuration(0, all_sites, tuple(float(t) for t in per_ramp)),
+            "static_hindsight": hindsight.configuration}
+        for name, config in static_configs.items():
+            runs[name] = static(config)
 
-    progress("rampserve")
-    runs["rampserve"] = managed(control)
-    spread = initial_sites(scenario.costs, control.ramp_budget, budget_batch)
-    runs["rampserve_no_adjust"] = managed(replace(control, ramp_adjustment=False, initial=spread))
-    runs["rampserve_no_tuning"] = managed(replace(control, threshold_tuning=False, start_thresholds=dict(
-        zip(all_sites, (float(t) for t in per_ramp)))))
+    managed_settings = {
+        "rampserve": control,
+        "rampserve_no_adjust": replace(control, ramp_adjustment=False,
+                                       initial=initial_sites(scenario.costs, control.ramp_budget, budget_batch)),
+        "rampserve_no_tuning": replace(control, threshold_tuning=False, start_thresholds=dict(
+            zip(all_sites, (float(t) for t in per_ramp))))}
+    with _stage("rampserve", seconds, progress):
+        for name, settings_ in managed_settings.items():
+            runs[name] = managed(settings_)
     systems = with_savings({name: summarize(run, settings.worst_window) for name, run in runs.items()})
-    systems["static_hindsight"]["ramp_sets_searched"] = searched
+    systems["static_hindsight"] |= {"ramp_set_search": hindsight.search, "ramp_sets_tuned": hindsight.tuned}
     for name, run in runs.items():
         systems[name]["windows_below_share"] = windows_below_share(run.correct, target)
         if run.controller is not None:
             systems[name] |= controller_exit_mode(run.controller.settings)
 
-    # Saturation: the trace replayed faster or slower (its shape kept) on a prefix of the stream, each run with a
-    # fresh controller; then vanilla and rampserve at half of vanilla's saturation
-    prefix = _prefix(scenario, settings.saturation_requests)
-    runners: dict[str, Callable[[Scenario], SystemRun]] = {
-        "vanilla": lambda sc: replay(sc, Configuration(0, (), ())), "oracle": replay_oracle,
-        **{name: (lambda sc, c=config: static(c, sc)) for name, config in static_configs.items()},
-        "rampserve": lambda sc: managed(control, sc),
-        "rampserve_no_adjust": lambda sc: managed(replace(control, ramp_adjustment=False, initial=spread), sc),
-        "rampserve_no_tuning": lambda sc: managed(replace(control, threshold_tuning=False, start_thresholds=dict(
-            zip(all_sites, (float(t) for t in per_ramp)))), sc)}
-    capacity = 1000.0 / scenario.costs.profile.full(1)
-    for name, run_at in tqdm(runners.items(), desc="saturation", unit="system"):
-        systems[name]["saturation_rps"] = trace_saturation(
-            lambda arrivals, run=run_at: run(replace(prefix, arrivals_ms=arrivals)), prefix.arrivals_ms,
-            info["slo_ms"], capacity)
-    half_rate = systems["vanilla"]["saturation_rps"] / 2
-    progress(f"vanilla and rampserve at half of vanilla's saturation ({half_rate:.0f} rps)")
-    half = replace(scenario, arrivals_ms=scenario.arrivals_ms * (mean_rate_rps(scenario.arrivals_ms) / half_rate))
-    at_half = {name: summarize(runners[name](half), settings.worst_window) for name in ("vanilla", "rampserve")}
-    at_half = {"rate_rps": half_rate, "systems": at_half,
-               "p50_ratio": at_half["rampserve"]["p50_ms"] / at_half["vanilla"]["p50_ms"],
-               "p99_ratio": at_half["rampserve"]["p99_ms"] / at_half["vanilla"]["p99_ms"]}
+    at_half = None
+    if settings.saturation:
+        # The trace replayed faster or slower (its shape kept) on a prefix of the stream, each run with a fresh
+        # controller; then vanilla and rampserve at half of vanilla's saturation
+        prefix = _prefix(scenario, settings.saturation_requests)
+        runners: dict[str, Callable[[Scenario], SystemRun]] = {
+            "vanilla": lambda sc: replay(sc, Configuration(0, (), ())), "oracle": replay_oracle,
+            **{name: (lambda sc, c=config: static(c, sc)) for name, config in static_configs.items()},
+            **{name: (lambda sc, c=settings_: managed(c, sc)) for name, settings_ in managed_settings.items()}}
+        capacity = 1000.0 / scenario.costs.profile.full(1)
+        with _stage("saturation", seconds, progress):
+            for name, run_at in tqdm(runners.items(), desc="saturation", unit="system", leave=False):
+                systems[name]["saturation_rps"] = trace_saturation(
+                    lambda arrivals, run=run_at: run(replace(prefix, arrivals_ms=arrivals)), prefix.arrivals_ms,
+                    info["slo_ms"], capacity)
+        half_rate = systems["vanilla"]["saturation_rps"] / 2
+        with _stage("vanilla and rampserve at half of vanilla's saturation", seconds, progress):
+            half = replace(scenario,
+                           arrivals_ms=scenario.arrivals_ms * (mean_rate_rps(scenario.arrivals_ms) / half_rate))
+            at_half = {name: summarize(runners[name](half), settings.worst_window) for name in ("vanilla", "rampserve")}
+        at_half = {"rate_rps": half_rate, "systems": at_half,
+                   "p50_ratio": at_half["rampserve"]["p50_ms"] / at_half["vanilla"]["p50_ms"],
+                   "p99_ratio": at_half["rampserve"]["p99_ms"] / at_half["vanilla"]["p99_ms"]}
 
     sweep = {}
     for step in settings.risk_step_sweep:
         if step == control.risk_step:
             sweep[str(step)] = systems["rampserve"]
             continue
-        progress(f"rampserve, risk step {step}")
-        run = managed(replace(control, risk_step=step))
+        with _stage(f"rampserve, risk step {step}", seconds, progress):
+            run = managed(replace(control, risk_step=step))
         sweep[str(step)] = summarize(run, settings.worst_window) | {
             "windows_below_share": windows_below_share(run.correct, target)}
     kept = ("accuracy", "worst_window_accuracy", "windows_below_share", "p50_ms", "p95_ms", "exit_share", "tunings")
@@ -390,12 +493,88 @@ def run_sim(settings: SimSettings, progress: Callable[[str], None] = lambda _: N
              for w, s in sweep.items()}
     rampserve = runs["rampserve"].controller
     report = info | {
+        "seed": settings.seed,
         "budget_batch_size": budget_batch,
         "controller": {k: v for k, v in vars(control).items() if k != "start_thresholds"},
         "systems": systems,
-        "saturation_ratio": systems["rampserve"]["saturation_rps"] / systems["vanilla"]["saturation_rps"],
+        "saturation_ratio": ratio(systems["rampserve"].get("saturation_rps"),
+                                  systems["vanilla"].get("saturation_rps")),
         "at_half_vanilla_saturation": at_half,
         "risk_step_sweep": sweep,
-        "decisions": [d.to_json() for d in rampserve.decisions] if rampserve else [],
+        "decisions": [_without_wall(d.to_json()) for d in rampserve.decisions],
+        # measured by the clock: differs run to run, whatever the settings
+        "wall": {"stage_s": seconds, "decisions": {name: measured_decision_times(run.controller)
+                                                   for name, run in runs.items() if run.controller is not None}},
     }
     return SimResult(report, runs, scenario)
+
+
+def _without_wall(decision: dict) -> dict:
+    """A decision as the report keeps it: the time it took to make is the clock's (see `wall`)."""
+    return {k: v for k, v in decision.items() if k != "decision_ms"}
+
+
+# --- several seeds --------------------------------------------------------------------------------------------
+
+# Each figure `seed_summary` sums up over seeds, and which way is worse: "low" (the lowest seed is the worst) or
+# "high". The configuration changes count a managed system's churn: its "worst" seed is the one with the most.
+SEED_FIGURES: dict[str, str] = {
+    "accuracy": "low", "windows_below_share": "high", "p50_ratio": "high", "p99_ratio": "high",
+    "exit_share": "low", "oracle_share": "low", "saturation_ratio": "low",
+    "ramp_set_changes": "high", "threshold_changes": "high"}
+
+
+def seed_figures(report: dict) -> dict[str, dict[str, float | None]]:
+    """Per system of one run's report, the figures of SEED_FIGURES: latency and saturation as ratios to vanilla's
+    (None where the run has no such figure: no saturation search, no oracle savings, no controller)."""
+    systems = report["systems"]
+    vanilla = systems["vanilla"]
+    return {name: {"accuracy": s["accuracy"], "windows_below_share": s.get("windows_below_share"),
+                   **{f"{q}_ratio": ratio(s[f"{q}_ms"], vanilla[f"{q}_ms"]) for q in ("p50", "p99")},
+                   "exit_share": s["exit_share"], "oracle_share": s.get("oracle_share"),
+                   "saturation_ratio": ratio(s.get("saturation_rps"), vanilla.get("saturation_rps")),
+                   "ramp_set_changes": s.get("ramp_set_changes"), "threshold_changes": s.get("threshold_changes")}
+            for name, s in systems.items()}
+
+
+def seed_summary(per_seed: Sequence[dict[str, dict[str, float | None]]]) -> dict[str, dict[str, dict | None]]:
+    """Per system and figure (`seed_figures` of each seed's run, seeds in order), over the seeds that have it: the
+    median, the worst value (SEED_FIGURES says which way) and its seed's index (the first of equals); None for a
+    figure no seed has."""
+    systems = list(dict.fromkeys(name for figures in per_seed for name in figures))
+    summary: dict[str, dict[str, dict | None]] = {}
+    for name in systems:
+        summary[name] = {}
+        for figure, worse in SEED_FIGURES.items():
+            values = [(seed, figures[name][figure]) for seed, figures in enumerate(per_seed)
+                      if figures.get(name, {}).get(figure) is not None]
+            if not values:
+                summary[name][figure] = None
+                continue
+            sign = -1.0 if worse == "high" else 1.0
+            worst_seed, worst = min(values, key=lambda sv: sign * sv[1])
+            summary[name][figure] = {"median": float(np.median([v for _, v in values])), "worst": worst,
+                                     "worst_seed": worst_seed, "seeds": len(values)}
+    return summary
+
+
+@dataclass
+class SeedsResult:
+    results: list[SimResult]  # seed 0, 1, ...
+    summary: dict  # `seed_summary` of their reports
+
+    def report(self) -> dict:
+        return {"seeds": [r.report for r in self.results], "summary": self.summary}
+
+
+def run_seeds(settings: SimSettings, seeds: int, progress: Callable[[str], None] = lambda _: None) -> SeedsResult:
+    """The whole simulation once per seed 0 .. seeds - 1 (each its own stream order and trace), and the
+    summary of each system's figures over them; one seed: the run as `settings` has it."""
+    if seeds < 1:
+        raise ValueError(f"need at least one seed, got {seeds}")
+    if seeds == 1:
+        results = [run_sim(settings, progress)]
+    else:
+        results = [run_sim(replace(settings, seed=seed), lambda stage, seed=seed: progress(f"seed {seed}: {stage}"))
+                   for seed in tqdm(range(seeds), desc="seeds", unit="seed")]
+    return SeedsResult(results, seed_summary([seed_figures(r.report) for r in results]))
