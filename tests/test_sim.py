@@ -6,14 +6,12 @@ from __future__ import annotations
 import itertools
 import json
 from dataclasses import replace
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import rampserve.control.controller as controller_module
 from rampserve.bench.ramp_outputs import RampOutputs
 from rampserve.bench.sim import (
     SEED_FIGURES, Scenario, SimSettings, beam_search, hindsight_configuration, replay, replay_oracle, run_seeds,
@@ -82,18 +80,6 @@ def test_a_new_configuration_applies_only_after_the_controller_would_have_comput
     assert later.any() and run.correct[later].all()
 
 
-@pytest.fixture(scope="module")
-def fixed_decision_clock():
-    """The controller's clock, ticking 0.1 ms per reading. On this branch `Controller.last_decision_ms`, which
-    delays each configuration in the simulator, is a measured time; a fixed clock stands in for the modelled
-    figure that replaces it, so that the tests below judge the simulator's own determinism. (Once the controller
-    models its decision time, this fixture goes.)"""
-    ticks = itertools.count()
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(controller_module, "time", SimpleNamespace(perf_counter=lambda: next(ticks) * 1e-4))
-        yield
-
-
 def small_sim_settings(bundle) -> SimSettings:
     return SimSettings(model="resnet18-fmnist", workload="fmnist-drift", trace="poisson", length=3000,
                        bundle=bundle, risk_step_sweep=(0.05, 0.2), saturation_requests=1000,
@@ -101,7 +87,7 @@ def small_sim_settings(bundle) -> SimSettings:
 
 
 @pytest.fixture(scope="module")
-def small_sim(resnet_bundle, fixed_decision_clock):
+def small_sim(resnet_bundle):
     return run_sim(small_sim_settings(resnet_bundle))
 
 
@@ -144,7 +130,7 @@ def test_the_same_settings_give_the_same_report_but_for_its_wall_clock_section(s
     assert without_wall(again) == without_wall(first)
 
 
-def test_several_seeds_sum_up_each_system_without_saturation(resnet_bundle, fixed_decision_clock):
+def test_several_seeds_sum_up_each_system_without_saturation(resnet_bundle):
     settings_ = replace(small_sim_settings(resnet_bundle), length=1500, saturation=False, risk_step_sweep=())
     result = run_seeds(settings_, 2)
     reports = [r.report for r in result.results]
