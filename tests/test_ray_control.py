@@ -49,8 +49,14 @@ def test_replicas_share_one_controller_and_apply_what_it_publishes(local_ray, re
     status = ray.get(actor.status.remote())
     assert len(answers) == 2 * 6 * len(fmnist_feeds)
     assert len(status["decisions"]) > 1  # it changed the configuration
-    # Both replicas serve what the one controller published last, and its window saw both replicas' inputs.
-    assert [w.configuration for w in workers] == [published, published]
+    # Each replica served a configuration the one controller published, and holds the last one once it asks (the
+    # other replica's last records may have changed it after this one's last answer); the controller's window saw
+    # both replicas' inputs.
+    versions = {d["version"] for d in status["decisions"]}
+    assert all(w.configuration.version in versions for w in workers)
+    for worker in workers:
+        worker.control.refresh()
+    assert [w.control.configuration() for w in workers] == [published, published]
     assert status["inputs_observed"] == sum(w.inputs_served for w in workers) == len(answers)
 
 
