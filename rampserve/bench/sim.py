@@ -124,7 +124,8 @@ def replay(scenario: Scenario, start: Configuration, controller: Controller | No
         errors = outputs.errors[requests][:, columns]
         exits = config.exits(errors)
         final = outputs.final[requests]
-        record = BatchRecord(config.version, config.sites, labels, errors, final, exits)
+        record = BatchRecord(config.version, config.sites, labels, errors, final, exits,
+                             queue_ms=start_ms - float(scenario.arrivals_ms[requests].min()))
         correct[requests] = record.correct()
         if len(columns):  # NO_EXIT indexes the last column, masked out
             exit_column[requests] = np.where(exits == NO_EXIT, NO_EXIT, columns[exits])

@@ -80,6 +80,7 @@ class ExitHistory:
         self._strata = np.zeros(capacity, dtype=np.int64)
         self._weights = np.ones(capacity)
         self._sequence = np.zeros(capacity, dtype=np.int64)
+        self._wait = np.zeros(capacity)  # the oldest input's wait in the batch each input was served in
         self._next = 0
         self.size = 0
 
@@ -101,6 +102,7 @@ class ExitHistory:
         self._strata[rows] = np.where(weights > 1.0, SAMPLED, FULLY_OBSERVED)
         self._weights[rows] = weights
         self._sequence[rows] = (first + np.flatnonzero(observed))[-len(rows):]
+        self._wait[rows] = record.queue_ms
         self._next = int((rows[-1] + 1) % self.capacity)
         self.size = min(self.capacity, self.size + len(rows))
 
@@ -120,6 +122,10 @@ class ExitHistory:
         """(correct, errors) of `rows` at `sites`."""
         columns = [self.column[s] for s in sites]
         return self._correct[rows][:, columns], self._errors[rows][:, columns]
+
+    def waits(self, rows: np.ndarray) -> np.ndarray:
+        """(n,) ms each of `rows` waited in the queue (its batch's oldest input's wait)."""
+        return self._wait[rows]
 
     def design(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """(batch sizes, strata, weights, sequence numbers) of `rows`."""
