@@ -1,6 +1,9 @@
-"""The controller: monitor, ramp utilities and adjustment, budget, determinism (pure logic, hand-made profiles)."""
+"""The controller: history, ramp-set search, budget, settling, risk control, monitor, determinism (pure logic,
+hand-made profiles)."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -362,3 +365,15 @@ def test_merged_records_keep_every_input_in_order_with_its_batch_size(batches) -
                                   for a, b in zip(records, records[1:]))
     for record in joined:
         assert record.labels.shape == (record.inputs, len(record.sites))
+
+
+def test_sets_are_judged_on_what_requests_wait_for_their_queueing_included():
+    """Each shadow input's estimated latency is its batch's queueing plus the model up to its exit."""
+    controller = Controller(profile(), ControllerSettings(warmup=64))
+    shadow = controller.configuration()
+    assert shadow.shadow_every == 1
+    for _ in range(64):
+        controller.observe(replace(record(shadow.shadowed(), np.zeros((1, 8), int), np.full((1, 8), 0.9),
+                                          np.zeros(1, dtype=int)), queue_ms=5.0))
+    no_ramp = next(e for e in controller.last_search if e.sites == ())
+    assert no_ramp.objective_ms == pytest.approx(5.0 + 1.0) and no_ramp.mean_ms == pytest.approx(6.0)
