@@ -30,7 +30,7 @@ from rampserve.bench.queueing import BatchOutcome, QueueResult, max_rate_within_
 from rampserve.bench.ramp_outputs import RampOutputs, ramp_outputs
 from rampserve.control.controller import Controller, ControllerSettings
 from rampserve.control.costs import CostModel
-from rampserve.control.ramps import fits_budget, initial_sites
+from rampserve.control.ramps import RampSet, beam_search, fits_budget, initial_sites
 from rampserve.control.records import NO_EXIT, NO_LABEL, BatchRecord, Configuration
 from rampserve.control.thresholds import ExitData, TuningResult, evaluate, tune_greedy
 from rampserve.ramps.oracle import earliest_correct_exit
@@ -194,9 +194,6 @@ def shared_threshold(data: ExitData, target_accuracy: float) -> float:
     return best
 
 
-RampSet = tuple[str, ...]
-
-
 def sets_within(sites: Sequence[str], fits: Callable[[RampSet], bool]) -> Iterator[RampSet]:
     """Every ramp set that `fits`, by size, then in the sites' order. A ramp's cost is never negative, so once
     no set of a size fits, no larger one does."""
@@ -208,30 +205,6 @@ def sets_within(sites: Sequence[str], fits: Callable[[RampSet], bool]) -> Iterat
                 yield chosen
         if not found:
             return
-
-
-def beam_search(sites: Sequence[str], fits: Callable[[RampSet], bool], saving: Callable[[RampSet], float],
-                width: int) -> list[RampSet]:
-    """Ramp sets grown one site at a time within `fits`: every single site, then each size's sets that extend one
-    of the `width` best (by `saving`; ties to the earlier set) of the size below. Returns every set scored, by
-    size, then in the sites' order. Every k + 1-site set that fits has k-site subsets that fit, so with `width` at
-    least the number of sets that fit, the search scores all of them."""
-    if width < 1:
-        raise ValueError(f"beam width must be at least 1, got {width}")
-    position = {s: i for i, s in enumerate(sites)}
-
-    def in_order(chosen: RampSet) -> list[int]:
-        return [position[s] for s in chosen]
-
-    scored: list[RampSet] = []
-    level = [(s,) for s in sites if fits((s,))]
-    while level:
-        scored += level
-        kept = sorted(level, key=saving, reverse=True)[:width]  # stable: ties keep the earlier set
-        grown = {tuple(sorted((*chosen, s), key=position.__getitem__)) for chosen in kept for s in sites
-                 if s not in chosen}
-        level = sorted((chosen for chosen in grown if fits(chosen)), key=in_order)
-    return scored
 
 
 @dataclass(frozen=True)
@@ -336,11 +309,11 @@ def summarize(run: SystemRun, worst_window: int) -> dict:
 
 
 def measured_decision_times(controller: Controller) -> dict:
-    """The controller's decision times as the clock measured them: they differ run to run."""
+    """The controller's decision times as the clock measured them: they differ run to run (a decision's own
+    `decision_ms`, which delays its configuration here, is modelled and does not)."""
     times = controller.times
     return {"tune_ms_mean": float(np.mean(times.tune_ms)) if times.tune_ms else 0.0,
-            "adjust_ms_mean": float(np.mean(times.adjust_ms)) if times.adjust_ms else 0.0,
-            "decision_ms": [d.decision_ms for d in controller.decisions]}
+            "adjust_ms_mean": float(np.mean(times.adjust_ms)) if times.adjust_ms else 0.0}
 
 
 def _mean_active_ramps(run: SystemRun) -> float:
@@ -502,17 +475,13 @@ def run_sim(settings: SimSettings, progress: Callable[[str], None] = lambda _: N
                                   systems["vanilla"].get("saturation_rps")),
         "at_half_vanilla_saturation": at_half,
         "risk_step_sweep": sweep,
-        "decisions": [_without_wall(d.to_json()) for d in rampserve.decisions],
+        "decisions": [d.to_json() for d in rampserve.decisions],
         # measured by the clock: differs run to run, whatever the settings
         "wall": {"stage_s": seconds, "decisions": {name: measured_decision_times(run.controller)
                                                    for name, run in runs.items() if run.controller is not None}},
     }
     return SimResult(report, runs, scenario)
 
-
-def _without_wall(decision: dict) -> dict:
-    """A decision as the report keeps it: the time it took to make is the clock's (see `wall`)."""
-    return {k: v for k, v in decision.items() if k != "decision_ms"}
 
 
 # --- several seeds --------------------------------------------------------------------------------------------

@@ -6,8 +6,8 @@ it. What it does:
   first ramp set is chosen from data, not guessed.
 - Search rounds, every `search_every` inputs: every ramp set within the budget is estimated on the same recent
   shadow inputs (a share of batches keeps evaluating every ramp) for the objective the user asked to cut, each
-  with the thresholds it would be certified at; the best replaces the deployed set only when it gains more than
-  the hysteresis and was not left recently. The kept or new set's thresholds are then certified on every recent
+  at thresholds tuned to the risk target; the best replaces the deployed set only when it gains more than the
+  hysteresis and was not left recently. The kept or new set's thresholds are then certified on every recent
   input that saw its ramps (one look per round).
 - Between rounds, rolling risk control scales the certified thresholds (drift), and an anytime-valid monitor of
   the released answers' disagreement triggers a recertification when it finds them above the constraint.
@@ -24,7 +24,7 @@ from rampserve.control.costs import CostModel
 from rampserve.control.guarantee import DisagreementMonitor, RiskBound
 from rampserve.control.monitor import AccuracyWindow, ExitHistory
 from rampserve.control.objective import OBJECTIVES
-from rampserve.control.ramps import SetEstimate, estimate, fits_budget, search_sets
+from rampserve.control.ramps import SetEstimate, estimate, search_sets
 from rampserve.control.records import BatchRecord, Configuration
 from rampserve.control.risk import rolled_scale, served_scale
 from rampserve.control.thresholds import ExitData, certified_thresholds, tune_greedy
@@ -192,6 +192,7 @@ class Controller:
         self._since_round = 0
         self._warm = False
         self._left: dict[tuple[str, ...], int] = {}  # sets replaced, and when (inputs observed)
+        self._set_changes = 0  # decisions that changed the ramp set (the others moved thresholds alone)
         self._work = 0  # cells read by threshold choices in the decision under way
         self._tighten_only = False
         self._caught_up = {"recent": [], "served": 0, "correct": 0, "unverified": 0}  # see catch_up
@@ -210,8 +211,6 @@ class Controller:
         `latest_decisions` of them; None: all, which grow with every change over the controller's life)."""
         window = self.window
         settings = self.settings
-        set_changes = sum(a.configuration.sites != b.configuration.sites
-                          for a, b in zip(self.decisions, self.decisions[1:]))
         return {"window_accuracy": window.accuracy, "cumulative_accuracy": window.cumulative,
                 "inputs_observed": window.served, "unverified_answers": self.unverified,
                 "exit_mode": settings.exit_mode, "feedback_share": settings.kept_share,
@@ -222,8 +221,8 @@ class Controller:
                 "risk_scale": served_scale(self.scale),
                 "shadow": {"every": self.configuration().shadow_every, "inputs": self.shadow.size},
                 "search": [e.to_json() for e in self.last_search[:5]],
-                "decisions_made": len(self.decisions), "set_changes": set_changes,
-                "threshold_changes": len(self.decisions) - 1 - set_changes,
+                "decisions_made": len(self.decisions), "set_changes": self._set_changes,
+                "threshold_changes": len(self.decisions) - 1 - self._set_changes,
                 "decisions": [d.to_json() for d in self.decisions[-latest_decisions if latest_decisions else 0:]]}
 
     def readings(self) -> dict[str, float]:
@@ -278,7 +277,7 @@ class Controller:
         first = self._observed
         self._observed += record.inputs
         self.recent.add(record, first)
-        if set(record.sites) == set(self.costs.sites):
+        if record.sites == self.costs.sites:  # a shadow batch's (its sites come in model order)
             self.shadow.add(record, first)
         self._since_round += record.inputs
         settings = self.settings
@@ -313,7 +312,8 @@ class Controller:
         self._ceiling = np.asarray(ceiling, dtype=float)
         if self._certifying:
             self.monitor.reset()  # the thresholds it watched are replaced, or certified anew
-        shadow_every = self.settings.shadow_every
+        # every batch is a shadow batch until the warm-up is over, whatever decides before (risk control may)
+        shadow_every = self.settings.shadow_every if self._warm else current.shadow_every
         if sites == current.sites and tuple(thresholds) == current.thresholds and \
                 shadow_every == current.shadow_every:
             return None
@@ -322,6 +322,7 @@ class Controller:
             self._looks += 1
         if sites != current.sites:
             self._left[current.sites] = self._observed
+            self._set_changes += 1
         configuration = Configuration(current.version + 1, sites, tuple(float(t) for t in thresholds),
                                       current.shadow_sites, shadow_every)
         self.decisions.append(Decision(configuration, self.window.served, f"{reason}: {detail}",
@@ -349,32 +350,25 @@ class Controller:
         fields = ("correct", "errors", "saved_ms", "strata", "weights", "sequence")
         return ExitData(*(np.concatenate([getattr(older, f), getattr(recent, f)]) for f in fields))
 
-    def choose_thresholds(self, data: ExitData, sites: tuple[str, ...]) -> np.ndarray:
+    def choose_thresholds(self, data: ExitData, sites: tuple[str, ...], ranking: bool = False) -> np.ndarray:
         """Thresholds for `sites` from `data`: certified at the configuration's confidence, or tuned at the full
-        constraint (long-run guarantee), or the start thresholds where tuning is off."""
+        constraint (long-run guarantee), or the start thresholds where tuning is off.
+
+        `ranking`: the thresholds a candidate set is ranked at in a search, tuned at the disagreement rolling risk
+        control holds answers to. Certifying each candidate instead ranks them by the noise of Learn-then-Test's
+        first failing point as much as by their merit (the deployed set's certified estimate moved from 0.44 to
+        0.80 ms between two rounds that shared 90% of their inputs), and the search flipped sets on it."""
         settings = self.settings
         if not settings.threshold_tuning:
             return np.array([settings.start_thresholds.get(s, 0.0) for s in sites])
         if not sites or not data.size:
             return np.zeros(len(sites))
         self._work += data.size * len(sites)
-        if settings.guarantee == "long-run":
-            return tune_greedy(data, settings.target_accuracy, settings.initial_step, settings.min_step).thresholds
+        if ranking or settings.guarantee == "long-run":
+            disagreement = settings.risk_target if ranking else settings.accuracy_constraint
+            return tune_greedy(data, 1.0 - disagreement, settings.initial_step, settings.min_step).thresholds
         return certified_thresholds(data, settings.accuracy_constraint, self.delta, settings.initial_step,
                                     settings.min_step)
-
-    def ranking_thresholds(self, data: ExitData, sites: tuple[str, ...]) -> np.ndarray:
-        """Thresholds a set is ranked at: tuned on `data` at the disagreement rolling risk control holds answers
-        to. Certifying each candidate instead ranks them by the noise of Learn-then-Test's first failing point as
-        much as by their merit (the deployed set's certified estimate moved from 0.44 to 0.80 ms between two
-        rounds that shared 90% of their inputs), and the search flipped sets on it."""
-        settings = self.settings
-        if not settings.threshold_tuning:
-            return self.choose_thresholds(data, sites)
-        if not sites or not data.size:
-            return np.zeros(len(sites))
-        self._work += data.size * len(sites)
-        return tune_greedy(data, 1.0 - settings.risk_target, settings.initial_step, settings.min_step).thresholds
 
     def _tuned(self, sites: tuple[str, ...]) -> np.ndarray:
         self._certifying = self.settings.threshold_tuning
@@ -408,20 +402,18 @@ class Controller:
 
         def judge(sites: tuple[str, ...]) -> SetEstimate:
             data = self._data(rows, self.shadow, sites)
-            thresholds = self.ranking_thresholds(data, sites)
+            thresholds = self.choose_thresholds(data, sites, ranking=True)
             waited = replace(data, saved_ms=self.latency.saved_ms(sites, batch))
             return estimate(waited, thresholds, sites, vanilla, settings.objective)
 
         settle = 2 * settings.search_every  # a set left this recently is not returned to
         recently_left = {s for s, when in self._left.items() if self._observed - when < settle}
-        budget_batch = self.budget_batch()
-        self.last_search = search_sets(self.costs, judge, settings.ramp_budget, budget_batch, settings.beam,
+        self.last_search = search_sets(self.costs, judge, settings.ramp_budget, self.budget_batch(), settings.beam,
                                        excluded=lambda s: s != current and s in recently_left)
         judged = {e.sites: e for e in self.last_search}
         deployed = judged.get(current) or judge(current)
         best = self.last_search[0]
-        if best.sites != current and self._gains(best, deployed) and \
-                fits_budget(self.costs, best.sites, settings.ramp_budget, budget_batch):
+        if best.sites != current and self._gains(best, deployed):
             detail = (f"{list(best.sites)} estimated at {settings.objective} {best.objective_ms:.3f} ms "
                       f"({best.exit_share:.0%} exits) against {deployed.objective_ms:.3f} ms for {list(current)}, "
                       f"on {len(rows)} shadow inputs")

@@ -16,22 +16,23 @@ _QUANTILES = {"p50": (0.5, 0.1), "p95": (0.95, 0.04)}  # (quantile, half-width o
 _BAND_POINTS = 9
 
 
-def weighted_quantile(values: np.ndarray, weights: np.ndarray, q: float) -> float:
-    """The smallest value whose weighted share of values at or below it reaches q (0 for no values)."""
+def weighted_quantiles(values: np.ndarray, weights: np.ndarray, qs: np.ndarray) -> np.ndarray:
+    """For each q, the smallest value whose weighted share of values at or below it reaches q (0 for no values)."""
     values = np.asarray(values, dtype=np.float64)
     if not len(values):
-        return 0.0
+        return np.zeros(len(qs))
     order = np.argsort(values, kind="stable")
     cumulative = np.cumsum(np.asarray(weights, dtype=np.float64)[order])
-    return float(values[order][min(int(np.searchsorted(cumulative, q * cumulative[-1] - 1e-12)), len(values) - 1)])
+    at = np.searchsorted(cumulative, np.asarray(qs) * cumulative[-1] - 1e-12)
+    return values[order][np.minimum(at, len(values) - 1)]
 
 
 def objective_ms(latency_ms: np.ndarray, weights: np.ndarray, objective: str) -> float:
     """The objective's value (lower is better) over inputs with these latencies, each standing for `weights`."""
     if objective in _QUANTILES:
         q, half = _QUANTILES[objective]
-        return float(np.mean([weighted_quantile(latency_ms, weights, band)
-                              for band in np.linspace(q - half, min(q + half, 1.0), _BAND_POINTS)]))
+        band = np.linspace(q - half, min(q + half, 1.0), _BAND_POINTS)
+        return float(weighted_quantiles(latency_ms, weights, band).mean())
     if objective in ("mean", "throughput"):
         total = float(np.sum(weights))
         return float(np.dot(latency_ms, weights) / total) if total else 0.0

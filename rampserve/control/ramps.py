@@ -74,19 +74,45 @@ def estimate(data: ExitData, thresholds: np.ndarray, sites: tuple[str, ...], van
                        float(np.dot(latency, weights) / total), float(np.dot(exits != NO_EXIT, weights) / total))
 
 
-def search_sets(costs: CostModel, judge: Callable[[tuple[str, ...]], SetEstimate], budget: float,
-                budget_batch: int, beam: int, excluded: Callable[[tuple[str, ...]], bool] = lambda _: False
-                ) -> list[SetEstimate]:
-    """Every set judged by a beam search within the budget, best first: from no ramp, each size's `beam` best sets
-    (by `SetEstimate.key`) grow by one site each, until no set can grow within the budget. `excluded` sets are
-    neither judged nor grown (a set left recently: returning to it would flip the deployment back and forth)."""
-    judged: dict[tuple[str, ...], SetEstimate] = {(): judge(())}
-    frontier: list[tuple[str, ...]] = [()]
-    while frontier:
-        grown = {ordered(costs, (*sites, site)) for sites in frontier for site in costs.sites if site not in sites}
-        fresh = [s for s in sorted(grown, key=lambda s: [costs.position[x] for x in s])
-                 if s not in judged and not excluded(s) and fits_budget(costs, s, budget, budget_batch)]
-        for sites in fresh:
+RampSet = tuple[str, ...]
+
+
+def beam_search(sites: Sequence[str], fits: Callable[[RampSet], bool], score: Callable[[RampSet], object],
+                width: int) -> list[RampSet]:
+    """Ramp sets grown one site at a time within `fits`: every single site, then each size's sets that extend one
+    of the `width` best (highest `score`; ties to the earlier set) of the size below. Returns every set scored, by
+    size, then in the sites' order. Every k + 1-site set that fits has k-site subsets that fit, so with `width` at
+    least the number of sets that fit, the search scores all of them."""
+    if width < 1:
+        raise ValueError(f"beam width must be at least 1, got {width}")
+    position = {s: i for i, s in enumerate(sites)}
+
+    def in_order(chosen: RampSet) -> list[int]:
+        return [position[s] for s in chosen]
+
+    scored: list[RampSet] = []
+    level = [(s,) for s in sites if fits((s,))]
+    while level:
+        scored += level
+        kept = sorted(level, key=score, reverse=True)[:width]  # stable: ties keep the earlier set
+        grown = {tuple(sorted((*chosen, s), key=position.__getitem__)) for chosen in kept for s in sites
+                 if s not in chosen}
+        level = sorted((chosen for chosen in grown if fits(chosen)), key=in_order)
+    return scored
+
+
+def search_sets(costs: CostModel, judge: Callable[[RampSet], SetEstimate], budget: float, budget_batch: int,
+                beam: int, excluded: Callable[[RampSet], bool] = lambda _: False) -> list[SetEstimate]:
+    """No ramp and every set a `beam_search` within the budget judges, best first (by `SetEstimate.key`).
+    `excluded` sets are neither judged nor grown (a set left recently: returning to it would flip the deployment
+    back and forth)."""
+    judged: dict[RampSet, SetEstimate] = {(): judge(())}
+
+    def preference(sites: RampSet) -> tuple[float, float]:
+        if sites not in judged:
             judged[sites] = judge(sites)
-        frontier = sorted(fresh, key=lambda s: judged[s].key())[:beam]
-    return sorted(judged.values(), key=SetEstimate.key)
+        return tuple(-k for k in judged[sites].key())
+
+    grown = beam_search(costs.sites, lambda s: not excluded(s) and fits_budget(costs, s, budget, budget_batch),
+                        preference, beam)
+    return sorted([judged[()], *(judged[s] for s in grown)], key=SetEstimate.key)

@@ -92,8 +92,8 @@ class TuningResult:
     evaluations: int  # threshold vectors evaluated
 
 
-def tune_greedy(data: ExitData, target_accuracy: float, initial_step: float = 0.1, min_step: float = 0.01,
-                frozen: np.ndarray | None = None) -> TuningResult:
+def tune_greedy(data: ExitData, target_accuracy: float, initial_step: float = 0.1,
+                min_step: float = 0.01) -> TuningResult:
     """Apparate's hill climbing: from all-zero thresholds, each round tries raising every ramp's threshold by
     its own step and keeps the single raise with the most added savings per unit of added accuracy loss
     (doubling that ramp's step); a raise that breaks the constraint halves the step, and at the floor closes
@@ -108,14 +108,12 @@ def tune_greedy(data: ExitData, target_accuracy: float, initial_step: float = 0.
     Each candidate raise only moves inputs that pass its ramp today, so a round is scored from per-input
     differences over (n, r) arrays instead of re-evaluating every candidate vector from scratch. Savings and
     losses are weighted by the inputs each row stands for.
-
-    `frozen` ramps keep threshold 0 (a ramp with too few outputs of its own to judge).
     """
     n, r = data.size, data.ramps
     thresholds = np.zeros(r)
     step = np.full(r, initial_step)
     ceiling = np.full(r, np.inf)  # lowest threshold found to break the constraint, per ramp
-    open_ramps = np.ones(r, dtype=bool) if frozen is None else ~np.asarray(frozen, dtype=bool)
+    open_ramps = np.ones(r, dtype=bool)
     exit_column = np.full(n, r)  # column r: answered by the final layer
     right_now = np.ones(n, dtype=np.int8)
     saved_now = data.saved_ms[:, r].copy()
@@ -176,10 +174,9 @@ def tune_greedy(data: ExitData, target_accuracy: float, initial_step: float = 0.
     # Finishing: the step floor may have stopped a ramp short of its boundary, and raises elsewhere may have
     # taken the inputs that made it fail. Raise each ramp as far as it can go alone (a line search over its
     # sorted error scores) and keep the best ratio, until no ramp can move.
-    tunable = np.ones(r, dtype=bool) if frozen is None else ~np.asarray(frozen, dtype=bool)
     while True:
         best: tuple[float, float, int, float] | None = None
-        for j in np.flatnonzero(tunable):
+        for j in range(r):
             passing = (exit_column > j) & exit_rule.exits(data.errors[:, j], MAX_THRESHOLD)
             order = np.argsort(data.errors[passing, j], kind="stable")
             errors = data.errors[passing, j][order]
@@ -256,7 +253,7 @@ PATH_SCALES = np.round(np.arange(1, 81) / 40, 6)
 
 
 def certified_thresholds(data: ExitData, constraint: float, delta: float, initial_step: float = 0.1,
-                         min_step: float = 0.01, frozen: np.ndarray | None = None) -> np.ndarray:
+                         min_step: float = 0.01) -> np.ndarray:
     """Thresholds whose released answers' disagreement is within `constraint` with probability at least
     1 - delta, by Learn-then-Test: tuning on half the inputs (even sequence numbers) chooses a direction, and the other
     half tests the path of scaled directions in order, from no exit up, each against the upper confidence bound
@@ -265,7 +262,7 @@ def certified_thresholds(data: ExitData, constraint: float, delta: float, initia
     first point fails: a ramp whose bound cannot be met yet stays at threshold 0."""
     halves = data.sequence % 2 == 0
     chooser, tester = data.rows(halves), data.rows(~halves)
-    direction = tune_greedy(chooser, 1.0 - constraint, initial_step, min_step, frozen).thresholds
+    direction = tune_greedy(chooser, 1.0 - constraint, initial_step, min_step).thresholds
     if not (direction > 0).any() or not tester.size:
         return np.zeros(data.ramps)
     path = np.minimum(PATH_SCALES[:, None] * direction[None, :], MAX_THRESHOLD)
