@@ -11,7 +11,7 @@ OBJECTIVES = ("p50", "p95", "mean", "throughput")
 # A quantile is judged as the mean of the quantiles in a band around it: per-input latencies take a few values (one
 # per exit site), so the quantile itself jumps from one to the next as an estimate's exit share crosses it, and a set
 # estimated at 51% exits on a sample serves most windows of the stream at 49% (measured on resnet18-fmnist: the
-# search flipped between such sets 32 times in 108k inputs, p50 0.79x vanilla where sets exiting 75% reach 0.56x)
+# search flipped between such sets 32 times in 108k inputs)
 _QUANTILES = {"p50": (0.5, 0.1), "p95": (0.95, 0.04)}  # (quantile, half-width of its band)
 _BAND_POINTS = 9
 
