@@ -177,6 +177,9 @@ class ServerProcess:
     def url(self, path: str) -> str:
         return f"http://127.0.0.1:{self.port}{path}"
 
+    def _hear_stop_signal(self) -> None:
+        signal.signal(self.stop_signal, signal.SIG_DFL)
+
     def infer_url(self, model: str, transport: str) -> str:
         """Where a job sends its requests for `model` (a `Job.url`)."""
         if transport not in TRANSPORTS:
@@ -185,8 +188,10 @@ class ServerProcess:
 
     def __enter__(self) -> ServerProcess:
         with self.log.open("wb") as log:
+            # A shell that starts a job in the background (`cmd &`, nohup) ignores SIGINT in it, and children
+            # inherit that: the server must hear its stop signal however the benchmark was started
             self.process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT,
-                                            start_new_session=True)
+                                            start_new_session=True, preexec_fn=self._hear_stop_signal)
         deadline = time.monotonic() + self.start_timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:

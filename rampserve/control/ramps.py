@@ -51,6 +51,14 @@ class SetEstimate:
     mean_ms: float
     exit_share: float
 
+    @staticmethod
+    def mean(estimates: Sequence[SetEstimate]) -> SetEstimate:
+        """Estimates of one set under several threshold choices, averaged (thresholds: the first's)."""
+        first = estimates[0]
+        return SetEstimate(first.sites, first.thresholds, float(np.mean([e.objective_ms for e in estimates])),
+                           float(np.mean([e.mean_ms for e in estimates])),
+                           float(np.mean([e.exit_share for e in estimates])))
+
     def key(self) -> tuple[float, float]:
         """Order of preference: the objective, then the mean (a quantile ties between sets that move no input
         across it, and the mean then says which moves more towards it)."""
