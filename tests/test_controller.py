@@ -195,7 +195,7 @@ def random_batches(seed: int, count: int, size: int = 4) -> list:
 
 def test_controller_is_deterministic_given_its_records():
     """Decisions, and the modelled time each took (what the simulator charges), are the same run after run."""
-    batches = random_batches(seed=1, count=700)
+    batches = random_batches(seed=1, count=1200)
     settings_ = ControllerSettings(ramp_budget=0.03, warmup=512, search_every=512)
     runs = []
     for _ in range(2):

@@ -407,27 +407,35 @@ class Controller:
         # seeds: p50 1.01x vanilla when sets were judged on service time alone)
         vanilla = self.shadow.waits(rows) + np.array([self.costs.times((), int(b)).vanilla_ms for b in batch])
 
+        shadow_inputs: dict[tuple[str, ...], tuple[ExitData, ExitData]] = {}
+
+        def inputs_of(sites: tuple[str, ...]) -> tuple[ExitData, ExitData]:
+            """The shadow rows as `sites`' tuning reads them, and with savings of what a request waits for."""
+            if sites not in shadow_inputs:
+                data = self._data(rows, self.shadow, sites)
+                shadow_inputs[sites] = data, replace(data, saved_ms=self.latency.saved_ms(sites, batch))
+            return shadow_inputs[sites]
+
         def judge(sites: tuple[str, ...]) -> SetEstimate:
-            data = self._data(rows, self.shadow, sites)
+            data, waited = inputs_of(sites)
             thresholds = self.choose_thresholds(data, sites, ranking=True)
-            waited = replace(data, saved_ms=self.latency.saved_ms(sites, batch))
             return estimate(waited, thresholds, sites, vanilla, settings.objective)
+
+        def certified(chosen: SetEstimate) -> SetEstimate:
+            """`chosen` ranked again at the thresholds Learn-then-Test certifies (kept where nothing certifies)."""
+            if not chosen.sites or settings.guarantee != "certified" or not settings.threshold_tuning:
+                return chosen
+            data, waited = inputs_of(chosen.sites)
+            splits = [data.sequence, *(np.random.default_rng(k).permutation(data.size)
+                                       for k in range(1, RANKING_SPLITS))]
+            return SetEstimate.mean([
+                estimate(waited, self.choose_thresholds(replace(data, sequence=split), chosen.sites), chosen.sites,
+                         vanilla, settings.objective) for split in splits])
 
         settle = 2 * settings.search_every  # a set left this recently is not returned to
         recently_left = {s for s, when in self._left.items() if self._observed - when < settle}
         self.last_search = search_sets(self.costs, judge, settings.ramp_budget, self.budget_batch(), settings.beam,
                                        excluded=lambda s: s != current and s in recently_left)
-        def certified(chosen: SetEstimate) -> SetEstimate:
-            if not chosen.sites or self.settings.guarantee != "certified" or not settings.threshold_tuning:
-                return chosen
-            data = self._data(rows, self.shadow, chosen.sites)
-            waited = replace(data, saved_ms=self.latency.saved_ms(chosen.sites, batch))
-            splits = [data.sequence, *(np.random.default_rng(k).permutation(data.size)
-                                       for k in range(1, RANKING_SPLITS))]
-            return SetEstimate.mean([estimate(waited, self.choose_thresholds(replace(data, sequence=split),
-                                                                             chosen.sites),
-                                              chosen.sites, vanilla, settings.objective) for split in splits])
-
         judged = {e.sites: e for e in self.last_search}
         finalists = [*self.last_search[:RERANKED_SETS], judged.get(current) or judge(current)]
         reranked = {e.sites: certified(e) for e in finalists}
