@@ -28,19 +28,36 @@ def _example(model, fmnist_feeds) -> dict[str, np.ndarray]:
     return {model.backend.input_names[0]: fmnist_feeds[-2:]}
 
 
+class Outcomes:
+    """What a service reported through `on_outcome`. The worker stores a set on disk before it reports it, so a
+    set can be ready (and `wait` return) a moment before its outcome arrives on the listener thread."""
+
+    def __init__(self) -> None:
+        self.seen: list[CompileOutcome] = []
+        self._arrived = threading.Event()
+
+    def __call__(self, outcome: CompileOutcome) -> None:
+        self.seen.append(outcome)
+        self._arrived.set()
+
+    def last(self) -> CompileOutcome:
+        assert self._arrived.wait(WAIT_S), "the service reported no outcome"
+        return self.seen[-1]
+
+
 def test_a_set_compiled_in_the_worker_process_runs_like_the_eager_path_and_is_reused_from_disk(
         bundle_copy, fmnist_feeds) -> None:
     model = load_bundle(bundle_copy)
     sites = model.site_names[1:3]
-    outcomes: list[CompileOutcome] = []
-    service = CompileService(model, _example(model, fmnist_feeds), outcomes.append)
+    outcomes = Outcomes()
+    service = CompileService(model, _example(model, fmnist_feeds), outcomes)
     try:
         assert not service.ready(sites)
         assert service.wait(sites, WAIT_S)
         compiled = service.load(sites)
+        assert isinstance(compiled, CompiledSet) and outcomes.last().outcome == "compiled"
     finally:
         service.close()
-    assert isinstance(compiled, CompiledSet) and outcomes[-1].outcome == "compiled"
     assert service.directory == bundle_copy / "compiled"
     feeds = {model.backend.input_names[0]: fmnist_feeds[:5]}
     seen: dict[bool, list] = {True: [], False: []}
@@ -86,15 +103,15 @@ def test_a_refused_set_is_remembered_and_served_eagerly(bundle_copy, fmnist_feed
     sites = model.site_names[:2]
     # An example the model cannot run makes every trace fail: the worker refuses or fails the set
     service = CompileService(model, {model.backend.input_names[0]: np.zeros((2, 3), np.float32)})
-    outcomes: list[CompileOutcome] = []
-    service.on_outcome = outcomes.append
+    outcomes = Outcomes()
+    service.on_outcome = outcomes
     try:
         assert service.wait(sites, WAIT_S)
         assert service.load(sites) is None
-        assert outcomes[-1].outcome in ("refused", "failed")
+        assert outcomes.last().outcome in ("refused", "failed")
     finally:
         service.close()
-    if outcomes[-1].outcome == "refused":  # kept on disk: a later server neither compiles nor waits for it
+    if outcomes.last().outcome == "refused":  # kept on disk: a later server neither compiles nor waits for it
         later = CompileService(load_bundle(bundle_copy), _example(model, fmnist_feeds))
         try:
             assert later.ready(sites) and later.load(sites) is None and later._process is None
