@@ -91,6 +91,9 @@ def prepare(
         help="seconds the latency profile may spend per batch size on more rounds (default 5)")] = None,
     site_policy: Annotated[Optional[str], typer.Option(
         help="module:function choosing sites among the cut values, (dataflow, candidates) -> candidates")] = None,
+    engine: Annotated[str, typer.Option(
+        help="auto (time every engine the model runs on here, serve on the fastest at batch 1), onnxruntime, "
+             "onnxruntime-1thread or torch")] = "auto",
     small: Annotated[bool, typer.Option(help="the zoo's tiny test variant")] = False,
 ) -> None:
     """Find the model's sites, train a ramp at each, profile it, and write a bundle."""
@@ -107,11 +110,14 @@ def prepare(
                           neighbours=cache_neighbours)
         budget = {} if profile_budget is None else {"profile_budget_s": profile_budget}
         prepared = run_prepare(source, PrepareConfig(workload=workload, ramp_kind=ramp_kind, bootstrap_items=bootstrap,
-                                                     in_domain_items=in_domain, cache=cache, **budget), policy)
+                                                     in_domain_items=in_domain, cache=cache, engine=engine,
+                                                     **budget), policy)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
     save_bundle(prepared, out)
-    console.print(f"prepared {model}: {len(prepared.sites)} sites, bundle at {out}")
+    print_engines(prepared.meta["engine"])
+    console.print(f"prepared {model} on {prepared.meta['engine']['engine']}: {len(prepared.sites)} sites, "
+                  f"bundle at {out}")
 
 
 def inspect_bundle(bundle: Path) -> dict:
@@ -152,6 +158,7 @@ def inspect_bundle(bundle: Path) -> dict:
         "oracle_val": meta["oracle_val"],
         "training": {k: meta["training"][k] for k in ("num_train", "num_val", "collect_seconds", "train_seconds")},
         "ramp_data": meta.get("ramp_data"),  # absent from bundles prepared before it was recorded
+        "engine": meta.get("engine"),  # absent from bundles prepared before the engine was chosen
     }
 
 
@@ -163,6 +170,31 @@ def _ramp_parameters(ramp: dict) -> int:
 
 def _fmt(value: float | None, spec: str = ".3f") -> str:
     return "-" if value is None else format(value, spec)
+
+
+def print_engines(record: dict) -> None:
+    """The engines a model was timed on and the one it serves on (see `runtime.engines`)."""
+    from rampserve.runtime.engines import CHOSEN_BY_USER, EngineChoice
+
+    choice = EngineChoice.from_json(record)
+    for engine, why in choice.unavailable:
+        console.print(f"[yellow]{engine} could not run the model: {why}[/yellow]")
+    if choice.chosen_by == CHOSEN_BY_USER or not choice.timings:
+        console.print(f"engine: {choice.engine} ({'named by --engine' if choice.chosen_by == CHOSEN_BY_USER else 'the only one it runs on'}, not timed)")
+        return
+    sizes = sorted({t.batch_size for t in choice.timings})
+    table = Table(title="engines: the model without ramps, median ms (interquartile range), interleaved rounds")
+    table.add_column("engine")
+    for b in sizes:
+        table.add_column(f"batch {b}", justify="right")
+        table.add_column(f"x {choice.engine}", justify="right")
+    for row in choice.rows():
+        cells = []
+        for b in sizes:
+            low, high = row[f"b{b}_iqr_ms"]
+            cells += [f"{row[f'b{b}_ms']:.3f} ({low:.3f}-{high:.3f})", _fmt(row[f"b{b}_x_chosen"], ".2f")]
+        table.add_row(row["engine"] + (" (serves)" if row["chosen"] else ""), *cells)
+    console.print(table)
 
 
 def print_inspection(report: dict) -> None:
@@ -189,6 +221,8 @@ def print_inspection(report: dict) -> None:
         extra = data["in_domain"]
         console.print(f"Ramps trained on {data['bootstrap']['items']} bootstrap inputs of {data['bootstrap']['workload']}"
                       + (f" and {extra['items']} from the {extra['source']}." if extra["items"] else "."))
+    if report["engine"]:
+        print_engines(report["engine"])
 
 
 @app.command()

@@ -19,8 +19,9 @@ def small_prepare_config():
     from rampserve.ramps.train import TrainConfig
     from rampserve.runtime.prepare import PrepareConfig
 
+    # On torch unless a test names another engine: which engine "auto" picks depends on the machine's timing
     return PrepareConfig(bootstrap_items=1200, profile_batch_sizes=(1, 2, 4, 16), profile_repeats=2,
-                         profile_budget_s=0.1,
+                         profile_budget_s=0.1, engine="torch",
                          train=TrainConfig(max_epochs=8, patience=2), progress=False)
 
 
@@ -74,7 +75,8 @@ def onnx_prepared(small_prepare_config, fmnist_feeds, tmp_path_factory):
     module = load_trained("resnet18-fmnist", small=True)
     path = export_onnx(module, (torch.from_numpy(fmnist_feeds[:2]),), ["image"],
                        tmp_path_factory.mktemp("onnx") / "r18.onnx")
-    return prepare(ModelSource.parse(str(path)), replace(small_prepare_config, workload="fmnist-drift"))
+    return prepare(ModelSource.parse(str(path)), replace(small_prepare_config, workload="fmnist-drift",
+                                                                engine="onnxruntime"))
 
 
 @pytest.fixture(scope="session")

@@ -156,7 +156,7 @@ def test_prepare_hf_dir_writes_a_self_contained_bundle_that_serves_over_v2(tmp_p
     model = save_bert_with_minilm_tokenizer(checkpoint)
     encoded = hf_encoders.text_encoder(checkpoint)(TEXTS)
     result = CliRunner().invoke(app, ["prepare", f"hf:{checkpoint}", "--workload", "rt-drift", "--out", str(bundle),
-                                      "--bootstrap", "300", "--profile-budget", "0.05"])
+                                      "--bootstrap", "300", "--profile-budget", "0.05", "--engine", "torch"])
     assert result.exit_code == 0, result.output
     manifest = json.loads((bundle / "manifest.json").read_text())
     assert [s["name"] for s in manifest["sites"]] == [f"layers_{i}" for i in range(LAYERS - 1)]

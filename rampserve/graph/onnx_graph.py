@@ -193,7 +193,8 @@ class _Runner:
 class OnnxSplitModel:
     """An ONNX model with its sites, runnable whole or as a chain of stages cut at chosen sites."""
 
-    def __init__(self, model: onnx.ModelProto | str | Path, policy: SitePolicy | None = None) -> None:
+    def __init__(self, model: onnx.ModelProto | str | Path, policy: SitePolicy | None = None,
+                 intra_op_threads: int = 0) -> None:
         loaded = model if isinstance(model, onnx.ModelProto) else onnx.load(str(model))
         # Shape inference gives every cut value a type, which a stage needs to declare it as an input/output.
         self._model = onnx.shape_inference.infer_shapes(_sorted_model(loaded))
@@ -213,6 +214,7 @@ class OnnxSplitModel:
         # 3 ms to over 600 ms beside spinning sessions on 2 cores).
         self._options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         self._options.add_session_config_entry("session.inter_op.allow_spinning", "0")
+        self._options.intra_op_num_threads = intra_op_threads  # 0: ONNX Runtime's default, one per core
         self._runners: dict[tuple[str, str, str | None], _Runner] = {}
         self._lock = threading.Lock()
 

@@ -142,11 +142,12 @@ class TorchBackend(Backend):
 class OnnxBackend(Backend):
     kind = "onnx"
 
-    def __init__(self, path: Path, policy: SitePolicy | None = None) -> None:
+    def __init__(self, path: Path, policy: SitePolicy | None = None, intra_op_threads: int = 0) -> None:
         from rampserve.graph.onnx_graph import OnnxSplitModel
 
         self.path = Path(path)
-        super().__init__(OnnxSplitModel(self.path, policy))
+        self.intra_op_threads = intra_op_threads  # 0: ONNX Runtime's default, one per core
+        super().__init__(OnnxSplitModel(self.path, policy, intra_op_threads))
 
     def native(self, array: np.ndarray) -> np.ndarray:
         return np.ascontiguousarray(array)

@@ -19,6 +19,7 @@ from rampserve import __version__
 from rampserve.ramps.kinds import make_ramp
 from rampserve.runtime.backends import OnnxBackend, TorchBackend
 from rampserve.runtime.compiled import write_atomically
+from rampserve.runtime.engines import engine_of
 from rampserve.runtime.latency import LatencyProfile
 from rampserve.runtime.prepared import PreparedModel, SiteInfo
 from rampserve.runtime.signature import ModelSignature
@@ -169,7 +170,7 @@ def load_bundle(bundle_dir: Path) -> PreparedModel:
         _load_state(module, bundle_dir / TORCH_WEIGHTS, f"the architecture of {source.ref}")
         backend = TorchBackend(module, policy)
     elif backend_kind == "onnx":
-        backend = OnnxBackend(bundle_dir / ONNX_FILE, policy)
+        backend = OnnxBackend(bundle_dir / ONNX_FILE, policy, engine_of(manifest["meta"], "onnx").intra_op_threads)
     else:
         raise BundleError(f"{bundle_dir}: unknown backend {backend_kind!r} (known: torch, onnx)")
     found = {s.value for s in backend.sites}

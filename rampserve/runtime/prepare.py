@@ -14,8 +14,9 @@ from rampserve.ramps.cache import CacheSpec, static_threshold
 from rampserve.ramps.kinds import spec_for
 from rampserve.ramps.oracle import NO_EXIT, earliest_correct_exit, exit_latency
 from rampserve.ramps.train import Features, TrainConfig, TrainReport, build_cache_ramps, collect_features, train_ramps
-from rampserve.runtime.backends import Backend, OnnxBackend, TorchBackend
+from rampserve.runtime.backends import Backend, TorchBackend
 from rampserve.runtime.bundle import BundleError
+from rampserve.runtime.engines import AUTO, ENGINE_BUDGET_S, EngineChoice, check_engine, serving_backend
 from rampserve.runtime.latency import LatencyProfile
 from rampserve.runtime.prepared import PreparedModel, SiteInfo
 from rampserve.runtime.profile import DEFAULT_BATCH_SIZES, PROFILE_BUDGET_S, measure_profile
@@ -46,6 +47,10 @@ class PrepareConfig:
     profile_repeats: int = 3
     profile_budget_s: float = PROFILE_BUDGET_S  # time per batch size the profile may take for more rounds
     train: TrainConfig = field(default_factory=TrainConfig)
+    # The engine the model is prepared and served on: "auto" times every engine it runs on here and takes the
+    # fastest at batch 1 (see `runtime.engines`), or one of `ENGINES` by name
+    engine: str = AUTO
+    engine_budget_s: float = ENGINE_BUDGET_S  # time per batch size that timing the engines may take
     progress: bool = True
 
 
@@ -129,10 +134,14 @@ def in_domain_inputs(source: ModelSource, bootstrap: list | np.ndarray, limit: i
     return items, extra.source
 
 
-def make_backend(source: ModelSource, policy: SitePolicy | None = None) -> Backend:
-    if source.kind == "onnx":
-        return OnnxBackend(Path(source.ref), policy)
-    return TorchBackend(load_trained(source), policy)
+def make_backend(source: ModelSource, policy: SitePolicy | None, config: PrepareConfig,
+                 bootstrap: BootstrapInputs) -> tuple[Backend, EngineChoice]:
+    """The model from `source` on the engine `config` names, or on the fastest here (see `serving_backend`)."""
+    check_engine(config.engine, source.kind)
+    torch_backend = None if source.kind == "onnx" else TorchBackend(load_trained(source), policy)
+    return serving_backend(torch_backend, Path(source.ref) if source.kind == "onnx" else None, policy,
+                           config.engine, lambda backend: sample_feeds(backend, bootstrap),
+                           budget_s=config.engine_budget_s, progress=config.progress)
 
 
 def feeds_for(backend: Backend, encoder: Encoder, items: object) -> dict[str, np.ndarray]:
@@ -290,11 +299,11 @@ def train_site_ramps(kind: str, features: Features, specs_of: Callable[[str], di
 
 def prepare(source: ModelSource, config: PrepareConfig = PrepareConfig(),
             policy: SitePolicy | None = None) -> PreparedModel:
-    backend = make_backend(source, policy)
-    if not backend.sites:
-        raise ValueError(f"{source.ref} has no sites where a ramp could go")
     data = ramp_data(source, config)
     bootstrap = data.bootstrap
+    backend, engine = make_backend(source, policy, config, bootstrap)
+    if not backend.sites:
+        raise ValueError(f"{source.ref} has no sites where a ramp could go")
     encoder, items = bootstrap.encoder, data.items
     sample = sample_feeds(backend, bootstrap)(EXAMPLE_ROWS)
 
@@ -334,6 +343,7 @@ def prepare(source: ModelSource, config: PrepareConfig = PrepareConfig(),
         "num_classes": num_classes,
         "ramp_kind": config.ramp_kind,
         "ramp_data": data.record(),
+        "engine": engine.to_json(),
         "training": {**report.to_json(), "config": asdict(config.train)},
         "oracle_val": oracle_summary(ramp_labels, val_targets, model.site_names, model.profile),
         # Freeze Inference's thresholds: per ramp, exit only below the lowest error score it got wrong on

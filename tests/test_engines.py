@@ -1,0 +1,98 @@
+"""The engine a model is prepared and served on: the choice from a timing table, and a model served on ONNX
+Runtime answering as the original torch model does."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from typer.testing import CliRunner
+
+from rampserve.cli import app
+from rampserve.runtime.bundle import load_bundle, read_manifest, save_bundle
+from rampserve.runtime.engines import (
+    CHOSEN_BY_TIMING, CHOSEN_BY_USER, ENGINES, EngineChoice, EngineTiming, check_engine, choose_engine,
+)
+from rampserve.runtime.prepare import prepare
+from rampserve.runtime.sources import ModelSource
+
+timings = st.lists(st.builds(EngineTiming, engine=st.sampled_from([*ENGINES, "other"]),
+                             batch_size=st.sampled_from([1, 16]),
+                             median_ms=st.sampled_from([0.1, 0.2, 0.5, 1.0]), p25_ms=st.just(0.0),
+                             p75_ms=st.just(2.0)), min_size=1, max_size=12)
+
+
+@given(timings, st.randoms(use_true_random=False))
+def test_the_choice_is_the_fastest_at_batch_1_whatever_the_order_of_the_table(table, rng) -> None:
+    if not any(t.batch_size == 1 for t in table):
+        with pytest.raises(ValueError, match="batch size 1"):
+            choose_engine(table)
+        return
+    chosen = choose_engine(table)
+    fastest = min(t.median_ms for t in table if t.batch_size == 1)
+    tied = [t.engine for t in table if t.batch_size == 1 and t.median_ms == fastest]
+    assert chosen in tied
+    listed = [name for name in ENGINES if name in tied]
+    assert chosen == (listed[0] if listed else min(tied))  # a tie goes to the engine listed first
+    shuffled = list(table)
+    rng.shuffle(shuffled)
+    assert choose_engine(shuffled) == chosen
+    assert EngineChoice.from_json(EngineChoice(chosen, CHOSEN_BY_TIMING, tuple(table)).to_json()).timings == \
+        tuple(table)
+
+
+def test_engines_a_model_cannot_run_on_are_refused_with_the_reason() -> None:
+    with pytest.raises(ValueError, match="ONNX Runtime only"):
+        check_engine("torch", "onnx")
+    with pytest.raises(ValueError, match="unknown engine 'tvm'"):
+        check_engine("tvm", "zoo")
+    check_engine("onnxruntime-1thread", "onnx")
+    result = CliRunner().invoke(app, ["prepare", "resnet18-fmnist", "--small", "--engine", "tvm", "--out", "x"])
+    assert result.exit_code == 2 and "unknown engine" in result.output
+
+
+@pytest.fixture(scope="module")
+def timed_prepared(small_prepare_config):
+    """The small ResNet prepared on whichever engine is fastest here."""
+    config = replace(small_prepare_config, engine="auto", bootstrap_items=600, in_domain_items=0,
+                     engine_budget_s=0.2)
+    return prepare(ModelSource("zoo", "resnet18-fmnist", small=True), config)
+
+
+def test_auto_times_every_engine_and_serves_on_the_fastest_at_batch_1(timed_prepared, tmp_path) -> None:
+    record = timed_prepared.meta["engine"]
+    choice = EngineChoice.from_json(record)
+    assert choice.chosen_by == CHOSEN_BY_TIMING and choice.unavailable == ()
+    assert {(t.engine, t.batch_size) for t in choice.timings} == {(e, b) for e in ENGINES for b in (1, 16)}
+    assert all(0 < t.p25_ms <= t.median_ms <= t.p75_ms for t in choice.timings)
+    assert choice.engine == choose_engine(choice.timings)
+    assert timed_prepared.backend.kind == ENGINES[choice.engine].backend
+    bundle = save_bundle(timed_prepared, tmp_path / "bundle")
+    assert read_manifest(bundle)["meta"]["engine"] == record
+    result = CliRunner().invoke(app, ["inspect", str(bundle)])
+    assert result.exit_code == 0 and f"{choice.engine} (serves)" in result.output
+
+
+def test_a_zoo_model_served_on_onnx_runtime_answers_as_the_torch_model(small_prepare_config, fmnist_feeds,
+                                                                       tmp_path) -> None:
+    """Exported at prepare, the model on ONNX Runtime gives the torch model's labels exactly and its logits to
+    float rounding, staged with every ramp active as whole; the bundle keeps the engine's thread setting."""
+    from rampserve.zoo.registry import load_trained
+
+    engine = "onnxruntime-1thread"  # not ONNX Runtime's default threads: the bundle must keep the setting
+    config = replace(small_prepare_config, engine=engine, bootstrap_items=600, in_domain_items=0)
+    model = load_bundle(save_bundle(prepare(ModelSource("zoo", "resnet18-fmnist", small=True), config),
+                                    tmp_path / "bundle"))
+    assert model.meta["engine"]["engine"] == engine and model.meta["engine"]["chosen_by"] == CHOSEN_BY_USER
+    assert model.backend.kind == "onnx" and model.backend.intra_op_threads == ENGINES[engine].intra_op_threads
+    with torch.inference_mode():
+        expected = load_trained("resnet18-fmnist", small=True)(torch.from_numpy(fmnist_feeds)).numpy()
+    feeds = {model.backend.input_names[0]: fmnist_feeds}
+    for active in ((), tuple(model.site_names)):
+        served = model.run(feeds, active=active)
+        np.testing.assert_array_equal(served.argmax(axis=1), expected.argmax(axis=1))
+        np.testing.assert_allclose(served, expected, rtol=1e-4, atol=1e-4)
