@@ -381,25 +381,21 @@ def demo(
 ) -> None:
     """Prepare the default model (training what is missing), show what its ramps could save, then serve it for
     real, vanilla and with early exits, replay a short drifting stream against both and print the outcome."""
-    from rampserve.paths import bundles_dir
-    from rampserve.runtime.bundle import BundleError, read_manifest, save_bundle
-    from rampserve.runtime.prepare import prepare as run_prepare
-    from rampserve.runtime.sources import ModelSource
+    from rampserve.runtime.bundle import read_manifest
+    from rampserve.runtime.zoo_bundles import zoo_bundle
 
-    bundle = bundles_dir() / (model + ("-small" if small else ""))
-    try:
-        read_manifest(bundle)
-        console.print(f"using the prepared bundle at {bundle}")
-    except BundleError:
-        console.print(f"preparing {model}: training the model if needed, then its ramps")
-        save_bundle(run_prepare(ModelSource.parse(model, small=small)), bundle)
+    console.print(f"the prepared {model}: the bundle in the cache, or prepared now (training what is missing, "
+                  "timing the engines, training its ramps)")
+    bundle = zoo_bundle(model, small=small)
     print_inspection(inspect_bundle(bundle))
     if small:
         return
     from rampserve.bench.live import LiveSettings, live_table, run_live
 
-    console.print(f"serving {model} over HTTP, vanilla then with early exits (ramp budget {ramp_budget:.0%}), "
-                  f"and replaying {duration:g} s of the drifting stream against each")
+    engine = read_manifest(bundle)["meta"]["engine"]["engine"]
+    console.print(f"serving {model} over HTTP on {engine}, the fastest engine here (vanilla is the model on it "
+                  f"without ramps), then with early exits (ramp budget {ramp_budget:.0%}), and replaying "
+                  f"{duration:g} s of the drifting stream against each")
     report = run_live(LiveSettings(model=model, duration_s=duration, saturation_s=6.0, sequential_requests=200,
                                    inprocess_rounds=200, server_args=("--ramp-budget", str(ramp_budget))),
                       None, None)
@@ -443,10 +439,14 @@ def bench_staging(
     rounds: Annotated[int, typer.Option(help="interleaved rounds per case")] = 200,
     small: Annotated[bool, typer.Option(help="the zoo's tiny variant")] = False,
 ) -> None:
-    """Staged execution (no active ramp) against the whole model, torch and ONNX, batch 1 and 16."""
+    """The engines timed side by side, staged execution (no active ramp) against the whole model on torch and
+    ONNX, and what active ramps cost on the engine the bundle serves on (the other backend for reference)."""
     from rampserve.bench.staging import run_staging_bench
 
     result = run_staging_bench(model, rounds=rounds, small=small)
+    print_engines(result["engines"])
+    console.print(f"{model} serves on {result['served_engine']} (chosen by {result['engines']['chosen_by']} at "
+                  f"prepare); the fastest in this run at batch 1: {result['fastest_now_at_batch_1']}")
     table = Table(title=f"staged / whole-model time, {model} (medians of interleaved runs)")
     for col in ("backend", "batch", "cuts", "whole ms", "staged ms", "ratio"):
         table.add_column(col, justify="right")
@@ -458,7 +458,7 @@ def bench_staging(
     for col in ("backend", "batch", "ramps", "none ms", "with ramps ms", "share per ramp", "95% interval"):
         ramps.add_column(col, justify="right")
     for case in result["ramp_cases"]:
-        ramps.add_row(case["backend"], str(case["batch_size"]), str(case["active"]), f"{case['none_ms']:.3f}",
+        ramps.add_row(case["backend"] + (" (serves)" if case["served"] else ""), str(case["batch_size"]), str(case["active"]), f"{case['none_ms']:.3f}",
                       f"{case['ramps_ms']:.3f}", f"{case['marginal_share']:.4f}",
                       "{:.4f} to {:.4f}".format(*case["marginal_share_ci95"]))
     console.print(ramps)

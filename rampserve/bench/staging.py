@@ -19,6 +19,7 @@ import torch
 from rampserve.runtime.timing import interleaved_medians, interleaved_samples, paired_difference
 from rampserve.runtime.backends import Backend, OnnxBackend, TorchBackend
 from rampserve.runtime.bundle import load_bundle
+from rampserve.runtime.engines import ENGINES, EngineChoice, choose_engine, engine_of, time_engines
 from rampserve.runtime.prepared import PreparedModel, SiteInfo
 from rampserve.runtime.zoo_bundles import zoo_bundle
 from rampserve.runtime.prepare import bootstrap_inputs, default_workload, feeds_for
@@ -110,17 +111,19 @@ def measure_ramps(name: str, model: PreparedModel, feeds: dict[str, np.ndarray],
     return cases
 
 
-def onnx_twin(prepared: PreparedModel, backend: OnnxBackend, example: dict[str, np.ndarray]) -> PreparedModel:
-    """`prepared`'s ramps on `backend`, the ONNX export of its model: the same analysis finds the model's sites in
-    both graphs in the same order, and each ramp moves to the next site of the export whose activation has its
-    site's shape (the export may have more sites: MiniLM's has one at its head)."""
+def engine_twin(prepared: PreparedModel, backend: Backend, example: dict[str, np.ndarray]) -> PreparedModel:
+    """`prepared`'s ramps on `backend`, the same model on another engine (its ONNX export, or the torch module an
+    ONNX bundle was exported from): the same analysis finds the model's sites in both graphs in the same order,
+    and each ramp moves to the next site of `backend` whose activation has its site's shape (a graph may have
+    more sites than the other: MiniLM's export has one at its head)."""
     activations, _ = next(backend.site_activations([example], [s.value for s in backend.sites]))
     candidates = iter(backend.sites)
     twins, ramps = [], {}
     for info in prepared.sites:
         site = next((s for s in candidates if tuple(activations[s.value].shape[1:]) == info.activation_shape), None)
         if site is None:
-            raise ValueError(f"the ONNX export has no site like {info.name} (activation {info.activation_shape})")
+            raise ValueError(f"the {backend.kind} model has no site like {info.name} (activation "
+                             f"{info.activation_shape})")
         twins.append(SiteInfo(site.value, site.index, site.kind, site.scope, info.activation_shape, info.ramp,
                               info.val_accuracy))
         ramps[site.value] = prepared.ramps[info.name]
@@ -129,6 +132,8 @@ def onnx_twin(prepared: PreparedModel, backend: OnnxBackend, example: dict[str, 
 
 def run_staging_bench(model: str = "resnet18-fmnist", batch_sizes: tuple[int, ...] = (1, 16),
                       rounds: int = 200, small: bool = False) -> dict:
+    """The engines timed again, staging on torch and ONNX Runtime, and what ramps cost on the engine the bundle
+    serves on (and, as a reference, on the other backend)."""
     from rampserve.graph.onnx_graph import export_onnx
 
     source = ModelSource.parse(model, small=small)
@@ -138,23 +143,31 @@ def run_staging_bench(model: str = "resnet18-fmnist", batch_sizes: tuple[int, ..
     torch_backend = TorchBackend(module)
     cases: list[StagingCase] = []
     prepared = load_bundle(zoo_bundle(model, small=small))
+    served = engine_of(prepared.meta, prepared.backend.kind)
     with tempfile.TemporaryDirectory() as tmp:
         example = feeds_for(torch_backend, encoder, items[:2])
         onnx_path = export_onnx(module, tuple(torch.from_numpy(v) for v in example.values()),
                                 torch_backend.input_names, Path(tmp) / "model.onnx")
-        onnx_backend = OnnxBackend(onnx_path)
+        backends = {name: torch_backend if e.backend == "torch" else OnnxBackend(onnx_path, None, e.intra_op_threads)
+                    for name, e in ENGINES.items()}
+        engines = EngineChoice(served.name, prepared.meta.get("engine", {}).get("chosen_by", "?"), tuple(
+            time_engines(backends, lambda b: feeds_for(torch_backend, encoder, items[:b]), batch_sizes)))
         for batch_size in batch_sizes:
-            for backend in (torch_backend, onnx_backend):
+            for backend in (torch_backend, backends["onnxruntime"]):
                 feeds = feeds_for(backend, encoder, items[:batch_size])
                 cases.extend(measure_backend(backend, feeds, rounds=rounds))
-        # The bundle's ramps on both backends: compiled with the ramp operators on torch, fused into the stages'
-        # sessions on ONNX
-        ramp_cases = [case for served in (prepared, onnx_twin(prepared, onnx_backend, example))
+        # The bundle's ramps on its own engine, and on the other backend for reference: compiled with the ramp
+        # operators on torch, fused into the stages' sessions on ONNX
+        other = backends["onnxruntime"] if prepared.backend.kind == "torch" else torch_backend
+        ramp_cases = [case for model_on in (prepared, engine_twin(prepared, other, example))
                       for batch_size in batch_sizes for case in measure_ramps(
-                          model, served, feeds_for(served.backend, encoder, items[:batch_size]), example, rounds)]
+                          model, model_on, feeds_for(model_on.backend, encoder, items[:batch_size]), example, rounds)]
     return {
         "model": model,
+        "served_engine": served.name,
+        "engines": engines.to_json(),
+        "fastest_now_at_batch_1": choose_engine(engines.timings),
         "cases": [asdict(c) for c in cases if c.cuts == "none"],
         "all_sites_cases": [asdict(c) for c in cases if c.cuts == "all"],
-        "ramp_cases": [asdict(c) for c in ramp_cases],
+        "ramp_cases": [{**asdict(c), "served": c.backend == prepared.backend.kind} for c in ramp_cases],
     }
