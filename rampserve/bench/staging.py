@@ -114,16 +114,18 @@ def measure_ramps(name: str, model: PreparedModel, feeds: dict[str, np.ndarray],
 def engine_twin(prepared: PreparedModel, backend: Backend, example: dict[str, np.ndarray]) -> PreparedModel:
     """`prepared`'s ramps on `backend`, the same model on another engine (its ONNX export, or the torch module an
     ONNX bundle was exported from): the same analysis finds the model's sites in both graphs in the same order,
-    and each ramp moves to the next site of `backend` whose activation has its site's shape (a graph may have
-    more sites than the other: MiniLM's export has one at its head)."""
+    and each ramp moves to the next site of `backend` whose activation has its site's shape. A graph may have
+    sites the other lacks (MiniLM's export has one at its head, its fx graph not): a ramp with no such site is
+    left out."""
     activations, _ = next(backend.site_activations([example], [s.value for s in backend.sites]))
-    candidates = iter(backend.sites)
+    candidates = list(backend.sites)
     twins, ramps = [], {}
     for info in prepared.sites:
-        site = next((s for s in candidates if tuple(activations[s.value].shape[1:]) == info.activation_shape), None)
-        if site is None:
-            raise ValueError(f"the {backend.kind} model has no site like {info.name} (activation "
-                             f"{info.activation_shape})")
+        match = next((i for i, s in enumerate(candidates)
+                      if tuple(activations[s.value].shape[1:]) == info.activation_shape), None)
+        if match is None:
+            continue
+        site, candidates = candidates[match], candidates[match + 1:]
         twins.append(SiteInfo(site.value, site.index, site.kind, site.scope, info.activation_shape, info.ramp,
                               info.val_accuracy))
         ramps[site.value] = prepared.ramps[info.name]
