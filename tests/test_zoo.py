@@ -198,3 +198,28 @@ def test_minilm_small_trains_and_loads(home: Path) -> None:
     with torch.no_grad():
         logits = model(*(torch.from_numpy(feeds[n]) for n in entry.input_names))
     assert logits.shape == (2, 2) and torch.isfinite(logits).all()
+
+
+def test_the_vision_flagship_trains_only_its_classifier_on_the_pretrained_lite0() -> None:
+    """lite0-fmnist: Fashion-MNIST images as Lite0 takes photos (RGB, scaled up, about [-1, 1]); training leaves
+    every ImageNet-pretrained weight as it was and fits a 10-way classifier that beats chance."""
+    from rampserve.runtime.prepare import model_encoder
+    from rampserve.runtime.sources import ModelSource
+    from rampserve.zoo.efficientnet_lite import build_efficientnet_lite0
+
+    entry = get_entry("lite0-fmnist", small=True)
+    images, _ = load_fashion_mnist("test")
+    feeds = entry.encode(images[:3])
+    assert feeds["image"].dtype == np.float32 and feeds["image"].shape == (3, 3, 64, 64)
+    assert -1.0 <= feeds["image"].min() and feeds["image"].max() <= 1.0
+    assert np.array_equal(feeds["image"][:, 0], feeds["image"][:, 2])  # grey in every channel
+    # prepare and the benches encode a zoo model's images with its entry's encoder, not the 28 x 28 CNNs'
+    encoded = model_encoder(ModelSource("zoo", "lite0-fmnist", small=True), "image")(images[:3])
+    assert np.array_equal(encoded["image"], feeds["image"])
+    with pytest.raises(ValueError, match="takes image inputs"):
+        model_encoder(ModelSource("zoo", "lite0-fmnist", small=True), "text")
+    metrics = entry.train()
+    trained, pretrained = load_trained("lite0-fmnist", small=True).state_dict(), build_efficientnet_lite0().state_dict()
+    assert trained.keys() == pretrained.keys()
+    assert all(torch.equal(trained[k], pretrained[k]) for k in trained if not k.startswith("_fc."))
+    assert trained["_fc.weight"].shape == (10, 1280) and metrics["test_accuracy"] > 0.3

@@ -69,7 +69,8 @@ def encoder_for(task: str) -> Encoder:
 def model_encoder(source: ModelSource | None, task: str, files_dir: Path | None = None) -> Encoder:
     """How a workload's items of `task` become the inputs of the model from `source`: an hf checkpoint's texts go
     through its own tokenizer (the one in `files_dir`, a bundle carrying it, else the checkpoint's directory), a
-    zoo text model's through its entry's encoder, anything else through the task's encoder."""
+    zoo model's through its entry's encoder (a text model's tokenizer, the image size it takes), anything else
+    through the task's encoder."""
     if source is not None and source.kind == "hf":
         if task != "text":
             raise ValueError(f"{source.ref} is a text classifier: give it a text workload (e.g. rt-drift), "
@@ -77,10 +78,14 @@ def model_encoder(source: ModelSource | None, task: str, files_dir: Path | None 
         from rampserve.zoo.hf_encoders import text_encoder
 
         return text_encoder(files_dir or Path(source.ref))
-    if source is not None and source.kind == "zoo" and task == "text":
+    if source is not None and source.kind == "zoo":
         from rampserve.zoo.registry import get_entry
 
-        return get_entry(source.ref, small=source.small).encode
+        entry = get_entry(source.ref, small=source.small)
+        if entry.task != task:
+            raise ValueError(f"{source.ref} takes {entry.task} inputs: give it a {entry.task} workload, not a "
+                             f"{task} one")
+        return entry.encode
     return encoder_for(task)
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -139,3 +140,19 @@ def build_efficientnet_lite0(pretrained: bool = True) -> EfficientNetLite:
         state = torch.load(path, map_location="cpu", weights_only=True)
         model.load_state_dict(state, strict=True)
     return model.eval()
+
+
+def build_lite0_classifier(classes: int, pretrained: bool) -> EfficientNetLite:
+    """Lite0 with a fresh `classes`-way classifier on its features (ImageNet-pretrained unless `pretrained` is
+    False: the architecture a trained artifact's weights load into)."""
+    model = build_efficientnet_lite0(pretrained)
+    model._fc = nn.Linear(model._fc.in_features, classes)
+    return model.eval()
+
+
+def grey_images_as_photos(pixels: np.ndarray, side: int) -> dict[str, np.ndarray]:
+    """uint8 grey images (N, H, W) as Lite0 takes a photo: scaled bilinearly to side x side, the grey level in all
+    three channels, normalised as its training inputs were -> {"image": float32 (N, 3, side, side)}."""
+    grey = torch.from_numpy(np.asarray(pixels, dtype=np.float32)).unsqueeze(1)
+    scaled = F.interpolate(grey, size=(side, side), mode="bilinear", align_corners=False)
+    return {"image": np.ascontiguousarray(((scaled - INPUT_MEAN) / INPUT_STD).expand(-1, 3, -1, -1).numpy())}
