@@ -437,13 +437,15 @@ def bench_staging(
     json_out: Annotated[Optional[Path], typer.Option("--json", help="write the results here")] = None,
     model: Annotated[str, typer.Option(help="zoo model")] = DEFAULT_MODEL,
     rounds: Annotated[int, typer.Option(help="interleaved rounds per case")] = 200,
+    batch_size: Annotated[Optional[list[int]], typer.Option(
+        help="a batch size to measure at (repeat it for several; default 1 and 16)")] = None,
     small: Annotated[bool, typer.Option(help="the zoo's tiny variant")] = False,
 ) -> None:
     """The engines timed side by side, staged execution (no active ramp) against the whole model on torch and
     ONNX, and what active ramps cost on the engine the bundle serves on (the other backend for reference)."""
     from rampserve.bench.staging import run_staging_bench
 
-    result = run_staging_bench(model, rounds=rounds, small=small)
+    result = run_staging_bench(model, tuple(batch_size or (1, 16)), rounds=rounds, small=small)
     print_engines(result["engines"])
     console.print(f"{model} serves on {result['served_engine']} (chosen by {result['engines']['chosen_by']} at "
                   f"prepare); the fastest in this run at batch 1: {result['fastest_now_at_batch_1']}")
