@@ -180,7 +180,8 @@ def print_engines(record: dict) -> None:
     for engine, why in choice.unavailable:
         console.print(f"[yellow]{engine} could not run the model: {why}[/yellow]")
     if choice.chosen_by == CHOSEN_BY_USER or not choice.timings:
-        console.print(f"engine: {choice.engine} ({'named by --engine' if choice.chosen_by == CHOSEN_BY_USER else 'the only one it runs on'}, not timed)")
+        why = "named by --engine" if choice.chosen_by == CHOSEN_BY_USER else "the only one it runs on"
+        console.print(f"engine: {choice.engine} ({why}, not timed)")
         return
     sizes = sorted({t.batch_size for t in choice.timings})
     table = Table(title="engines: the model without ramps, median ms (interquartile range), interleaved rounds")
@@ -381,18 +382,18 @@ def demo(
 ) -> None:
     """Prepare the default model (training what is missing), show what its ramps could save, then serve it for
     real, vanilla and with early exits, replay a short drifting stream against both and print the outcome."""
-    from rampserve.runtime.bundle import read_manifest
     from rampserve.runtime.zoo_bundles import zoo_bundle
 
     console.print(f"the prepared {model}: the bundle in the cache, or prepared now (training what is missing, "
                   "timing the engines, training its ramps)")
     bundle = zoo_bundle(model, small=small)
-    print_inspection(inspect_bundle(bundle))
+    inspection = inspect_bundle(bundle)
+    print_inspection(inspection)
     if small:
         return
     from rampserve.bench.live import LiveSettings, live_table, run_live
 
-    engine = read_manifest(bundle)["meta"]["engine"]["engine"]
+    engine = inspection["engine"]["engine"]
     console.print(f"serving {model} over HTTP on {engine}, the fastest engine here (vanilla is the model on it "
                   f"without ramps), then with early exits (ramp budget {ramp_budget:.0%}), and replaying "
                   f"{duration:g} s of the drifting stream against each")
@@ -445,7 +446,8 @@ def bench_staging(
     ONNX, and what active ramps cost on the engine the bundle serves on (the other backend for reference)."""
     from rampserve.bench.staging import run_staging_bench
 
-    result = run_staging_bench(model, tuple(batch_size or (1, 16)), rounds=rounds, small=small)
+    sizes = {"batch_sizes": tuple(batch_size)} if batch_size else {}
+    result = run_staging_bench(model, rounds=rounds, small=small, **sizes)
     print_engines(result["engines"])
     console.print(f"{model} serves on {result['served_engine']} (chosen by {result['engines']['chosen_by']} at "
                   f"prepare); the fastest in this run at batch 1: {result['fastest_now_at_batch_1']}")
@@ -460,8 +462,9 @@ def bench_staging(
     for col in ("backend", "batch", "ramps", "none ms", "with ramps ms", "share per ramp", "95% interval"):
         ramps.add_column(col, justify="right")
     for case in result["ramp_cases"]:
-        ramps.add_row(case["backend"] + (" (serves)" if case["served"] else ""), str(case["batch_size"]), str(case["active"]), f"{case['none_ms']:.3f}",
-                      f"{case['ramps_ms']:.3f}", f"{case['marginal_share']:.4f}",
+        ramps.add_row(case["backend"] + (" (serves)" if case["served"] else ""), str(case["batch_size"]),
+                      str(case["active"]), f"{case['none_ms']:.3f}", f"{case['ramps_ms']:.3f}",
+                      f"{case['marginal_share']:.4f}",
                       "{:.4f} to {:.4f}".format(*case["marginal_share_ci95"]))
     console.print(ramps)
     _write_json(result, json_out)

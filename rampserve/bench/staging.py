@@ -17,9 +17,11 @@ import numpy as np
 import torch
 
 from rampserve.runtime.timing import interleaved_medians, interleaved_samples, paired_difference
-from rampserve.runtime.backends import Backend, OnnxBackend, TorchBackend
+from rampserve.runtime.backends import Backend, TorchBackend
 from rampserve.runtime.bundle import load_bundle
-from rampserve.runtime.engines import ENGINES, EngineChoice, choose_engine, engine_of, time_engines
+from rampserve.runtime.engines import (
+    ENGINES, EngineChoice, choose_engine, engine_backends, engine_of, time_engines,
+)
 from rampserve.runtime.prepared import PreparedModel, SiteInfo
 from rampserve.runtime.zoo_bundles import zoo_bundle
 from rampserve.runtime.prepare import bootstrap_inputs, default_workload, feeds_for
@@ -150,8 +152,7 @@ def run_staging_bench(model: str = "resnet18-fmnist", batch_sizes: tuple[int, ..
         example = feeds_for(torch_backend, encoder, items[:2])
         onnx_path = export_onnx(module, tuple(torch.from_numpy(v) for v in example.values()),
                                 torch_backend.input_names, Path(tmp) / "model.onnx")
-        backends = {name: torch_backend if e.backend == "torch" else OnnxBackend(onnx_path, None, e.intra_op_threads)
-                    for name, e in ENGINES.items()}
+        backends = engine_backends(list(ENGINES), torch_backend, onnx_path)
         engines = EngineChoice(served.name, prepared.meta.get("engine", {}).get("chosen_by", "?"), tuple(
             time_engines(backends, lambda b: feeds_for(torch_backend, encoder, items[:b]), batch_sizes)))
         for batch_size in batch_sizes:

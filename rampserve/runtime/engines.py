@@ -34,15 +34,15 @@ MAX_ROUNDS = 400
 class Engine:
     name: str
     backend: str  # the `Backend.kind` that runs it
-    about: str
     intra_op_threads: int = 0  # ONNX Runtime's intra-op threads; 0 is its default, one per core
 
 
-# In the order a tie at batch 1 is broken: ONNX Runtime first, as it serves without the torch package
+# In the order a tie at batch 1 is broken: ONNX Runtime first, as it serves without the torch package. "torch" is
+# TorchScript, the model traced and frozen (rampserve's compiled torch path).
 ENGINES: dict[str, Engine] = {e.name: e for e in (
-    Engine("onnxruntime", "onnx", "ONNX Runtime, its default threads (one per core)"),
-    Engine("onnxruntime-1thread", "onnx", "ONNX Runtime, one intra-op thread", intra_op_threads=1),
-    Engine("torch", "torch", "TorchScript, the model traced and frozen (rampserve's torch path)"),
+    Engine("onnxruntime", "onnx"),
+    Engine("onnxruntime-1thread", "onnx", intra_op_threads=1),
+    Engine("torch", "torch"),
 )}
 
 
@@ -152,13 +152,21 @@ def time_engines(backends: dict[str, Backend], feeds_of: Callable[[int], dict[st
     return timings
 
 
-def _onnx_export(module: torch.nn.Module, backend: TorchBackend, example: dict[str, np.ndarray]) -> Path:
-    """`module` exported to ONNX in a directory of its own, removed once nothing holds a backend on the file."""
+def engine_backends(names: Sequence[str], torch_backend: TorchBackend | None, onnx_path: Path | None,
+                    policy: SitePolicy | None = None) -> dict[str, Backend]:
+    """The model on each engine in `names`: the torch backend as it is, or the ONNX file in a session of that
+    engine's threads."""
+    return {name: torch_backend if ENGINES[name].backend == "torch" else
+            OnnxBackend(onnx_path, policy, ENGINES[name].intra_op_threads) for name in names}
+
+
+def _onnx_export(backend: TorchBackend, example: dict[str, np.ndarray]) -> Path:
+    """`backend`'s module exported to ONNX in a directory of its own (the caller removes it)."""
     from rampserve.graph.onnx_graph import export_onnx
 
     directory = Path(tempfile.mkdtemp(prefix="rampserve-export-"))
     try:
-        return export_onnx(module, tuple(torch.from_numpy(example[n]) for n in backend.input_names),
+        return export_onnx(backend.module, tuple(torch.from_numpy(example[n]) for n in backend.input_names),
                            backend.input_names, directory / "model.onnx")
     except BaseException:
         shutil.rmtree(directory, ignore_errors=True)
@@ -179,15 +187,13 @@ def serving_backend(torch_backend: TorchBackend | None, onnx_path: Path | None, 
     exported: Path | None = None
     if torch_backend is not None and onnx_path is None and any(ENGINES[n].backend == "onnx" for n in names):
         try:
-            onnx_path = exported = _onnx_export(torch_backend.module, torch_backend, feeds_of(torch_backend)(2))
+            onnx_path = exported = _onnx_export(torch_backend, feeds_of(torch_backend)(2))
         except Exception as exc:  # noqa: BLE001 - a model the exporter cannot take is served on torch
             if engine != AUTO:
                 raise ValueError(f"{engine} needs the model in ONNX, and exporting it failed: {exc}") from exc
             unavailable = [(n, f"export to ONNX failed: {exc}") for n in names if ENGINES[n].backend == "onnx"]
             names = [n for n in names if ENGINES[n].backend != "onnx"]
-    backends: dict[str, Backend] = {
-        name: torch_backend if ENGINES[name].backend == "torch" else
-        OnnxBackend(onnx_path, policy, ENGINES[name].intra_op_threads) for name in names}
+    backends = engine_backends(names, torch_backend, onnx_path, policy)
     if engine != AUTO:
         choice = EngineChoice(engine, CHOSEN_BY_USER, (), tuple(unavailable))
     elif len(backends) == 1:
