@@ -172,19 +172,21 @@ def _fmt(value: float | None, spec: str = ".3f") -> str:
     return "-" if value is None else format(value, spec)
 
 
-def print_engines(record: dict) -> None:
+def print_engines(record: dict,
+                  title: str = "engines: the model without ramps, median ms (interquartile range), interleaved rounds"
+                  ) -> None:
     """The engines a model was timed on and the one it serves on (see `runtime.engines`)."""
     from rampserve.runtime.engines import CHOSEN_BY_USER, EngineChoice
 
     choice = EngineChoice.from_json(record)
     for engine, why in choice.unavailable:
         console.print(f"[yellow]{engine} could not run the model: {why}[/yellow]")
-    if choice.chosen_by == CHOSEN_BY_USER or not choice.timings:
+    if not choice.timings:
         why = "named by --engine" if choice.chosen_by == CHOSEN_BY_USER else "the only one it runs on"
         console.print(f"engine: {choice.engine} ({why}, not timed)")
         return
     sizes = sorted({t.batch_size for t in choice.timings})
-    table = Table(title="engines: the model without ramps, median ms (interquartile range), interleaved rounds")
+    table = Table(title=title)
     table.add_column("engine")
     for b in sizes:
         table.add_column(f"batch {b}", justify="right")
@@ -451,6 +453,9 @@ def bench_staging(
     print_engines(result["engines"])
     console.print(f"{model} serves on {result['served_engine']} (chosen by {result['engines']['chosen_by']} at "
                   f"prepare); the fastest in this run at batch 1: {result['fastest_now_at_batch_1']}")
+    if result["as_users_run_it"]:
+        print_engines(result["as_users_run_it"], "the served engine beside ONNX Runtime as a bare session runs the "
+                                                 "model (its defaults), median ms, blocks of 5 runs")
     table = Table(title=f"staged / whole-model time, {model} (medians of interleaved runs)")
     for col in ("backend", "batch", "cuts", "whole ms", "staged ms", "ratio"):
         table.add_column(col, justify="right")
@@ -459,10 +464,10 @@ def bench_staging(
                       f"{case['staged_ms']:.3f}", f"{case['ratio']:.3f}")
     console.print(table)
     ramps = Table(title=f"active ramps on the serving path, {model}: marginal share of the model's time per ramp")
-    for col in ("backend", "batch", "ramps", "none ms", "with ramps ms", "share per ramp", "95% interval"):
+    for col in ("backend", "path", "batch", "ramps", "none ms", "with ramps ms", "share per ramp", "95% interval"):
         ramps.add_column(col, justify="right")
     for case in result["ramp_cases"]:
-        ramps.add_row(case["backend"] + (" (serves)" if case["served"] else ""), str(case["batch_size"]),
+        ramps.add_row(case["backend"] + (" (serves)" if case["served"] else ""), case["path"], str(case["batch_size"]),
                       str(case["active"]), f"{case['none_ms']:.3f}", f"{case['ramps_ms']:.3f}",
                       f"{case['marginal_share']:.4f}",
                       "{:.4f} to {:.4f}".format(*case["marginal_share_ci95"]))

@@ -41,9 +41,10 @@ BACKENDS = ["resnet_prepared", "onnx_prepared"]  # the same small ResNet on torc
 def test_compiled_runs_equal_the_original_model_and_fused_ramps_equal_the_eager_ones(prepared, fmnist_feeds,
                                                                                     request) -> None:
     """Compiled sets (the serving path: on torch, traced stages with the ramps fused in, one scripted runner; on
-    ONNX, the stages' sessions with the ramps inside) give bit for bit the eager path's output (on torch the
-    original model's), and every fused ramp the eager ramp's labels exactly and its error scores to float32
-    rounding, for any active ramps and batch size; every ramp is reported once, in model order."""
+    ONNX, the whole model in one session whose ramps signal, or where a ramp runs in Python the stages' sessions
+    with the ramps inside) give bit for bit the eager path's output (on torch the original model's; in one ONNX
+    session the whole model's), and every fused ramp the eager ramp's labels exactly and its error scores to
+    float32 rounding, for any active ramps and batch size; every ramp is reported once, in model order."""
     model = replace(request.getfixturevalue(prepared))  # compiled sets of its own
     name = model.backend.input_names[0]
     first = model.sites[0]  # a ramp that runs in Python (stashed on the compiled path) beside fused ones
@@ -60,11 +61,18 @@ def test_compiled_runs_equal_the_original_model_and_fused_ramps_equal_the_eager_
         outputs = {compiled: model.run(feeds, ordered, lambda *seen, c=compiled: ramps[c].append(seen),
                                        compiled=compiled)
                    for compiled in (True, False)}
-        assert np.array_equal(outputs[True], outputs[False])
+        whole = model.backend.kind == "onnx" and bool(active) and first.name not in active
+        assert type(model.compiled_set(ordered).runner).__name__ == ("OnnxSignalledRunner" if whole else
+                                                                  "OnnxSetRunner" if model.backend.kind == "onnx"
+                                                                  else "RecursiveScriptModule")
         if model.backend.kind == "torch":
             reference = model.backend.module(torch.from_numpy(fmnist_feeds[:batch])).detach().numpy()
+            assert np.array_equal(outputs[True], outputs[False])
             assert np.array_equal(outputs[True], reference)
+        elif whole:
+            assert np.array_equal(outputs[True], model.backend.split.full(feeds))
         else:  # ONNX Runtime fuses other operators in a sub-graph than in the whole graph: float rounding apart
+            assert np.array_equal(outputs[True], outputs[False])
             np.testing.assert_allclose(outputs[True], model.backend.split.full(feeds), rtol=1e-4, atol=1e-5)
         assert [site for site, *_ in ramps[True]] == ordered
         eager = {site: (labels, errors) for site, labels, errors in ramps[False]}
@@ -283,8 +291,9 @@ def test_minilm_prepares_with_first_token_ramps_and_stages_exactly(small_prepare
 @pytest.mark.parametrize("token_reduce, score", [("first_token", "max_prob"), ("token_mean", "entropy")])
 def test_onnx_ramps_of_a_text_encoder_fuse_as_they_evaluate(token_reduce: str, score: str, tmp_path) -> None:
     """On an ONNX text encoder with a side input (the attention mask), linear ramps of every reduction its sites
-    take (the tokens' first or mean, a flat head after the last layer) fused into the stages' sessions report the
-    eager ramps' labels and error scores (to float32 rounding), and the compiled output is the eager path's."""
+    take (the tokens' first or mean, a flat head after the last layer) fused into the one session that runs the
+    model whole report the eager ramps' labels and error scores (to float32 rounding), and the compiled output is
+    the whole model's."""
     from rampserve.graph.onnx_graph import export_onnx
     from rampserve.runtime.backends import OnnxBackend
     from rampserve.workloads.streams import get_stream
@@ -312,7 +321,9 @@ def test_onnx_ramps_of_a_text_encoder_fuse_as_they_evaluate(token_reduce: str, s
         reported: dict[bool, list] = {True: [], False: []}
         outputs = [model.run(feeds, active, lambda *seen, c=compiled, into=reported: into[c].append(seen), compiled=compiled)
                    for compiled in (True, False)]
-        assert np.array_equal(outputs[0], outputs[1])
+        assert type(model.compiled_set(active).runner).__name__ == "OnnxSignalledRunner"
+        assert np.array_equal(outputs[0], backend.split.full(feeds))
+        np.testing.assert_allclose(outputs[0], outputs[1], rtol=1e-4, atol=1e-5)
         assert [site for site, *_ in reported[True]] == [site for site, *_ in reported[False]] == list(active)
         for (_, labels, errors), (_, eager_labels, eager_errors) in zip(reported[True], reported[False]):
             assert np.array_equal(labels, eager_labels)

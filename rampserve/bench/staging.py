@@ -20,7 +20,7 @@ from rampserve.runtime.timing import interleaved_medians, interleaved_samples, p
 from rampserve.runtime.backends import Backend, TorchBackend
 from rampserve.runtime.bundle import load_bundle
 from rampserve.runtime.engines import (
-    ENGINES, EngineChoice, choose_engine, engine_backends, engine_of, time_engines,
+    AS_USERS_RUN_IT, CHOSEN_BY_USER, ENGINES, EngineChoice, choose_engine, engine_backends, engine_of, time_engines,
 )
 from rampserve.runtime.prepared import PreparedModel, SiteInfo
 from rampserve.runtime.zoo_bundles import zoo_bundle
@@ -81,6 +81,9 @@ class RampCase:
     # 95% interval of the marginal share, from the rounds' paired differences: how far the machine's noise
     # leaves the figure uncertain
     marginal_share_ci95: tuple[float, float]
+    # on ONNX: "one session" (the model whole, ramps signalling from inside the run: what is served) or "stages"
+    # (a session call per active site); on torch: "torchscript"
+    path: str = "torchscript"
 
 
 def _spread(sites: list[str], count: int) -> tuple[str, ...]:
@@ -94,22 +97,28 @@ def _spread(sites: list[str], count: int) -> tuple[str, ...]:
 def measure_ramps(name: str, model: PreparedModel, feeds: dict[str, np.ndarray], example: dict[str, np.ndarray],
                   rounds: int) -> list[RampCase]:
     """Serving-path time with 1, 4 and every ramp active against none (no input exiting), interleaved, on the
-    compiled path where the model compiles (else the eager one, as the server runs it)."""
+    compiled path where the model compiles (else the eager one, as the server runs it); on ONNX also with the
+    model cut into a session per active site, for reference."""
     sites = model.site_names
     batch_size = len(next(iter(feeds.values())))
     sets = {count: _spread(sites, count) for count in sorted({1, min(4, len(sites)), len(sites)})}
-    runs = {str(count): serving_path(model, active, model.build_compiled(active, example) or False, feeds)
-            for count, active in [(0, ()), *sets.items()]}
+    paths = {"one session": True, "stages": False} if model.backend.kind == "onnx" else {"torchscript": True}
+    runs = {(path, count): serving_path(model, active, model.build_compiled(active, example, signals=signals)
+                                        or False, feeds)
+            for path, signals in paths.items() for count, active in sets.items()}
+    runs[("none", 0)] = serving_path(model, (), model.build_compiled((), example) or False, feeds)
     with torch.inference_mode():  # as the executor runs
-        samples = interleaved_samples(runs, rounds=rounds, desc=f"{model.backend.kind} ramps batch {batch_size}",
-                                      block=RAMP_BLOCK)
-    none = float(np.median(samples["0"]))
+        samples = interleaved_samples({f"{p}:{c}": run for (p, c), run in runs.items()}, rounds=rounds,
+                                      desc=f"{model.backend.kind} ramps batch {batch_size}", block=RAMP_BLOCK)
+    none = float(np.median(samples["none:0"]))
     cases = []
-    for count, active in sets.items():
-        _, low, high = paired_difference(samples[str(count)], samples["0"])
-        ramps_ms = float(np.median(samples[str(count)]))
-        cases.append(RampCase(name, model.backend.kind, batch_size, count, active, none, ramps_ms,
-                              (ramps_ms - none) / (count * none), (low / (count * none), high / (count * none))))
+    for path in paths:
+        for count, active in sets.items():
+            _, low, high = paired_difference(samples[f"{path}:{count}"], samples["none:0"])
+            ramps_ms = float(np.median(samples[f"{path}:{count}"]))
+            cases.append(RampCase(name, model.backend.kind, batch_size, count, active, none, ramps_ms,
+                                  (ramps_ms - none) / (count * none), (low / (count * none), high / (count * none)),
+                                  path))
     return cases
 
 
@@ -152,9 +161,15 @@ def run_staging_bench(model: str = "resnet18-fmnist", batch_sizes: tuple[int, ..
         example = feeds_for(torch_backend, encoder, items[:2])
         onnx_path = export_onnx(module, tuple(torch.from_numpy(v) for v in example.values()),
                                 torch_backend.input_names, Path(tmp) / "model.onnx")
-        backends = engine_backends(list(ENGINES), torch_backend, onnx_path)
+        backends = engine_backends(list(ENGINES.values()), torch_backend, onnx_path)
+        feeds_of = lambda b: feeds_for(torch_backend, encoder, items[:b])  # noqa: E731
         engines = EngineChoice(served.name, prepared.meta.get("engine", {}).get("chosen_by", "?"), tuple(
-            time_engines(backends, lambda b: feeds_for(torch_backend, encoder, items[:b]), batch_sizes)))
+            time_engines(backends, feeds_of, batch_sizes)))
+        # Apart, in blocks of runs each after an untimed one: a bare session's threads spin on after its runs and
+        # would slow whichever engine ran next in the table's rounds
+        as_users_run_it = EngineChoice(served.name, CHOSEN_BY_USER, tuple(time_engines(
+            {**engine_backends([AS_USERS_RUN_IT], None, onnx_path), served.name: backends[served.name]},
+            feeds_of, batch_sizes, block=5))) if served.backend == "onnx" else None
         for batch_size in batch_sizes:
             for backend in (torch_backend, backends["onnxruntime"]):
                 feeds = feeds_for(backend, encoder, items[:batch_size])
@@ -170,7 +185,9 @@ def run_staging_bench(model: str = "resnet18-fmnist", batch_sizes: tuple[int, ..
         "served_engine": served.name,
         "engines": engines.to_json(),
         "fastest_now_at_batch_1": choose_engine(engines.timings),
+        "as_users_run_it": None if as_users_run_it is None else as_users_run_it.to_json(),
         "cases": [asdict(c) for c in cases if c.cuts == "none"],
         "all_sites_cases": [asdict(c) for c in cases if c.cuts == "all"],
-        "ramp_cases": [{**asdict(c), "served": c.backend == prepared.backend.kind} for c in ramp_cases],
+        "ramp_cases": [{**asdict(c), "served": c.backend == prepared.backend.kind and c.path != "stages"}
+                       for c in ramp_cases],
     }

@@ -3,13 +3,19 @@
 Stages are sub-graphs of the original graph, each in its own onnxruntime session, so a third-party model
 needs no Python source to get exit ramps: only its ONNX file. A stage may also compute a `Tap` on the value it
 ends at (an exit ramp, say) as an extra output of its sub-graph, in the same session call.
+
+Or the model runs whole, in the graph ONNX Runtime optimized for this machine (`OnnxSplitModel.optimized`), with
+taps that hand their outputs to a Python operator as soon as their site's value exists (`with_signals`): no cut,
+no session call per site, and the sites' values stay in whatever layout ONNX Runtime chose for them.
 """
 
 from __future__ import annotations
 
+import functools
 import re
+import tempfile
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -40,6 +46,10 @@ _RANDOM = frozenset({
 })
 
 _MODULE_PATH = re.compile(r"\w+(?:\.\w+)*")
+# Where ONNX Runtime's CPU provider keeps its blocked-layout (NCHWc) operators, and where onnxruntime-extensions
+# registers operators written in Python
+NCHWC_DOMAIN = "com.microsoft.nchwc"
+PYTHON_OP_DOMAIN = "ai.onnx.contrib"
 
 
 def scope_from_node_name(name: str) -> str:
@@ -190,11 +200,26 @@ class _Runner:
         return self.session.run([self.output_name, *self.tap_outputs], self._feeds(x, side))
 
 
+def session_options(intra_op_threads: int = 0, spin_after_run: bool = False) -> ort.SessionOptions:
+    """Options for the sessions of a model: `intra_op_threads` (0: ONNX Runtime's default, one per core), and
+    whether its threads go on spinning after a run returns (ONNX Runtime's default; never where rampserve serves)."""
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = intra_op_threads
+    if not spin_after_run:
+        # ONNX Runtime's pool threads spin between the operators of a run, which is much of its speed at batch 1
+        # (lite0-fmnist 5.5 ms, 7.5 ms with spinning off), but by default they go on spinning after the run
+        # returns, taking the cores that the next stage's session, a ramp in torch or the server's own threads
+        # need (seen on 2 cores: lite0-fmnist cut in 4 stages ran 2.3x slower; torch at batch 1 went from about
+        # 3 ms to over 600 ms). Stopped when a run returns, they cost nothing between runs.
+        options.add_session_config_entry("session.force_spinning_stop", "1")
+    return options
+
+
 class OnnxSplitModel:
     """An ONNX model with its sites, runnable whole or as a chain of stages cut at chosen sites."""
 
     def __init__(self, model: onnx.ModelProto | str | Path, policy: SitePolicy | None = None,
-                 intra_op_threads: int = 0) -> None:
+                 intra_op_threads: int = 0, spin_after_run: bool = False) -> None:
         loaded = model if isinstance(model, onnx.ModelProto) else onnx.load(str(model))
         # Shape inference gives every cut value a type, which a stage needs to declare it as an input/output.
         self._model = onnx.shape_inference.infer_shapes(_sorted_model(loaded))
@@ -208,13 +233,8 @@ class OnnxSplitModel:
         self._types = {v.name: v for v in (*graph.input, *graph.value_info, *graph.output)}
         self._producer = {v: index for index, node in enumerate(graph.node) for v in node.output if v}
         self._initializers = {t.name: t for t in graph.initializer}
-        self._options = ort.SessionOptions()
-        # Idle ONNX Runtime threads otherwise spin-wait after every run, taking the cores that the next
-        # batch, a ramp in torch, or the server's own threads need (seen: torch at batch 1 went from about
-        # 3 ms to over 600 ms beside spinning sessions on 2 cores).
-        self._options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        self._options.add_session_config_entry("session.inter_op.allow_spinning", "0")
-        self._options.intra_op_num_threads = intra_op_threads  # 0: ONNX Runtime's default, one per core
+        self._options = session_options(intra_op_threads, spin_after_run)
+        self._threads = (intra_op_threads, spin_after_run)
         self._runners: dict[tuple[str, str, str | None], _Runner] = {}
         self._lock = threading.Lock()
 
@@ -257,6 +277,21 @@ class OnnxSplitModel:
         session = self._session(self._as_model(onnx.helper.make_graph(
             list(tap.nodes), f"tap[{cut}]", [self._types[cut]], list(tap.outputs), initializer=list(tap.initializers))))
         return lambda activation: session.run([v.name for v in tap.outputs], {cut: activation})
+
+    def signalled(self, cuts: Sequence[str], tap_for: Callable[[str, SiteValue], Tap], op_type: str, library: str,
+                  keep_layout: Collection[str] = ()) -> _Runner:
+        """One session running the whole model as ONNX Runtime optimized it for this machine, in which the value of
+        each of `cuts` (in model order) feeds its tap `tap_for(site, value)`, whose outputs go to a node of Python
+        operator `op_type` as soon as they exist (`with_signals`); `library` is the path of the library that runs
+        Python operators. A cut in `keep_layout` is read in the model's own layout."""
+        block = nchwc_block_size()
+        optimized, values = optimize_for_machine(self._model, self._options, cuts, block, keep_layout)
+        model = with_signals(optimized, values, {cut: tap_for(cut, value) for cut, value in values.items()}, op_type)
+        options = session_options(*self._threads)
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL  # optimized already
+        options.register_custom_ops_library(library)
+        session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+        return _Runner(session, self.input_names[0], tuple(self.input_names[1:]), self.output_name)
 
     def _as_model(self, graph: onnx.GraphProto) -> onnx.ModelProto:
         """A graph of this model's nodes as a model of its own, with this model's versions and functions."""
@@ -322,6 +357,135 @@ class OnnxSplitModel:
             initializer=weights,
         )
         return self._as_model(sub), inputs[1:]
+
+
+@dataclass(frozen=True)
+class SiteValue:
+    """Where a site's activation is in a graph ONNX Runtime optimized (`OnnxSplitModel.optimized`): the value's
+    name, and the channel block of its layout: ONNX Runtime's NCHWc keeps a convolution's channels in blocks of
+    `block`, each block's values innermost, the channel count padded to a whole block; 0 is the model's own
+    layout."""
+
+    name: str
+    block: int = 0
+
+
+@functools.cache
+def nchwc_block_size() -> int:
+    """The channels per block of ONNX Runtime's NCHWc layout on this machine (it follows the processor's vector
+    width: 8 with AVX2, 16 with AVX-512), found by optimizing two convolutions and reading the value between them
+    in both layouts; 0 where ONNX Runtime keeps convolutions in the NCHW layout here."""
+    channels, side = 64, 4
+    weight = onnx.numpy_helper.from_array(np.eye(channels, dtype=np.float32).reshape(channels, channels, 1, 1), "w")
+    graph = onnx.helper.make_graph(
+        [onnx.helper.make_node("Conv", ["x", "w"], ["between"]), onnx.helper.make_node("Conv", ["between", "w"], ["y"])],
+        "nchwc_probe", [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, channels, side, side])],
+        [onnx.helper.make_tensor_value_info(v, onnx.TensorProto.FLOAT, None) for v in ("y", "between")],
+        initializer=[weight])
+    # block 1 stands for "any": which block this is, is what the probe finds out
+    optimized, values = optimize_for_machine(onnx.helper.make_model(graph), ort.SessionOptions(), ["between"], 1)
+    blocked = values["between"].name
+    if blocked == "between":
+        return 0
+    optimized.graph.output.append(onnx.helper.make_tensor_value_info(blocked, onnx.TensorProto.FLOAT, None))
+    x = np.arange(channels * side * side, dtype=np.float32).reshape(1, channels, side, side)
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    found = ort.InferenceSession(optimized.SerializeToString(), options, providers=["CPUExecutionProvider"]).run(
+        [blocked], {"x": x})[0]
+    return next(block for block in (4, 8, 16, 32, 64)
+                if np.array_equal(found.reshape(channels // block, block, side * side).transpose(0, 2, 1).ravel(),
+                                  x.reshape(channels // block, side * side, block).ravel()))
+
+
+def optimize_for_machine(model: onnx.ModelProto, options: ort.SessionOptions, cuts: Sequence[str], block: int,
+                         keep_layout: Collection[str] = ()) -> tuple[onnx.ModelProto, dict[str, SiteValue]]:
+    """`model` as ONNX Runtime optimizes it for this machine (its layout changes included; not portable), and
+    where each of `cuts` is in it: optimized with the cuts as outputs, so that each keeps a value, then without
+    those outputs. A cut (not in `keep_layout`) whose value ONNX Runtime holds in its NCHWc layout and converts
+    back only for that output is taken in that layout (`block` > 0 says what it is), and the conversion goes."""
+    exposed = onnx.ModelProto()
+    exposed.CopyFrom(model)
+    exposed.graph.output.extend(onnx.helper.make_tensor_value_info(c, onnx.TensorProto.FLOAT, None) for c in cuts)
+    optimizing = ort.SessionOptions()
+    optimizing.intra_op_num_threads = options.intra_op_num_threads
+    optimizing.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    optimizing.log_severity_level = 3  # not its warning that the file is for this machine alone: it is kept in memory
+    with tempfile.TemporaryDirectory(prefix="rampserve-ort-") as directory:
+        optimizing.optimized_model_filepath = str(Path(directory) / "optimized.onnx")
+        ort.InferenceSession(exposed.SerializeToString(), optimizing, providers=["CPUExecutionProvider"])
+        optimized = onnx.load(optimizing.optimized_model_filepath)
+    graph = optimized.graph
+    producer = {v: node for node in graph.node for v in node.output}
+    read = {v for node in graph.node for v in _node_inputs(node)}
+    values: dict[str, SiteValue] = {}
+    conversions = set()
+    for cut in cuts:
+        node = producer.get(cut)
+        if (block and node is not None and node.domain == NCHWC_DOMAIN and node.op_type == "ReorderOutput"
+                and cut not in read and cut not in keep_layout):
+            values[cut] = SiteValue(node.input[0], block)
+            conversions.add(id(node))
+        else:
+            values[cut] = SiteValue(cut)
+    kept = [node for node in graph.node if id(node) not in conversions]
+    outputs = [v for v in graph.output if v.name not in values]
+    del graph.node[:], graph.output[:]
+    graph.node.extend(kept)
+    graph.output.extend(outputs)
+    return optimized, values
+
+
+def with_signals(model: onnx.ModelProto, values: Mapping[str, SiteValue], taps: Mapping[str, Tap], op_type: str
+                 ) -> onnx.ModelProto:
+    """`model` (optimized, see `optimize_for_machine`) in which each site's tap (in `values`' order, computed on the
+    site's value) hands its outputs to a node of Python operator `op_type` (with the site's position as attribute
+    `column`) that outputs a float zero. Every node that reads the site's value waits for that zero, added to the
+    node's smallest float weight (a few numbers), or to the value itself where the node reads none, so the
+    operator runs as soon as its site's value exists, not wherever ONNX Runtime's order of the run puts it."""
+    signalled = onnx.ModelProto()
+    signalled.CopyFrom(model)
+    graph = signalled.graph
+    weights = {t.name: t for t in graph.initializer if t.data_type == onnx.TensorProto.FLOAT}
+    for column, (site, value) in enumerate(values.items()):
+        tap = taps[site]
+        zero = f"signal[{site}]/zero"
+        readers = [node for node in graph.node if value.name in _node_inputs(node)]
+        graph.node.extend(tap.nodes)
+        graph.initializer.extend(tap.initializers)
+        graph.node.append(onnx.helper.make_node(op_type, [v.name for v in tap.outputs], [zero], name=zero,
+                                                domain=PYTHON_OP_DOMAIN, column=column))
+        for index, reader in enumerate(readers):
+            gated = _waiting_input(reader, value.name, weights, graph, f"signal[{site}]/bias{index}")
+            waited = f"signal[{site}]/wait{index}"
+            graph.node.append(onnx.helper.make_node("Add", [gated, zero], [waited], name=waited))
+            if gated in reader.input:
+                reader.input[list(reader.input).index(gated)] = waited
+            else:
+                reader.input.append(waited)
+    if not any(o.domain == PYTHON_OP_DOMAIN for o in signalled.opset_import):
+        signalled.opset_import.append(onnx.helper.make_opsetid(PYTHON_OP_DOMAIN, 1))
+    return _sorted_model(signalled)
+
+
+# A weight at most this large is copied (plus zero) at every run to make its reader wait for a signal
+SMALL_WEIGHT = 4096
+_CONVOLUTIONS = frozenset({"Conv", "FusedConv"})
+
+
+def _waiting_input(reader: onnx.NodeProto, value: str, weights: Mapping[str, onnx.TensorProto],
+                   graph: onnx.GraphProto, bias_name: str) -> str:
+    """Which input of `reader` to add a signal's zero to, so that it waits for the signal at little cost: its
+    smallest float weight if small (a bias, a norm's scale), else a zero bias given to a convolution without one,
+    else `value`, the activation it reads."""
+    held = [v for v in reader.input if v in weights and int(np.prod(weights[v].dims)) <= SMALL_WEIGHT]
+    if held:
+        return min(held, key=lambda v: int(np.prod(weights[v].dims)))
+    if reader.op_type in _CONVOLUTIONS and len(reader.input) == 2 and reader.input[1] in weights:
+        channels = weights[reader.input[1]].dims[0]
+        graph.initializer.append(onnx.numpy_helper.from_array(np.zeros(channels, dtype=np.float32), bias_name))
+        return bias_name
+    return value
 
 
 def _with_tap(model: onnx.ModelProto, tap: Tap) -> onnx.ModelProto:

@@ -35,13 +35,18 @@ def can_tap(ramp: object) -> bool:
     return isinstance(ramp, Ramp) and ramp.spec.kind == "linear" and ramp.spec.reduce in TAPPED_REDUCTIONS
 
 
-def ramp_tap(ramp: Ramp, site: str, activation_shape: tuple[int, ...], opset: int, score: str) -> Tap:
+def ramp_tap(ramp: Ramp, site: str, activation_shape: tuple[int, ...], opset: int, score: str, block: int = 0
+             ) -> Tap:
     """`ramp` (linear, see `can_tap`) on the cut value `site` of per-input shape `activation_shape`, as ONNX nodes
     for a model of operator set `opset`. Its outputs: logits = (reduce(activation) - center) @ weight.T + bias,
     reducing as the eager ramp does (a pooling as a matmul by its pooling matrix, as `PooledLinear` computes it),
-    and the highest confidence (1 - error `score`) of any row, in float32: to tell whether any input may exit."""
+    and the highest confidence (1 - error `score`) of any row, in float32: to tell whether any input may exit.
+    With `block` > 0 the value is in ONNX Runtime's blocked layout (see `graph.onnx_graph.SiteValue`); a pooling
+    ramp reads it as it is, its center and weight reordered to match."""
     if not can_tap(ramp):
         raise ValueError(f"a {ramp.spec.kind} ramp reducing by {ramp.spec.reduce} is not fused into ONNX stages")
+    if block and ramp.spec.reduce not in POOLING_REDUCTIONS:
+        raise ValueError(f"a ramp reducing by {ramp.spec.reduce} does not read a blocked layout")
     prefix = f"ramp[{site}]"
     weights: dict[str, np.ndarray] = {}
 
@@ -63,7 +68,25 @@ def ramp_tap(ramp: Ramp, site: str, activation_shape: tuple[int, ...], opset: in
         return node(op, [value], axes=[axis], keepdims=keepdims)
 
     reduce = ramp.spec.reduce
-    if reduce in POOLING_REDUCTIONS:
+    center = ramp.center.detach().numpy().astype(np.float32)
+    weight_t = ramp.head.weight.detach().numpy().T.astype(np.float32)
+    if block:  # maps (n * blocks, positions, block) pooled to (n * blocks, cells, block): features by block
+        channels, positions = activation_shape[0], int(np.prod(activation_shape[1:]))
+        pool = pooling_matrix(activation_shape, reduce).astype(np.float32)
+        blocks, cells = -(-channels // block), pool.shape[1]
+        maps = node("Reshape", [site, constant("maps_shape", np.array([-1, positions, block], dtype=np.int64))])
+        pooled = node("MatMul", [constant("pool_t", np.ascontiguousarray(pool.T)), maps])
+        features = node("Reshape", [pooled, constant("features_shape",
+                                                      np.array([-1, blocks * cells * block], dtype=np.int64))])
+        # feature (channel c, cell k) is c * cells + k for the ramp; here (c // block, k, c % block), padding zero
+        cell = np.arange(cells)[None, :, None]
+        channel = (np.arange(blocks)[:, None, None] * block + np.arange(block)[None, None, :])
+        eager = (channel * cells + cell).ravel()
+        present = (channel < channels).repeat(cells, axis=1).ravel()
+        eager = np.where(present, eager, 0)  # a padding channel's feature is zero: any row of the head will do
+        center = np.where(present, center[eager], 0.0).astype(np.float32)
+        weight_t = np.where(present[:, None], weight_t[eager], 0.0).astype(np.float32)
+    elif reduce in POOLING_REDUCTIONS:
         channels, positions = activation_shape[0], int(np.prod(activation_shape[1:]))
         pool = pooling_matrix(activation_shape, reduce).astype(np.float32)
         maps = node("Reshape", [site, constant("maps_shape", np.array([-1, positions], dtype=np.int64))])
@@ -83,10 +106,9 @@ def ramp_tap(ramp: Ramp, site: str, activation_shape: tuple[int, ...], opset: in
         features = node("Div", [over_axis("ReduceSum", site), count])
     else:
         features = over_axis("ReduceMean", site)
-    head = ramp.head
-    centered = node("Sub", [features, constant("center", ramp.center.detach().numpy().astype(np.float32))])
-    product = node("MatMul", [centered, constant("weight_t", head.weight.detach().numpy().T.astype(np.float32))])
-    logits = node("Add", [product, constant("bias", head.bias.detach().numpy().astype(np.float32))],
+    centered = node("Sub", [features, constant("center", center)])
+    product = node("MatMul", [centered, constant("weight_t", weight_t)])
+    logits = node("Add", [product, constant("bias", ramp.head.bias.detach().numpy().astype(np.float32))],
                   output=f"{prefix}/logits")
     probabilities = node("Softmax", [logits], axis=1)
     if score == "max_prob":

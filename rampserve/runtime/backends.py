@@ -142,12 +142,14 @@ class TorchBackend(Backend):
 class OnnxBackend(Backend):
     kind = "onnx"
 
-    def __init__(self, path: Path, policy: SitePolicy | None = None, intra_op_threads: int = 0) -> None:
+    def __init__(self, path: Path, policy: SitePolicy | None = None, intra_op_threads: int = 0,
+                 spin_after_run: bool = False) -> None:
         from rampserve.graph.onnx_graph import OnnxSplitModel
 
         self.path = Path(path)
         self.intra_op_threads = intra_op_threads  # 0: ONNX Runtime's default, one per core
-        super().__init__(OnnxSplitModel(self.path, policy, intra_op_threads))
+        self.spin_after_run = spin_after_run  # True only to time ONNX Runtime as a bare session runs it
+        super().__init__(OnnxSplitModel(self.path, policy, intra_op_threads, spin_after_run))
 
     def native(self, array: np.ndarray) -> np.ndarray:
         return np.ascontiguousarray(array)

@@ -170,7 +170,8 @@ def load_bundle(bundle_dir: Path) -> PreparedModel:
         _load_state(module, bundle_dir / TORCH_WEIGHTS, f"the architecture of {source.ref}")
         backend = TorchBackend(module, policy)
     elif backend_kind == "onnx":
-        backend = OnnxBackend(bundle_dir / ONNX_FILE, policy, engine_of(manifest["meta"], "onnx").intra_op_threads)
+        engine = engine_of(manifest["meta"], "onnx")
+        backend = OnnxBackend(bundle_dir / ONNX_FILE, policy, engine.intra_op_threads, engine.spin_after_run)
     else:
         raise BundleError(f"{bundle_dir}: unknown backend {backend_kind!r} (known: torch, onnx)")
     found = {s.value for s in backend.sites}

@@ -36,7 +36,7 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import numpy as np
 import torch
@@ -45,6 +45,9 @@ from torch import nn
 from rampserve.graph.torch_graph import torchscript_quietly
 from rampserve.ramps import kernel
 from rampserve.ramps.exit_rule import EXIT_MARGIN, EXIT_MODES, NEVER_STOP, STOP_MARGIN, exit_floor
+
+if TYPE_CHECKING:
+    from rampserve.runtime.onnx_signals import OnnxSignalledRunner
 
 FORMAT = 5
 
@@ -198,7 +201,7 @@ class CompiledSet:
     batch to batch (a fresh buffer made each batch 10 us slower at batch 1: measured)."""
 
     sites: tuple[str, ...]
-    runner: torch.jit.ScriptModule | OnnxSetRunner
+    runner: torch.jit.ScriptModule | OnnxSetRunner | OnnxSignalledRunner
     fused: tuple[bool, ...]
     classes: int
     exit_margin: float = EXIT_MARGIN  # how far below 1 - threshold a ramp's confidence still signals

@@ -28,6 +28,9 @@ CHOSEN_BY_USER = "--engine"
 ENGINE_BATCH_SIZES = (1, 16)
 ENGINE_BUDGET_S = 2.0  # time per batch size for interleaved rounds of every engine, after one round at least
 MAX_ROUNDS = 400
+# How rampserve runs a model on ONNX Runtime (its threads; its ramps), kept in a bundle's engine record: a bundle
+# timed and profiled otherwise is prepared again by the zoo's cache (see `zoo_bundles`)
+ONNX_SERVING = "threads spin within a run, stop after; ramps signal from one session"
 
 
 @dataclass(frozen=True)
@@ -35,15 +38,21 @@ class Engine:
     name: str
     backend: str  # the `Backend.kind` that runs it
     intra_op_threads: int = 0  # ONNX Runtime's intra-op threads; 0 is its default, one per core
+    spin_after_run: bool = False  # ONNX Runtime's pool threads go on spinning once a run returns (its default)
 
 
 # In the order a tie at batch 1 is broken: ONNX Runtime first, as it serves without the torch package. "torch" is
-# TorchScript, the model traced and frozen (rampserve's compiled torch path).
+# TorchScript, the model traced and frozen (rampserve's compiled torch path). ONNX Runtime's threads spin within a
+# run and stop when it returns (see `graph.onnx_graph.OnnxSplitModel`).
 ENGINES: dict[str, Engine] = {e.name: e for e in (
     Engine("onnxruntime", "onnx"),
     Engine("onnxruntime-1thread", "onnx", intra_op_threads=1),
     Engine("torch", "torch"),
 )}
+# ONNX Runtime exactly as a bare session runs a model (threads spinning on after each run): what a user who loads
+# the file into ONNX Runtime would time. Never served (its idle spinning starves the next session and the
+# server's threads); `bench staging` times it beside the engines to show the served engine gives up nothing.
+AS_USERS_RUN_IT = Engine("onnxruntime-defaults", "onnx", spin_after_run=True)
 
 
 @dataclass(frozen=True)
@@ -66,7 +75,7 @@ class EngineChoice:
 
     def to_json(self) -> dict:
         return {"engine": self.engine, "chosen_by": self.chosen_by, "timings": [asdict(t) for t in self.timings],
-                "unavailable": dict(self.unavailable)}
+                "unavailable": dict(self.unavailable), "onnxruntime_serving": ONNX_SERVING}
 
     @classmethod
     def from_json(cls, data: dict) -> EngineChoice:
@@ -91,14 +100,13 @@ class EngineChoice:
 
 
 def choose_engine(timings: Sequence[EngineTiming], batch_size: int = 1) -> str:
-    """The engine with the lowest median time at `batch_size`; a tie goes to the engine listed first in
-    `ENGINES`, then by name."""
-    timed = [t for t in timings if t.batch_size == batch_size]
+    """The engine of `ENGINES` with the lowest median time at `batch_size` (other rows are references); a tie
+    goes to the engine listed first in `ENGINES`, then by name."""
+    timed = [t for t in timings if t.batch_size == batch_size and t.engine in ENGINES]
     if not timed:
         raise ValueError(f"no engine was timed at batch size {batch_size}")
     order = list(ENGINES)
-    return min(timed, key=lambda t: (t.median_ms, order.index(t.engine) if t.engine in order else len(order),
-                                     t.engine)).engine
+    return min(timed, key=lambda t: (t.median_ms, order.index(t.engine), t.engine)).engine
 
 
 def check_engine(name: str, source_kind: str) -> None:
@@ -132,9 +140,10 @@ def _vanilla_path(backend: Backend, feeds: dict[str, np.ndarray], example: dict[
 
 def time_engines(backends: dict[str, Backend], feeds_of: Callable[[int], dict[str, np.ndarray]],
                  batch_sizes: Sequence[int] = ENGINE_BATCH_SIZES, budget_s: float = ENGINE_BUDGET_S,
-                 progress: bool = True) -> list[EngineTiming]:
+                 progress: bool = True, block: int = 1) -> list[EngineTiming]:
     """Each backend's vanilla serving path at each batch size, in interleaved rounds (each round runs every
-    engine once, in rotating order) for about `budget_s` per batch size: medians and quartiles in ms."""
+    engine `block` times in a row, in rotating order) for about `budget_s` per batch size: medians and quartiles
+    in ms."""
     example = feeds_of(2)
     timings = []
     with torch.inference_mode():
@@ -143,8 +152,8 @@ def time_engines(backends: dict[str, Backend], feeds_of: Callable[[int], dict[st
             paths = {name: _vanilla_path(backend, feeds, example) for name, backend in backends.items()}
             once = interleaved_samples(paths, 1, warmup=2, progress=False)
             round_ms = sum(float(v.sum()) for v in once.values())
-            rounds = int(np.clip(budget_s * 1000.0 / max(round_ms, 1e-3), 5, MAX_ROUNDS))
-            samples = interleaved_samples(paths, rounds, warmup=1, desc=f"engines, batch {batch_size}",
+            rounds = int(np.clip(budget_s * 1000.0 / max(round_ms * block, 1e-3), 5, MAX_ROUNDS))
+            samples = interleaved_samples(paths, rounds, warmup=1, desc=f"engines, batch {batch_size}", block=block,
                                           progress=progress)
             for name, values in samples.items():
                 p25, median, p75 = np.percentile(values, [25, 50, 75])
@@ -152,12 +161,12 @@ def time_engines(backends: dict[str, Backend], feeds_of: Callable[[int], dict[st
     return timings
 
 
-def engine_backends(names: Sequence[str], torch_backend: TorchBackend | None, onnx_path: Path | None,
+def engine_backends(engines: Sequence[Engine], torch_backend: TorchBackend | None, onnx_path: Path | None,
                     policy: SitePolicy | None = None) -> dict[str, Backend]:
-    """The model on each engine in `names`: the torch backend as it is, or the ONNX file in a session of that
-    engine's threads."""
-    return {name: torch_backend if ENGINES[name].backend == "torch" else
-            OnnxBackend(onnx_path, policy, ENGINES[name].intra_op_threads) for name in names}
+    """The model on each of `engines`, by name: the torch backend as it is, or the ONNX file in sessions of
+    that engine's thread settings."""
+    return {e.name: torch_backend if e.backend == "torch" else
+            OnnxBackend(onnx_path, policy, e.intra_op_threads, e.spin_after_run) for e in engines}
 
 
 def _onnx_export(backend: TorchBackend, example: dict[str, np.ndarray]) -> Path:
@@ -193,7 +202,7 @@ def serving_backend(torch_backend: TorchBackend | None, onnx_path: Path | None, 
                 raise ValueError(f"{engine} needs the model in ONNX, and exporting it failed: {exc}") from exc
             unavailable = [(n, f"export to ONNX failed: {exc}") for n in names if ENGINES[n].backend == "onnx"]
             names = [n for n in names if ENGINES[n].backend != "onnx"]
-    backends = engine_backends(names, torch_backend, onnx_path, policy)
+    backends = engine_backends([ENGINES[n] for n in names], torch_backend, onnx_path, policy)
     if engine != AUTO:
         choice = EngineChoice(engine, CHOSEN_BY_USER, (), tuple(unavailable))
     elif len(backends) == 1:

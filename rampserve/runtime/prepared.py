@@ -182,6 +182,13 @@ class PreparedModel:
         return {s.name: ramp_tap(self.ramps[s.name], s.name, s.activation_shape, opset, self.error_score)
                 for s in self.sites if can_tap(self.ramps[s.name])}
 
+    def _signalled_tap(self, site: str, value) -> object:
+        """The ramp at `site` as a tap on `value` (a `graph.onnx_graph.SiteValue`), in the value's layout."""
+        from rampserve.ramps.onnx_fused import ramp_tap
+
+        shape = next(s.activation_shape for s in self.sites if s.name == site)
+        return ramp_tap(self.ramps[site], value.name, shape, self.backend.split.opset, self.error_score, value.block)
+
     def ramp_outputs(self, compiled: CompiledSet, rows: int) -> RampOutputs:
         """Where a compiled run of `rows` inputs on this thread leaves its ramps' outputs, to be scored by any
         thread (the run's buffers, reused by this thread's next run of that size)."""
@@ -236,13 +243,14 @@ class PreparedModel:
         in a few ms."""
         return self.backend.kind == "torch"
 
-    def build_compiled(self, active: Sequence[str], example: dict[str, np.ndarray], mode: str = "release"
-                       ) -> CompiledSet | None:
+    def build_compiled(self, active: Sequence[str], example: dict[str, np.ndarray], mode: str = "release",
+                       signals: bool = True) -> CompiledSet | None:
         """Compile the serving path for `active` with `example` as the example input: its stages traced, each
         stage that ends at an active site with that site's ramp fused in (the ramp operator, or a stash for a ramp
         that runs in Python), run by one scripted `SetRunner` (a `StopSetRunner` in the "stop" exit mode: torch
         only), frozen; on ONNX, its stages' sessions with each linear ramp in the session of the stage that ends at
-        its site (an `OnnxSetRunner`). None where the model
+        its site (an `OnnxSetRunner`), or with `signals` where every active ramp fuses, the whole model in one
+        session whose ramps signal as the run goes on (an `OnnxSignalledRunner`). None where the model
         does not compile: a stage that does not trace faithfully (see `trace_stages`), a model with more than one
         side input, ramps where the ramp operators could not be built (or more than a pipe byte can number), or a
         runner whose output is not bit for bit the eager model's on the example, or whose fused ramps do not score
@@ -255,8 +263,18 @@ class PreparedModel:
         sites = self.backend.ordered_cuts(active)
         classes = next((s.ramp.num_classes for s in self.sites), 0)
         if self.backend.kind == "onnx":
-            stages = self.backend.split.build_tapped(sites, {s: self.onnx_taps[s] for s in sites if s in self.onnx_taps})
-            runner = OnnxSetRunner(stages, side_names[0] if side_names else None)
+            side = side_names[0] if side_names else None
+            if signals and sites and all(s in self.onnx_taps for s in sites):
+                from rampserve.ramps.pooling import POOLING_REDUCTIONS
+                from rampserve.runtime.onnx_signals import SIGNAL_OP, OnnxSignalledRunner, library
+
+                unpooled = [s for s in sites if self.ramps[s].spec.reduce not in POOLING_REDUCTIONS]
+                runner = OnnxSignalledRunner(self.backend.split.signalled(
+                    sites, self._signalled_tap, SIGNAL_OP, library(), keep_layout=unpooled), sites, side)
+            else:
+                stages = self.backend.split.build_tapped(sites, {s: self.onnx_taps[s] for s in sites
+                                                                 if s in self.onnx_taps})
+                runner = OnnxSetRunner(stages, side)
             compiled = CompiledSet(sites, runner, runner.tapped, classes, ONNX_EXIT_MARGIN)
             return compiled if self._faithful(compiled, example) else None
         if active and not kernel.available():
@@ -281,11 +299,14 @@ class PreparedModel:
 
     def _faithful(self, compiled: CompiledSet, example: dict[str, np.ndarray]) -> bool:
         """Whether `compiled` gives the eager model's output bit for bit on `example` (the eager stages give the
-        original model's) and each fused ramp the eager ramp's labels and error scores (to float rounding)."""
+        original model's; a runner that runs the model whole, the whole model's) and each fused ramp the eager
+        ramp's labels and error scores (to float rounding)."""
         fused: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         eager: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         output = self.run(example, compiled.sites, lambda site, *seen: fused.setdefault(site, seen), compiled)
         reference = self.run(example, compiled.sites, lambda site, *seen: eager.setdefault(site, seen))
+        if getattr(compiled.runner, "runs_whole", False):
+            reference = self.run(example, ())
         if not np.array_equal(output, reference):
             log.info("a compiled set of %s gives another output than the model; serving it eagerly", compiled.sites)
             return False

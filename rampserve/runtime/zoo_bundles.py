@@ -6,7 +6,7 @@ from pathlib import Path
 
 from rampserve.paths import bundles_dir
 from rampserve.runtime.bundle import BundleError, load_bundle, read_manifest, save_bundle, write_signature
-from rampserve.runtime.engines import AUTO
+from rampserve.runtime.engines import AUTO, ONNX_SERVING
 from rampserve.runtime.prepare import PrepareConfig, prepare, ramp_data, signature_from_workload
 from rampserve.runtime.sources import ModelSource
 
@@ -14,8 +14,8 @@ from rampserve.runtime.sources import ModelSource
 def zoo_bundle(model: str, small: bool = False, config: PrepareConfig = PrepareConfig(), variant: str = "") -> Path:
     """The bundle of zoo model `model` prepared with `config` (kept under the name `model[-small][-variant]`),
     preparing it (and training the model, if needed) when missing, broken, made with other ramps, with ramps
-    trained on other data, or on an engine other than the one `config` names (a bundle from before bundles
-    recorded these counts as such), and giving it its signature
+    trained on other data, or on an engine other than the one `config` names or served otherwise on ONNX Runtime (a
+    bundle from before bundles recorded these counts as such), and giving it its signature
     when it was prepared before bundles carried one."""
     bundle = bundles_dir() / (model + ("-small" if small else "") + (f"-{variant}" if variant else ""))
     source = ModelSource.parse(model, small=small)
@@ -26,8 +26,10 @@ def zoo_bundle(model: str, small: bool = False, config: PrepareConfig = PrepareC
             raise BundleError(f"{bundle} was prepared with other ramps")
         if manifest["meta"].get("ramp_data") != ramp_data(source, config).record():
             raise BundleError(f"{bundle} has ramps trained on other data")
-        if "engine" not in manifest["meta"] or config.engine not in (AUTO, manifest["meta"]["engine"]["engine"]):
-            raise BundleError(f"{bundle} was prepared for another engine, or before the engine was chosen")
+        engine = manifest["meta"].get("engine", {})
+        if config.engine not in (AUTO, engine.get("engine")) or engine.get("onnxruntime_serving") != ONNX_SERVING:
+            raise BundleError(f"{bundle} was prepared for another engine, served otherwise on ONNX Runtime, or "
+                              "before the engine was chosen")
     except BundleError:
         save_bundle(prepare(source, config), bundle)
         return bundle

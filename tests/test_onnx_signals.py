@@ -1,0 +1,109 @@
+"""ONNX sets run whole in one session whose ramps signal as the run goes on: ramps read a site's value in ONNX
+Runtime's blocked layout as they read it in the model's, every reader of a site's value waits for its signal, and
+the blocked values ONNX Runtime keeps are the sites' activations."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rampserve.graph.onnx_graph import (
+    PYTHON_OP_DOMAIN, SiteValue, Tap, nchwc_block_size, optimize_for_machine, session_options, with_signals,
+)
+from rampserve.ramps.kinds import RampSpec, make_ramp
+from rampserve.ramps.onnx_fused import ramp_tap
+from rampserve.ramps.pooling import LINEAR_CNN_GRID, POOLING_REDUCTIONS
+
+OPSET = 17
+
+
+def _run_tap(tap: Tap, value: np.ndarray) -> list[np.ndarray]:
+    (name,) = {v for node in tap.nodes for v in node.input if not v.startswith("ramp[")}
+    graph = onnx.helper.make_graph(list(tap.nodes), "tap", [onnx.helper.make_tensor_value_info(
+        name, onnx.TensorProto.FLOAT, list(value.shape))], list(tap.outputs), initializer=list(tap.initializers))
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", OPSET)])
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return session.run(None, {name: value})
+
+
+def _blocked(activation: np.ndarray, block: int) -> np.ndarray:
+    """`activation` (n, c, h, w) in ONNX Runtime's NCHWc layout: channels padded with zeros to whole blocks, each
+    block's channels innermost, given the shape (n, padded channels, h, w) that ONNX Runtime reports."""
+    n, channels, h, w = activation.shape
+    padded = -(-channels // block) * block
+    full = np.zeros((n, padded, h, w), dtype=activation.dtype)
+    full[:, :channels] = activation
+    return np.ascontiguousarray(full.reshape(n, padded // block, block, h, w).transpose(0, 1, 3, 4, 2)).reshape(
+        n, padded, h, w)
+
+
+@settings(max_examples=40, deadline=None)
+@given(channels=st.integers(1, 40), side=st.integers(3, 9), block=st.sampled_from([4, 8, 16]),
+       reduce=st.sampled_from(POOLING_REDUCTIONS), rows=st.integers(1, 3), seed=st.integers(0, 2**16),
+       score=st.sampled_from(["max_prob", "entropy"]))
+def test_a_ramp_reads_a_blocked_value_as_it_reads_the_model_layout(channels, side, block, reduce, rows, seed,
+                                                                   score) -> None:
+    torch.manual_seed(seed)
+    features = channels * (LINEAR_CNN_GRID**2 if reduce == "grid_mean" else 1)
+    ramp = make_ramp(RampSpec("linear", reduce, (features,), 5)).eval()
+    ramp.center.normal_()
+    shape = (channels, side, side)
+    activation = np.random.default_rng(seed).standard_normal((rows, *shape)).astype(np.float32)
+    plain = _run_tap(ramp_tap(ramp, "site", shape, OPSET, score), activation)
+    blocked = _run_tap(ramp_tap(ramp, "site", shape, OPSET, score, block=block), _blocked(activation, block))
+    np.testing.assert_allclose(blocked[0], plain[0], rtol=1e-4, atol=1e-5)  # logits
+    np.testing.assert_allclose(blocked[1], plain[1], rtol=0, atol=1e-5)  # the batch's highest confidence
+
+
+def test_the_blocked_values_onnx_runtime_keeps_are_the_sites_activations(onnx_prepared, fmnist_feeds) -> None:
+    """What `optimize_for_machine` takes for each site is that site's activation, in the layout it says."""
+    split = onnx_prepared.backend.split
+    sites = onnx_prepared.site_names
+    optimized, values = optimize_for_machine(split._model, session_options(), sites, nchwc_block_size())
+    assert set(values) == set(sites)
+    probe = onnx.ModelProto()
+    probe.CopyFrom(optimized)
+    probe.graph.output.extend(onnx.helper.make_tensor_value_info(v.name, onnx.TensorProto.FLOAT, None)
+                              for v in values.values())
+    options = session_options()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    found = ort.InferenceSession(probe.SerializeToString(), options, providers=["CPUExecutionProvider"]).run(
+        [v.name for v in values.values()], {split.input_names[0]: fmnist_feeds[:3]})
+    activations, _ = next(onnx_prepared.backend.site_activations([{split.input_names[0]: fmnist_feeds[:3]}], sites))
+    for (site, value), seen in zip(values.items(), found):
+        expected = activations[site].numpy()
+        if value.block:
+            expected = _blocked(expected, value.block)
+        np.testing.assert_allclose(seen, expected, rtol=1e-4, atol=1e-4, err_msg=site)
+    assert nchwc_block_size() == 0 or any(v.block for v in values.values())  # the blocked layout is exercised
+
+
+@settings(max_examples=10, deadline=None)
+@given(data=st.data())
+def test_every_reader_of_a_site_value_waits_for_its_signal(onnx_prepared, data) -> None:
+    """In the signalled graph, a node that reads a site's value (other than its ramp's) has an input that adds
+    that site's signal's zero, so ONNX Runtime cannot run it before the signal; the signals keep model order."""
+    split = onnx_prepared.backend.split
+    names = onnx_prepared.site_names
+    active = sorted(data.draw(st.sets(st.sampled_from(names), min_size=1)), key=names.index)
+    optimized, values = optimize_for_machine(split._model, session_options(), active, nchwc_block_size())
+    taps = {site: onnx_prepared._signalled_tap(site, value) for site, value in values.items()}
+    graph = with_signals(optimized, values, taps, "Signal").graph
+    signals = [node for node in graph.node if node.domain == PYTHON_OP_DOMAIN]
+    assert [node.attribute[0].i for node in signals] == list(range(len(active)))
+    producer = {v: node for node in graph.node for v in node.output}
+    position = {id(node): i for i, node in enumerate(graph.node)}
+    for site, signal in zip(active, signals):
+        value: SiteValue = values[site]
+        ramp_nodes = {node.name for node in taps[site].nodes}
+        readers = [node for node in graph.node if value.name in node.input and node.name not in ramp_nodes]
+        assert readers, site
+        for reader in readers:
+            waits = [producer[v] for v in reader.input if v in producer and producer[v].op_type == "Add"
+                     and signal.output[0] in producer[v].input]
+            assert waits, f"{reader.name} reads {site} without waiting for its signal"
+            assert position[id(signal)] < position[id(waits[0])] < position[id(reader)]
