@@ -86,15 +86,18 @@ def test_the_blocked_values_onnx_runtime_keeps_are_the_sites_activations(onnx_pr
 @given(data=st.data())
 def test_every_reader_of_a_site_value_waits_for_its_signal(onnx_prepared, data) -> None:
     """In the signalled graph, a node that reads a site's value (other than its ramp's) has an input that adds
-    that site's signal's zero, so ONNX Runtime cannot run it before the signal; the signals keep model order."""
+    the zero of that site's signal (an If whose then-branch calls the Python operator for the site's column), so
+    ONNX Runtime cannot run it before the signal; the signals keep model order."""
     split = onnx_prepared.backend.split
     names = onnx_prepared.site_names
     active = sorted(data.draw(st.sets(st.sampled_from(names), min_size=1)), key=names.index)
     optimized, values = optimize_for_machine(split._model, session_options(), active, nchwc_block_size())
     taps = {site: onnx_prepared._signalled_tap(site, value) for site, value in values.items()}
-    graph = with_signals(optimized, values, taps, "Signal").graph
-    signals = [node for node in graph.node if node.domain == PYTHON_OP_DOMAIN]
-    assert [node.attribute[0].i for node in signals] == list(range(len(active)))
+    graph = with_signals(optimized, values, taps, "Signal", "floors").graph
+    signals = [node for node in graph.node if node.op_type == "If"]
+    calls = [next(n for n in onnx.helper.get_attribute_value(next(a for a in node.attribute if a.name == "then_branch"))
+                  .node if n.domain == PYTHON_OP_DOMAIN and n.op_type == "Signal") for node in signals]
+    assert [call.attribute[0].i for call in calls] == list(range(len(active)))
     producer = {v: node for node in graph.node for v in node.output}
     position = {id(node): i for i, node in enumerate(graph.node)}
     for site, signal in zip(active, signals):
@@ -107,3 +110,15 @@ def test_every_reader_of_a_site_value_waits_for_its_signal(onnx_prepared, data) 
                      and signal.output[0] in producer[v].input]
             assert waits, f"{reader.name} reads {site} without waiting for its signal"
             assert position[id(signal)] < position[id(waits[0])] < position[id(reader)]
+
+
+@given(st.floats(-1.0, 3.0), st.floats(0.0, 1.0, width=32))
+def test_a_confidence_above_a_floor_stays_above_its_float32_floor(floor: float, confidence: float) -> None:
+    """The session compares float32 confidences with float32 floors: no confidence above a floor may fall to or
+    under the floor's float32 form (the releasing thread would miss an input the rule releases)."""
+    from rampserve.runtime.onnx_signals import float32_floors
+
+    (converted,) = float32_floors([floor])
+    assert converted.dtype == np.float32 and converted <= floor
+    if np.float32(confidence) > floor:
+        assert np.float32(confidence) > converted

@@ -175,6 +175,14 @@ class Tap:
     outputs: tuple[onnx.ValueInfoProto, ...]
 
 
+def _feeds(input_name: str, side_names: Sequence[str], x: np.ndarray, side: Mapping[str, np.ndarray]
+           ) -> dict[str, np.ndarray]:
+    missing = [name for name in side_names if name not in side]
+    if missing:
+        raise KeyError(f"this stage reads side inputs {missing}, which were not given")
+    return {input_name: x, **{name: side[name] for name in side_names}}
+
+
 @dataclass(frozen=True)
 class _Runner:
     """One session that maps the data value `input_name` (plus the side inputs it reads) to `output_name`, and
@@ -187,10 +195,7 @@ class _Runner:
     tap_outputs: tuple[str, ...] = ()
 
     def _feeds(self, x: np.ndarray, side: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        missing = [name for name in self.side_names if name not in side]
-        if missing:
-            raise KeyError(f"this stage reads side inputs {missing}, which were not given")
-        return {self.input_name: x, **{name: side[name] for name in self.side_names}}
+        return _feeds(self.input_name, self.side_names, x, side)
 
     def __call__(self, x: np.ndarray, side: Mapping[str, np.ndarray]) -> np.ndarray:
         return self.session.run([self.output_name], self._feeds(x, side))[0]
@@ -213,6 +218,26 @@ def session_options(intra_op_threads: int = 0, spin_after_run: bool = False) -> 
         # 3 ms to over 600 ms). Stopped when a run returns, they cost nothing between runs.
         options.add_session_config_entry("session.force_spinning_stop", "1")
     return options
+
+
+SIGNAL_FLOORS = "rampserve_signal_floors"  # the graph input of `with_signals`' floors
+
+
+@dataclass(frozen=True)
+class SignalledRunner:
+    """The session of `OnnxSplitModel.signalled`: the model's output and each site's ramp logits from its inputs
+    and the sites' exit floors."""
+
+    session: ort.InferenceSession
+    input_name: str
+    side_names: tuple[str, ...]
+    output_name: str
+    logits_names: tuple[str, ...]
+
+    def __call__(self, x: np.ndarray, side: Mapping[str, np.ndarray], floors: np.ndarray) -> list[np.ndarray]:
+        feeds = _feeds(self.input_name, self.side_names, x, side)
+        feeds[SIGNAL_FLOORS] = floors
+        return self.session.run([self.output_name, *self.logits_names], feeds)
 
 
 class OnnxSplitModel:
@@ -279,19 +304,22 @@ class OnnxSplitModel:
         return lambda activation: session.run([v.name for v in tap.outputs], {cut: activation})
 
     def signalled(self, cuts: Sequence[str], tap_for: Callable[[str, SiteValue], Tap], op_type: str, library: str,
-                  keep_layout: Collection[str] = ()) -> _Runner:
+                  keep_layout: Collection[str] = ()) -> SignalledRunner:
         """One session running the whole model as ONNX Runtime optimized it for this machine, in which the value of
         each of `cuts` (in model order) feeds its tap `tap_for(site, value)`, whose outputs go to a node of Python
-        operator `op_type` as soon as they exist (`with_signals`); `library` is the path of the library that runs
-        Python operators. A cut in `keep_layout` is read in the model's own layout."""
+        operator `op_type` as soon as they exist where they clear the floor fed for the site (`with_signals`);
+        `library` is the path of the library that runs Python operators. A cut in `keep_layout` is read in the
+        model's own layout."""
         block = nchwc_block_size()
         optimized, values = optimize_for_machine(self._model, self._options, cuts, block, keep_layout)
-        model = with_signals(optimized, values, {cut: tap_for(cut, value) for cut, value in values.items()}, op_type)
+        taps = {cut: tap_for(cut, value) for cut, value in values.items()}
+        model = with_signals(optimized, values, taps, op_type, SIGNAL_FLOORS)
         options = session_options(*self._threads)
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL  # optimized already
         options.register_custom_ops_library(library)
         session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
-        return _Runner(session, self.input_names[0], tuple(self.input_names[1:]), self.output_name)
+        return SignalledRunner(session, self.input_names[0], tuple(self.input_names[1:]), self.output_name,
+                               tuple(taps[cut].outputs[0].name for cut in cuts))
 
     def _as_model(self, graph: onnx.GraphProto) -> onnx.ModelProto:
         """A graph of this model's nodes as a model of its own, with this model's versions and functions."""
@@ -436,29 +464,51 @@ def optimize_for_machine(model: onnx.ModelProto, options: ort.SessionOptions, cu
     return optimized, values
 
 
-def with_signals(model: onnx.ModelProto, values: Mapping[str, SiteValue], taps: Mapping[str, Tap], op_type: str
-                 ) -> onnx.ModelProto:
+def with_signals(model: onnx.ModelProto, values: Mapping[str, SiteValue], taps: Mapping[str, Tap], op_type: str,
+                 floors: str) -> onnx.ModelProto:
     """`model` (optimized, see `optimize_for_machine`) in which each site's tap (in `values`' order, computed on the
-    site's value) hands its outputs to a node of Python operator `op_type` (with the site's position as attribute
-    `column`) that outputs a float zero. Every node that reads the site's value waits for that zero, added to the
-    node's smallest float weight (a few numbers), or to the value itself where the node reads none, so the
-    operator runs as soon as its site's value exists, not wherever ONNX Runtime's order of the run puts it."""
+    site's value) outputs its values (a ramp's logits and the batch's highest confidence) as graph outputs and,
+    where the confidence is above the site's entry of the new graph input `floors` (float, one per site), hands
+    them to a node of Python operator `op_type` (attribute `column`: the site's position) at once, inside an If:
+    Python runs only when some input may exit there. The If outputs a float zero, which every node that reads the
+    site's value waits for (added to the node's smallest float weight, a few numbers, or to the value itself
+    where the node reads none), so the test runs as soon as its site's value exists, not wherever ONNX Runtime's
+    order of the run puts it."""
     signalled = onnx.ModelProto()
     signalled.CopyFrom(model)
     graph = signalled.graph
     weights = {t.name: t for t in graph.initializer if t.data_type == onnx.TensorProto.FLOAT}
+    graph.input.append(onnx.helper.make_tensor_value_info(floors, onnx.TensorProto.FLOAT, [len(values)]))
     for column, (site, value) in enumerate(values.items()):
         tap = taps[site]
-        zero = f"signal[{site}]/zero"
+        prefix = f"signal[{site}]"
         readers = [node for node in graph.node if value.name in _node_inputs(node)]
         graph.node.extend(tap.nodes)
         graph.initializer.extend(tap.initializers)
-        graph.node.append(onnx.helper.make_node(op_type, [v.name for v in tap.outputs], [zero], name=zero,
-                                                domain=PYTHON_OP_DOMAIN, column=column))
+        graph.output.extend(tap.outputs)
+        confidence = tap.outputs[-1].name
+        graph.initializer.append(onnx.numpy_helper.from_array(np.array(column, dtype=np.int64), f"{prefix}/column"))
+        graph.node.extend([
+            onnx.helper.make_node("Gather", [floors, f"{prefix}/column"], [f"{prefix}/floor"], name=f"{prefix}/floor"),
+            onnx.helper.make_node("Greater", [confidence, f"{prefix}/floor"], [f"{prefix}/may_exit"],
+                                  name=f"{prefix}/may_exit"),
+            onnx.helper.make_node(
+                "If", [f"{prefix}/may_exit"], [f"{prefix}/zero"], name=f"{prefix}/zero",
+                then_branch=onnx.helper.make_graph(
+                    [onnx.helper.make_node(op_type, [v.name for v in tap.outputs], [f"{prefix}/signalled"],
+                                           domain=PYTHON_OP_DOMAIN, column=column)],
+                    f"{prefix}/then", [], [onnx.helper.make_tensor_value_info(f"{prefix}/signalled",
+                                                                              onnx.TensorProto.FLOAT, [])]),
+                else_branch=onnx.helper.make_graph(
+                    [onnx.helper.make_node("Constant", [], [f"{prefix}/quiet"], value=onnx.numpy_helper.from_array(
+                        np.array(0.0, dtype=np.float32)))],
+                    f"{prefix}/else", [], [onnx.helper.make_tensor_value_info(f"{prefix}/quiet",
+                                                                              onnx.TensorProto.FLOAT, [])])),
+        ])
         for index, reader in enumerate(readers):
-            gated = _waiting_input(reader, value.name, weights, graph, f"signal[{site}]/bias{index}")
-            waited = f"signal[{site}]/wait{index}"
-            graph.node.append(onnx.helper.make_node("Add", [gated, zero], [waited], name=waited))
+            gated = _waiting_input(reader, value.name, weights, graph, f"{prefix}/bias{index}")
+            waited = f"{prefix}/wait{index}"
+            graph.node.append(onnx.helper.make_node("Add", [gated, f"{prefix}/zero"], [waited], name=waited))
             if gated in reader.input:
                 reader.input[list(reader.input).index(gated)] = waited
             else:

@@ -4,11 +4,13 @@ Cut into stages, a set of ONNX ramps costs a session call per active site, and o
 conversions of each site's value out of and back into ONNX Runtime's blocked layout: on EfficientNet-Lite0 at
 224x224 (5.5 ms at batch 1 on 2 cores), 3-4% of the model per ramp. Here the model runs whole, in one session of
 the graph ONNX Runtime optimized for this machine, each ramp computed on its site's value in whatever layout it is
-(`graph.onnx_graph.with_signals`), and handing its logits and the batch's highest confidence to a Python operator
-(onnxruntime-extensions' PyOp) that does what `runtime.compiled.OnnxSetRunner` does between two stages: it writes
-the logits where the releasing thread reads them and, where the confidence clears the exit floor, the ramp's
-column to the notify pipe. The run goes on meanwhile. ONNX Runtime runs a session's nodes on the thread that
-called it, so the operator finds that batch's buffers in a thread-local.
+(`graph.onnx_graph.with_signals`). Where the batch's highest confidence clears the ramp's exit floor (fed with the
+batch), the ramp hands its logits to a Python operator (onnxruntime-extensions' PyOp) that does what
+`runtime.compiled.OnnxSetRunner` does between two stages: it writes them where the releasing thread reads them
+and the ramp's column to the notify pipe. The run goes on meanwhile. Elsewhere no Python runs (calling it costs
+about 50 us with the caches cold from the model's layers, 1% of that 5.5 ms run): every ramp's logits are outputs
+of the run, copied after it. ONNX Runtime runs a session's nodes on the thread that called it, so the operator
+finds that batch's buffers in a thread-local.
 """
 
 from __future__ import annotations
@@ -21,19 +23,28 @@ import numpy as np
 import torch
 from onnxruntime_extensions import PyCustomOpDef, get_library_path, onnx_op
 
+from rampserve.ramps.exit_rule import NEVER_STOP
+
 SIGNAL_OP = "RampserveRampSignal"
 _ZERO = np.zeros((), dtype=np.float32)
-_batch = threading.local()  # (logits out (rows, sites, classes), exit floors, notify fd) of the run on this thread
+_batch = threading.local()  # (logits out (rows, sites, classes), notify fd) of the run on this thread
 
 
 @onnx_op(op_type=SIGNAL_OP, inputs=[PyCustomOpDef.dt_float, PyCustomOpDef.dt_float],
          outputs=[PyCustomOpDef.dt_float], attrs={"column": PyCustomOpDef.dt_int64})
 def _signal(logits: np.ndarray, confidence: np.ndarray, column: int) -> np.ndarray:
-    out, floors, notify = _batch.run
+    out, notify = _batch.run
     out[:, column] = logits
-    if notify >= 0 and confidence > floors[column]:
-        os.write(notify, bytes((column,)))
+    os.write(notify, bytes((column,)))
     return _ZERO
+
+
+def float32_floors(floors: Sequence[float]) -> np.ndarray:
+    """`floors` in float32 (as the session compares them), each rounded down where rounding to nearest would raise
+    it: a confidence above a floor stays above its float32 one."""
+    wanted = np.asarray(floors, dtype=np.float64)
+    rounded = wanted.astype(np.float32)
+    return np.where(rounded > wanted, np.nextafter(rounded, np.float32(-np.inf)), rounded).astype(np.float32)
 
 
 def library() -> str:
@@ -50,12 +61,28 @@ class OnnxSignalledRunner:
     def __init__(self, runner, sites: Sequence[str], side_name: str | None) -> None:
         self.runner, self.side_name = runner, side_name
         self.tapped = (True,) * len(sites)
+        self._silent = float32_floors([NEVER_STOP] * len(sites))  # no pipe to signal to: no Python in the run
+        self._floors: tuple[list[float] | None, np.ndarray] = (None, self._silent)  # the last floors, converted
 
     def forward(self, activation: torch.Tensor, side: torch.Tensor, out: torch.Tensor, floors: list[float],
                 notify: int, stashes: list[torch.Tensor]) -> torch.Tensor:
         sides = {} if self.side_name is None else {self.side_name: side.numpy()}
-        _batch.run = (out.numpy(), floors, notify)
+        logits = out.numpy()
+        _batch.run = (logits, notify)
         try:
-            return torch.from_numpy(self.runner(activation.numpy(), sides))
+            output, *ramps = self.runner(activation.numpy(), sides, self._silent if notify < 0 else
+                                         self._converted(floors))
         finally:
             _batch.run = None
+        for column, ramp_logits in enumerate(ramps):
+            logits[:, column] = ramp_logits
+        return torch.from_numpy(output)
+
+    def _converted(self, floors: list[float]) -> np.ndarray:
+        """`floors` (one per site, then the last stage's) as the session's float32 input; a compiled set hands
+        the same list until its thresholds change, so it is converted once per list."""
+        last, converted = self._floors  # one item, read and replaced whole: threads may share a set
+        if last is not floors:
+            converted = float32_floors(floors[:len(self.tapped)])
+            self._floors = (floors, converted)
+        return converted
