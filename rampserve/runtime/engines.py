@@ -30,7 +30,7 @@ ENGINE_BUDGET_S = 2.0  # time per batch size for interleaved rounds of every eng
 MAX_ROUNDS = 400
 # How rampserve runs a model on ONNX Runtime (its threads; its ramps), kept in a bundle's engine record: a bundle
 # timed and profiled otherwise is prepared again by the zoo's cache (see `zoo_bundles`)
-ONNX_SERVING = "threads spin within a run, stop after; ramps signal from one session"
+ONNX_SERVING = "threads spin within a run, stop after; ramps signal from one session where an input may exit"
 
 
 @dataclass(frozen=True)
