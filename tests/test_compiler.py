@@ -10,7 +10,7 @@ import pytest
 
 from rampserve.control.records import Configuration
 from rampserve.runtime.bundle import load_bundle
-from rampserve.runtime.compiled import CompiledSet, set_key
+from rampserve.runtime.compiled import CompiledSet, has_compiled, set_key
 from rampserve.serving.compiler import CompileOutcome, CompileService, likely_next_sets
 
 WAIT_S = 180.0
@@ -98,25 +98,29 @@ def test_a_corrupt_entry_is_never_loaded_and_is_compiled_again(bundle_copy, fmni
 
 def test_a_refused_set_is_remembered_and_served_eagerly(bundle_copy, fmnist_feeds) -> None:
     """A set whose trace is not faithful is stored as refused: loading it gives None (the eager path), and a
-    later server does not compile it again."""
+    later server does not compile it again, even with an example the model runs."""
     model = load_bundle(bundle_copy)
     sites = model.site_names[:2]
-    # An example the model cannot run makes every trace fail: the worker refuses or fails the set
+    # An example the model cannot run: tracing its first stage raises, and a trace that raises is refused
+    # (`trace_stages`), never failed (a failure would be remembered in memory alone, not on disk)
     service = CompileService(model, {model.backend.input_names[0]: np.zeros((2, 3), np.float32)})
     outcomes = Outcomes()
     service.on_outcome = outcomes
     try:
         assert service.wait(sites, WAIT_S)
         assert service.load(sites) is None
-        assert outcomes.last().outcome in ("refused", "failed")
+        assert outcomes.last().outcome == "refused" and outcomes.last().sites == model.backend.ordered_cuts(sites)
     finally:
         service.close()
-    if outcomes.last().outcome == "refused":  # kept on disk: a later server neither compiles nor waits for it
-        later = CompileService(load_bundle(bundle_copy), _example(model, fmnist_feeds))
-        try:
-            assert later.ready(sites) and later.load(sites) is None and later._process is None
-        finally:
-            later.close()
+    key = set_key(service.digest, model.backend.ordered_cuts(sites), model.error_score)
+    assert has_compiled(service.directory, key)  # the refusal is on disk
+    # Kept on disk: a later server, with an example the model runs, neither compiles the set nor waits for it
+    later = CompileService(load_bundle(bundle_copy), _example(model, fmnist_feeds))
+    try:
+        assert later.ready(sites) and later.wait(sites, WAIT_S)
+        assert later.load(sites) is None and later._process is None
+    finally:
+        later.close()
 
 
 def test_a_worker_adopts_a_configuration_only_once_its_set_is_compiled(bundle_copy, fmnist_feeds) -> None:

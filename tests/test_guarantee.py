@@ -1,4 +1,5 @@
-"""The accuracy guarantee: the bound, its coverage on streams of known error rate, and stop mode's sample."""
+"""The accuracy guarantee: the bound, its coverage (and that it still lets inputs exit) on streams of known error
+rate, and stop mode's sample."""
 
 from __future__ import annotations
 
@@ -43,6 +44,26 @@ def _true_risk(thresholds: np.ndarray, slopes: np.ndarray) -> float:
     return slopes[0] * t1 ** 2 / 2 + (1 - t1) * slopes[1] * t2 ** 2 / 2
 
 
+def _exit_share(thresholds: np.ndarray) -> float:
+    """The share of inputs that exit at either ramp (error scores uniform on [0, 1])."""
+    t1, t2 = thresholds
+    return t1 + (1 - t1) * t2
+
+
+def _best_safe_exit_share(slopes: np.ndarray) -> float:
+    """The largest exit share of thresholds (on a grid of 0.005) whose true disagreement keeps the constraint:
+    what a certifier that knew the stream could let exit."""
+    t1, t2 = np.meshgrid(np.linspace(0, 1, 201), np.linspace(0, 1, 201), indexing="ij")
+    safe = _true_risk((t1, t2), slopes) <= CONSTRAINT
+    return float(np.max(np.where(safe, _exit_share((t1, t2)), 0.0)))
+
+
+# The certifier's exits, on average over the trials, as a share of the best safe exits: it pays for its guarantee
+# with margin, but a certifier that let nothing exit would keep the constraint too. Not a bound but what was
+# measured: 0.35 at the least over the parameters these tests draw (0.49-0.78 with slopes of 0.02)
+MIN_EXITS_KEPT = 0.25
+
+
 @settings(max_examples=6, deadline=None)
 @given(st.floats(0.02, 0.3), st.floats(0.02, 0.3), st.sampled_from([800, 2000]), st.integers(0, 2 ** 16))
 def test_thresholds_chosen_under_the_bound_break_the_constraint_in_at_most_about_delta_of_trials(
@@ -50,14 +71,17 @@ def test_thresholds_chosen_under_the_bound_break_the_constraint_in_at_most_about
     slopes = np.array([slope1, slope2])
     rng = np.random.default_rng(seed)
     saved = np.tile([2.0, 1.0, -0.1], (n, 1))
-    violations = 0
+    violations, exits = 0, []
     for _ in range(TRIALS):
         correct, errors = _stream(rng, n, slopes)
         data = ExitData(correct, errors, saved)
         chosen = certified_thresholds(data, CONSTRAINT, DELTA)
         violations += _true_risk(chosen, slopes) > CONSTRAINT
+        exits.append(_exit_share(chosen))
     # at most delta, with three binomial standard deviations for the trials' own noise
     assert violations / TRIALS <= DELTA + 3 * np.sqrt(DELTA * (1 - DELTA) / TRIALS)
+    # and inputs exit where they safely can
+    assert np.mean(exits) >= MIN_EXITS_KEPT * _best_safe_exit_share(slopes)
 
 
 @settings(max_examples=4, deadline=None)
@@ -67,7 +91,7 @@ def test_stop_modes_stratified_bound_covers_too(slope, serving_threshold, seed):
     slopes = np.array([slope, slope])
     rng = np.random.default_rng(seed)
     n, share = 6000, 0.2
-    violations = 0
+    violations, exits = 0, []
     for _ in range(TRIALS):
         correct, errors = _stream(rng, n, slopes)
         exited = first_exits(errors, np.array([serving_threshold, 0.0])) != NO_EXIT
@@ -78,7 +102,9 @@ def test_stop_modes_stratified_bound_covers_too(slope, serving_threshold, seed):
         data = ExitData(correct[kept], errors[kept], np.tile([2.0, 1.0, -0.1], (kept.sum(), 1)), strata, weights)
         chosen = certified_thresholds(data, CONSTRAINT, DELTA)
         violations += _true_risk(chosen, slopes) > CONSTRAINT
+        exits.append(_exit_share(chosen))
     assert violations / TRIALS <= DELTA + 3 * np.sqrt(DELTA * (1 - DELTA) / TRIALS)
+    assert np.mean(exits) >= MIN_EXITS_KEPT * _best_safe_exit_share(slopes)
 
 
 def _stop_record(share: float) -> BatchRecord:

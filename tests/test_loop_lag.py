@@ -52,14 +52,18 @@ def test_metrics_follow_the_tracker() -> None:
 
 def test_the_watch_sees_a_loop_blocked_on_purpose_and_stops_when_cancelled() -> None:
     metrics = ServerMetrics()
-    block_s = 0.1
+    interval_s = 0.01
+    blocked: list[float] = []  # when the block began and ended, on the watch's clock
 
     async def scenario() -> None:
-        watch = asyncio.create_task(watch_loop_lag(metrics, interval_s=0.01))
+        watch = asyncio.create_task(watch_loop_lag(metrics, interval_s=interval_s))
         while metrics.loop_lag.samples == 0:
             await asyncio.sleep(0.001)
-        # The watch sleeps now, due within its interval: it wakes only after the block, at least this late.
-        time.sleep(block_s)
+        # The watch is suspended now, having read the clock before the block began: its next wake-up comes after
+        # the block ends, so the lag it records covers the block, less the interval it meant to sleep
+        blocked.append(time.perf_counter())
+        time.sleep(0.1)
+        blocked.append(time.perf_counter())
         seen = metrics.loop_lag.samples
         while metrics.loop_lag.samples == seen:
             await asyncio.sleep(0.001)
@@ -68,8 +72,9 @@ def test_the_watch_sees_a_loop_blocked_on_purpose_and_stops_when_cancelled() -> 
         assert watch.cancelled()
 
     run_bounded(scenario())
-    assert metrics.loop_lag.max_s >= block_s - 0.01 - 0.001
-    assert metrics.loop_lag.slow >= 1
+    began, ended = blocked
+    assert metrics.loop_lag.max_s >= ended - began - interval_s
+    assert metrics.loop_lag.slow >= 1  # time.sleep(0.1) lasts 0.1 s at least: 90 ms of lag, over SLOW_LAG_S
 
 
 def get(url: str) -> bytes:

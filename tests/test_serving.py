@@ -4,6 +4,7 @@ prepared ResNet on real Fashion-MNIST inputs."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import re
 import signal
@@ -14,6 +15,7 @@ import time
 import urllib.error
 import urllib.request
 from dataclasses import replace
+from functools import partial
 from collections.abc import Iterator
 from contextlib import contextmanager
 from email.message import Message
@@ -280,6 +282,102 @@ def test_prediction_cache_answers_repeats_without_the_queue(served, fmnist_feeds
     assert "cached" not in other["parameters"]
     assert batches == 2  # the repeat never reached the model
     assert (state.caches[MODEL].hits, state.caches[MODEL].misses) == (1, 2)
+
+
+def counter(metrics: str, name: str, **labels: str) -> float:
+    """A counter's value in the server's /metrics text (0 where it has no sample with those labels)."""
+    wanted = ",".join(f'{key}="{value}"' for key, value in labels.items())
+    found = re.search(rf"^{name}_total\{{{re.escape(wanted)}\}} (\S+)$", metrics, re.MULTILINE)
+    return float(found.group(1)) if found else 0.0
+
+
+async def _repeats_under_load(url: str, probes: list[bytes], load: Iterator[bytes],
+                              clients: int) -> tuple[list[tuple[dict, dict]], int]:
+    """Each probe sent, then sent again as soon as its response is back, while `clients` others keep sending
+    `load` (each probe only once the load has answered `clients` more requests: the load runs throughout). The
+    (first, repeat) responses, and how many load requests were sent."""
+    infer = f"{url}/v2/models/{MODEL}/infer"
+    done, progress = asyncio.Event(), asyncio.Condition()
+    sent = answered = stopped = 0
+
+    async def keep_loading(session: aiohttp.ClientSession) -> None:
+        nonlocal sent, answered, stopped
+        try:
+            while not done.is_set():
+                sent += 1
+                async with session.post(infer, data=next(load)) as response:
+                    assert response.status == 200, await response.text()
+                async with progress:
+                    answered += 1
+                    progress.notify_all()
+        finally:  # a client that failed must not leave the probes waiting for the load
+            async with progress:
+                stopped += 1
+                progress.notify_all()
+
+    async def ask(session: aiohttp.ClientSession, body: bytes) -> dict:
+        async with session.post(infer, data=body) as response:
+            assert response.status == 200, await response.text()
+            return await response.json()
+
+    pairs: list[tuple[dict, dict]] = []
+    async with aiohttp.ClientSession() as session:
+        loading = [asyncio.create_task(keep_loading(session)) for _ in range(clients)]
+        try:
+            for body in probes:
+                async with progress:
+                    await progress.wait_for(partial(lambda since: answered >= since + clients or stopped, answered))
+                assert not stopped, "a load client stopped"
+                first = await ask(session, body)
+                pairs.append((first, await ask(session, body)))
+        finally:
+            done.set()
+            await asyncio.gather(*loading)
+    return pairs, sent
+
+
+def json_body(served: ServedModel, x: np.ndarray, outputs: list[str] | None, **parameters) -> bytes:
+    """An inference request for `x`, asking for `outputs` by name (None: none named, the label alone)."""
+    request = json.loads(infer_body(served, x, **parameters))
+    if outputs is not None:
+        request["outputs"] = [{"name": name} for name in outputs]
+    return json.dumps(request).encode()
+
+
+@pytest.mark.parametrize("ramps,executor", [(False, "process"), (True, "process"), (False, "thread")])
+def test_a_repeat_sent_after_its_response_is_a_cache_hit_under_load(served, fmnist_feeds, ramps: bool,
+                                                                     executor: str) -> None:
+    """The final answer is in the prediction cache before the response carrying it is sent: a repeat sent once
+    that response is back is answered by the cache, however busy the server. With ramps the probes ask for the
+    logits, so their response carries the final answer, while the load's labels leave early at a ramp or not."""
+    rounds, clients = 20, 8
+    rng = np.random.default_rng(31)
+    shape = fmnist_feeds[:1].shape
+
+    def unique(index: int) -> np.ndarray:  # never sent twice: only the probes' repeats can hit the cache
+        noise = rng.normal(0.0, 0.05, shape).astype(np.float32)
+        return fmnist_feeds[index % len(fmnist_feeds)][None] + noise
+
+    load = (json_body(served, unique(i), None) for i in itertools.count())
+    # A probe goes first in its batch (its priority is higher), the load's requests behind it: its final answer is
+    # kept before its response leaves, however many answers the rest of its batch sends
+    probes = [json_body(served, unique(i), ["label", "logits"] if ramps else None, priority=1) for i in range(rounds)]
+    batching = dict(max_batch=8, max_delay_ms=2.0, adaptive_batching=False, deadline_ms=60_000.0,
+                    executor=executor)
+    settings = (fixed_exits(served, 1, mixing_threshold(served, 1, fmnist_feeds), **batching) if ramps
+                else ModelSettings(vanilla=True, **batching))
+    with server(served, settings, ServerSettings(port=0, cache_mb=16.0)) as (url, state):
+        pairs, sent = asyncio.run(_repeats_under_load(url, probes, load, clients))
+        metrics = urllib.request.urlopen(url + "/metrics").read().decode()
+    assert len(pairs) == rounds
+    for first, again in pairs:
+        assert "cached" not in first["parameters"] and first["parameters"]["early"] is False
+        assert again["parameters"]["cached"] is True, f"a repeat missed the cache: {again['parameters']}"
+        assert again["outputs"] == first["outputs"]
+    assert counter(metrics, "rampserve_cache_lookups", model=MODEL, result="hit") == rounds
+    assert counter(metrics, "rampserve_cache_lookups", model=MODEL, result="miss") == rounds + sent
+    assert counter(metrics, "rampserve_requests", model=MODEL, outcome="cached") == rounds
+    assert (state.caches[MODEL].hits, state.caches[MODEL].misses) == (rounds, rounds + sent)
 
 
 def test_controller_adapts_live_and_status_shows_its_history(served, fmnist_feeds) -> None:

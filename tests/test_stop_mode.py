@@ -312,3 +312,57 @@ def test_inputs_that_left_are_released_even_when_no_column_reaches_the_releasing
     assert np.array_equal(np.concatenate([a.labels for a in answers]), eager[0][0])
     assert np.array_equal(state.left == NO_EXIT, state.sample) and 0 < state.sample.sum() < 16
     assert np.array_equal(record.final == NO_LABEL, ~state.sample)
+
+
+def test_a_final_answer_is_kept_before_the_response_that_carries_it(resnet_prepared, fmnist_feeds) -> None:
+    """Over batch compositions, thresholds and both exit modes: a request answered with its batch's final answer
+    has that answer handed to `on_final` (what the prediction cache keeps) before its reply goes out, so a repeat
+    sent once the reply is back finds it kept; one released early at a ramp gets its reply first and its final
+    answer after (the cache keeps final answers only), and in stop mode one whose input left the batch has none.
+    Each request gets one reply and at most one final answer, and release mode gives every request its final."""
+    model = replace(resnet_prepared)  # compiled sets of its own
+    names = model.site_names
+    sites = (names[0], names[2])
+    name = model.backend.input_names[0]
+    for mode in ("release", "stop"):
+        assert model.compile(sites, {name: fmnist_feeds[-2:]}, mode)
+    eager: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    model.run({name: fmnist_feeds}, sites, lambda site, *seen: eager.setdefault(site, seen))
+    choices = [_gaps(eager[site][1]) for site in sites]
+    workers = {mode: _worker(model, sites, mode, share=0.25, cache_updates=False) for mode in ("release", "stop")}
+    workers["stop"]._feedback = np.random.default_rng(7)
+    seen = {"final first": 0, "reply first": 0}
+
+    @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+    @given(st.lists(st.tuples(st.integers(1, 3), st.booleans()), min_size=1, max_size=5),
+           st.tuples(*(st.integers(0, 4) for _ in sites)), st.sampled_from(["release", "stop"]))
+    def check(requests: list[tuple[int, bool]], picks: tuple[int, ...], mode: str) -> None:
+        worker = workers[mode]
+        config = Configuration(1, sites, tuple(choices[j][k] for j, k in enumerate(picks)))
+        worker._serving = (config, model.compiled_set(sites, mode))
+        events: list[tuple[str, int, object]] = []
+        starts = np.cumsum([0] + [rows for rows, _ in requests])
+        batch = [_Pending({name: fmnist_feeds[a:a + rows]}, rows, 0.0, float("inf"), wants,
+                          lambda answer, i=i: events.append(("reply", i, answer)),
+                          lambda answer, i=i: events.append(("final", i, answer)))
+                 for i, (a, (rows, wants)) in enumerate(zip(starts, requests))]
+        worker._run(batch)
+        state = worker._records.get_nowait().state
+        for i, (rows, wants) in enumerate(requests):
+            (at_reply, reply), = [(k, e[2]) for k, e in enumerate(events) if e[:2] == ("reply", i)]
+            finals = [(k, e[2]) for k, e in enumerate(events) if e[:2] == ("final", i)]
+            left = state.left is not None and bool(np.any(state.left[starts[i]:starts[i] + rows] != NO_EXIT))
+            assert len(finals) == (0 if left else 1)
+            if not finals:
+                continue
+            (at_final, final), = finals
+            if any(site is None for site in reply.exit_sites):  # answered with the final layer's labels
+                assert at_final < at_reply, "the final answer was kept after the reply that carried it"
+                assert np.array_equal(final.labels, reply.labels)
+                seen["final first"] += 1
+            else:  # released at a ramp before the batch ended; its final answer is known only at the end
+                assert not wants and at_reply < at_final
+                seen["reply first"] += 1
+
+    check()
+    assert seen["final first"] > 0 and seen["reply first"] > 0  # both paths were taken

@@ -128,7 +128,8 @@ def metric_families(registry: CollectorRegistry, model: str) -> list[dict]:
 class _InFlight:
     future: asyncio.Future
     slot: int | None
-    on_final: Callable[[Answer], None] | None
+    on_final: Callable[[Answer], None] | None  # None once called: a request's final answer comes once
+    answered: bool = False  # its ANSWER came (its FINAL, when it has one, may come before or after)
 
 
 class _Channel(asyncio.Protocol):
@@ -248,14 +249,20 @@ class ProcessWorker:
             if waiting is None:
                 return
             self._release_slot(waiting)
-            if waiting.on_final is None:
+            waiting.answered = True
+            if waiting.on_final is None:  # no final answer to keep, or it came first
                 del self._in_flight[header["i"]]
             if not waiting.future.done():
                 waiting.future.set_result(wire.read_answer(header, body))
         elif kind == wire.FINAL:
-            waiting = self._in_flight.pop(header["i"], None)
+            # Before the ANSWER when that carries the final answer (the executor keeps it first, so the cache holds
+            # it before the response leaves); after it when a ramp released the answer early
+            waiting = self._in_flight.get(header["i"])
             if waiting is not None and waiting.on_final is not None:
-                waiting.on_final(wire.read_answer(header, body))
+                on_final, waiting.on_final = waiting.on_final, None
+                if waiting.answered:
+                    del self._in_flight[header["i"]]
+                on_final(wire.read_answer(header, body))
         elif kind == wire.REFUSED:
             waiting = self._in_flight.pop(header["i"], None)
             if waiting is not None:

@@ -32,7 +32,9 @@ QUIT = ord("Q")  # answer everything accepted, then exit
 # Executor -> front end
 READY = ord("Y")
 ANSWER = ord("A")
-FINAL = ord("F")  # a request's final answer, after its batch ran to the end (for the prediction cache)
+# A request's final answer, after its batch ran to the end (for the prediction cache): sent before the request's
+# ANSWER when that carries the final answer, after it when a ramp released it early
+FINAL = ord("F")
 REFUSED = ord("E")  # shed at admission or in the queue, or the batch failed
 REPLY = ord("P")  # to STATUS and METRICS
 CONFIGURATION = ord("K")  # the executor adopted a configuration

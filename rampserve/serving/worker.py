@@ -229,7 +229,8 @@ class _Pending:
     # resolves an event loop's future (`future_reply`), or writes to the front end's channel (`executor`)
     reply: Callable[[Answer | BaseException], None]
     # Called on the executor thread with the request's final answer (every row's final label and the logits)
-    # once its batch has run to the end, however early its response left: what a prediction cache may keep
+    # once its batch has run to the end, however early its response left: what a prediction cache may keep.
+    # When the response carries the final answer, this is called before `reply` gets it
     on_final: Callable[[Answer], None] | None = None
     settled: bool = False
 
@@ -742,6 +743,13 @@ class ModelWorker:
             final, final_errors, logits = self._stopped(state, compiled, outputs.buffers.left, columns, output, ran)
         else:
             final, final_errors = top_label_and_error(logits)
+        # A request still open is answered now with its batch's final answer: that answer is kept (the prediction
+        # cache) before the response that carries it is sent, so a repeat sent once the response is back finds it.
+        # A request released early at a ramp got the ramp's label; its final answer, known only now, is kept after
+        # the open ones are answered (off their path): caches keep final answers alone, never a ramp's label,
+        # which thresholds move and a cache would replay unchecked, so its repeat may come before it is kept
+        released_early = [pending.settled for pending in batch]
+        self._keep_finals(state, [not early for early in released_early], final, final_errors, logits, stops)
         state.finish(final, final_errors, logits)
         finished = time.monotonic()
         # The ramps no input exited at are scored for the record by the control thread, from a copy of their
@@ -749,14 +757,7 @@ class ModelWorker:
         unscored = [] if compiled is None else [(state.column[site], j) for j, site in enumerate(compiled.sites)
                                                 if not state.scored[state.column[site]]]
         late = None if not unscored else outputs.buffers.logits[:, [j for _, j in unscored]].copy()
-        for index, pending in enumerate(batch):
-            if pending.on_final is not None:
-                rows = slice(int(state.starts[index]), int(state.starts[index]) + pending.rows)
-                if stops and np.any(final[rows] == NO_LABEL):  # a row left the batch: no final answer to keep
-                    continue
-                pending.on_final(Answer(final[rows], (None,) * pending.rows, (None,) * pending.rows,
-                                        1.0 - final_errors[rows], logits[rows], config.version, state.batch_id,
-                                        finished))
+        self._keep_finals(state, released_early, final, final_errors, logits, stops)
         if self.settings.cache_updates and config.sites:  # after every answer is out: off the requests' path
             # In stop mode a cache ramp evaluated the rows still in the batch at its site, and learns from those
             # that ran to the end
@@ -771,6 +772,22 @@ class ModelWorker:
             self._records.put(done)
         else:
             self._book(done)
+
+    @staticmethod
+    def _keep_finals(state: _BatchState, which: list[bool], final: np.ndarray, final_errors: np.ndarray,
+                     logits: np.ndarray, stops: bool) -> None:
+        """Hand the final answers of the batch's requests marked in `which` to their `on_final`, where they have one
+        (in stop mode a request one of whose rows left the batch has none: it is skipped)."""
+        now = time.monotonic()
+        for index, pending in enumerate(state.batch):
+            if not which[index] or pending.on_final is None:
+                continue
+            rows = slice(int(state.starts[index]), int(state.starts[index]) + pending.rows)
+            if stops and np.any(final[rows] == NO_LABEL):  # a row left the batch: no final answer to keep
+                continue
+            pending.on_final(Answer(final[rows], (None,) * pending.rows, (None,) * pending.rows,
+                                    1.0 - final_errors[rows], logits[rows], state.config.version, state.batch_id,
+                                    now))
 
     def _shadow_batch(self, config: Configuration) -> tuple[Configuration, CompiledSet | None] | None:
         """Count the batch about to run under `config`; where it is a shadow batch whose set is loaded, what it runs

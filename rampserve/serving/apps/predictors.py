@@ -102,8 +102,9 @@ class PredictRequest:
     priority: int = 0  # higher is served first
     outputs: tuple[str, ...] = (LABEL_OUTPUT,)  # the tensors the response carries
     parameters: Mapping[str, object] = field(default_factory=dict)  # the request's, as sent (an application's uid)
-    # Called once with the request's final answer, on any thread, possibly after `infer` has returned (a bundle's
-    # batch runs on after it released the label early): what a prediction cache may keep
+    # Called once with the request's final answer, on any thread: before `infer` returns it, or after `infer`
+    # returned a ramp's label (a bundle's batch runs on after it released the label early): what a prediction
+    # cache may keep
     on_final: Callable[[Prediction], None] | None = None
 
     @property
@@ -200,7 +201,7 @@ class WorkerPredictor(Predictor):
     async def infer(self, request: PredictRequest) -> Prediction:
         """The label as soon as a ramp or the final layer gives it; asking for the logits waits for the final
         layer. The final answer reaches `on_final` once the batch has run to the end, however early the
-        response left."""
+        response left; before this returns when the answer returned is the final one."""
         on_final = request.on_final
         answer = await self.worker.submit(
             request.inputs, request.rows, LOGITS_OUTPUT in request.outputs, request.deadline_ms, request.priority,
