@@ -455,7 +455,7 @@ def bench_staging(
                   f"prepare); the fastest in this run at batch 1: {result['fastest_now_at_batch_1']}")
     if result["as_users_run_it"]:
         print_engines(result["as_users_run_it"], "the served engine beside ONNX Runtime as a bare session runs the "
-                                                 "model (its defaults), median ms, blocks of 5 runs")
+                                                 "model (its defaults), median ms, interleaved rounds")
     table = Table(title=f"staged / whole-model time, {model} (medians of interleaved runs)")
     for col in ("backend", "batch", "cuts", "whole ms", "staged ms", "ratio"):
         table.add_column(col, justify="right")

@@ -165,11 +165,9 @@ def run_staging_bench(model: str = "resnet18-fmnist", batch_sizes: tuple[int, ..
         feeds_of = lambda b: feeds_for(torch_backend, encoder, items[:b])  # noqa: E731
         engines = EngineChoice(served.name, prepared.meta.get("engine", {}).get("chosen_by", "?"), tuple(
             time_engines(backends, feeds_of, batch_sizes)))
-        # Apart, in blocks of runs each after an untimed one: a bare session's threads spin on after its runs and
-        # would slow whichever engine ran next in the table's rounds
         as_users_run_it = EngineChoice(served.name, CHOSEN_BY_USER, tuple(time_engines(
             {**engine_backends([AS_USERS_RUN_IT], None, onnx_path), served.name: backends[served.name]},
-            feeds_of, batch_sizes, block=5))) if served.backend == "onnx" else None
+            feeds_of, batch_sizes))) if served.backend == "onnx" else None
         for batch_size in batch_sizes:
             for backend in (torch_backend, backends["onnxruntime"]):
                 feeds = feeds_for(backend, encoder, items[:batch_size])

@@ -28,6 +28,10 @@ CHOSEN_BY_USER = "--engine"
 ENGINE_BATCH_SIZES = (1, 16)
 ENGINE_BUDGET_S = 2.0  # time per batch size for interleaved rounds of every engine, after one round at least
 MAX_ROUNDS = 400
+# Each engine's turn: runs in a row after an untimed one, after a pause in which the threads of the engine before it
+# (torch's OpenMP pool spins on after a run) go quiet: interleaved without it, ONNX Runtime at default threads ran
+# lite0-fmnist in 7.2 ms beside TorchScript against 5.1 ms alone
+ENGINE_BLOCK, ENGINE_SETTLE_S = 3, 0.02
 # How rampserve runs a model on ONNX Runtime (its threads; its ramps), kept in a bundle's engine record: a bundle
 # timed and profiled otherwise is prepared again by the zoo's cache (see `zoo_bundles`)
 ONNX_SERVING = "threads spin within a run, stop after; ramps signal from one session where an input may exit"
@@ -140,10 +144,10 @@ def _vanilla_path(backend: Backend, feeds: dict[str, np.ndarray], example: dict[
 
 def time_engines(backends: dict[str, Backend], feeds_of: Callable[[int], dict[str, np.ndarray]],
                  batch_sizes: Sequence[int] = ENGINE_BATCH_SIZES, budget_s: float = ENGINE_BUDGET_S,
-                 progress: bool = True, block: int = 1) -> list[EngineTiming]:
+                 progress: bool = True) -> list[EngineTiming]:
     """Each backend's vanilla serving path at each batch size, in interleaved rounds (each round runs every
-    engine `block` times in a row, in rotating order) for about `budget_s` per batch size: medians and quartiles
-    in ms."""
+    engine `ENGINE_BLOCK` times in a row, in rotating order, each turn after `ENGINE_SETTLE_S` of quiet) for
+    about `budget_s` per batch size: medians and quartiles in ms."""
     example = feeds_of(2)
     timings = []
     with torch.inference_mode():
@@ -152,9 +156,10 @@ def time_engines(backends: dict[str, Backend], feeds_of: Callable[[int], dict[st
             paths = {name: _vanilla_path(backend, feeds, example) for name, backend in backends.items()}
             once = interleaved_samples(paths, 1, warmup=2, progress=False)
             round_ms = sum(float(v.sum()) for v in once.values())
-            rounds = int(np.clip(budget_s * 1000.0 / max(round_ms * block, 1e-3), 5, MAX_ROUNDS))
-            samples = interleaved_samples(paths, rounds, warmup=1, desc=f"engines, batch {batch_size}", block=block,
-                                          progress=progress)
+            turns_ms = round_ms * (ENGINE_BLOCK + 1) + 1000.0 * ENGINE_SETTLE_S * len(paths)
+            rounds = int(np.clip(budget_s * 1000.0 / max(turns_ms, 1e-3), 5, MAX_ROUNDS))
+            samples = interleaved_samples(paths, rounds, warmup=1, desc=f"engines, batch {batch_size}",
+                                          block=ENGINE_BLOCK, progress=progress, settle_s=ENGINE_SETTLE_S)
             for name, values in samples.items():
                 p25, median, p75 = np.percentile(values, [25, 50, 75])
                 timings.append(EngineTiming(name, batch_size, float(median), float(p25), float(p75)))

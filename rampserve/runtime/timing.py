@@ -10,11 +10,14 @@ from tqdm.auto import tqdm
 
 
 def interleaved_samples(candidates: dict[str, Callable[[], object]], rounds: int, warmup: int = 5,
-                        desc: str = "timing", block: int = 1, progress: bool = True) -> dict[str, np.ndarray]:
+                        desc: str = "timing", block: int = 1, progress: bool = True, settle_s: float = 0.0
+                        ) -> dict[str, np.ndarray]:
     """Milliseconds of each callable, (rounds, block) per callable: within a round every callable runs once, in
     an order that rotates from round to round so none always runs first. With `block` > 1 each runs `block`
     times in a row in its turn, after one untimed run, as a server runs the path in force batch after batch with
-    its weights in cache (each compiled set holds its own copy of the model's)."""
+    its weights in cache (each compiled set holds its own copy of the model's). `settle_s`: a pause before each
+    turn, for callables whose threads go on spinning after they return (torch's OpenMP pool, a bare ONNX Runtime
+    session), which would otherwise slow whichever runs next."""
     names = list(candidates)
     for _ in range(warmup):
         for name in names:
@@ -24,6 +27,8 @@ def interleaved_samples(candidates: dict[str, Callable[[], object]], rounds: int
         shift = r % len(names)
         for name in names[shift:] + names[:shift]:
             run = candidates[name]
+            if settle_s:
+                time.sleep(settle_s)
             if block > 1:
                 run()
             for b in range(block):
