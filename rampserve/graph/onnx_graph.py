@@ -509,8 +509,11 @@ def with_signals(model: onnx.ModelProto, values: Mapping[str, SiteValue], taps: 
             gated = _waiting_input(reader, value.name, weights, graph, f"{prefix}/bias{index}")
             waited = f"{prefix}/wait{index}"
             graph.node.append(onnx.helper.make_node("Add", [gated, f"{prefix}/zero"], [waited], name=waited))
-            if gated in reader.input:
-                reader.input[list(reader.input).index(gated)] = waited
+            inputs = list(reader.input)
+            if gated in inputs:
+                reader.input[inputs.index(gated)] = waited
+            elif len(inputs) >= 3:  # the zero bias, where the bias was left out ("")
+                reader.input[2] = waited
             else:
                 reader.input.append(waited)
     if not any(o.domain == PYTHON_OP_DOMAIN for o in signalled.opset_import):
@@ -525,17 +528,17 @@ _CONVOLUTIONS = frozenset({"Conv", "FusedConv"})
 
 def _waiting_input(reader: onnx.NodeProto, value: str, weights: Mapping[str, onnx.TensorProto],
                    graph: onnx.GraphProto, bias_name: str) -> str:
-    """Which input of `reader` to add a signal's zero to, so that it waits for the signal at little cost: its
-    smallest float weight if small (a bias, a norm's scale), else a zero bias given to a convolution without one,
-    else `value`, the activation it reads."""
-    held = [v for v in reader.input if v in weights and int(np.prod(weights[v].dims)) <= SMALL_WEIGHT]
-    if held:
-        return min(held, key=lambda v: int(np.prod(weights[v].dims)))
-    if reader.op_type in _CONVOLUTIONS and len(reader.input) == 2 and reader.input[1] in weights:
+    """Which input of `reader` to add a signal's zero to, so that it waits for the signal at little cost: a
+    convolution's bias (a zero bias given to one without), else its smallest float weight if small (a norm's scale),
+    else `value`, the activation it reads. Never a convolution's filter, which ONNX Runtime may hold reordered."""
+    if reader.op_type in _CONVOLUTIONS and len(reader.input) >= 2 and reader.input[1] in weights:
+        if len(reader.input) >= 3 and reader.input[2]:
+            return reader.input[2]
         channels = weights[reader.input[1]].dims[0]
         graph.initializer.append(onnx.numpy_helper.from_array(np.zeros(channels, dtype=np.float32), bias_name))
         return bias_name
-    return value
+    held = [v for v in reader.input if v in weights and int(np.prod(weights[v].dims)) <= SMALL_WEIGHT]
+    return min(held, key=lambda v: int(np.prod(weights[v].dims)), default=value)
 
 
 def _with_tap(model: onnx.ModelProto, tap: Tap) -> onnx.ModelProto:

@@ -182,6 +182,22 @@ class PreparedModel:
         return {s.name: ramp_tap(self.ramps[s.name], s.name, s.activation_shape, opset, self.error_score)
                 for s in self.sites if can_tap(self.ramps[s.name])}
 
+    def _signalled_runner(self, sites: tuple[str, ...], side: str | None):
+        """The ONNX model whole in one session whose ramps at `sites` signal (`runtime.onnx_signals`), or None where
+        ONNX Runtime refuses that graph (an operator that needs a weight the signal's zero was added to, say): the
+        set is then cut into stages."""
+        from rampserve.ramps.pooling import POOLING_REDUCTIONS
+        from rampserve.runtime.onnx_signals import SIGNAL_OP, OnnxSignalledRunner, library
+
+        unpooled = [s for s in sites if self.ramps[s].spec.reduce not in POOLING_REDUCTIONS]
+        try:
+            session = self.backend.split.signalled(sites, self._signalled_tap, SIGNAL_OP, library(),
+                                                   keep_layout=unpooled)
+        except Exception as exc:  # noqa: BLE001 - ONNX Runtime raises its own types for a graph it refuses
+            log.warning("ONNX Runtime refused %s as one signalled session (%s); serving it in stages", sites, exc)
+            return None
+        return OnnxSignalledRunner(session, sites, side)
+
     def _signalled_tap(self, site: str, value) -> object:
         """The ramp at `site` as a tap on `value` (a `graph.onnx_graph.SiteValue`), in the value's layout."""
         from rampserve.ramps.onnx_fused import ramp_tap
@@ -264,14 +280,9 @@ class PreparedModel:
         classes = next((s.ramp.num_classes for s in self.sites), 0)
         if self.backend.kind == "onnx":
             side = side_names[0] if side_names else None
-            if signals and sites and all(s in self.onnx_taps for s in sites):
-                from rampserve.ramps.pooling import POOLING_REDUCTIONS
-                from rampserve.runtime.onnx_signals import SIGNAL_OP, OnnxSignalledRunner, library
-
-                unpooled = [s for s in sites if self.ramps[s].spec.reduce not in POOLING_REDUCTIONS]
-                runner = OnnxSignalledRunner(self.backend.split.signalled(
-                    sites, self._signalled_tap, SIGNAL_OP, library(), keep_layout=unpooled), sites, side)
-            else:
+            runner = self._signalled_runner(sites, side) if signals and sites and all(
+                s in self.onnx_taps for s in sites) else None
+            if runner is None:
                 stages = self.backend.split.build_tapped(sites, {s: self.onnx_taps[s] for s in sites
                                                                  if s in self.onnx_taps})
                 runner = OnnxSetRunner(stages, side)
