@@ -261,12 +261,25 @@ class OnnxSplitModel:
         self._options = session_options(intra_op_threads, spin_after_run)
         self._threads = (intra_op_threads, spin_after_run)
         self._runners: dict[tuple[str, str, str | None], _Runner] = {}
+        self._whole_values: ort.InferenceSession | None = None
         self._lock = threading.Lock()
 
     def full(self, feeds: Mapping[str, np.ndarray]) -> np.ndarray:
         """The model's output from all its inputs, by one session over the whole graph."""
         primary = self.input_names[0]
         return self._runner(primary, self.output_name)(feeds[primary], feeds)
+
+    def whole_values(self, feeds: Mapping[str, np.ndarray], cuts: Sequence[str]) -> dict[str, np.ndarray]:
+        """The values of `cuts` as one session over the whole graph computes them (every site an output of it),
+        in the model's layout."""
+        with self._lock:
+            if self._whole_values is None:
+                exposed = onnx.ModelProto()
+                exposed.CopyFrom(self._model)
+                exposed.graph.output.extend(self._types[site.value] for site in self.sites)
+                self._whole_values = self._session(exposed)
+        found = self._whole_values.run(list(cuts), {name: feeds[name] for name in self.input_names})
+        return dict(zip(cuts, found))
 
     @property
     def opset(self) -> int:
