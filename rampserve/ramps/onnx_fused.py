@@ -22,7 +22,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from rampserve.graph.onnx_graph import Tap
 from rampserve.ramps.kinds import Ramp
-from rampserve.ramps.pooling import POOLING_REDUCTIONS, pooling_matrix
+from rampserve.ramps.pooling import POOLING_REDUCTIONS, pooling_matrix, separable_pooling
 from rampserve.ramps.scores import ERROR_SCORES
 
 # The reductions a tap computes; a ramp with another (a deep head's grid) is evaluated in Python
@@ -70,12 +70,15 @@ def ramp_tap(ramp: Ramp, site: str, activation_shape: tuple[int, ...], opset: in
     reduce = ramp.spec.reduce
     center = ramp.center.detach().numpy().astype(np.float32)
     weight_t = ramp.head.weight.detach().numpy().T.astype(np.float32)
-    if block:  # maps (n * blocks, positions, block) pooled to (n * blocks, cells, block): features by block
-        channels, positions = activation_shape[0], int(np.prod(activation_shape[1:]))
-        pool = pooling_matrix(activation_shape, reduce).astype(np.float32)
-        blocks, cells = -(-channels // block), pool.shape[1]
-        maps = node("Reshape", [site, constant("maps_shape", np.array([-1, positions, block], dtype=np.int64))])
-        pooled = node("MatMul", [constant("pool_t", np.ascontiguousarray(pool.T)), maps])
+    if block:  # maps pooled by rows, then by columns, in blocks: (n * blocks, cells, block), features by block
+        channels, (height, width) = activation_shape[0], activation_shape[1:]
+        rows, columns = (np.ascontiguousarray(f.T.astype(np.float32)) for f in separable_pooling(activation_shape,
+                                                                                                  reduce))
+        blocks, cells = -(-channels // block), rows.shape[0] * columns.shape[0]
+        maps = node("Reshape", [site, constant("maps_shape", np.array([-1, height, width * block], dtype=np.int64))])
+        by_rows = node("Reshape", [node("MatMul", [constant("rows_t", rows), maps]),
+                                   constant("by_rows_shape", np.array([-1, width, block], dtype=np.int64))])
+        pooled = node("MatMul", [constant("columns_t", columns), by_rows])
         features = node("Reshape", [pooled, constant("features_shape",
                                                       np.array([-1, blocks * cells * block], dtype=np.int64))])
         # feature (channel c, cell k) is c * cells + k for the ramp; here (c // block, k, c % block), padding zero

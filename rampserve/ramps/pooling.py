@@ -63,6 +63,29 @@ def pooling_matrix(activation_shape: tuple[int, ...], reduce: str) -> np.ndarray
     return jacobian.reshape(jacobian.shape[1], probe.numel()).numpy().T
 
 
+def separable_pooling(activation_shape: tuple[int, ...], reduce: str) -> tuple[np.ndarray, np.ndarray]:
+    """A pooling reduction of (C, H, W) maps as a pooling of rows then of columns: (H, gh) and (W, gw) matrices
+    with `pooling_matrix`'s cell i * gw + j their columns i and j multiplied, so that pooling a map costs about gh
+    passes over it instead of gh * gw (checked against `pooling_matrix`)."""
+    if reduce not in POOLING_REDUCTIONS or len(activation_shape) != 3:
+        raise ValueError(f"{reduce} over a {activation_shape} activation is no pooling of maps")
+    grid = LINEAR_CNN_GRID if reduce == "grid_mean" else 1
+    height, width = activation_shape[1:]
+
+    def adaptive(length: int) -> np.ndarray:  # torch's adaptive average pooling bins along one axis
+        matrix = np.zeros((length, grid))
+        for i in range(grid):
+            start, stop = (i * length) // grid, -((-(i + 1) * length) // grid)
+            matrix[start:stop, i] = 1.0 / (stop - start)
+        return matrix
+
+    rows, columns = adaptive(height), adaptive(width)
+    product = np.einsum("hi,wj->hwij", rows, columns).reshape(height * width, grid * grid)
+    if not np.allclose(product, pooling_matrix(activation_shape, reduce), rtol=0, atol=1e-12):
+        raise AssertionError(f"{reduce} over {activation_shape} does not pool rows then columns")
+    return rows, columns
+
+
 @dataclass(frozen=True, eq=False)  # holds arrays, which do not compare to a bool
 class PooledLinear:
     """A pooling linear ramp as arrays for one activation shape: reduce(x) == (x.reshape(n * channels,
