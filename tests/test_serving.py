@@ -558,18 +558,19 @@ def test_served_cache_ramp_answers_early_and_learns_from_final_answers(cache_bun
         assert torch.equal(ramp.usage, usage)
 
 
-def test_an_onnx_bundle_serves_its_ramps_fused_into_the_stages(onnx_prepared, fmnist_feeds, tmp_path) -> None:
-    """An ONNX model serves its compiled path (each ramp inside the session of its stage): a row whose error score
-    at the active ramp is under the threshold leaves there with the eager ramp's label, the others get the
-    model's, and the logits a client asks for are the eager path's."""
+def test_an_onnx_bundle_serves_its_ramps_signalled_from_one_session(onnx_prepared, fmnist_feeds, tmp_path) -> None:
+    """An ONNX model serves its compiled path (the model whole in one session, its ramp signalling from inside the
+    run): a row whose error score at the active ramp is under the threshold leaves there with the eager ramp's
+    label, the others get the model's, and the logits a client asks for are the whole model's, bit for bit."""
     from rampserve.runtime.bundle import save_bundle
 
     served = load_served(str(save_bundle(onnx_prepared, tmp_path / MODEL)))
     site, x = served.model.site_names[1], fmnist_feeds
     threshold = mixing_threshold(served, 1, x)
     seen: list[tuple[np.ndarray, np.ndarray]] = []
-    logits = served.model.run({served.inputs[0].name: x}, [site], lambda _, *scored: seen.append(scored))
+    served.model.run({served.inputs[0].name: x}, [site], lambda _, *scored: seen.append(scored))
     (ramp_labels, errors), = seen
+    logits = served.model.run({served.inputs[0].name: x}, [])
     with server(served, fixed_exits(served, 1, threshold)) as (url, _):
         answers = [post(f"{url}/v2/models/{MODEL}/infer", infer_body(served, x[i:i + 1]))[2] for i in range(len(x))]
         client = triton.InferenceServerClient(url.removeprefix("http://"))
