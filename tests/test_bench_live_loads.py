@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,9 +16,9 @@ from typer.testing import CliRunner
 
 from rampserve.bench.live import (
     LiveSettings, SimulatorSaving, beside_simulator, latency_by_load, load_table, parse_loads, read_simulator_saving, replay_rate,
-    replay_schedule, versus_table, versus_vanilla,
+    replay_schedule, versus_table, versus_vanilla, write_report,
 )
-from rampserve.bench.live_plots import write_live_plots, write_load_plot
+from rampserve.bench.live_plots import write_load_plot
 from rampserve.bench.load import DEFAULT_LOAD, batch1_capacity_rps
 from rampserve.bench.loadgen import LoadResult
 from rampserve.bench.sim import SimSettings, scenario_rate
@@ -201,7 +202,7 @@ def test_latency_against_load_has_one_point_per_load_for_each_system(tmp_path):
     assert path == tmp_path / "live_latency_by_load.png" and path.stat().st_size > 0
 
 
-def test_each_loads_replay_plots_land_in_its_own_folder(tmp_path):
+def test_each_loads_plots_land_in_its_own_folder_beside_latency_against_load(tmp_path):
     def result(latency: list[float]) -> LoadResult:
         n = len(latency)
         scheduled = np.arange(n, dtype=float) * 100.0
@@ -209,10 +210,12 @@ def test_each_loads_replay_plots_land_in_its_own_folder(tmp_path):
                           status=np.full(n, 200), label=np.zeros(n), early=np.zeros(n, bool), exit_site=np.full(n, -1),
                           sites=(), errors={}, status_before=None, status_after=None)
 
-    entry = _entry(0.2, _system(2.0, 4.0), _system(1.5, 4.2))
-    report = live_report([entry])
-    paths = write_live_plots(report, entry, {"vanilla": result([2.0, 3.0, 4.0]), "rampserve": result([1.0, 2.0, 5.0])},
-                             tmp_path / "load-0.2")
-    assert [p.relative_to(tmp_path).as_posix() for p in paths] == ["load-0.2/live_latency_cdf.png",
-                                                                  "load-0.2/live_over_time.png"]
-    assert all(p.stat().st_size > 0 for p in paths)
+    entries = [_entry(0.2, _system(2.0, 4.0), _system(1.5, 4.2)), _entry(0.5, _system(3.0, 8.0), _system(2.5, 9.0))]
+    runs = [{"vanilla": result([2.0, 3.0, 4.0]), "rampserve": result([1.0, 2.0, 5.0])},
+            {"vanilla": result([3.0, 3.0, 8.0]), "rampserve": result([2.0, 2.5, 9.0])}]
+    report = write_report(live_report(entries), runs, tmp_path / "live.json", tmp_path / "plots")
+    assert report["plots"] == [str(tmp_path / "plots" / name) for name in (
+        "load-0.2/live_latency_cdf.png", "load-0.2/live_over_time.png", "load-0.5/live_latency_cdf.png",
+        "load-0.5/live_over_time.png", "live_latency_by_load.png")]
+    assert all(Path(path).stat().st_size > 0 for path in report["plots"])
+    assert json.loads((tmp_path / "live.json").read_text())["plots"] == report["plots"]
