@@ -77,7 +77,7 @@ class LiveSettings:
     # The replays' loads (`rate_at_load`): shares of vanilla's measured closed-loop saturation, each replayed once
     loads: tuple[float, ...] = (DEFAULT_LOAD,)
     rate_rps: float | None = None  # replaces the one load's rate
-    duration_s: float = 60.0  # measured part of each system's run, in trace time
+    duration_s: float = 60.0  # measured part of each replay (each system at each load), in trace time
     warmup_requests: int = 300  # sent before each measured run at the target rate, then discarded
     # maf: trace minutes replayed within `duration_s` (one period of its trend); see `live_arrivals`
     trace_minutes: int = 8
