@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # the command line imports this module for its default: no numpy on the way
     from rampserve.runtime.latency import LatencyProfile
 
-# 0.2: vanilla meets its SLO there on the bursty maf trace, where a latency-first comparison belongs (at 0.5 of its
-# live saturation, vanilla's own p95 was 930 ms)
+# 0.2: on the bursty maf trace vanilla meets its SLO there in the simulator and is far from overload live, where a
+# latency-first comparison belongs (at 0.5 of its live saturation, vanilla's own p95 was 930 ms)
 DEFAULT_LOAD = 0.2
 
 
