@@ -15,6 +15,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from rampserve.bench.load import DEFAULT_LOAD
+
 app = typer.Typer(help="rampserve: serve models with managed early exits.", no_args_is_help=True)
 bench_app = typer.Typer(help="Benchmarks: print a table and write JSON.", no_args_is_help=True)
 zoo_app = typer.Typer(help="The bundled model zoo.", no_args_is_help=True)
@@ -24,6 +26,8 @@ app.add_typer(zoo_app, name="zoo")
 console = Console(width=None if sys.stdout.isatty() else 132)
 
 DEFAULT_MODEL = "resnet18-fmnist"
+LOAD_HELP = ("the replay's rate as a share of vanilla's measured closed-loop saturation: what `bench sim` calls load "
+             "(--rate overrides)")
 
 # Controller settings that `serve`, `bench sim` and `bench live` take alike (`controller_options`); None (not
 # given): the controller's own
@@ -377,15 +381,23 @@ def demo(
     model: Annotated[str, typer.Option(help="zoo model to prepare")] = DEFAULT_MODEL,
     small: Annotated[bool, typer.Option(help="the zoo's tiny variant (quick; no live replay)")] = False,
     duration: Annotated[float, typer.Option(help="seconds of drifting stream replayed against each server")] = 20.0,
+    load: Annotated[float, typer.Option(help=LOAD_HELP)] = DEFAULT_LOAD,
     ramp_budget: Annotated[float, typer.Option(help="what ramps may add to a non-exiting input, as a share of "
                                                      "the model's latency (the controller's default)")] = 0.02,
-    json_out: Annotated[Optional[Path], typer.Option("--json", help="write the replay's report here (`systems` "
-                                                                    "with `bench live`'s keys)")] = None,
+    json_out: Annotated[Optional[Path], typer.Option("--json", help="write the replay's report here (`bench "
+                                                                    "live`'s)")] = None,
 ) -> None:
     """Prepare the default model (training what is missing), show what its ramps could save, then serve it for
     real, vanilla and with early exits, replay a short drifting stream against both and print the outcome."""
+    from rampserve.bench.live import LiveSettings, live_table, run_live
     from rampserve.runtime.zoo_bundles import zoo_bundle
 
+    try:  # before the model is prepared: refused settings should not wait for it
+        settings = LiveSettings(model=model, loads=(load,), duration_s=duration, saturation_s=6.0,
+                                sequential_requests=200, inprocess_rounds=200,
+                                server_args=("--ramp-budget", str(ramp_budget)))
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from exc
     console.print(f"the prepared {model}: the bundle in the cache, or prepared now (training what is missing, "
                   "timing the engines, training its ramps)")
     bundle = zoo_bundle(model, small=small)
@@ -393,17 +405,15 @@ def demo(
     print_inspection(inspection)
     if small:
         return
-    from rampserve.bench.live import LiveSettings, live_table, run_live
-
     engine = inspection["engine"]["engine"]
     console.print(f"serving {model} over HTTP on {engine}, the fastest engine here (vanilla is the model on it "
                   f"without ramps), then with early exits (ramp budget {ramp_budget:.0%}), and replaying "
-                  f"{duration:g} s of the drifting stream against each")
-    report = run_live(LiveSettings(model=model, duration_s=duration, saturation_s=6.0, sequential_requests=200,
-                                   inprocess_rounds=200, server_args=("--ramp-budget", str(ramp_budget))),
-                      None, None)
-    console.print(live_table(report))
-    vanilla, served = report["systems"]["vanilla"], report["systems"]["rampserve"]
+                  f"{duration:g} s of the drifting stream against each at load {load:g} (that share of vanilla's "
+                  "measured saturation)")
+    report = run_live(settings, None, None)
+    (entry,) = report["loads"]
+    console.print(live_table(report, entry))
+    vanilla, served = entry["systems"]["vanilla"], entry["systems"]["rampserve"]
     console.print(demo_verdict(vanilla, served))
     _write_json(report, json_out)
     console.print(f"To look inside: `rampserve serve {model} --ramp-budget {ramp_budget}`, then "
@@ -726,9 +736,11 @@ def bench_live(
     model: Annotated[str, typer.Option(help="zoo model")] = DEFAULT_MODEL,
     workload: Annotated[str, typer.Option(help="stream: fmnist-drift or rt-drift")] = "fmnist-drift",
     trace: Annotated[str, typer.Option(help="arrivals: poisson, bursty or maf")] = "maf",
-    rate: Annotated[Optional[float], typer.Option(help="mean requests per second (default: half of vanilla's "
-                                                       "measured saturation throughput)")] = None,
-    duration: Annotated[float, typer.Option(help="measured seconds per system")] = 60.0,
+    load: Annotated[Optional[float], typer.Option(help=f"{LOAD_HELP} [default: {DEFAULT_LOAD:g}]")] = None,
+    loads: Annotated[Optional[str], typer.Option(help="several loads, as 0.1,0.2,0.3,0.5: one vanilla saturation "
+                                                      "probe, then a replay per load for each system")] = None,
+    rate: Annotated[Optional[float], typer.Option(help="mean requests per second, instead of the load's")] = None,
+    duration: Annotated[float, typer.Option(help="measured seconds per system and load")] = 60.0,
     ramp_budget: Annotated[float, typer.Option(help="what ramps may add to a non-exiting input")] = 0.02,
     accuracy_constraint: Annotated[float, typer.Option(help="the managed server's allowed share of answers that "
                                                             "differ")] = 0.01,
@@ -743,26 +755,39 @@ def bench_live(
     server_arg: Annotated[Optional[list[str]], typer.Option(help="more `rampserve serve` options for both servers")]
     = None,
     transport: Annotated[str, typer.Option(help="what the client speaks: http (binary tensors) or grpc")] = "http",
+    sim_json: Annotated[Optional[Path], typer.Option(help="a `bench sim --json` report of this model, workload and "
+                                                          "trace at one of the loads: its p50 saving goes beside "
+                                                          "the live one")] = None,
     json_out: Annotated[Optional[Path], typer.Option("--json", help="write the results here")] = None,
-    plots: Annotated[Optional[Path], typer.Option(help="write plots into this directory")] = None,
+    plots: Annotated[Optional[Path], typer.Option(help="write plots into this directory (a folder per load, and "
+                                                       "latency against load)")] = None,
     *,
     controller_flags: dict[str, object],
 ) -> None:
-    """Real servers, real HTTP (or gRPC): vanilla and rampserve on the same model, stream and open-loop trace."""
-    from rampserve.bench.live import LiveSettings, live_table, run_live, versus_table
+    """Real servers, real HTTP (or gRPC): vanilla and rampserve on the same model, stream and open-loop trace, at
+    each load."""
+    from rampserve.bench.live import (
+        LiveSettings, live_table, load_table, parse_loads, read_simulator_saving, run_live, versus_table,
+    )
 
     try:
-        settings = LiveSettings(model=model, workload=workload, trace=trace, rate_rps=rate, duration_s=duration,
-                                accuracy_constraint=accuracy_constraint, exit_mode=exit_mode,
+        if load is not None and loads is not None:
+            raise ValueError("give --load or --loads, not both")
+        stated = parse_loads(loads) if loads is not None else (DEFAULT_LOAD if load is None else load,)
+        settings = LiveSettings(model=model, workload=workload, trace=trace, loads=stated, rate_rps=rate,
+                                duration_s=duration, accuracy_constraint=accuracy_constraint, exit_mode=exit_mode,
                                 feedback_share=feedback_share, controller=controller_flags, saturation_s=saturation_s,
                                 saturation_rounds=saturation_rounds, warmup_requests=warmup_requests,
                                 server_args=("--ramp-budget", str(ramp_budget), *(server_arg or ())),
                                 transport=transport)
+        simulator = None if sim_json is None else read_simulator_saving(sim_json, settings)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
-    report = run_live(settings, json_out, plots)
-    console.print(live_table(report))
-    console.print(versus_table(report))
+    report = run_live(settings, json_out, plots, simulator=simulator)
+    for entry in report["loads"]:
+        console.print(live_table(report, entry))
+        console.print(versus_table(entry))
+    console.print(load_table(report))
 
 
 @bench_app.command("executor")
@@ -810,8 +835,9 @@ def bench_peers(
     model: Annotated[str, typer.Option(help="zoo model")] = DEFAULT_MODEL,
     workload: Annotated[str, typer.Option(help="stream: fmnist-drift or rt-drift")] = "fmnist-drift",
     trace: Annotated[str, typer.Option(help="arrivals: poisson, bursty or maf")] = "maf",
-    rate: Annotated[Optional[float], typer.Option(help="mean requests per second (default: half of rampserve "
-                                                       "vanilla's saturation, probed before the rounds)")] = None,
+    load: Annotated[float, typer.Option(help=f"{LOAD_HELP}, probed before the rounds")] = DEFAULT_LOAD,
+    rate: Annotated[Optional[float], typer.Option(help="mean requests per second, instead of the load's (no "
+                                                       "probe)")] = None,
     duration: Annotated[float, typer.Option(help="measured seconds of each system's replay, each round")] = 10.0,
     rounds: Annotated[int, typer.Option(help="interleaved rounds; each round starts one system further along")] = 5,
     sweep_s: Annotated[float, typer.Option(help="seconds of each closed-loop level of the sweep, each round")] = 5.0,
@@ -844,9 +870,9 @@ def bench_peers(
     from rampserve.bench.peers import SWEEP_CLIENTS, SYSTEMS, PeerSettings, peers_notes, peers_table, run_peers
 
     try:
-        live = LiveSettings(model=model, workload=workload, trace=trace, rate_rps=rate, duration_s=duration,
-                            saturation_s=saturation_s, saturation_rounds=1, slo_ms=slo_ms, max_batch=max_batch,
-                            max_delay_ms=max_delay_ms, warmup_requests=warmup_requests,
+        live = LiveSettings(model=model, workload=workload, trace=trace, loads=(load,), rate_rps=rate,
+                            duration_s=duration, saturation_s=saturation_s, saturation_rounds=1, slo_ms=slo_ms,
+                            max_batch=max_batch, max_delay_ms=max_delay_ms, warmup_requests=warmup_requests,
                             server_args=("--ramp-budget", str(ramp_budget)))
         settings = PeerSettings(live=live, systems=tuple(system or SYSTEMS), rounds=rounds,
                                 sweep_clients=tuple(sweep_clients or SWEEP_CLIENTS), sweep_s=sweep_s,

@@ -21,6 +21,7 @@ from ray import serve
 from rich.console import Console
 
 from rampserve.bench.harness import ServerProcess
+from rampserve.bench.live import LiveSettings
 from rampserve.bench.loadgen import Job, LoadResult, encode_request, read_answer
 from rampserve.bench.peers import (
     BASELINE, EXITS, MAX_UNANSWERED_SHARE, PEERS, SYSTEMS, TRANSPORTS, PeerSettings, ensure_venv, export_onnx,
@@ -263,7 +264,7 @@ def test_a_system_that_never_ran_keeps_its_key_with_the_error():
 def peers_report(systems: dict[str, dict]) -> dict:
     systems = with_ratios(systems)
     return json.loads(json.dumps({
-        "model": "resnet18-fmnist", "workload": "fmnist-drift", "trace": "maf", "rate_rps": 400.0, "slo_ms": 4.0,
+        "model": "resnet18-fmnist", "workload": "fmnist-drift", "trace": "maf", "load": 0.2, "rate_rps": 400.0, "slo_ms": 4.0,
         "max_batch": 8, "max_delay_ms": 0.0, "rounds": 3, "sweep_clients": [1, 2],
         "systems": systems, "goals": goals(systems)}))  # what the JSON file holds
 
@@ -354,6 +355,7 @@ def test_the_table_and_plots_show_every_system(tmp_path):
     assert all(name in text for name in SYSTEMS)
     assert "error" in text  # triton's column; why is in `peers_notes`
     assert "2.00 (1.80–2.20)" in text  # vanilla's median p50 and its range
+    assert "400 rps (load 0.2)" in text
     paths = write_peer_plots(report, tmp_path)
     assert [p.name for p in paths] == ["peers_sweep.png", "peers_rounds.png"]
     assert all(p.stat().st_size > 0 for p in paths)
@@ -364,7 +366,8 @@ def test_the_table_and_plots_show_every_system(tmp_path):
 def test_peer_settings_refuse_what_cannot_be_measured():
     for wrong in ({"systems": ("mlserver",)}, {"systems": (BASELINE, "torchserve")},
                   {"systems": (BASELINE, BASELINE)}, {"rounds": 0}, {"sweep_clients": (0, 2)},
-                  {"sweep_s": 1.0, "sweep_settle_s": 1.0}, {"mlserver_backend": "tensorrt"}):
+                  {"sweep_s": 1.0, "sweep_settle_s": 1.0}, {"mlserver_backend": "tensorrt"},
+                  {"live": LiveSettings(loads=(0.1, 0.2))}):
         with pytest.raises(ValueError):
             PeerSettings(**wrong)
     assert set(TRANSPORTS) == set(SYSTEMS) == {BASELINE, EXITS, *PEERS}

@@ -1,11 +1,15 @@
 """`rampserve bench live`: vanilla and rampserve serving the same model, for real, on the same trace and stream.
 
 One run: start the vanilla server; measure its saturation throughput (closed loop) and its latency with one
-request at a time (against the model's own batch-1 time in this process: the server's overhead); replay the
-stream open loop at the target rate (half of saturation unless given) from a separate client process
-(`rampserve.bench.loadgen`); stop it; start rampserve with the same settings and replay the same requests at the
-same times. Released labels are scored against the original model's, computed here from the bundle; the
-trace simulator's oracle on the same stream and arrivals gives the savings an exit policy could reach.
+request at a time (against the model's own batch-1 time in this process: the server's overhead). Then, at each
+stated load (`LiveSettings.loads`, rising), each system in turn starts afresh and replays the stream open loop at
+that load's rate from a separate client process (`rampserve.bench.loadgen`): vanilla, then rampserve on the same
+requests at the same times. Released labels are scored against the original model's, computed here from the
+bundle; the trace simulator's oracle on the same stream and arrivals gives the savings an exit policy could reach.
+
+A load is what `bench sim` calls one (`rate_at_load`): the replay's mean rate as a share of what vanilla sustains
+back to back, here vanilla's measured closed-loop saturation (the simulator, with no server to measure, takes the
+model's batch-1 capacity). `--rate` replaces the load's rate; the run then reports the load that rate came to.
 
 Per-system figures carry `bench sim`'s keys. Latency percentiles, accuracy and exits are over answered requests;
 shed (429/503) and failed requests (other errors, timeouts) are counted apart. From the server's own status:
@@ -13,17 +17,21 @@ configurations it adopted during the run, of them those that changed the ramp se
 alone, and its event loop's lag (`server_figures`).
 
 Each system's `saturation_rps` is its own closed-loop saturation, measured as `bench peers` measures it
-(`measure_saturation`, the median of `saturation_rounds` probes, every round reported): vanilla's before its replay
-(it sets the replay's rate), rampserve's after its replay (so the replay meets the server as it always did, and the
-probe meets a controller that has learnt the stream). `windows_below_share` is the share of 1,000-request windows
-(answered requests, in order) whose accuracy is below 1 − the accuracy constraint; the managed system also reports
-its `exit_mode` and `feedback_share`. `versus_vanilla` puts issue 17's figures for exits side by side: saturation,
-p50 and p99 at half of vanilla's saturation, accuracy, as ratios to vanilla from this one run.
+(`measure_saturation`, the median of `saturation_rounds` probes, every round reported): vanilla's before its
+replays (it sets their rates), rampserve's after its replay at the highest load (so the replays meet the server as
+they always did, and the probe meets a controller that has learnt the stream). `windows_below_share` is the share
+of 1,000-request windows (answered requests, in order) whose accuracy is below 1 − the accuracy constraint; the
+managed system also reports its `exit_mode` and `feedback_share`. `versus_vanilla` puts issue 17's figures for
+exits side by side at each load: saturation (closed loop, the same at every load), p50 and p99 of the replay at
+that load, accuracy, as ratios to vanilla from this one run; with a `bench sim` report at one of the loads
+(`read_simulator_saving`), the live p50 saving beside the simulator's. `latency_by_load` gathers each system's p50
+and p99 at every load.
 """
-
 from __future__ import annotations
 
 import itertools
+import json
+import math
 import tempfile
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -40,6 +48,7 @@ from rampserve.bench.harness import (
 )
 from rampserve.bench.loadgen import Job, LoadResult
 from rampserve.bench.ramp_outputs import RampOutputs, ramp_outputs
+from rampserve.bench.load import DEFAULT_LOAD, rate_at_load
 from rampserve.bench.sim import Scenario, _rolling_min_mean, replay, replay_oracle, summarize, with_savings
 from rampserve.runtime.timing import interleaved_medians
 from rampserve.control.controller import ControllerSettings
@@ -50,15 +59,14 @@ from rampserve.runtime.bundle import load_bundle
 from rampserve.runtime.latency import LatencyProfile, max_batch_for_slo
 from rampserve.runtime.prepared import PreparedModel
 from rampserve.workloads.streams import DEFAULT_LENGTH, Stream, get_stream
-from rampserve.workloads.traces import MAF_MINUTE_S, arrival_times, rate_over_time
+from rampserve.workloads.traces import MAF_MINUTE_S, arrival_times
 
 SATURATION_ITEMS = 1000  # distinct inputs the closed-loop probes cycle through
 FEEDING_CLIENTS = 8  # closed-loop clients of the probe of whether the front end keeps batches full (issue 15)
 # Issue 17's bars for exits that stop early, against vanilla in the same run (`versus_vanilla`)
 SATURATION_GOAL = 1.4  # managed closed-loop saturation at least this times vanilla's
-P50_GOAL, P99_GOAL = 0.5, 1.0  # at half of vanilla's saturation, p50 and p99 at most these times vanilla's
+P50_GOAL, P99_GOAL = 0.5, 1.0  # the replay's p50 and p99 at most these times vanilla's, at the load it ran at
 ACCURACY_GOAL = 0.99
-HALF_LOAD = 0.5
 
 
 @dataclass(frozen=True)
@@ -66,9 +74,10 @@ class LiveSettings:
     model: str = "resnet18-fmnist"  # a zoo model
     workload: str = "fmnist-drift"
     trace: str = "maf"
-    rate_rps: float | None = None  # default: `load` times vanilla's measured saturation throughput
-    load: float = 0.5
-    duration_s: float = 60.0  # measured part of each system's run, in trace time
+    # The replays' loads (`rate_at_load`): shares of vanilla's measured closed-loop saturation, each replayed once
+    loads: tuple[float, ...] = (DEFAULT_LOAD,)
+    rate_rps: float | None = None  # replaces the one load's rate
+    duration_s: float = 60.0  # measured part of each replay (each system at each load), in trace time
     warmup_requests: int = 300  # sent before each measured run at the target rate, then discarded
     # maf: trace minutes replayed within `duration_s` (one period of its trend); see `live_arrivals`
     trace_minutes: int = 8
@@ -107,6 +116,15 @@ class LiveSettings:
         if self.saturation_s <= self.saturation_settle_s:
             raise ValueError(f"a saturation probe ({self.saturation_s} s) must outlast its settling "
                              f"({self.saturation_settle_s} s)")
+        if not self.loads:
+            raise ValueError("name at least one load")
+        for load in self.loads:
+            if not (math.isfinite(load) and load > 0):
+                raise ValueError(f"a load is a positive share of vanilla's saturation, got {load}")
+        if len(set(self.loads)) != len(self.loads):
+            raise ValueError(f"each load once, got {self.loads}")
+        if self.rate_rps is not None and len(self.loads) > 1:
+            raise ValueError(f"a rate replaces one load's rate, not each of {len(self.loads)} loads'")
         if self.saturation_rounds < 1:
             raise ValueError(f"saturation takes at least one round, got {self.saturation_rounds}")
         if self.transport not in TRANSPORTS:
@@ -124,6 +142,19 @@ class LiveSettings:
                 *(("--feedback-share", f"{self.feedback_share:g}") if self.feedback_share is not None else ()),
                 *(arg for name, value in self.controller.items()
                   for arg in (f"--{name.replace('_', '-')}", f"{value:g}" if isinstance(value, float) else str(value))))
+
+
+def parse_loads(text: str) -> tuple[float, ...]:
+    """`--loads` as given ("0.1,0.2,0.3,0.5"), in rising order. A part that is not a number is refused here; a number
+    that is no load, and a load named twice, by `LiveSettings`."""
+    loads = []
+    for part in text.split(","):
+        try:
+            loads.append(float(part))
+        except ValueError:
+            raise ValueError(f"loads are numbers separated by commas, as 0.1,0.2,0.3,0.5; {part.strip()!r} in "
+                             f"{text!r} is not one") from None
+    return tuple(sorted(loads))
 
 
 # --- statistics (pure) ----------------------------------------------------------------------------------------
@@ -246,11 +277,11 @@ def _mode(summary: dict) -> str:
     return f"{summary['exit_mode']} {fmt(summary.get('feedback_share'), '.2f')}"
 
 
-def table_rows(report: dict) -> list[tuple[str, ...]]:
-    """One row per system: what `live_table` prints, ratios to vanilla last."""
-    vanilla = report["systems"]["vanilla"]
+def table_rows(entry: dict) -> list[tuple[str, ...]]:
+    """One row per system of one load's entry: what `live_table` prints, ratios to vanilla last."""
+    vanilla = entry["systems"]["vanilla"]
     rows = []
-    for name, s in report["systems"].items():
+    for name, s in entry["systems"].items():
         rows.append((
             name, str(s["requests"]), str(s["shed"]), str(s["failed"]),
             *(fmt(s[f"p{q}_ms"], ".2f") for q in QUANTILES), fmt(s["throughput_rps"], ".1f"),
@@ -281,13 +312,13 @@ def _at_least(value: float | None, bound: float) -> bool | None:
     return None if value is None else value >= bound
 
 
-def versus_vanilla(vanilla: dict, managed: dict, replay_load: float | None) -> dict:
+def versus_vanilla(vanilla: dict, managed: dict, load: float | None) -> dict:
     """Issue 17's figures for a managed server's exits against vanilla's, measured in one run: closed-loop saturation
     (median of each one's rounds; `ratio_range` spans the lowest managed round over the highest vanilla one to the
     reverse), p50 and p99 of the open-loop replay with their ratios, and accuracy over every answered request (and
-    over every request sent, an unanswered one counting as a disagreement). `replay_load` is the replay's rate over
-    vanilla's saturation; the p50 and p99 bars hold at half of it only, so they are None at another load. Each
-    goal is None where a figure is missing."""
+    over every request sent, an unanswered one counting as a disagreement). `load` is the replay's rate over
+    vanilla's saturation: the latency figures and accuracy were measured there, and each latency figure says so
+    (saturation is closed loop, the same at any load). Each goal is None where a figure is missing."""
     def rounds(summary: dict) -> list[float]:
         return list((summary.get("saturation") or {}).get("rounds_rps") or [])
 
@@ -297,37 +328,107 @@ def versus_vanilla(vanilla: dict, managed: dict, replay_load: float | None) -> d
         if vanilla_rounds and managed_rounds and min(vanilla_rounds) > 0 else None
     saturation_ratio = ratio(sat_managed, sat_vanilla)
     p50_ratio, p99_ratio = (ratio(managed[key], vanilla[key]) for key in ("p50_ms", "p99_ms"))
-    at_half = replay_load is not None and abs(replay_load - HALF_LOAD) <= 0.01 * HALF_LOAD
     accuracy = managed["accuracy"]
     over_all = accuracy * managed["answered"] / managed["requests"] if accuracy is not None and managed["requests"] \
         else None
     return {
         "exit_mode": managed.get("exit_mode"), "feedback_share": managed.get("feedback_share"),
-        "replay_share_of_vanilla_saturation": replay_load, "replayed_at_half_vanilla_saturation": at_half,
+        "load": load,
         "saturation_rps": {"vanilla": sat_vanilla, "rampserve": sat_managed, "ratio": saturation_ratio,
                            "ratio_range": ratio_range, "vanilla_rounds": vanilla_rounds,
                            "rampserve_rounds": managed_rounds},
-        **{key: {"vanilla": vanilla[key], "rampserve": managed[key], "ratio": ratio}
+        **{key: {"vanilla": vanilla[key], "rampserve": managed[key], "ratio": ratio, "load": load}
            for key, ratio in (("p50_ms", p50_ratio), ("p99_ms", p99_ratio))},
         "accuracy": accuracy, "accuracy_over_all_requests": over_all,
         "worst_window_accuracy": managed["worst_window_accuracy"],
         "windows_below_share": managed.get("windows_below_share"),
         "goals": {
             f"saturation_at_least_{SATURATION_GOAL:g}x": _at_least(saturation_ratio, SATURATION_GOAL),
-            f"p50_at_most_{P50_GOAL:g}x_at_half_saturation": _at_most(p50_ratio, P50_GOAL) if at_half else None,
-            f"p99_at_most_{P99_GOAL:g}x_at_half_saturation": _at_most(p99_ratio, P99_GOAL) if at_half else None,
+            f"p50_at_most_{P50_GOAL:g}x": _at_most(p50_ratio, P50_GOAL),
+            f"p99_at_most_{P99_GOAL:g}x": _at_most(p99_ratio, P99_GOAL),
             f"accuracy_at_least_{ACCURACY_GOAL:g}": _at_least(accuracy, ACCURACY_GOAL),
         },
     }
 
 
-def versus_table(report: dict) -> Table:
-    """`versus_vanilla` as a table: each figure for vanilla and rampserve, their ratio and the goal's verdict."""
-    versus = report["versus_vanilla"]
+@dataclass(frozen=True)
+class SimulatorSaving:
+    """What `bench sim` found rampserve saves at the median against vanilla, from its JSON report."""
+
+    source: str  # the report's path
+    load: float  # the live run's load it matches
+    p50_saving_ms: float  # simulated vanilla p50 less rampserve's; the median over the report's seeds
+    p50_savings: float  # the same as a share of vanilla's simulated p50
+    seeds: int
+
+
+def read_simulator_saving(path: Path, settings: LiveSettings) -> SimulatorSaving:
+    """The p50 saving of a `bench sim --json` report (one seed, or the median over `--seeds N`), refused unless it
+    simulated this run's model, workload and trace at one of the run's stated loads."""
+    if settings.rate_rps:
+        raise ValueError("the simulator's saving goes beside the live one at a stated load; a given rate states none")
+    try:
+        data = json.loads(path.read_text())
+        runs = data["seeds"] if "seeds" in data else [data]
+        simulated = {key: {run[key] for run in runs} for key in ("model", "workload", "trace", "load")}
+        savings_ms = [run["systems"]["vanilla"]["p50_ms"] - run["systems"]["rampserve"]["p50_ms"] for run in runs]
+        shares = [run["systems"]["rampserve"]["p50_savings"] for run in runs]
+    except (OSError, ValueError, TypeError, KeyError) as exc:
+        raise ValueError(f"{path} is not a `bench sim --json` report: {type(exc).__name__}: {exc}") from None
+    for key in ("model", "workload", "trace"):
+        if simulated[key] != {getattr(settings, key)}:
+            raise ValueError(f"{path} simulated {key} {sorted(simulated[key])}, this run {getattr(settings, key)!r}")
+    load, *other_loads = sorted(simulated["load"])
+    matching = [] if other_loads else [stated for stated in settings.loads if math.isclose(stated, load, rel_tol=1e-6)]
+    if not matching:
+        raise ValueError(f"{path} simulated load {sorted(simulated['load'])}; this run replays at loads "
+                         f"{sorted(settings.loads)}: name its load among them")
+    return SimulatorSaving(str(path), matching[0], float(np.median(savings_ms)), float(np.median(shares)), len(runs))
+
+
+def beside_simulator(vanilla: dict, managed: dict, simulator: SimulatorSaving) -> dict:
+    """The live p50 saving (vanilla's p50 less rampserve's, ms) beside the simulator's at the same load, and their
+    ratio (None where a figure is missing)."""
+    live = None if vanilla["p50_ms"] is None or managed["p50_ms"] is None else vanilla["p50_ms"] - managed["p50_ms"]
+    return {"live": live, "simulator": simulator.p50_saving_ms, "ratio": ratio(live, simulator.p50_saving_ms),
+            "load": simulator.load}
+
+
+def latency_by_load(entries: list[dict]) -> dict[str, list[dict]]:
+    """Per system, its replay's p50 and p99 at every load in the order run, with what went unanswered."""
+    keys = ("p50_ms", "p99_ms", "answered", "shed", "failed")
+    names = list(dict.fromkeys(name for entry in entries for name in entry["systems"]))
+    return {name: [{"load": entry["load"], "rate_rps": entry["rate_rps"],
+                    **{key: entry["systems"][name][key] for key in keys}} for entry in entries]
+            for name in names}
+
+
+def load_table(report: dict) -> Table:
+    """`latency_by_load` as a table, one row per load: each system's p50 and p99 and rampserve's over vanilla's."""
+    curves = report["latency_by_load"]
+    table = Table(title=f"{report['model']} on {report['workload']}, {report['trace']} trace: latency against load "
+                        f"(shares of vanilla's saturation, {fmt(report['saturation_rps'], '.0f')} rps)")
+    for column in ("load", "rps", "vanilla p50 ms", "rampserve p50 ms", "p50 ×van", "vanilla p99 ms",
+                   "rampserve p99 ms", "p99 ×van", "unanswered (van / rs)"):
+        table.add_column(column, justify="right")
+    for base, managed in zip(curves["vanilla"], curves["rampserve"], strict=True):
+        table.add_row(fmt(base["load"], "g"), fmt(base["rate_rps"], ".0f"),
+                      fmt(base["p50_ms"], ".2f"), fmt(managed["p50_ms"], ".2f"),
+                      fmt(ratio(managed["p50_ms"], base["p50_ms"]), ".2f"),
+                      fmt(base["p99_ms"], ".2f"), fmt(managed["p99_ms"], ".2f"),
+                      fmt(ratio(managed["p99_ms"], base["p99_ms"]), ".2f"),
+                      f"{base['shed'] + base['failed']} / {managed['shed'] + managed['failed']}")
+    return table
+
+
+def versus_table(entry: dict) -> Table:
+    """One load's `versus_vanilla` as a table: each figure for vanilla and rampserve, their ratio and the goal's
+    verdict, and the live p50 saving beside the simulator's where the run has it."""
+    versus = entry["versus_vanilla"]
     saturation = versus["saturation_rps"]
     spread = saturation["ratio_range"]
-    table = Table(title=f"rampserve ({_mode(versus)}) against vanilla, same run; replay at "
-                        f"{fmt(versus['replay_share_of_vanilla_saturation'], '.2f')} of vanilla's saturation")
+    table = Table(title=f"rampserve ({_mode(versus)}) against vanilla, same run; replay at load "
+                        f"{fmt(versus['load'], 'g')} (of vanilla's saturation)")
     for column in ("figure", "vanilla", "rampserve", "ratio", "goal", "met"):
         table.add_column(column, justify="right")
     goals = list(versus["goals"].items())
@@ -349,19 +450,25 @@ def versus_table(report: dict) -> Table:
     table.add_row("accuracy, answered (all sent)", "", f"{fmt(versus['accuracy'], '.4f')} "
                   f"({fmt(versus['accuracy_over_all_requests'], '.4f')})", "", *verdict(3))
     table.add_row("1k windows below target", "", fmt(versus["windows_below_share"], ".1%"), "", "", "")
+    if "p50_saving_ms" in versus:
+        saving = versus["p50_saving_ms"]
+        table.add_row("p50 saving ms (live / simulator)", "", f"{fmt(saving['live'], '.2f')} / "
+                      f"{fmt(saving['simulator'], '.2f')}", fmt(saving["ratio"], ".2f"), "", "")
     return table
 
 
-def live_table(report: dict) -> Table:
-    table = Table(title=f"{report['model']} on {report['workload']}, {report['trace']} trace at "
-                        f"{report['rate_rps']:.0f} rps (saturation {fmt(report['saturation_rps'], '.0f')} rps), "
+def live_table(report: dict, entry: dict) -> Table:
+    """One load's figures (`entry`, one of the report's `loads`), with what the run measured once in the title."""
+    table = Table(title=f"{report['model']} on {report['workload']}, {report['trace']} trace at load "
+                        f"{fmt(entry['load'], 'g')}: {entry['rate_rps']:.0f} rps (vanilla's saturation "
+                        f"{fmt(report['saturation_rps'], '.0f')} rps), "
                         f"SLO {report['slo_ms']:.2f} ms, max batch {report['max_batch']}, max delay "
                         f"{report['max_delay_ms']:g} ms; server overhead {fmt(report['server_overhead_ms'], '.2f')} ms "
                         f"(binary), {fmt(report.get('server_overhead_json_ms'), '.2f')} ms (JSON); mean batch "
                         f"{fmt(report.get('feeding', {}).get('mean_batch_size'), '.2f')} with {FEEDING_CLIENTS} "
                         "closed-loop clients")
     # one column per system, one row per figure: the figures outnumber the systems, and a terminal's width
-    rows = table_rows(report)
+    rows = table_rows(entry)
     table.add_column("")
     for row in rows:
         table.add_column(row[0], justify="right")
@@ -445,39 +552,77 @@ def plan_live(settings: LiveSettings) -> LivePlan:
     return LivePlan(bundle, model, slo, max_batch, stream, first, probe_feeds)
 
 
-def replay_schedule(settings: LiveSettings, saturation_rps: float | None, stream: Stream
-                    ) -> tuple[float, int, int, np.ndarray, np.ndarray]:
-    """The replay's rate (given, or `settings.load` times the baseline's measured saturation), measured and warm-up
-    request counts, and their arrival times."""
-    rate = settings.rate_rps or settings.load * (saturation_rps or 0.0)
-    if rate <= 0:
+@dataclass(frozen=True)
+class ReplaySchedule:
+    """One replay: the load it runs at, its rate, and its measured and warm-up arrivals (the stream's evaluation
+    items from its start, warm-up first)."""
+
+    load: float | None  # the rate over the baseline's saturation; None when a given rate had no saturation to share
+    rate_rps: float
+    arrivals_ms: np.ndarray
+    warmup_arrivals_ms: np.ndarray
+
+    @property
+    def requests(self) -> int:
+        return len(self.arrivals_ms)
+
+    @property
+    def warmup_requests(self) -> int:
+        return len(self.warmup_arrivals_ms)
+
+    @property
+    def expected_s(self) -> float:
+        """How long the load generator should take: warm-up, then the measured arrivals (each starts at 0)."""
+        return (float(self.arrivals_ms[-1]) + float(self.warmup_arrivals_ms.max(initial=0.0))) / 1000.0
+
+
+def replay_rate(settings: LiveSettings, load: float, saturation_rps: float | None) -> float:
+    """The replay's rate: `settings.rate_rps` if given, else `load` of the baseline's measured saturation."""
+    if settings.rate_rps:
+        return settings.rate_rps
+    if saturation_rps is None or saturation_rps <= 0:
         raise RuntimeError(f"the baseline answered nothing once its saturation probe had settled: {saturation_rps}")
+    return rate_at_load(load, saturation_rps)
+
+
+def replay_schedule(settings: LiveSettings, load: float, saturation_rps: float | None, stream: Stream
+                    ) -> ReplaySchedule:
+    """The replay at `load` (`replay_rate`); with a given rate, the load is what that rate comes to."""
+    rate = replay_rate(settings, load, saturation_rps)
+    if settings.rate_rps:
+        load = rate / saturation_rps if saturation_rps else None
     n = round(rate * settings.duration_s)
     warmup = settings.warmup_requests
+    if n < 1:
+        raise ValueError(f"{settings.duration_s:g} s at {rate:.3g} rps hold no request to measure")
     if warmup + n > len(stream.evaluation):
-        raise ValueError(f"{warmup + n} requests exceed the stream's {len(stream.evaluation)} evaluation items")
+        raise ValueError(f"{warmup + n} requests at load {fmt(load, 'g')} ({rate:.0f} rps) exceed the stream's "
+                         f"{len(stream.evaluation)} evaluation items")
     arrivals = live_arrivals(settings.trace, n, rate, settings.seed, settings.trace_minutes)
-    return rate, n, warmup, arrivals, arrival_times("poisson", warmup, rate, seed=settings.seed)
+    return ReplaySchedule(load, rate, arrivals, arrival_times("poisson", warmup, rate, seed=settings.seed))
 
 
-def run_live(settings: LiveSettings, json_out: Path | None, plots_dir: Path | None, progress: bool = True) -> dict:
+def run_live(settings: LiveSettings, json_out: Path | None, plots_dir: Path | None, progress: bool = True,
+             simulator: SimulatorSaving | None = None) -> dict:
+    """The whole run (module docstring); `simulator` (`read_simulator_saving`) goes beside the live figures at its
+    load."""
     note = tqdm.write if progress else (lambda _message: None)
     plan = plan_live(settings)
     model, slo, max_batch = plan.model, plan.slo_ms, plan.max_batch
-    profile, stream, first, probe_feeds = model.profile, plan.stream, plan.first, plan.probe_feeds
+    stream, first, probe_feeds = plan.stream, plan.first, plan.probe_feeds
 
-    def server(vanilla: bool, workdir: Path) -> ServerProcess:
+    def server(vanilla: bool, workdir: Path, tag: str) -> ServerProcess:
         name = "vanilla" if vanilla else "rampserve"
-        note(f"starting the {name} server")
+        note(f"starting the {name} server ({tag})")
         extra = settings.server_args if vanilla else (*settings.managed_args(), *settings.server_args)
         return ServerProcess(rampserve_serve(settings.model, slo, max_batch, settings.max_delay_ms, vanilla, extra),
-                             workdir / f"{name}-server.log", settings.start_timeout_s)
+                             workdir / f"{name}-{tag.replace(' ', '-')}-server.log", settings.start_timeout_s)
 
-    results: dict[str, LoadResult] = {}
-    servers: dict[str, dict] = {}
+    results: list[dict[str, LoadResult]] = []  # per schedule, per system
+    servers: list[dict[str, dict]] = []
     with tempfile.TemporaryDirectory(prefix="rampserve-live-") as tmp:
         workdir = Path(tmp)
-        with server(True, workdir) as vanilla:
+        with server(True, workdir, "calibration") as vanilla:
             metadata = get_json(vanilla.url(f"/v2/models/{settings.model}"))
             inputs = tuple((i["name"], i["datatype"]) for i in metadata["inputs"])
             if len(inputs) != len(model.backend.input_names):
@@ -518,44 +663,75 @@ def run_live(settings: LiveSettings, json_out: Path | None, plots_dir: Path | No
                                          settings.saturation_settle_s, workdir, progress)
             note(f"{FEEDING_CLIENTS} clients: {feeding['throughput_rps']:.0f} rps, "
                  f"mean batch {fmt(feeding['mean_batch_size'], '.2f')}")
+        calibration_server = vanilla.outcome()
 
-            rate, n, warmup, arrivals, warmup_arrivals = replay_schedule(settings, saturation["throughput_rps"], stream)
-            note(f"replaying {n} requests ({settings.trace}, {rate:.0f} rps) after {warmup} warm-up requests")
-            requests = renamed(encode_items(model, stream.task, stream.items(first, first + warmup + n)),
-                                [name for name, _ in inputs])
-            expected_s = float(arrivals[-1] + warmup_arrivals[-1]) / 1000.0
-            results["vanilla"] = run_loadgen(job(vanilla), requests, workdir, "vanilla", expected_s, progress,
-                                             arrivals, warmup_arrivals)
-        servers["vanilla"] = vanilla.outcome()
-        with server(False, workdir) as rampserve:
-            results["rampserve"] = run_loadgen(job(rampserve), requests, workdir, "rampserve", expected_s, progress,
-                                               arrivals, warmup_arrivals)
-            # after its replay: the replay meets the server as it always did, the probe a controller that has learnt
-            try:
-                managed_saturation = saturation_of(rampserve, "rampserve")
-            except RuntimeError as exc:  # the replay's figures stand without it
-                note(f"rampserve saturation: {exc}")
-                managed_saturation = {"throughput_rps": None, "rounds_rps": [], "error": str(exc)[-2000:]}
-        servers["rampserve"] = rampserve.outcome()
+        # every schedule before any replay: a load the stream cannot hold fails before the others are measured
+        schedules = [replay_schedule(settings, load, saturation["throughput_rps"], stream)
+                     for load in sorted(settings.loads)]
+        longest = max(s.warmup_requests + s.requests for s in schedules)
+        requests = renamed(encode_items(model, stream.task, stream.items(first, first + longest)),
+                           [name for name, _ in inputs])
+        managed_saturation: dict = {}  # probed after the last load's replay
+        for index, schedule in enumerate(schedules):
+            tag = f"load {fmt(schedule.load, 'g')}"
+            note(f"{tag}: replaying {schedule.requests} requests ({settings.trace}, {schedule.rate_rps:.0f} rps) "
+                 f"after {schedule.warmup_requests} warm-up requests to each system")
+            runs: dict[str, LoadResult] = {}
+            outcomes: dict[str, dict] = {}
+            # Each system starts afresh for each load: the managed controller learns from the stream, so each
+            # replay meets the server a run at that load alone would; vanilla too, so that both meet a fresh start
+            for is_vanilla in (True, False):
+                name = "vanilla" if is_vanilla else "rampserve"
+                with server(is_vanilla, workdir, tag) as srv:
+                    runs[name] = run_loadgen(job(srv), requests[:schedule.warmup_requests + schedule.requests],
+                                             workdir, f"{name} at {tag}", schedule.expected_s, progress,
+                                             schedule.arrivals_ms, schedule.warmup_arrivals_ms)
+                    # after its last replay: the replays meet the server as they always did, the probe a
+                    # controller that has learnt
+                    if not is_vanilla and index == len(schedules) - 1:
+                        try:
+                            managed_saturation = saturation_of(srv, "rampserve")
+                        except RuntimeError as exc:  # the replays' figures stand without it
+                            note(f"rampserve saturation: {exc}")
+                            managed_saturation = {"throughput_rps": None, "rounds_rps": [],
+                                                  "error": str(exc)[-2000:]}
+                outcomes[name] = srv.outcome()
+            results.append(runs)
+            servers.append(outcomes)
 
     note("scoring the answers against the original model's")
-    outputs, systems = score_systems(plan, settings, results, servers, warmup, n)
-    for name, measured in (("vanilla", saturation), ("rampserve", managed_saturation)):
-        systems[name] |= {"saturation_rps": measured["throughput_rps"], "saturation": measured}
-    systems["rampserve"] |= managed_exit_mode(settings, results["rampserve"].status_after)
-    oracle = simulated_oracle(outputs, profile, arrivals, max_batch, settings.worst_window)
-    systems = with_oracle_share(systems, oracle["p50_savings"])
+    saturations = {"vanilla": saturation, "rampserve": managed_saturation}
+    entries = [score_load(plan, settings, schedule, runs, outcomes, saturations, simulator)
+               for schedule, runs, outcomes in zip(schedules, results, servers, strict=True)]
     report = {
-        "model": settings.model, "workload": settings.workload, "trace": settings.trace, "rate_rps": rate,
+        "model": settings.model, "workload": settings.workload, "trace": settings.trace,
         "saturation_rps": saturation["throughput_rps"], "saturation": saturation, "slo_ms": slo,
-        "max_batch": max_batch, "max_delay_ms": settings.max_delay_ms, "requests": n, "warmup_requests": warmup,
-        "duration_s": settings.duration_s, **overhead, "feeding": feeding, "oracle_sim": oracle,
-        "systems": systems,
-        "versus_vanilla": versus_vanilla(systems["vanilla"], systems["rampserve"],
-                                         rate / saturation["throughput_rps"]),
+        "max_batch": max_batch, "max_delay_ms": settings.max_delay_ms, "duration_s": settings.duration_s,
+        **overhead, "feeding": feeding, "calibration_server": calibration_server,
+        "loads": entries, "latency_by_load": latency_by_load(entries),
+        "simulator": None if simulator is None else asdict(simulator),
         "settings": asdict(settings),
     }
     return write_report(report, results, json_out, plots_dir)
+
+
+def score_load(plan: LivePlan, settings: LiveSettings, schedule: ReplaySchedule, results: dict[str, LoadResult],
+               servers: dict[str, dict], saturations: dict[str, dict], simulator: SimulatorSaving | None) -> dict:
+    """One load's entry of the report: both systems' figures (each with its closed-loop saturation), the simulated
+    oracle on the same arrivals, `versus_vanilla`, and the simulator's saving beside the live one where
+    `simulator` is at this load."""
+    outputs, systems = score_systems(plan, settings, results, servers, schedule.warmup_requests, schedule.requests)
+    for name, measured in saturations.items():
+        systems[name] |= {"saturation_rps": measured["throughput_rps"], "saturation": measured}
+    systems["rampserve"] |= managed_exit_mode(settings, results["rampserve"].status_after)
+    oracle = simulated_oracle(outputs, plan.model.profile, schedule.arrivals_ms, plan.max_batch, settings.worst_window)
+    systems = with_oracle_share(systems, oracle["p50_savings"])
+    versus = versus_vanilla(systems["vanilla"], systems["rampserve"], schedule.load)
+    if simulator is not None and simulator.load == schedule.load:
+        versus["p50_saving_ms"] = beside_simulator(systems["vanilla"], systems["rampserve"], simulator)
+    return {"load": schedule.load, "rate_rps": schedule.rate_rps, "requests": schedule.requests,
+            "warmup_requests": schedule.warmup_requests, "oracle_sim": oracle, "systems": systems,
+            "versus_vanilla": versus}
 
 
 def managed_exit_mode(settings: LiveSettings, status: dict | str | None) -> dict:
@@ -575,10 +751,17 @@ def managed_exit_mode(settings: LiveSettings, status: dict | str | None) -> dict
                              float(figure("feedback_share", settings.feedback_share)))
 
 
-def write_report(report: dict, results: dict[str, LoadResult], json_out: Path | None, plots_dir: Path | None
-                 ) -> dict:
+def write_report(report: dict, results: list[dict[str, LoadResult]], json_out: Path | None,
+                 plots_dir: Path | None) -> dict:
+    """`results` holds each load's runs, in the order of the report's `loads`; each load's plots go in a folder of
+    their own, the latency against load beside them."""
     if plots_dir is not None:
-        report["plots"] = [str(p) for p in write_live_plots(report, results, plots_dir)]
+        from rampserve.bench.live_plots import write_live_plots, write_load_plot
+
+        report["plots"] = [str(path) for entry, runs in zip(report["loads"], results, strict=True)
+                           for path in write_live_plots(report, entry, runs,
+                                                        plots_dir / f"load-{fmt(entry['load'], 'g')}")]
+        report["plots"].append(str(write_load_plot(report, plots_dir)))
     write_json(report, json_out)
     return report
 
@@ -609,46 +792,3 @@ def _model_status(status: dict | str | None, model: str) -> dict | str | None:
     if not isinstance(status, dict) or not isinstance(status.get("models", {}).get(model), dict):
         return status
     return {k: v for k, v in status["models"][model].items() if k != "recent_batches"}
-
-
-def write_live_plots(report: dict, results: dict[str, LoadResult], out_dir: Path, bin_ms: float = 1000.0
-                     ) -> list[Path]:
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only: benchmarks run headless
-    import matplotlib.pyplot as plt
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    title = f"{report['model']} on {report['workload']}, {report['trace']} trace at {report['rate_rps']:.0f} rps"
-    written = []
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for name, result in results.items():
-        latency = np.sort(result.latency_ms[result.ok])
-        ax.plot(latency, np.arange(1, len(latency) + 1) / len(latency), label=name)
-    ax.set(xlabel="latency (ms)", ylabel="share of answered requests", title=f"live latency CDF: {title}",
-           xscale="log")
-    ax.legend()
-    ax.grid(alpha=0.3)
-    written.append(out_dir / "live_latency_cdf.png")
-    fig.savefig(written[-1], dpi=120, bbox_inches="tight")
-    plt.close(fig)
-
-    fig, (rate_ax, latency_ax) = plt.subplots(2, 1, figsize=(9, 6.5), sharex=True)
-    # every system replays the same arrivals: the first one's are the offered load
-    starts, rates = rate_over_time(next(iter(results.values())).scheduled_ms, bin_ms)
-    rate_ax.step(starts / 1000.0, rates, where="post", color="k", lw=0.8)
-    rate_ax.axhline(report["saturation_rps"], color="r", ls="--", lw=0.8, label="vanilla saturation")
-    rate_ax.set(ylabel="offered rps", title=title)
-    rate_ax.legend(fontsize=8)
-    for name, result in results.items():
-        ok = result.ok
-        for q, style in ((50, "-"), (99, ":")):
-            starts, values = binned_percentile(result.scheduled_ms[ok], result.latency_ms[ok], bin_ms, q)
-            latency_ax.plot(starts / 1000.0, values, style, label=f"{name} p{q}", lw=0.9)
-    latency_ax.set(xlabel="trace time (s)", ylabel=f"latency per {bin_ms / 1000:g} s (ms)", yscale="log")
-    latency_ax.legend(fontsize=8, ncol=2)
-    written.append(out_dir / "live_over_time.png")
-    fig.savefig(written[-1], dpi=120, bbox_inches="tight")
-    plt.close(fig)
-    return written

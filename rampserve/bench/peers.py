@@ -16,9 +16,10 @@ it answered per second at a level whose p99 stayed within the SLO. Each system's
 with their min and max; the goals compare medians. Requests carry Triton's binary tensors to the systems that read
 them (rampserve, Triton) and plain v2 JSON to the rest (`transport`); with `transport="grpc"`, KServe v2 over gRPC
 to every system that serves it (rampserve, Triton, MLServer; the Ray Serve peer has HTTP only: Ray Serve's proxy
-speaks gRPC only to servicers registered with it, which this peer, a plain HTTP deployment, has none of). The rate is `bench live`'s: half of rampserve
-vanilla's closed-loop saturation, probed before the rounds, unless given. A system that cannot be installed or
-started keeps its key, with `error` saying why.
+speaks gRPC only to servicers registered with it, which this peer, a plain HTTP deployment, has none of). The rate is
+`bench live`'s: the stated load (`bench sim`'s, default 0.2) of rampserve vanilla's closed-loop saturation, probed
+before the rounds, unless given (the report's `load` is then None). A system that cannot be installed or started keeps
+its key, with `error` saying why.
 """
 
 from __future__ import annotations
@@ -80,8 +81,8 @@ def _repository_root() -> Path:
 
 @dataclass(frozen=True)
 class PeerSettings:
-    # model, workload, trace, rate, SLO, max batch and wait; `duration_s` is each round's replay, and the saturation
-    # probe that sets the rate runs once, before the rounds
+    # model, workload, trace, load (one) or rate, SLO, max batch and wait; `duration_s` is each round's replay, and
+    # the saturation probe that sets the rate runs once, before the rounds
     live: LiveSettings = LiveSettings(duration_s=10.0, saturation_rounds=1)
     systems: tuple[str, ...] = SYSTEMS  # round 1's order; each later round starts one further along
     rounds: int = 5
@@ -100,6 +101,8 @@ class PeerSettings:
         if BASELINE not in self.systems or len(set(self.systems)) != len(self.systems):
             raise ValueError(f"systems name each system once, {BASELINE} among them (the ratios' base): "
                              f"{self.systems}")
+        if len(self.live.loads) != 1:
+            raise ValueError(f"the rounds replay at one load, got {self.live.loads}")
         if self.rounds < 1:
             raise ValueError(f"at least one round, got {self.rounds}")
         if not self.sweep_clients or min(self.sweep_clients) < 1:
@@ -272,7 +275,8 @@ def peers_table(report: dict) -> Table:
     """One column per system, one row per figure (the figures outnumber the systems, and a terminal's width): medians
     over rounds with their min–max; a system that was not measured says so in every row."""
     table = Table(title=f"{report['model']} on {report['workload']}: medians (min–max) over {report['rounds']} "
-                        f"rounds; {report['trace']} replay at {report['rate_rps']:.0f} rps, sweep of "
+                        f"rounds; {report['trace']} replay at {report['rate_rps']:.0f} rps (load "
+                        f"{fmt(report['load'], 'g')}), sweep of "
                         f"{'/'.join(map(str, report['sweep_clients']))} clients, SLO {report['slo_ms']:.2f} ms, "
                         f"max batch {report['max_batch']}, max wait {report['max_delay_ms']:g} ms")
     systems = report["systems"]
@@ -439,10 +443,11 @@ def run_peers(settings: PeerSettings, json_out: Path | None, plots_dir: Path | N
                 calibration = measure_saturation(job(vanilla, BASELINE, clients=clients, duration_s=live.saturation_s,
                                                      refused_pause_ms=slo), plan.probe_feeds, live.model,
                                                  live.saturation_rounds, live.saturation_settle_s, workdir, progress)
-        rate, n, warmup, arrivals, warmup_arrivals = replay_schedule(
-            live, None if calibration is None else calibration["throughput_rps"], plan.stream)
+        schedule = replay_schedule(live, live.loads[0], None if calibration is None else calibration["throughput_rps"],
+                                   plan.stream)
+        rate, n, warmup = schedule.rate_rps, schedule.requests, schedule.warmup_requests
+        arrivals, warmup_arrivals, expected_s = schedule.arrivals_ms, schedule.warmup_arrivals_ms, schedule.expected_s
         requests = encode_items(model, plan.stream.task, plan.stream.items(plan.first, plan.first + warmup + n))
-        expected_s = float(arrivals[-1] + warmup_arrivals[-1]) / 1000.0
         reference = ramp_outputs(model, plan.bundle, plan.stream, plan.first + warmup, plan.first + warmup + n).final
 
         def measure(name: str, label: str) -> dict:
@@ -485,9 +490,9 @@ def run_peers(settings: PeerSettings, json_out: Path | None, plots_dir: Path | N
         systems[name]["error"] = why
     systems = with_ratios(systems)
     report = {
-        "model": live.model, "workload": live.workload, "trace": live.trace, "rate_rps": rate, "slo_ms": slo,
-        "max_batch": max_batch, "max_delay_ms": live.max_delay_ms, "requests": n, "warmup_requests": warmup,
-        "duration_s": live.duration_s, "rounds": settings.rounds, "orders": [list(order) for order in orders],
+        "model": live.model, "workload": live.workload, "trace": live.trace, "load": schedule.load, "rate_rps": rate,
+        "slo_ms": slo, "max_batch": max_batch, "max_delay_ms": live.max_delay_ms, "requests": n,
+        "warmup_requests": warmup, "duration_s": live.duration_s, "rounds": settings.rounds, "orders": [list(order) for order in orders],
         "sweep_clients": list(settings.sweep_clients), "sweep_s": settings.sweep_s,
         "sweep_settle_s": settings.sweep_settle_s, "calibration": calibration,
         "client": "one process per run (rampserve.bench.loadgen): binary tensors, v2 JSON or gRPC, per system's "

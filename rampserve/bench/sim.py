@@ -26,6 +26,7 @@ from tqdm.auto import tqdm
 
 from rampserve.bench.figures import configuration_changes, controller_exit_mode, windows_below_share
 from rampserve.bench.harness import ratio
+from rampserve.bench.load import DEFAULT_LOAD, batch1_capacity_rps, rate_at_load
 from rampserve.bench.queueing import BatchOutcome, QueueResult, max_rate_within_slo, run_queue
 from rampserve.bench.ramp_outputs import RampOutputs, ramp_outputs
 from rampserve.control.controller import Controller, ControllerSettings
@@ -35,7 +36,7 @@ from rampserve.control.records import NO_EXIT, NO_LABEL, BatchRecord, Configurat
 from rampserve.control.thresholds import ExitData, TuningResult, evaluate, tune_greedy
 from rampserve.ramps.oracle import earliest_correct_exit
 from rampserve.runtime.bundle import load_bundle
-from rampserve.runtime.latency import max_batch_for_slo
+from rampserve.runtime.latency import LatencyProfile, max_batch_for_slo
 from rampserve.workloads.streams import get_stream
 from rampserve.workloads.traces import arrival_times
 
@@ -55,7 +56,7 @@ class SimSettings:
     workload: str = "fmnist-drift"
     trace: str = "maf"
     rate_rps: float | None = None  # default: `load` times what the model serves back to back at batch 1
-    load: float = 0.2
+    load: float = DEFAULT_LOAD
     slo_ms: float | None = None  # default: twice the batch-1 latency (DESIGN §8)
     length: int = 120_000  # stream items, bootstrap included
     seed: int = 0
@@ -253,6 +254,12 @@ def mean_rate_rps(arrivals_ms: np.ndarray) -> float:
     return len(arrivals_ms) / float(arrivals_ms[-1]) * 1000.0
 
 
+def scenario_rate(settings: SimSettings, profile: LatencyProfile) -> float:
+    """The simulated replay's rate: `settings.rate_rps` if given, else `settings.load` (`bench.load`) of the model's
+    batch-1 capacity."""
+    return settings.rate_rps or rate_at_load(settings.load, batch1_capacity_rps(profile))
+
+
 def trace_saturation(run_at: Callable[[np.ndarray], SystemRun], arrivals_ms: np.ndarray, slo_ms: float,
                      capacity_rps: float, rel_tol: float = 0.02) -> float:
     """The highest mean arrival rate (`mean_rate_rps`) at which the trace's arrivals, stretched or compressed in
@@ -352,13 +359,13 @@ def load_scenario(settings: SimSettings) -> tuple[Scenario, dict]:
     evaluation = stream.evaluation
     outputs = ramp_outputs(model, bundle, stream, evaluation.start, evaluation.stop)
     profile = model.profile
-    rate = settings.rate_rps or settings.load * 1000.0 / profile.full(1)
+    rate = scenario_rate(settings, profile)
     slo = settings.slo_ms or 2.0 * profile.full(1)
     arrivals = arrival_times(settings.trace, len(outputs.final), rate, seed=settings.seed)
     max_batch = max_batch_for_slo(profile.batch_sizes, profile.full_ms, slo)
     scenario = Scenario(outputs, CostModel(profile), arrivals, max_batch)
     info = {"model": settings.model, "workload": settings.workload, "trace": settings.trace,
-            "rate_rps": rate, "load": rate * profile.full(1) / 1000.0, "slo_ms": slo, "max_batch": max_batch,
+            "rate_rps": rate, "load": rate / batch1_capacity_rps(profile), "slo_ms": slo, "max_batch": max_batch,
             "requests": len(arrivals), "sites": list(profile.sites), "vanilla_batch1_ms": profile.full(1)}
     return scenario, info
 
@@ -438,7 +445,7 @@ def run_sim(settings: SimSettings, progress: Callable[[str], None] = lambda _: N
             "vanilla": lambda sc: replay(sc, Configuration(0, (), ())), "oracle": replay_oracle,
             **{name: (lambda sc, c=config: static(c, sc)) for name, config in static_configs.items()},
             **{name: (lambda sc, c=settings_: managed(c, sc)) for name, settings_ in managed_settings.items()}}
-        capacity = 1000.0 / scenario.costs.profile.full(1)
+        capacity = batch1_capacity_rps(scenario.costs.profile)
         with _stage("saturation", seconds, progress):
             for name, run_at in tqdm(runners.items(), desc="saturation", unit="system", leave=False):
                 systems[name]["saturation_rps"] = trace_saturation(
