@@ -29,9 +29,10 @@ ENGINE_BATCH_SIZES = (1, 16)
 ENGINE_BUDGET_S = 2.0  # time per batch size for interleaved rounds of every engine, after one round at least
 MAX_ROUNDS = 400
 # Each engine's turn: runs in a row after an untimed one, after a pause in which the threads of the engine before it
-# (torch's OpenMP pool spins on after a run) go quiet: interleaved without it, ONNX Runtime at default threads ran
-# lite0-fmnist in 7.2 ms beside TorchScript against 5.1 ms alone
-ENGINE_BLOCK, ENGINE_SETTLE_S = 3, 0.02
+# go quiet (torch's OpenMP pool spins on after a run, and a bare ONNX Runtime session's pool for about 24 ms of a
+# core): interleaved without it, ONNX Runtime at default threads ran lite0-fmnist in 7.2 ms beside TorchScript
+# against 5.1 ms alone
+ENGINE_BLOCK, ENGINE_SETTLE_S = 3, 0.05
 # How rampserve runs a model on ONNX Runtime (its threads; its ramps), kept in a bundle's engine record: a bundle
 # timed and profiled otherwise is prepared again by the zoo's cache (see `zoo_bundles`)
 ONNX_SERVING = "threads spin within a run, stop after; ramps signal from one session where an input may exit"
