@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from onnxruntime_extensions import PyCustomOpDef, get_library_path, onnx_op
 
+from rampserve.graph.onnx_graph import SignalledRunner
 from rampserve.ramps.exit_rule import NEVER_STOP
 
 SIGNAL_OP = "RampserveRampSignal"
@@ -58,7 +59,7 @@ class OnnxSignalledRunner:
 
     runs_whole = True  # its output is the whole model's, not the stages'
 
-    def __init__(self, runner, sites: Sequence[str], side_name: str | None) -> None:
+    def __init__(self, runner: SignalledRunner, sites: Sequence[str], side_name: str | None) -> None:
         self.runner, self.side_name = runner, side_name
         self.tapped = (True,) * len(sites)
         self._silent = float32_floors([NEVER_STOP] * len(sites))  # no pipe to signal to: no Python in the run
