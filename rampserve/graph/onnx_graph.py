@@ -205,18 +205,23 @@ class _Runner:
         return self.session.run([self.output_name, *self.tap_outputs], self._feeds(x, side))
 
 
+ONNX_SPIN_US = 200  # how long an idle pool thread spins before it sleeps, in microseconds
+
+
 def session_options(intra_op_threads: int = 0, spin_after_run: bool = False) -> ort.SessionOptions:
     """Options for the sessions of a model: `intra_op_threads` (0: ONNX Runtime's default, one per core), and
-    whether its threads go on spinning after a run returns (ONNX Runtime's default; never where rampserve serves)."""
+    whether its threads go on spinning as long as ONNX Runtime's default has them after a run returns (never where
+    rampserve serves)."""
     options = ort.SessionOptions()
     options.intra_op_num_threads = intra_op_threads
     if not spin_after_run:
         # ONNX Runtime's pool threads spin between the operators of a run, which is much of its speed at batch 1
-        # (lite0-fmnist 5.5 ms, 7.5 ms with spinning off), but by default they go on spinning after the run
-        # returns, taking the cores that the next stage's session, a ramp in torch or the server's own threads
-        # need (seen on 2 cores: lite0-fmnist cut in 4 stages ran 2.3x slower; torch at batch 1 went from about
-        # 3 ms to over 600 ms). Stopped when a run returns, they cost nothing between runs.
-        options.add_session_config_entry("session.force_spinning_stop", "1")
+        # (lite0-fmnist 5.5 ms, 7.5 ms with spinning off), but by default go on spinning for about 24 ms of a core
+        # after the run returns, taking the cores that the next stage's session, a ramp in torch or the server's own
+        # threads need (seen on 2 cores: lite0-fmnist cut in 4 stages ran 2.3x slower; torch at batch 1 went from
+        # about 3 ms to over 600 ms). Spinning at most ONNX_SPIN_US before sleeping keeps the speed (resnet18-fmnist
+        # 0.178 ms against 0.177 with the default spin and 0.250 stopped at every run's end) for 1.3 ms of a core.
+        options.add_session_config_entry("session.intra_op.spin_duration_us", str(ONNX_SPIN_US))
     return options
 
 
