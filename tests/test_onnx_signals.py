@@ -63,7 +63,7 @@ def test_the_blocked_values_onnx_runtime_keeps_are_the_sites_activations(onnx_pr
     """What `optimize_for_machine` takes for each site is that site's activation, in the layout it says."""
     split = onnx_prepared.backend.split
     sites = onnx_prepared.site_names
-    optimized, values = optimize_for_machine(split._model, session_options(), sites, nchwc_block_size())
+    optimized, values = optimize_for_machine(split._model, 0, sites, nchwc_block_size())
     assert set(values) == set(sites)
     probe = onnx.ModelProto()
     probe.CopyFrom(optimized)
@@ -91,7 +91,7 @@ def test_every_reader_of_a_site_value_waits_for_its_signal(onnx_prepared, data) 
     split = onnx_prepared.backend.split
     names = onnx_prepared.site_names
     active = sorted(data.draw(st.sets(st.sampled_from(names), min_size=1)), key=names.index)
-    optimized, values = optimize_for_machine(split._model, session_options(), active, nchwc_block_size())
+    optimized, values = optimize_for_machine(split._model, 0, active, nchwc_block_size())
     taps = {site: onnx_prepared._signalled_tap(site, value) for site, value in values.items()}
     graph = with_signals(optimized, values, taps, "Signal", "floors").graph
     signals = [node for node in graph.node if node.op_type == "If"]

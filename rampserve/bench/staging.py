@@ -103,13 +103,13 @@ def measure_ramps(name: str, model: PreparedModel, feeds: dict[str, np.ndarray],
     batch_size = len(next(iter(feeds.values())))
     sets = {count: _spread(sites, count) for count in sorted({1, min(4, len(sites)), len(sites)})}
     paths = {"one session": True, "stages": False} if model.backend.kind == "onnx" else {"torchscript": True}
-    runs = {(path, count): serving_path(model, active, model.build_compiled(active, example, signals=signals)
-                                        or False, feeds)
+    runs = {f"{path}:{count}": serving_path(model, active, model.build_compiled(active, example, signals=signals)
+                                            or False, feeds)
             for path, signals in paths.items() for count, active in sets.items()}
-    runs[("none", 0)] = serving_path(model, (), model.build_compiled((), example) or False, feeds)
+    runs["none:0"] = serving_path(model, (), model.build_compiled((), example) or False, feeds)
     with torch.inference_mode():  # as the executor runs
-        samples = interleaved_samples({f"{p}:{c}": run for (p, c), run in runs.items()}, rounds=rounds,
-                                      desc=f"{model.backend.kind} ramps batch {batch_size}", block=RAMP_BLOCK)
+        samples = interleaved_samples(runs, rounds=rounds, desc=f"{model.backend.kind} ramps batch {batch_size}",
+                                      block=RAMP_BLOCK)
     none = float(np.median(samples["none:0"]))
     cases = []
     for path in paths:

@@ -4,7 +4,7 @@ Stages are sub-graphs of the original graph, each in its own onnxruntime session
 needs no Python source to get exit ramps: only its ONNX file. A stage may also compute a `Tap` on the value it
 ends at (an exit ramp, say) as an extra output of its sub-graph, in the same session call.
 
-Or the model runs whole, in the graph ONNX Runtime optimized for this machine (`OnnxSplitModel.optimized`), with
+Or the model runs whole, in the graph ONNX Runtime optimized for this machine (`optimize_for_machine`), with
 taps that hand their outputs to a Python operator as soon as their site's value exists (`with_signals`): no cut,
 no session call per site, and the sites' values stay in whatever layout ONNX Runtime chose for them.
 """
@@ -329,7 +329,7 @@ class OnnxSplitModel:
         `library` is the path of the library that runs Python operators. A cut in `keep_layout` is read in the
         model's own layout."""
         block = nchwc_block_size()
-        optimized, values = optimize_for_machine(self._model, self._options, cuts, block, keep_layout)
+        optimized, values = optimize_for_machine(self._model, self._threads[0], cuts, block, keep_layout)
         taps = {cut: tap_for(cut, value) for cut, value in values.items()}
         model = with_signals(optimized, values, taps, op_type, SIGNAL_FLOORS)
         options = session_options(*self._threads)
@@ -407,7 +407,7 @@ class OnnxSplitModel:
 
 @dataclass(frozen=True)
 class SiteValue:
-    """Where a site's activation is in a graph ONNX Runtime optimized (`OnnxSplitModel.optimized`): the value's
+    """Where a site's activation is in a graph ONNX Runtime optimized (`optimize_for_machine`): the value's
     name, and the channel block of its layout: ONNX Runtime's NCHWc keeps a convolution's channels in blocks of
     `block`, each block's values innermost, the channel count padded to a whole block; 0 is the model's own
     layout."""
@@ -429,7 +429,7 @@ def nchwc_block_size() -> int:
         [onnx.helper.make_tensor_value_info(v, onnx.TensorProto.FLOAT, None) for v in ("y", "between")],
         initializer=[weight])
     # block 1 stands for "any": which block this is, is what the probe finds out
-    optimized, values = optimize_for_machine(onnx.helper.make_model(graph), ort.SessionOptions(), ["between"], 1)
+    optimized, values = optimize_for_machine(onnx.helper.make_model(graph), 0, ["between"], 1)
     blocked = values["between"].name
     if blocked == "between":
         return 0
@@ -444,9 +444,10 @@ def nchwc_block_size() -> int:
                                   x.reshape(channels // block, side * side, block).ravel()))
 
 
-def optimize_for_machine(model: onnx.ModelProto, options: ort.SessionOptions, cuts: Sequence[str], block: int,
+def optimize_for_machine(model: onnx.ModelProto, intra_op_threads: int, cuts: Sequence[str], block: int,
                          keep_layout: Collection[str] = ()) -> tuple[onnx.ModelProto, dict[str, SiteValue]]:
-    """`model` as ONNX Runtime optimizes it for this machine (its layout changes included; not portable), and
+    """`model` as ONNX Runtime optimizes it for this machine at `intra_op_threads` (its layout changes included; not
+    portable), and
     where each of `cuts` is in it: optimized with the cuts as outputs, so that each keeps a value, then without
     those outputs. A cut (not in `keep_layout`) whose value ONNX Runtime holds in its NCHWc layout and converts
     back only for that output is taken in that layout (`block` > 0 says what it is), and the conversion goes."""
@@ -454,7 +455,7 @@ def optimize_for_machine(model: onnx.ModelProto, options: ort.SessionOptions, cu
     exposed.CopyFrom(model)
     exposed.graph.output.extend(onnx.helper.make_tensor_value_info(c, onnx.TensorProto.FLOAT, None) for c in cuts)
     optimizing = ort.SessionOptions()
-    optimizing.intra_op_num_threads = options.intra_op_num_threads
+    optimizing.intra_op_num_threads = intra_op_threads
     optimizing.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     optimizing.log_severity_level = 3  # not its warning that the file is for this machine alone: it is kept in memory
     with tempfile.TemporaryDirectory(prefix="rampserve-ort-") as directory:
@@ -489,9 +490,8 @@ def with_signals(model: onnx.ModelProto, values: Mapping[str, SiteValue], taps: 
     where the confidence is above the site's entry of the new graph input `floors` (float, one per site), hands
     them to a node of Python operator `op_type` (attribute `column`: the site's position) at once, inside an If:
     Python runs only when some input may exit there. The If outputs a float zero, which every node that reads the
-    site's value waits for (added to the node's smallest float weight, a few numbers, or to the value itself
-    where the node reads none), so the test runs as soon as its site's value exists, not wherever ONNX Runtime's
-    order of the run puts it."""
+    site's value waits for (`_wait_for`), so the test runs as soon as its site's value exists, not wherever ONNX
+    Runtime's order of the run puts it."""
     signalled = onnx.ModelProto()
     signalled.CopyFrom(model)
     graph = signalled.graph
@@ -500,7 +500,9 @@ def with_signals(model: onnx.ModelProto, values: Mapping[str, SiteValue], taps: 
     for column, (site, value) in enumerate(values.items()):
         tap = taps[site]
         prefix = f"signal[{site}]"
-        readers = [node for node in graph.node if value.name in _node_inputs(node)]
+        # A node that reads the value only inside an If or Loop body is not made to wait (it stays correct; its
+        # signal may come later)
+        readers = [node for node in graph.node if value.name in node.input]
         graph.node.extend(tap.nodes)
         graph.initializer.extend(tap.initializers)
         graph.output.extend(tap.outputs)
@@ -524,16 +526,7 @@ def with_signals(model: onnx.ModelProto, values: Mapping[str, SiteValue], taps: 
                                                                               onnx.TensorProto.FLOAT, [])])),
         ])
         for index, reader in enumerate(readers):
-            gated = _waiting_input(reader, value.name, weights, graph, f"{prefix}/bias{index}")
-            waited = f"{prefix}/wait{index}"
-            graph.node.append(onnx.helper.make_node("Add", [gated, f"{prefix}/zero"], [waited], name=waited))
-            inputs = list(reader.input)
-            if gated in inputs:
-                reader.input[inputs.index(gated)] = waited
-            elif len(inputs) >= 3:  # the zero bias, where the bias was left out ("")
-                reader.input[2] = waited
-            else:
-                reader.input.append(waited)
+            _wait_for(f"{prefix}/zero", reader, value.name, weights, graph, f"{prefix}/wait{index}")
     if not any(o.domain == PYTHON_OP_DOMAIN for o in signalled.opset_import):
         signalled.opset_import.append(onnx.helper.make_opsetid(PYTHON_OP_DOMAIN, 1))
     return _sorted_model(signalled)
@@ -544,19 +537,26 @@ SMALL_WEIGHT = 4096
 _CONVOLUTIONS = frozenset({"Conv", "FusedConv"})
 
 
-def _waiting_input(reader: onnx.NodeProto, value: str, weights: Mapping[str, onnx.TensorProto],
-                   graph: onnx.GraphProto, bias_name: str) -> str:
-    """Which input of `reader` to add a signal's zero to, so that it waits for the signal at little cost: a
+def _wait_for(zero: str, reader: onnx.NodeProto, value: str, weights: Mapping[str, onnx.TensorProto],
+              graph: onnx.GraphProto, name: str) -> None:
+    """Make `reader` wait for the float `zero`, added (node `name`) to an input it reads at little cost: a
     convolution's bias (a zero bias given to one without), else its smallest float weight if small (a norm's scale),
     else `value`, the activation it reads. Never a convolution's filter, which ONNX Runtime may hold reordered."""
-    if reader.op_type in _CONVOLUTIONS and len(reader.input) >= 2 and reader.input[1] in weights:
-        if len(reader.input) >= 3 and reader.input[2]:
-            return reader.input[2]
-        channels = weights[reader.input[1]].dims[0]
-        graph.initializer.append(onnx.numpy_helper.from_array(np.zeros(channels, dtype=np.float32), bias_name))
-        return bias_name
-    held = [v for v in reader.input if v in weights and int(np.prod(weights[v].dims)) <= SMALL_WEIGHT]
-    return min(held, key=lambda v: int(np.prod(weights[v].dims)), default=value)
+    inputs = list(reader.input)
+    if reader.op_type in _CONVOLUTIONS and len(inputs) >= 2 and inputs[1] in weights:
+        if len(inputs) < 3 or not inputs[2]:  # no bias: a zero one, third after the filter (before a Sum input)
+            graph.initializer.append(onnx.numpy_helper.from_array(
+                np.zeros(weights[inputs[1]].dims[0], dtype=np.float32), f"{name}/bias"))
+            if len(inputs) < 3:
+                reader.input.append(f"{name}/bias")
+            else:
+                reader.input[2] = f"{name}/bias"
+        position = 2
+    else:
+        held = [i for i, v in enumerate(inputs) if v in weights and int(np.prod(weights[v].dims)) <= SMALL_WEIGHT]
+        position = min(held, key=lambda i: int(np.prod(weights[inputs[i]].dims)), default=inputs.index(value))
+    graph.node.append(onnx.helper.make_node("Add", [reader.input[position], zero], [name], name=name))
+    reader.input[position] = name
 
 
 def _with_tap(model: onnx.ModelProto, tap: Tap) -> onnx.ModelProto:

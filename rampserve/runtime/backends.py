@@ -148,7 +148,6 @@ class OnnxBackend(Backend):
 
         self.path = Path(path)
         self.intra_op_threads = intra_op_threads  # 0: ONNX Runtime's default, one per core
-        self.spin_after_run = spin_after_run  # True only to time ONNX Runtime as a bare session runs it
         super().__init__(OnnxSplitModel(self.path, policy, intra_op_threads, spin_after_run))
 
     def native(self, array: np.ndarray) -> np.ndarray:

@@ -43,7 +43,7 @@ class Engine:
     name: str
     backend: str  # the `Backend.kind` that runs it
     intra_op_threads: int = 0  # ONNX Runtime's intra-op threads; 0 is its default, one per core
-    spin_after_run: bool = False  # ONNX Runtime's pool threads go on spinning once a run returns (its default)
+    spin_after_run: bool = False  # ONNX Runtime's idle pool threads spin as long as by its default (~24 ms)
 
 
 # In the order a tie at batch 1 is broken: ONNX Runtime first, as it serves without the torch package. "torch" is
