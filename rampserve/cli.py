@@ -125,7 +125,7 @@ def prepare(
 
 
 def inspect_bundle(bundle: Path) -> dict:
-    from rampserve.runtime.bundle import read_manifest
+    from rampserve.runtime.manifest import read_manifest
 
     manifest = read_manifest(bundle)
     profile = manifest["profile"]
@@ -238,7 +238,7 @@ def inspect(
     as_json: Annotated[bool, typer.Option("--json", help="print JSON instead of a table")] = False,
 ) -> None:
     """Sites, ramps, their accuracy against the original model, latencies, and the oracle's exits."""
-    from rampserve.runtime.bundle import BundleError
+    from rampserve.runtime.manifest import BundleError
 
     try:
         report = inspect_bundle(bundle)
@@ -259,7 +259,8 @@ def profile(
 ) -> None:
     """Measure a bundle's latency profile again on this machine, at the batch sizes it was profiled at (run it
     on a quiet machine: the controller and the simulator take every ramp's cost from it)."""
-    from rampserve.runtime.bundle import BundleError, load_bundle, write_profile
+    from rampserve.runtime.bundle import load_bundle, write_profile
+    from rampserve.runtime.manifest import BundleError
     from rampserve.runtime.prepare import PrepareConfig, reprofile
     from rampserve.runtime.profile import DEFAULT_BATCH_SIZES
 

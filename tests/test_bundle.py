@@ -13,7 +13,8 @@ import torch
 from typer.testing import CliRunner
 
 from rampserve.cli import app
-from rampserve.runtime.bundle import BundleError, load_bundle, read_manifest
+from rampserve.runtime.bundle import load_bundle
+from rampserve.runtime.manifest import BundleError, read_manifest
 
 
 def test_round_trip_keeps_sites_ramps_profile_and_outputs(resnet_prepared, resnet_bundle, fmnist_feeds) -> None:
@@ -76,7 +77,7 @@ def test_missing_weights_file(bundle_copy) -> None:
 
 def test_weights_of_another_architecture(bundle_copy) -> None:
     """Same format, consistent digests, but weights that do not fit the declared model."""
-    from rampserve.runtime.bundle import _digest
+    from rampserve.runtime.manifest import file_digest
 
     path = bundle_copy / "model.safetensors"
     state = safetensors.torch.load_file(path)
@@ -84,7 +85,7 @@ def test_weights_of_another_architecture(bundle_copy) -> None:
     state[first] = torch.zeros(3, 3)
     safetensors.torch.save_file(state, path)
     manifest = json.loads((bundle_copy / "manifest.json").read_text())
-    manifest["files"]["model.safetensors"] = _digest(path)
+    manifest["files"]["model.safetensors"] = file_digest(path)
     (bundle_copy / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(BundleError, match="does not fit"):
         load_bundle(bundle_copy)

@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from rampserve.cli import app
-from rampserve.runtime.bundle import load_bundle, read_manifest, save_bundle
+from rampserve.runtime.bundle import load_bundle, save_bundle
+from rampserve.runtime.manifest import read_manifest
 from rampserve.runtime.engines import (
     CHOSEN_BY_TIMING, CHOSEN_BY_USER, ENGINES, EngineChoice, EngineTiming, check_engine, choose_engine,
 )

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from rampserve.runtime.bundle import read_manifest
+from rampserve.runtime.manifest import read_manifest
 from rampserve.runtime.prepare import PrepareConfig, ramp_data
 from rampserve.runtime.sources import ModelSource
 from rampserve.workloads.fashion_mnist import load_fashion_mnist

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 import safetensors.numpy
 
-from rampserve.runtime.bundle import EXAMPLE_FILE, BundleError, load_bundle, read_manifest, save_bundle
+from rampserve.runtime.bundle import load_bundle, save_bundle
+from rampserve.runtime.manifest import EXAMPLE_FILE, BundleError, read_manifest
 from rampserve.runtime.signature import ModelSignature, TensorSignature
 from rampserve.serving.models import load_served, served
 from rampserve.serving.protocol import TensorSpec

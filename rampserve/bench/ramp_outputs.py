@@ -16,7 +16,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from rampserve.paths import home
-from rampserve.runtime.bundle import read_manifest
+from rampserve.runtime.manifest import read_manifest
 from rampserve.runtime.prepare import feeds_for, prepared_encoder
 from rampserve.runtime.prepared import PreparedModel
 from rampserve.workloads.streams import Stream

@@ -1,11 +1,11 @@
 """Prepared-model bundles on disk: a JSON manifest (with the model's v2 signature), the model's weights
 (safetensors) or graph (ONNX), the ramps' weights, two example inputs (safetensors) and what rebuilds the
 architecture without the model's source (a Hugging Face checkpoint's config.json and tokenizer.json). Loading never
-unpickles anything, and checks every file's digest."""
+unpickles anything, and checks every file's digest. Reading a bundle's manifest and signature alone, without torch, is
+`runtime.manifest`'s."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 import tempfile
@@ -21,32 +21,22 @@ from rampserve.runtime.backends import OnnxBackend, TorchBackend
 from rampserve.runtime.compiled import write_atomically
 from rampserve.runtime.engines import engine_of
 from rampserve.runtime.latency import LatencyProfile
+from rampserve.runtime.manifest import (
+    EXAMPLE_FILE,
+    FORMAT,
+    FORMAT_VERSION,
+    MANIFEST,
+    ONNX_FILE,
+    RAMPS_FILE,
+    TORCH_WEIGHTS,
+    BundleError,
+    file_digest,
+    read_manifest,
+    read_signature,
+)
 from rampserve.runtime.prepared import PreparedModel, SiteInfo
 from rampserve.runtime.signature import ModelSignature
 from rampserve.runtime.sources import ModelSource, architecture_files, build_architecture
-
-FORMAT = "rampserve-bundle"
-# 2: linear ramp heads are a bare Linear; 3: and keep their center. The signature and example inputs came later
-# without a new version: a reader of format 3 that predates them ignores them and loads the bundle as before
-# (rampserve processes of both ages share the zoo's bundle cache), and this one loads bundles without them.
-FORMAT_VERSION = 3
-MANIFEST = "manifest.json"
-RAMPS_FILE = "ramps.safetensors"
-TORCH_WEIGHTS = "model.safetensors"
-ONNX_FILE = "model.onnx"
-EXAMPLE_FILE = "example.safetensors"
-
-
-class BundleError(ValueError):
-    """A bundle that is missing, corrupt, or made for something this rampserve cannot load."""
-
-
-def _digest(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def save_bundle(model: PreparedModel, out_dir: Path) -> Path:
@@ -85,7 +75,7 @@ def save_bundle(model: PreparedModel, out_dir: Path) -> Path:
             "profile": model.profile.to_json() if model.profile else None,
             "error_score": model.error_score,
             "meta": model.meta,
-            "files": {name: _digest(tmp / name)
+            "files": {name: file_digest(tmp / name)
                       for name in (model_file, RAMPS_FILE, EXAMPLE_FILE, *(file.name for file in carried))},
         }
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
@@ -113,36 +103,12 @@ def write_signature(bundle_dir: Path, signature: ModelSignature) -> None:
     manifest = read_manifest(bundle_dir)
     write_atomically(bundle_dir / EXAMPLE_FILE, safetensors.numpy.save(dict(signature.example)))
     manifest["signature"] = signature.to_json()
-    manifest["files"][EXAMPLE_FILE] = _digest(bundle_dir / EXAMPLE_FILE)
+    manifest["files"][EXAMPLE_FILE] = file_digest(bundle_dir / EXAMPLE_FILE)
     _rewrite_manifest(bundle_dir, manifest)
 
 
 def _rewrite_manifest(bundle_dir: Path, manifest: dict) -> None:
     write_atomically(Path(bundle_dir) / MANIFEST, json.dumps(manifest, indent=2).encode())
-
-
-def read_manifest(bundle_dir: Path) -> dict:
-    path = Path(bundle_dir) / MANIFEST
-    if not path.is_file():
-        raise BundleError(f"{bundle_dir} is not a rampserve bundle: {MANIFEST} is missing")
-    try:
-        manifest = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise BundleError(f"{path} is corrupt: not valid JSON ({exc})") from exc
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise BundleError(f"{path} is not a rampserve bundle manifest (format {manifest.get('format')!r})"
-                          if isinstance(manifest, dict) else f"{path} is not a rampserve bundle manifest")
-    version = manifest.get("format_version")
-    if version != FORMAT_VERSION:
-        raise BundleError(f"{bundle_dir} has bundle format {version}; this rampserve reads format "
-                          f"{FORMAT_VERSION}: prepare the model again")
-    for name, expected in manifest.get("files", {}).items():
-        file = Path(bundle_dir) / name
-        if not file.is_file():
-            raise BundleError(f"{bundle_dir} is incomplete: {name} is missing")
-        if _digest(file) != expected:
-            raise BundleError(f"{bundle_dir}/{name} is corrupt: its sha256 does not match the manifest")
-    return manifest
 
 
 def _load_state(module: nn.Module, path: Path, what: str) -> None:
@@ -193,24 +159,4 @@ def load_bundle(bundle_dir: Path) -> PreparedModel:
     profile = LatencyProfile.from_json(manifest["profile"]) if manifest.get("profile") else None
     return PreparedModel(backend=backend, sites=sites, ramps=ramps, profile=profile, meta=manifest["meta"],
                          error_score=manifest.get("error_score", "max_prob"),
-                         signature=_read_signature(bundle_dir, manifest), bundle_dir=bundle_dir)
-
-
-def _read_signature(bundle_dir: Path, manifest: dict) -> ModelSignature | None:
-    """The bundle's signature with its example inputs; None for a bundle prepared before bundles carried them."""
-    if "signature" not in manifest:
-        return None
-    if EXAMPLE_FILE not in manifest["files"]:
-        raise BundleError(f"{bundle_dir}/{MANIFEST} has a signature but lists no {EXAMPLE_FILE}")
-    try:
-        return ModelSignature.from_json(manifest["signature"], safetensors.numpy.load_file(bundle_dir / EXAMPLE_FILE))
-    except (KeyError, TypeError, ValueError) as exc:
-        raise BundleError(f"{bundle_dir}: its signature is incomplete or does not fit its example inputs: {exc!r}"
-                          ) from exc
-
-
-def bundle_digest(bundle_dir: Path) -> str:
-    """What a bundle's compiled serving paths depend on: the sha256 of its model and ramp files and of the example
-    inputs they are traced and checked with (a new profile leaves them as they are)."""
-    files = read_manifest(bundle_dir).get("files", {})
-    return hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
+                         signature=read_signature(bundle_dir, manifest), bundle_dir=bundle_dir)

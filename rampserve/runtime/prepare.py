@@ -15,9 +15,9 @@ from rampserve.ramps.kinds import spec_for
 from rampserve.ramps.oracle import NO_EXIT, earliest_correct_exit, exit_latency
 from rampserve.ramps.train import Features, TrainConfig, TrainReport, build_cache_ramps, collect_features, train_ramps
 from rampserve.runtime.backends import Backend, TorchBackend
-from rampserve.runtime.bundle import BundleError
 from rampserve.runtime.engines import AUTO, ENGINE_BUDGET_S, EngineChoice, check_engine, serving_backend
 from rampserve.runtime.latency import LatencyProfile
+from rampserve.runtime.manifest import BundleError
 from rampserve.runtime.prepared import PreparedModel, SiteInfo
 from rampserve.runtime.profile import DEFAULT_BATCH_SIZES, PROFILE_BUDGET_S, measure_profile
 from rampserve.runtime.signature import ModelSignature

@@ -5,8 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from rampserve.paths import bundles_dir
-from rampserve.runtime.bundle import BundleError, load_bundle, read_manifest, save_bundle, write_signature
+from rampserve.runtime.bundle import load_bundle, save_bundle, write_signature
 from rampserve.runtime.engines import AUTO, ONNX_SERVING
+from rampserve.runtime.manifest import BundleError, read_manifest
 from rampserve.runtime.prepare import PrepareConfig, prepare, ramp_data, signature_from_workload
 from rampserve.runtime.sources import ModelSource
 

@@ -24,7 +24,6 @@ from pathlib import Path
 import numpy as np
 
 from rampserve.paths import home
-from rampserve.runtime.bundle import bundle_digest
 from rampserve.runtime.compiled import (
     CompiledSet,
     CorruptEntry,
@@ -34,6 +33,7 @@ from rampserve.runtime.compiled import (
     save_compiled,
     set_key,
 )
+from rampserve.runtime.manifest import bundle_digest
 from rampserve.runtime.prepared import PreparedModel
 
 log = logging.getLogger("rampserve.serving")

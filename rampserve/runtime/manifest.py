@@ -1,0 +1,81 @@
+"""A bundle's manifest and signature, read without torch: what a server's front end needs to serve a bundle whose
+model an executor process loads (`serving.models.read_served`). The names of a bundle's files, and the digests that
+every reader checks, are kept here; writing bundles and loading their models is `runtime.bundle`'s."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import safetensors.numpy
+
+from rampserve.runtime.signature import ModelSignature
+
+FORMAT = "rampserve-bundle"
+# 2: linear ramp heads are a bare Linear; 3: and keep their center. The signature and example inputs came later
+# without a new version: a reader of format 3 that predates them ignores them and loads the bundle as before
+# (rampserve processes of both ages share the zoo's bundle cache), and this one loads bundles without them.
+FORMAT_VERSION = 3
+MANIFEST = "manifest.json"
+RAMPS_FILE = "ramps.safetensors"
+TORCH_WEIGHTS = "model.safetensors"
+ONNX_FILE = "model.onnx"
+EXAMPLE_FILE = "example.safetensors"
+
+
+class BundleError(ValueError):
+    """A bundle that is missing, corrupt, or made for something this rampserve cannot load."""
+
+
+def file_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def read_manifest(bundle_dir: Path) -> dict:
+    """The bundle's manifest, once every file it lists is there and matches its digest."""
+    path = Path(bundle_dir) / MANIFEST
+    if not path.is_file():
+        raise BundleError(f"{bundle_dir} is not a rampserve bundle: {MANIFEST} is missing")
+    try:
+        manifest = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise BundleError(f"{path} is corrupt: not valid JSON ({exc})") from exc
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise BundleError(f"{path} is not a rampserve bundle manifest (format {manifest.get('format')!r})"
+                          if isinstance(manifest, dict) else f"{path} is not a rampserve bundle manifest")
+    version = manifest.get("format_version")
+    if version != FORMAT_VERSION:
+        raise BundleError(f"{bundle_dir} has bundle format {version}; this rampserve reads format "
+                          f"{FORMAT_VERSION}: prepare the model again")
+    for name, expected in manifest.get("files", {}).items():
+        file = Path(bundle_dir) / name
+        if not file.is_file():
+            raise BundleError(f"{bundle_dir} is incomplete: {name} is missing")
+        if file_digest(file) != expected:
+            raise BundleError(f"{bundle_dir}/{name} is corrupt: its sha256 does not match the manifest")
+    return manifest
+
+
+def read_signature(bundle_dir: Path, manifest: dict) -> ModelSignature | None:
+    """The bundle's signature with its example inputs; None for a bundle prepared before bundles carried them."""
+    if "signature" not in manifest:
+        return None
+    if EXAMPLE_FILE not in manifest["files"]:
+        raise BundleError(f"{bundle_dir}/{MANIFEST} has a signature but lists no {EXAMPLE_FILE}")
+    try:
+        return ModelSignature.from_json(manifest["signature"], safetensors.numpy.load_file(bundle_dir / EXAMPLE_FILE))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise BundleError(f"{bundle_dir}: its signature is incomplete or does not fit its example inputs: {exc!r}"
+                          ) from exc
+
+
+def bundle_digest(bundle_dir: Path) -> str:
+    """What a bundle's compiled serving paths depend on: the sha256 of its model and ramp files and of the example
+    inputs they are traced and checked with (a new profile leaves them as they are)."""
+    files = read_manifest(bundle_dir).get("files", {})
+    return hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
