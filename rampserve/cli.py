@@ -339,7 +339,7 @@ def serve(
     from rampserve.control.controller import ControllerSettings
     from rampserve.serving.server import ServerSettings
     from rampserve.serving.server import serve as run_server
-    from rampserve.serving.worker import ModelSettings
+    from rampserve.serving.contract import ModelSettings
 
     try:
         model_settings = ModelSettings(

@@ -32,7 +32,7 @@ from rampserve.serving.apps.predictors import (
 )
 from rampserve.serving.protocol import TensorSpec
 from rampserve.serving.server import ServerSettings, build_state, check_admin_access, running_server
-from rampserve.serving.worker import ModelSettings
+from rampserve.serving.contract import ModelSettings
 from rampserve.workloads.fashion_mnist import load_fashion_mnist, to_model_input
 
 IMAGE = TensorSpec("x", "FP32", (-1, 1, 28, 28))

@@ -10,7 +10,7 @@ import numpy as np
 from rampserve.control.controller import ControllerSettings
 from rampserve.serving.models import load_served
 from rampserve.serving.server import ServerSettings
-from rampserve.serving.worker import ModelSettings
+from rampserve.serving.contract import ModelSettings
 from rampserve.workloads.fashion_mnist import to_model_input
 from rampserve.workloads.streams import get_stream
 from test_serving import MODEL, get_json, infer_body, post, server
@@ -77,7 +77,9 @@ def test_the_executor_releases_every_row_once_consistently_and_records_the_paths
     from rampserve.control.records import NO_EXIT, Configuration
     from rampserve.serving.metrics import ServerMetrics
     from rampserve.serving.models import served as make_served
-    from rampserve.serving.worker import _Pending, ModelWorker, future_reply
+    from rampserve.serving.contract import future_reply
+    from rampserve.serving.request_queue import Pending
+    from rampserve.serving.worker import ModelWorker
 
     model = replace(resnet_prepared)
     served = make_served("m", model)
@@ -94,7 +96,7 @@ def test_the_executor_releases_every_row_once_consistently_and_records_the_paths
         try:
             starts = np.cumsum([0] + [rows for rows, _ in requests])
             futures = [loop.create_future() for _ in requests]
-            batch = [_Pending({name: fmnist_feeds[a:a + rows]}, rows, 0.0, float("inf"), wants,
+            batch = [Pending({name: fmnist_feeds[a:a + rows]}, rows, 0.0, float("inf"), wants,
                               future_reply(loop, future)) for a, (rows, wants), future in zip(starts, requests, futures)]
             config = Configuration(1, sites, tuple(thresholds))
             worker._serving = (config, model.compiled_set(sites) if compiled else None)

@@ -126,7 +126,8 @@ def test_a_refused_set_is_remembered_and_served_eagerly(bundle_copy, fmnist_feed
 def test_a_worker_adopts_a_configuration_only_once_its_set_is_compiled(bundle_copy, fmnist_feeds) -> None:
     from rampserve.serving.metrics import ServerMetrics
     from rampserve.serving.models import served
-    from rampserve.serving.worker import ModelSettings, ModelWorker
+    from rampserve.serving.contract import ModelSettings
+    from rampserve.serving.worker import ModelWorker
 
     model = load_bundle(bundle_copy)
     worker = ModelWorker(served("m", model), ModelSettings(), ServerMetrics())

@@ -26,7 +26,7 @@ from rampserve.serving.dashboard.series import (
 )
 from rampserve.serving.models import load_served
 from rampserve.serving.server import ServerSettings, build_state, running_server
-from rampserve.serving.worker import ModelSettings
+from rampserve.serving.contract import ModelSettings
 
 MODEL = "resnet18-small"
 APP = "watched"

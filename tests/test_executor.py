@@ -23,7 +23,7 @@ from hypothesis.extra import numpy as hnp
 from rampserve.serving import wire
 from rampserve.serving.models import ServedModel, load_served
 from rampserve.serving.server import ServerSettings, build_state, running_server
-from rampserve.serving.worker import Answer, ModelSettings
+from rampserve.serving.contract import Answer, ModelSettings
 
 MODEL = "resnet18-small"
 

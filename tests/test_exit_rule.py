@@ -33,7 +33,8 @@ from rampserve.ramps.kinds import Ramp, RampSpec
 from rampserve.ramps.onnx_fused import ramp_tap
 from rampserve.ramps.scores import ERROR_SCORES, top_label_and_error
 from rampserve.runtime.compiled import CompiledSet
-from rampserve.serving.worker import _BatchState, _Pending
+from rampserve.serving.batch import BatchState
+from rampserve.serving.request_queue import Pending
 
 REPO = Path(__file__).resolve().parent.parent
 # Where a threshold is put relative to an observed error score: at it, a rounding away, around the margins
@@ -106,8 +107,8 @@ def worker_exits(labels: np.ndarray, errors: np.ndarray, thresholds: tuple[float
     rows, ramps = errors.shape
     config = Configuration(1, tuple(f"s{j}" for j in range(ramps)), thresholds)
     # wants the logits: released at the end of its batch, so nothing is answered here, only decided
-    pending = _Pending({}, rows, 0.0, math.inf, True, lambda result: None)
-    state = _BatchState(config, [pending], 0, None)
+    pending = Pending({}, rows, 0.0, math.inf, True, lambda result: None)
+    state = BatchState(config, [pending], 0, None)
     for j in range(ramps):
         state.ramp(j, labels[:, j], errors[:, j])
     return state.exits

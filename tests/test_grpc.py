@@ -29,14 +29,13 @@ from rampserve.serving.app import ServerState
 from rampserve.serving.apps.applications import ApplicationSpec
 from rampserve.serving.apps.predictors import FunctionPredictor, ModelUnavailable, Predictor
 from rampserve.serving.apps.state_store import StoreError
-from rampserve.serving.executor import ExecutorLost
+from rampserve.serving.contract import ExecutionFailed, ExecutorLost, ModelSettings, Shed
 from rampserve.serving.grpc_codec import set_parameters
 from rampserve.serving.grpc_server import GrpcFrontEnd
 from rampserve.serving.models import ServedModel, load_served
 from rampserve.serving.plane import DataPlane
 from rampserve.serving.protocol import TensorSpec
 from rampserve.serving.server import ServerSettings, build_state, running_server
-from rampserve.serving.worker import ExecutionFailed, ModelSettings, Shed
 
 INVALID, NOT_FOUND = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND
 EXHAUSTED, UNAVAILABLE = grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE

@@ -34,7 +34,7 @@ from rampserve.runtime.prepare import model_encoder, prepared_encoder
 from rampserve.runtime.sources import ModelSource
 from rampserve.serving.models import load_served
 from rampserve.serving.server import ServerSettings, build_state, running_server
-from rampserve.serving.worker import ModelSettings
+from rampserve.serving.contract import ModelSettings
 from rampserve.zoo import hf_encoders
 from rampserve.zoo.minilm import model_dir as minilm_dir
 

@@ -17,12 +17,11 @@ from rampserve.control.controller import ControllerSettings
 from rampserve.serving.apps.applications import ApplicationSpec
 from rampserve.serving.apps.predictors import FunctionPredictor, ModelUnavailable, Predictor
 from rampserve.serving.apps.state_store import StoreError
-from rampserve.serving.executor import ExecutorLost
+from rampserve.serving.contract import ExecutionFailed, ExecutorLost, ModelSettings, Shed
 from rampserve.serving.models import ServedModel, load_served
 from rampserve.serving.plane import DataPlane, InferResult
 from rampserve.serving.protocol import DATATYPES, TensorSpec
 from rampserve.serving.server import ServerSettings, build_state
-from rampserve.serving.worker import ExecutionFailed, ModelSettings, Shed
 
 MODEL = "resnet18-small"
 IMAGE = TensorSpec("x", "FP32", (-1, 1, 28, 28))

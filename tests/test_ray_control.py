@@ -12,7 +12,8 @@ from rampserve.control.controller import ControllerSettings
 from rampserve.serving.metrics import ServerMetrics
 from rampserve.serving.models import load_served
 from rampserve.serving.ray.control import RayControl, controller_name
-from rampserve.serving.worker import Answer, ModelSettings, ModelWorker
+from rampserve.serving.contract import Answer, ModelSettings
+from rampserve.serving.worker import ModelWorker
 
 
 def replicas(served, settings: ModelSettings, model: str) -> list[ModelWorker]:

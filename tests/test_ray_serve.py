@@ -19,7 +19,7 @@ from rampserve.serving.models import load_served
 from rampserve.serving.ray.control import controller_name
 from rampserve.serving.ray.serve import RayDeployment, application
 from rampserve.serving.server import ServerSettings
-from rampserve.serving.worker import ModelSettings
+from rampserve.serving.contract import ModelSettings
 from rampserve.workloads.fashion_mnist import to_model_input
 from rampserve.workloads.streams import get_stream
 

@@ -30,7 +30,7 @@ from rampserve.control.controller import ControllerSettings
 from rampserve.serving.app import ServerState
 from rampserve.serving.models import ServedModel, load_served
 from rampserve.serving.server import ServerSettings, build_state, running_server
-from rampserve.serving.worker import ModelSettings
+from rampserve.serving.contract import ModelSettings
 
 MODEL = "resnet18-small"
 

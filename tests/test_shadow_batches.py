@@ -19,7 +19,9 @@ from rampserve.runtime.compiled import CompiledSet
 from rampserve.runtime.prepared import PreparedModel
 from rampserve.serving.metrics import ServerMetrics
 from rampserve.serving.models import served as make_served
-from rampserve.serving.worker import Answer, ModelSettings, ModelWorker, _Pending
+from rampserve.serving.contract import Answer, ModelSettings
+from rampserve.serving.request_queue import Pending
+from rampserve.serving.worker import ModelWorker
 
 WAIT_S = 60.0
 SHARE = 0.1  # stop mode's feedback share: most exits leave their plain batch
@@ -105,7 +107,7 @@ def _serve_each(model: PreparedModel, config: Configuration, mode: str, feeds: n
     worker.start()
     try:
         for i in range(len(feeds)):
-            worker.admit({name: feeds[i:i + 1]}, 1, False, lambda answer, i=i: answers.setdefault(i, answer))
+            worker.queue.admit({name: feeds[i:i + 1]}, 1, False, lambda answer, i=i: answers.setdefault(i, answer))
             control.wait_for(i + 1)
         status = worker.status()
     finally:
@@ -173,7 +175,7 @@ def test_a_shadow_batch_runs_only_once_its_set_is_loaded_and_each_version_counts
     compiler = worker._compiler = HeldCompiler(model, example)
 
     def run(i: int) -> BatchRecord:
-        worker._run([_Pending({name: fmnist_feeds[i:i + 1]}, 1, time.monotonic(), math.inf, False, lambda _: None)])
+        worker._run([Pending({name: fmnist_feeds[i:i + 1]}, 1, time.monotonic(), math.inf, False, lambda _: None)])
         return worker._book(worker._records.get_nowait())
 
     try:

@@ -19,10 +19,12 @@ from rampserve.ramps.exit_rule import STOP_MARGIN, first_exits
 from rampserve.runtime.compiled import set_key
 from rampserve.serving.metrics import ServerMetrics
 from rampserve.serving.models import served as make_served
-from rampserve.serving.worker import ModelSettings, ModelWorker, _Pending, future_reply
+from rampserve.serving.contract import ModelSettings, future_reply
+from rampserve.serving.request_queue import Pending
+from rampserve.serving.worker import ModelWorker
 
 
-class _Counted(_Pending):
+class _Counted(Pending):
     """A request that counts its answers (a second one would be lost silently on its future)."""
 
     answers = 0
@@ -103,7 +105,7 @@ def test_stop_mode_releases_every_input_once_as_release_mode_and_never_recompute
     choices = [_gaps(eager[site][1]) for site in sites]
     # Release mode's run does not teach the cache ramp, so that both runs of a batch see the same cache
     release, stop = _worker(model, sites, "release", cache_updates=False), _worker(model, sites, "stop", share=0.25)
-    stop._feedback = np.random.default_rng(3)
+    stop._stop.feedback = np.random.default_rng(3)
     cache = model.ramps[names[2]]
     learnt = []
     learn = cache.learn
@@ -185,7 +187,7 @@ def test_the_feedback_sample_is_uniform_and_independent_of_exits(resnet_prepared
     assert model.compile(sites, {name: stream_feeds[-2:]}, "stop")
     share = 0.3
     worker = _worker(model, sites, "stop", share)
-    worker._feedback = np.random.default_rng(11)
+    worker._stop.feedback = np.random.default_rng(11)
     errors: list[np.ndarray] = []
     model.run({name: stream_feeds}, sites, lambda _, labels, seen: errors.append(seen))
     # About half the inputs exit: a threshold in the widest gap between error scores near the median, far from
@@ -302,7 +304,7 @@ def test_inputs_that_left_are_released_even_when_no_column_reaches_the_releasing
     sites = (model.site_names[0],)
     assert model.compile(sites, {name: fmnist_feeds[-2:]}, "stop")
     worker = _worker(model, sites, "stop", share=0.5)
-    worker._feedback = np.random.default_rng(1)
+    worker._stop.feedback = np.random.default_rng(1)
     worker._signals = None
     eager: list[tuple[np.ndarray, np.ndarray]] = []
     model.run({name: fmnist_feeds}, sites, lambda _, *seen: eager.append(seen))
@@ -330,7 +332,7 @@ def test_a_final_answer_is_kept_before_the_response_that_carries_it(resnet_prepa
     model.run({name: fmnist_feeds}, sites, lambda site, *seen: eager.setdefault(site, seen))
     choices = [_gaps(eager[site][1]) for site in sites]
     workers = {mode: _worker(model, sites, mode, share=0.25, cache_updates=False) for mode in ("release", "stop")}
-    workers["stop"]._feedback = np.random.default_rng(7)
+    workers["stop"]._stop.feedback = np.random.default_rng(7)
     seen = {"final first": 0, "reply first": 0}
 
     @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -342,7 +344,7 @@ def test_a_final_answer_is_kept_before_the_response_that_carries_it(resnet_prepa
         worker._serving = (config, model.compiled_set(sites, mode))
         events: list[tuple[str, int, object]] = []
         starts = np.cumsum([0] + [rows for rows, _ in requests])
-        batch = [_Pending({name: fmnist_feeds[a:a + rows]}, rows, 0.0, float("inf"), wants,
+        batch = [Pending({name: fmnist_feeds[a:a + rows]}, rows, 0.0, float("inf"), wants,
                           lambda answer, i=i: events.append(("reply", i, answer)),
                           lambda answer, i=i: events.append(("final", i, answer)))
                  for i, (a, (rows, wants)) in enumerate(zip(starts, requests))]

@@ -56,6 +56,11 @@ class Configuration:
         return {"version": self.version, "sites": list(self.sites), "thresholds": list(self.thresholds),
                 "shadow_sites": list(self.shadow_sites), "shadow_every": self.shadow_every}
 
+    @classmethod
+    def from_json(cls, data: dict) -> Configuration:
+        return cls(data["version"], tuple(data["sites"]), tuple(data["thresholds"]),
+                   tuple(data.get("shadow_sites", ())), int(data.get("shadow_every", 0)))
+
 
 @dataclass(frozen=True)
 class BatchRecord:

@@ -9,7 +9,7 @@ ramps themselves (10 us at batch 1 and 45-60 us at batch 16 on resnet18-fmnist, 
 So a `SetRunner` never stops: each fused ramp (one `rampserve::ramp_exit` call, see `ramps.fused`) writes its
 logits into the batch's ramp buffer and, where some row's confidence clears the exit floor it was given, writes
 its column to a pipe; a releasing thread reads it, scores the column and releases those rows while the model
-runs on (`serving.worker`). A ramp that runs in Python is stashed (its activation copied) for that thread.
+runs on (`serving.batch`). A ramp that runs in Python is stashed (its activation copied) for that thread.
 
 In the "stop" exit mode a set's runner is a `StopSetRunner` instead: the rows a fused ramp exits leave the batch
 there (`rampserve::ramp_stop`), the others run on, and it returns the final output of the rows that ran to the

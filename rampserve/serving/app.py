@@ -31,7 +31,7 @@ from rampserve.serving.dashboard import DashboardSampler, dashboard_router
 from rampserve.serving.metrics import MergedRegistry, ServerMetrics, watch_loop_lag
 from rampserve.serving.plane import DataPlane, InferResult, error_body
 from rampserve.serving.protocol import ProtocolError, server_metadata
-from rampserve.serving.worker import Worker
+from rampserve.serving.contract import Worker
 
 if TYPE_CHECKING:
     from rampserve.serving.grpc_server import GrpcFrontEnd

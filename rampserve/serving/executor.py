@@ -1,112 +1,44 @@
-"""A served bundle's executor in a process of its own.
+"""A served bundle's executor process: `python -m rampserve.serving.executor SOCKET_FD ARENA_FD`, started by the
+front end's `process_worker.ProcessWorker`.
 
-The front end (the HTTP server's process) parses requests, writes their input tensors into shared memory
-(`wire.SlotArena`) and sends a small header down a Unix socket; the executor process (`python -m
-rampserve.serving.executor`, started fresh, never forked from a process that has loaded torch) runs the model's
-`ModelWorker` as a standalone server would: its queue and batching policy, the batch execution with early release,
-the releasing thread, the controller and the compile worker. Each answer (early or final) comes back as one
-frame, read on the front end's event loop itself, so a released answer costs the front end no thread hop. The
-two processes share no interpreter: the front end's parsing and writing never take the GIL from the model's
-Python parts, and on two cores each has one.
-
-Faults: when the executor process dies (killed, out of memory, a crash in native code), the front end sees its
-socket close at once and fails every request the process held with a 503 that says why; it starts a new one with
-the last configuration the old one adopted, and refuses requests with 503 (Retry-After) until it is ready. On
-shutdown the front end asks the process to answer everything it accepted and waits for it to exit. The shared
-memory is an anonymous memory file: nothing of it outlives the processes, however they end.
+It runs the model's `ModelWorker` as a standalone server would: its queue and batching policy, the batch execution
+with early release, the releasing thread, the controller and the compile worker. Requests come from the front end's
+socket, their inputs from the shared memory it wrote them into; each answer goes back as one frame, sent from
+whichever thread has it. It stops when the front end says so, or is gone, once it has answered what it accepted.
 """
 
 from __future__ import annotations
 
-import asyncio
-import dataclasses
 import itertools
 import logging
 import os
 import select
 import signal
 import socket
-import subprocess
 import sys
 import threading
-import time
-from collections.abc import Callable, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
 import numpy as np
 from prometheus_client import CollectorRegistry
 
-from rampserve.control.controller import ControllerSettings
 from rampserve.control.records import BatchRecord, Configuration
+from rampserve.runtime.bundle import load_bundle
 from rampserve.serving import wire
+from rampserve.serving.contract import GIL_SWITCH_INTERVAL_S, Answer, ModelSettings, Shed, freeze_startup_objects
 from rampserve.serving.metrics import ServerMetrics
-from rampserve.serving.models import ServedModel
-from rampserve.serving.worker import (
-    GIL_SWITCH_INTERVAL_S,
-    Answer,
-    ControlLink,
-    ExecutionFailed,
-    ModelSettings,
-    ModelWorker,
-    Shed,
-    Worker,
-    freeze_startup_objects,
-)
+from rampserve.serving.models import served
+from rampserve.serving.worker import ModelWorker
 
 log = logging.getLogger("rampserve.serving")
 
-# Slots of shared memory for requests' inputs: 64 KiB holds 20 Fashion-MNIST images or 4 text inputs of 512
-# tokens; a request that fits no free slot sends its tensors in its frame instead. Pages are used only once
-# written, so the 16 MiB cost what the busiest moment touched.
-SLOT_BYTES = 64 << 10
-SLOTS = 256
-CONTROL_TIMEOUT_S = 5.0  # longest wait for an executor's status or metrics
 # Longest an executor's control thread waits for a controller the front end holds; past it, the record is lost to
 # the controller and the executor serves on with the configuration it has (as a replica that loses its controller)
 CONTROL_CALL_TIMEOUT_S = 30.0
-# A process that dies this soon after it became ready is restarted after a growing pause (a crash loop)
-QUICK_DEATH_S = 10.0
-MAX_RESTART_PAUSE_S = 30.0
-
-
-class ExecutorLost(Exception):
-    """The executor process died holding the request; it was not answered (503)."""
-
-
-def make_worker(served: ServedModel, settings: ModelSettings, metrics: ServerMetrics,
-                control: ControlLink | None = None) -> Worker:
-    """The executor for a served model: a process of its own where settings ask for it and the model can be loaded
-    from its bundle there (with its controller, unless `control` links it to one this process holds); else a
-    thread in this process."""
-    if settings.executor == "process" and served.model.bundle_dir is not None:
-        return ProcessWorker(served, settings, metrics, control)
-    return ModelWorker(served, settings, metrics, control)
-
-
-def settings_to_json(settings: ModelSettings) -> dict:
-    return dataclasses.asdict(settings)
-
-
-def settings_from_json(data: dict) -> ModelSettings:
-    controller = dict(data["controller"])
-    if controller["initial"] is not None:
-        controller["initial"] = tuple(controller["initial"])
-    return ModelSettings(**{**data, "controller": ControllerSettings(**controller)})
-
-
-def refused_header(request: int, error: BaseException) -> dict:
-    if isinstance(error, Shed):
-        return {"i": request, "shed": [error.status, error.reason, error.message, error.retry_after_s]}
-    return {"i": request, "failed": str(error)}
-
-
-def refusal(header: dict) -> Exception:
-    if "shed" in header:
-        return Shed(*header["shed"])
-    return ExecutionFailed(header["failed"])
 
 
 def metric_families(registry: CollectorRegistry, model: str) -> list[dict]:
@@ -121,290 +53,11 @@ def metric_families(registry: CollectorRegistry, model: str) -> list[dict]:
     return families
 
 
-# ---- the front end's side ----------------------------------------------------------------------------------------
-
-
-@dataclass(eq=False)
-class _InFlight:
-    future: asyncio.Future
-    slot: int | None
-    on_final: Callable[[Answer], None] | None  # None once called: a request's final answer comes once
-    answered: bool = False  # its ANSWER came (its FINAL, when it has one, may come before or after)
-
-
-class _Channel(asyncio.Protocol):
-    """The front end's end of one executor process's socket, read on the event loop."""
-
-    def __init__(self, worker: ProcessWorker, process: subprocess.Popen, ready: asyncio.Future) -> None:
-        self.worker, self.process, self.ready = worker, process, ready
-        self.reader = wire.FrameReader()
-        self.transport: asyncio.Transport | None = None
-        self.closed = asyncio.get_running_loop().create_future()
-        self.ready_at = 0.0
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
-
-    def data_received(self, data: bytes) -> None:
-        for kind, header, body in self.reader.feed(data):
-            self.worker._on_frame(self, kind, header, body)
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.closed.set_result(None)
-        self.worker._lost(self)
-
-
-class ProcessWorker:
-    """The front end's handle on a model served by an executor process: the same interface as a `ModelWorker`."""
-
-    def __init__(self, served: ServedModel, settings: ModelSettings, metrics: ServerMetrics,
-                 control: ControlLink | None = None) -> None:
-        """`control`: a controller this process holds for the model (on Ray Serve, the actor its replicas share),
-        which the executor process's control thread reaches through this one; None: the executor has its own."""
-        self.served, self.settings, self.metrics = served, settings, metrics
-        self._control = control
-        # Its calls block (a Ray actor's answers): they run on a thread, one at a time, in the order records came
-        self._control_calls = None if control is None else ThreadPoolExecutor(1, f"control-{served.name}")
-        self.restarts = 0
-        self._arena: wire.SlotArena | None = None
-        self._channel: _Channel | None = None  # None while (re)starting or stopped
-        self._in_flight: dict[int, _InFlight] = {}
-        self._replies: dict[int, asyncio.Future] = {}
-        self._ids = itertools.count()
-        self._configuration: Configuration | None = None  # the last one the executor adopted
-        self._stopping = False
-        self._restarting: asyncio.Task | None = None
-        self._quick_deaths = 0
-        self._labels = {"model": served.name}
-
-    @property
-    def pid(self) -> int | None:
-        return None if self._channel is None else self._channel.process.pid
-
-    async def launch(self) -> None:
-        self._arena = wire.SlotArena.create(self.served.name, SLOT_BYTES, SLOTS)
-        self._channel = await self._spawn()
-
-    async def _spawn(self) -> _Channel:
-        """Start an executor process and wait until it serves (its first set compiled and loaded)."""
-        loop = asyncio.get_running_loop()
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        command = [sys.executable, "-m", "rampserve.serving.executor", str(theirs.fileno()), str(self._arena.fd)]
-        # A session of its own: a terminal's Ctrl-C reaches the front end alone, which then drains the executor
-        process = subprocess.Popen(command, pass_fds=(theirs.fileno(), self._arena.fd), start_new_session=True)
-        theirs.close()
-        ready = loop.create_future()
-        transport, channel = await loop.create_unix_connection(lambda: _Channel(self, process, ready), sock=ours)
-        settings, relayed = self.settings, None
-        if self._control is not None:  # the controller outlives its executors: it says where they start
-            relayed = self._control.configuration().to_json()
-        elif self._configuration is not None:  # a restart: carry on with the configuration the last one had
-            last = self._configuration
-            settings = replace(settings, controller=replace(
-                settings.controller, initial=last.sites, start_thresholds=dict(zip(last.sites, last.thresholds))))
-        transport.write(wire.frame(wire.HELLO, {
-            "bundle": str(self.served.model.bundle_dir), "name": self.served.name, "version": self.served.version,
-            "settings": settings_to_json(settings), "relayed_control": relayed,
-            "slot_bytes": self._arena.slot_bytes, "slots": self._arena.slots}))
-        await ready
-        channel.ready_at = time.monotonic()
-        return channel
-
-    # ---- requests (event loop) ---------------------------------------------------------------------------------
-
-    def submit(self, inputs: Mapping[str, np.ndarray], rows: int, needs_final: bool,
-               deadline_ms: float | None = None, priority: int = 0,
-               on_final: Callable[[Answer], None] | None = None) -> asyncio.Future:
-        channel = self._channel
-        if channel is None:
-            reason = "shutdown" if self._stopping else "restarting"
-            self.metrics.shed.labels(reason=reason, **self._labels).inc()
-            raise Shed(503, reason, f"model {self.served.name}: " + (
-                "the server is shutting down" if self._stopping else "its executor process is restarting"), 1)
-        layout, size = wire.layout_of(inputs)
-        slot = self._arena.take() if size <= self._arena.slot_bytes else None
-        body = b""
-        if slot is not None:
-            start = self._arena.offset(slot)
-            wire.pack_into(self._arena.view[start:start + size], inputs, layout)
-        else:
-            packed = bytearray(size)
-            wire.pack_into(memoryview(packed), inputs, layout)
-            body = packed
-        request = next(self._ids)
-        future = asyncio.get_running_loop().create_future()
-        self._in_flight[request] = _InFlight(future, slot, on_final)
-        channel.transport.write(wire.frame(wire.REQUEST, {
-            "i": request, "rows": rows, "final": needs_final, "deadline": deadline_ms, "priority": priority,
-            "keep": on_final is not None, "slot": slot, "layout": layout, "arrival": time.monotonic()}, body))
-        return future
-
-    def count_cached(self, labels: np.ndarray) -> None:
-        if self._channel is not None:
-            self._channel.transport.write(wire.frame(wire.CACHED, {}, np.asarray(labels, dtype=np.int64).tobytes()))
-
-    def _on_frame(self, channel: _Channel, kind: int, header: dict, body: memoryview) -> None:
-        if kind == wire.ANSWER:
-            waiting = self._in_flight.get(header["i"])
-            if waiting is None:
-                return
-            self._release_slot(waiting)
-            waiting.answered = True
-            if waiting.on_final is None:  # no final answer to keep, or it came first
-                del self._in_flight[header["i"]]
-            if not waiting.future.done():
-                waiting.future.set_result(wire.read_answer(header, body))
-        elif kind == wire.FINAL:
-            # Before the ANSWER when that carries the final answer (the executor keeps it first, so the cache holds
-            # it before the response leaves); after it when a ramp released the answer early
-            waiting = self._in_flight.get(header["i"])
-            if waiting is not None and waiting.on_final is not None:
-                on_final, waiting.on_final = waiting.on_final, None
-                if waiting.answered:
-                    del self._in_flight[header["i"]]
-                on_final(wire.read_answer(header, body))
-        elif kind == wire.REFUSED:
-            waiting = self._in_flight.pop(header["i"], None)
-            if waiting is not None:
-                self._release_slot(waiting)
-                if not waiting.future.done():
-                    waiting.future.set_exception(refusal(header))
-        elif kind == wire.REPLY:
-            future = self._replies.pop(header["i"], None)
-            if future is not None and not future.done():
-                future.set_result(header["r"])
-        elif kind in (wire.OBSERVE, wire.REFRESH) and self._control is not None:
-            call = (partial(self._control.observe, wire.read_record(header, body)) if kind == wire.OBSERVE
-                    else self._control.refresh)
-            asked = asyncio.get_running_loop().run_in_executor(self._control_calls, self._ask_control, call)
-            asked.add_done_callback(partial(self._control_answered, channel, header["i"]))
-        elif kind == wire.CONFIGURATION:
-            self._configuration = configuration_from_json(header)
-        elif kind == wire.READY and not channel.ready.done():
-            channel.ready.set_result(header)
-
-    def _ask_control(self, call: Callable[[], Configuration | None]) -> dict:
-        new = call()
-        return {"configuration": None if new is None else new.to_json(), "readings": self._control.readings()}
-
-    def _control_answered(self, channel: _Channel, request: int, asked: asyncio.Future) -> None:
-        if channel is not self._channel:
-            return  # that executor is gone
-        if asked.exception() is not None:
-            log.error("model %s: its controller failed: %s", self.served.name, asked.exception())
-            answer = {"i": request, "error": str(asked.exception())}
-        else:
-            answer = {"i": request, **asked.result()}
-        channel.transport.write(wire.frame(wire.CONTROL_REPLY, answer))
-
-    def _release_slot(self, waiting: _InFlight) -> None:
-        if waiting.slot is not None:
-            self._arena.give(waiting.slot)
-            waiting.slot = None
-
-    def _lost(self, channel: _Channel) -> None:
-        """The executor's socket closed: it exited (asked to, or died). Everything it held fails now."""
-        code = channel.process.poll()
-        how = "exited" if code is None else (f"was killed by signal {-code}" if code < 0 else f"exited with {code}")
-        if not channel.ready.done():
-            channel.ready.set_exception(RuntimeError(f"model {self.served.name}: its executor process {how} "
-                                                     "before it was ready"))
-        self._channel = None
-        lost = ExecutorLost(f"model {self.served.name}: its executor process {how} while it held this request; "
-                            "it is being restarted")
-        for waiting in self._in_flight.values():
-            if not waiting.future.done():
-                waiting.future.set_exception(lost)
-        self._in_flight.clear()
-        for future in self._replies.values():
-            if not future.done():
-                future.set_exception(lost)
-        self._replies.clear()
-        self._arena.free_all()  # nobody reads any slot now
-        if self._stopping or not channel.ready_at:
-            return
-        log.error("model %s: its executor process (pid %d) %s; restarting it", self.served.name,
-                  channel.process.pid, how)
-        self.restarts += 1
-        self.metrics.executor_restarts.labels(**self._labels).inc()
-        self._quick_deaths = self._quick_deaths + 1 if time.monotonic() - channel.ready_at < QUICK_DEATH_S else 0
-        self._restarting = asyncio.get_running_loop().create_task(self._restart(channel.process))
-
-    async def _restart(self, dead: subprocess.Popen) -> None:
-        await asyncio.to_thread(dead.wait)  # reap it
-        while not self._stopping:
-            pause = 0.0 if not self._quick_deaths else min(MAX_RESTART_PAUSE_S, 0.5 * 2 ** self._quick_deaths)
-            await asyncio.sleep(pause)
-            try:
-                self._channel = await self._spawn()
-                return
-            except Exception:
-                log.exception("model %s: its executor process failed to start again", self.served.name)
-                self._quick_deaths += 1
-
-    # ---- status and metrics -------------------------------------------------------------------------------------
-
-    async def _ask(self, kind: int, **question: object) -> object:
-        channel = self._channel
-        if channel is None:
-            raise ExecutorLost(f"model {self.served.name}: its executor process is restarting")
-        request = next(self._ids)
-        future = asyncio.get_running_loop().create_future()
-        self._replies[request] = future
-        channel.transport.write(wire.frame(kind, {"i": request, **question}))
-        try:
-            return await asyncio.wait_for(future, CONTROL_TIMEOUT_S)
-        finally:
-            self._replies.pop(request, None)
-
-    async def current_status(self, latest_decisions: int | None = None) -> dict:
-        executor = {"kind": "process", "pid": self.pid, "restarts": self.restarts, "in_flight": len(self._in_flight)}
-        try:
-            status = await self._ask(wire.STATUS, decisions=latest_decisions)
-        except (ExecutorLost, TimeoutError) as exc:
-            return {"name": self.served.name, "version": self.served.version, "executor": executor,
-                    "unavailable": str(exc) or "no answer"}
-        if self._control is not None:  # the controller's part, which the executor cannot ask for
-            status.update(await asyncio.to_thread(self._control.status, latest_decisions))
-        return {**status, "executor": executor}
-
-    async def exported_metrics(self) -> list[dict]:
-        try:
-            return await self._ask(wire.METRICS)
-        except (ExecutorLost, TimeoutError):
-            return []
-
-    # ---- shutdown -----------------------------------------------------------------------------------------------
-
-    async def shutdown(self) -> None:
-        """Let the executor answer everything it accepted, then wait for it to exit."""
-        self._stopping = True
-        if self._restarting is not None:
-            self._restarting.cancel()
-        channel = self._channel
-        if channel is not None:
-            channel.transport.write(wire.frame(wire.QUIT, {}))
-            await channel.closed
-            await asyncio.to_thread(channel.process.wait)
-        self._channel = None
-        if self._arena is not None:
-            self._arena.close()
-            self._arena = None
-        if self._control_calls is not None:
-            self._control_calls.shutdown()
-
-
-# ---- the executor process's side ---------------------------------------------------------------------------------
-
-
 class Executor:
     """The executor process: a `ModelWorker` whose executor thread reads the front end's frames itself whenever it
-    waits for work (`ModelWorker.feed`), and answers through the socket from whichever thread has the answer."""
+    waits for work (`RequestQueue.feed`), and answers through the socket from whichever thread has the answer."""
 
     def __init__(self, sock: socket.socket, reader: wire.FrameReader, hello: dict, arena_fd: int) -> None:
-        from rampserve.runtime.bundle import load_bundle
-        from rampserve.serving.models import served
-
         self._sock, self._reader, self._sending = sock, reader, threading.Lock()
         self._calls: dict[int, Future] = {}  # the front end's answers awaited, by call
         self._call_ids = itertools.count()
@@ -413,10 +66,10 @@ class Executor:
         model = replace(served(hello["name"], load_bundle(Path(hello["bundle"]))), version=hello["version"])
         self.metrics = ServerMetrics()
         relayed = hello["relayed_control"]
-        control = None if relayed is None else RelayedControl(self, configuration_from_json(relayed))
-        self.worker = ModelWorker(model, settings_from_json(hello["settings"]), self.metrics, control)
+        control = None if relayed is None else RelayedControl(self, Configuration.from_json(relayed))
+        self.worker = ModelWorker(model, ModelSettings.from_json(hello["settings"]), self.metrics, control)
         self.worker.on_configuration = lambda config: self.send(wire.frame(wire.CONFIGURATION, config.to_json()))
-        self.worker.feed = self._read
+        self.worker.queue.feed = self._read
 
     def send(self, data: bytes) -> None:
         with self._sending:  # the executor, releasing and control threads all answer
@@ -476,32 +129,27 @@ class Executor:
             for future in self._calls.values():
                 if not future.done():
                     future.set_exception(ConnectionError("the front end is gone"))
-        self.worker.request_stop()
+        self.worker.queue.request_stop()
 
     def _admit(self, header: dict, body: memoryview) -> None:
         request, slot = header["i"], header["slot"]
         inputs = (wire.unpack(body, header["layout"]) if slot is None
                   else wire.unpack(self.arena.view, header["layout"], self.arena.offset(slot)))
         try:
-            self.worker.admit(inputs, header["rows"], header["final"], partial(self._reply, request),
-                              header["deadline"], header["priority"],
-                              partial(self._final, request) if header["keep"] else None, header["arrival"])
+            self.worker.queue.admit(inputs, header["rows"], header["final"], partial(self._reply, request),
+                                    header["deadline"], header["priority"],
+                                    partial(self._final, request) if header["keep"] else None, header["arrival"])
         except Shed as exc:
-            self.send(wire.frame(wire.REFUSED, refused_header(request, exc)))
+            self.send(wire.refused_frame(request, exc))
 
     def _reply(self, request: int, result: Answer | BaseException) -> None:
         if isinstance(result, Answer):
             self.send(wire.answer_frame(wire.ANSWER, request, result))
         else:
-            self.send(wire.frame(wire.REFUSED, refused_header(request, result)))
+            self.send(wire.refused_frame(request, result))
 
     def _final(self, request: int, answer: Answer) -> None:
         self.send(wire.answer_frame(wire.FINAL, request, answer))
-
-
-def configuration_from_json(data: dict) -> Configuration:
-    return Configuration(data["version"], tuple(data["sites"]), tuple(data["thresholds"]),
-                         tuple(data.get("shadow_sites", ())), int(data.get("shadow_every", 0)))
 
 
 class RelayedControl:
@@ -534,7 +182,7 @@ class RelayedControl:
         self._readings = answer["readings"]
         if answer["configuration"] is None:
             return None
-        self._current = configuration_from_json(answer["configuration"])
+        self._current = Configuration.from_json(answer["configuration"])
         return self._current
 
     def readings(self) -> dict[str, float]:

@@ -19,7 +19,7 @@ from rampserve.serving.apps.catalogue import Catalogue
 from rampserve.serving.apps.predictors import ModelUnavailable, Prediction, PredictRequest, Predictor
 from rampserve.serving.apps.state_store import StoreError
 from rampserve.serving.cache import CachedAnswer, PredictionCache, cache_key
-from rampserve.serving.executor import ExecutorLost
+from rampserve.serving.contract import ExecutionFailed, ExecutorLost, Shed
 from rampserve.serving.metrics import ServerMetrics
 from rampserve.serving.models import LABEL_OUTPUT
 from rampserve.serving.protocol import (
@@ -32,7 +32,6 @@ from rampserve.serving.protocol import (
     output_names_to_send,
     parse_infer_request,
 )
-from rampserve.serving.worker import ExecutionFailed, Shed
 
 JSON = "application/json"
 

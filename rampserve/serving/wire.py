@@ -17,7 +17,7 @@ import numpy as np
 import orjson
 
 from rampserve.control.records import BatchRecord
-from rampserve.serving.worker import Answer
+from rampserve.serving.contract import Answer, ExecutionFailed, Shed
 
 FRAME = struct.Struct("<IB")  # bytes after this prefix, kind
 HEADER = struct.Struct("<I")  # bytes of the JSON header
@@ -168,6 +168,19 @@ def read_answer(header: dict, body: memoryview) -> Answer:
         rows, classes)
     return Answer(labels, tuple(header["s"]), tuple(header["e"]), confidences, logits, header["v"], header["b"],
                   header["t"])
+
+
+def refused_frame(request: int, error: BaseException) -> bytes:
+    """A request shed (`Shed`, with its status and reason) or failed (anything else), as the front end gets it."""
+    if isinstance(error, Shed):
+        return frame(REFUSED, {"i": request, "shed": [error.status, error.reason, error.message, error.retry_after_s]})
+    return frame(REFUSED, {"i": request, "failed": str(error)})
+
+
+def read_refusal(header: dict) -> Exception:
+    if "shed" in header:
+        return Shed(*header["shed"])
+    return ExecutionFailed(header["failed"])
 
 
 # ---- batch records ---------------------------------------------------------------------------------------------

@@ -29,12 +29,12 @@ from rampserve.serving.apps.applications import (
     ApplicationSpec,
     check_compatible,
 )
-from rampserve.serving.executor import make_worker
 from rampserve.serving.metrics import ServerMetrics
 from rampserve.serving.models import served
 from rampserve.serving.apps.predictors import Predictor, RemotePredictor, WorkerPredictor, onnx_predictor
 from rampserve.serving.apps.state_store import StateStore
-from rampserve.serving.worker import ModelSettings, Worker
+from rampserve.serving.contract import ModelSettings, Worker
+from rampserve.serving.process_worker import make_worker
 
 log = logging.getLogger("rampserve.serving")
 

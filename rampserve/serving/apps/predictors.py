@@ -32,8 +32,8 @@ from torch import nn
 from rampserve.graph.torch_graph import TRACE_GUARD
 from rampserve.ramps.scores import top_label_and_error
 from rampserve.serving.models import LABEL_OUTPUT, LOGITS_OUTPUT, V2_DATATYPES, ServedModel
+from rampserve.serving.contract import Answer, Worker
 from rampserve.serving.protocol import TensorSpec
-from rampserve.serving.worker import Answer, Worker
 
 ONNX_DATATYPES = {"tensor(float)": "FP32", "tensor(double)": "FP64", "tensor(float16)": "FP16",
                   "tensor(int64)": "INT64", "tensor(int32)": "INT32", "tensor(uint8)": "UINT8",

@@ -21,9 +21,8 @@ from rampserve.serving.app import create_app
 from rampserve.serving.apps.applications import ApplicationSpec
 from rampserve.serving.models import ServedModel, load_served
 from rampserve.serving.ray.control import RayControl
-from rampserve.serving.server import (GIL_SWITCH_INTERVAL_S, ServerSettings, build_state, check_admin_access,
-                                     freeze_startup_objects)
-from rampserve.serving.worker import ControlLink, ModelSettings
+from rampserve.serving.contract import GIL_SWITCH_INTERVAL_S, ControlLink, ModelSettings, freeze_startup_objects
+from rampserve.serving.server import ServerSettings, build_state, check_admin_access
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,176 @@
+"""What the front end and a served bundle's executor agree on, free of torch: the front end imports this and never
+the executor's modules, so that a server whose models run in executor processes never loads torch itself.
+
+`Worker` is the executor as the front end sees it (`worker.ModelWorker` in this process, `process_worker.ProcessWorker`
+for one in a process of its own), `ControlLink` where its records go, `Answer` what a request gets, `Shed`,
+`ExecutionFailed` and `ExecutorLost` what it may get instead; `ModelSettings` how a model is served. Both processes
+set the interpreter up alike (`GIL_SWITCH_INTERVAL_S`, `freeze_startup_objects`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import gc
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+import numpy as np
+
+from rampserve.control.controller import ControllerSettings
+from rampserve.control.records import BatchRecord, Configuration
+
+if TYPE_CHECKING:
+    from rampserve.serving.models import ServedModel
+
+EXECUTORS = ("process", "thread")
+# How long a thread holding the GIL runs before a waiting one may take it. Python's default (5 ms) would let the
+# executor, between two of the model's operators, keep the thread that sends an answer released early from it
+# for longer than the whole model takes; 0.2 ms bounds that wait at a tenth of a small model's batch.
+GIL_SWITCH_INTERVAL_S = 0.0002
+
+
+def freeze_startup_objects() -> None:
+    """Move every object made while starting (models, compiled sets, the libraries' own) out of the garbage
+    collector's reach: a full collection stops every thread, and over them it took 100-200 ms on resnet18-fmnist
+    (the event loop's lag reached 205 ms, every request waiting meanwhile); over what serving makes later, it
+    takes a few ms. Call it once a process that serves is built, before it serves."""
+    gc.collect()
+    gc.freeze()
+
+
+@dataclass(frozen=True)
+class ModelSettings:
+    slo_ms: float | None = None  # None: twice the model's profiled batch-1 latency
+    max_batch: int | None = None  # None: the largest profiled batch size that fits the SLO (Clockwork)
+    # Longest the oldest queued input waits for a batch to fill. 0: work-conserving (a free executor takes what
+    # is queued at once), which suits latency: on these CPUs a batch of 2 costs nearly two batches of 1.
+    max_delay_ms: float = 0.0
+    adaptive_batching: bool = True  # Clipper's AIMD on the batch size against the SLO
+    max_queue: int = 1024  # inputs waiting; beyond, requests are refused with 503
+    # A request's deadline when it brings none (None: no deadline; the bounded queue still sheds). A request
+    # that cannot meet its deadline is refused (429) rather than answered late.
+    deadline_ms: float | None = None
+    torch_threads: int | None = 1  # intra-op threads of the executor; None: torch's default (one per core)
+    # Run a torch model's stages as TorchScript where they trace faithfully (bit-equal outputs; see
+    # `trace_stages`): eager torch retakes the GIL after every operator, and waits for the event loop to give
+    # it back.
+    torchscript: bool = True
+    vanilla: bool = False  # no ramps, no controller: the original model as any server would run it
+    # Active cache ramps learn from every batch's final labels (Freeze's caches, kept current by live traffic).
+    cache_updates: bool = True
+    # How long a starting server waits for the sets its controller may ask for next to compile (in the worker
+    # process) so that it loads them before it serves; the rest load when needed
+    preload_s: float = 30.0
+    # Where a bundle's executor runs: "process", a process of its own (`serving.executor`), so that the front end's
+    # parsing and writing never holds the GIL the model's Python parts need; or "thread", in the server's process
+    # (a model built in memory, with no bundle on disk to load, always runs there)
+    executor: str = "process"
+    controller: ControllerSettings = field(default_factory=ControllerSettings)
+
+    def __post_init__(self) -> None:
+        if self.executor not in EXECUTORS:
+            raise ValueError(f"executor must be one of {EXECUTORS}, got {self.executor!r}")
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> ModelSettings:
+        controller = dict(data["controller"])
+        if controller["initial"] is not None:
+            controller["initial"] = tuple(controller["initial"])
+        return cls(**{**data, "controller": ControllerSettings(**controller)})
+
+
+class ControlLink(Protocol):
+    """Where a worker's batch records go and its configurations come from."""
+
+    def configuration(self) -> Configuration: ...
+
+    def observe(self, record: BatchRecord) -> Configuration | None: ...
+
+    def readings(self) -> dict[str, float]:
+        """The controller's gauges (`Controller.readings`)."""
+
+    def refresh(self) -> Configuration | None:
+        """A configuration published since this worker last heard (by records of other workers), or None."""
+
+    def status(self, latest_decisions: int | None = None) -> dict:
+        """The controller's status (`Controller.status`) with its latest decisions (None: all)."""
+
+
+class Worker(Protocol):
+    """What the front end asks of a served bundle's executor, in this process (`worker.ModelWorker`) or in one of its
+    own (`process_worker.ProcessWorker`). Everything but `launch` and `shutdown` is called on the event loop and
+    returns at once."""
+
+    served: ServedModel
+
+    async def launch(self) -> None:
+        """Start serving (once the event loop runs)."""
+
+    def submit(self, inputs: Mapping[str, np.ndarray], rows: int, needs_final: bool,
+               deadline_ms: float | None = None, priority: int = 0,
+               on_final: Callable[[Answer], None] | None = None) -> asyncio.Future:
+        """Queue a request; the future resolves with its `Answer`. Raises `Shed` if refused."""
+
+    def count_cached(self, labels: np.ndarray) -> None:
+        """Answers the prediction cache gave, for the controller's books."""
+
+    async def current_status(self, latest_decisions: int | None = None) -> dict:
+        """The status, with the controller's latest decisions (None: all of them)."""
+
+    async def exported_metrics(self) -> list[dict]:
+        """Metric families kept outside the server's registry, as `executor.metric_families` gives them."""
+
+    async def shutdown(self) -> None:
+        """Answer everything accepted, then stop."""
+
+
+class Shed(Exception):
+    """A request refused (at admission) or dropped (its deadline passed in the queue)."""
+
+    def __init__(self, status: int, reason: str, message: str, retry_after_s: int | None = None) -> None:
+        super().__init__(message)
+        self.status, self.reason, self.message, self.retry_after_s = status, reason, message, retry_after_s
+
+
+class ExecutionFailed(Exception):
+    """The model raised while running a batch; every request of the batch gets this."""
+
+
+class ExecutorLost(Exception):
+    """The executor process died holding the request; it was not answered (503)."""
+
+
+@dataclass(frozen=True)
+class Answer:
+    labels: np.ndarray  # (rows,) released label per input
+    exit_sites: tuple[str | None, ...]  # per input: the ramp that answered, None for the final layer
+    error_scores: tuple[float | None, ...]
+    # per input: 1 - error score of the ramp that answered, or the final layer's top softmax probability
+    confidences: np.ndarray
+    logits: np.ndarray | None  # the original model's, when the request asked for them
+    config_version: int
+    batch_id: int
+    released_at: float  # time.monotonic() in the server when the answer was released
+
+    @property
+    def early(self) -> bool:
+        return all(site is not None for site in self.exit_sites)
+
+
+def future_reply(loop: asyncio.AbstractEventLoop, future: asyncio.Future) -> Callable[[Answer | BaseException], None]:
+    """A reply that resolves `future` on its event loop, from any thread."""
+    return lambda result: loop.call_soon_threadsafe(_set_future, future, result)
+
+
+def _set_future(future: asyncio.Future, result: Answer | BaseException) -> None:
+    if future.done():  # the client went away and its handler was cancelled
+        return
+    if isinstance(result, BaseException):
+        future.set_exception(result)
+    else:
+        future.set_result(result)
