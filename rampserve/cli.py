@@ -810,6 +810,24 @@ def bench_executor(
     console.print(executor_table(run_executor_bench(settings, json_out)))
 
 
+@bench_app.command("startup")
+def bench_startup(
+    models: Annotated[Optional[list[str]], typer.Option("--model", help="zoo model (repeat for several; default "
+                                                                        "resnet18-fmnist), e.g. mpnet-rt")] = None,
+    rounds: Annotated[int, typer.Option(help="starts per model, interleaved across models")] = 5,
+    vanilla: Annotated[bool, typer.Option(help="serve the original model: no controller, no sets to compile")] = False,
+    json_out: Annotated[Optional[Path], typer.Option("--json", help="write the results here")] = None,
+) -> None:
+    """A server's start: the front end's resident memory and its time to ready, with the executor's memory."""
+    from rampserve.bench.startup import StartupBenchSettings, run_startup_bench, startup_table
+
+    try:
+        settings = StartupBenchSettings(models=tuple(models or (DEFAULT_MODEL,)), rounds=rounds, vanilla=vanilla)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    console.print(startup_table(run_startup_bench(settings, json_out)))
+
+
 @bench_app.command("dashboard")
 def bench_dashboard(
     model: Annotated[str, typer.Option(help="zoo model")] = DEFAULT_MODEL,

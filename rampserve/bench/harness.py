@@ -87,11 +87,14 @@ def add_paired_rows(table: Table, rows: list[tuple[str, str, str]], systems: lis
     """Rows (label, figure, format) of each system's median (min–max over rounds) and the ratio paired within
     rounds (`round_ratios`) in the last column."""
     for label, key, spec in rows:
-        cells = []
-        for system in systems:
-            span = system["min_max"].get(key)
-            cells.append(fmt(system.get(key), spec) + ("" if span is None else f" ({span[0]:{spec}}–{span[1]:{spec}})"))
-        table.add_row(label, *cells, ratio_cell(ratios.get(key), ratio_spec))
+        table.add_row(label, *(median_cell(system, key, spec) for system in systems),
+                      ratio_cell(ratios.get(key), ratio_spec))
+
+
+def median_cell(system: dict, key: str, spec: str) -> str:
+    """A figure of a system's rounds (`peers.over_rounds`) as a table cell: median (min–max)."""
+    span = system["min_max"].get(key)
+    return fmt(system.get(key), spec) + ("" if span is None else f" ({span[0]:{spec}}–{span[1]:{spec}})")
 
 
 def most_frequent(errors: dict[str, int]) -> dict[str, int]:
@@ -165,14 +168,15 @@ class ServerProcess:
     killed with everything in its session."""
 
     def __init__(self, command: Callable[[int, int], list[str]], log: Path, start_timeout_s: float,
-                 ready_path: str = READY_PATH, stop_signal: signal.Signals = signal.SIGTERM) -> None:
-        self.log, self.start_timeout_s = log, start_timeout_s
+                 ready_path: str = READY_PATH, stop_signal: signal.Signals = signal.SIGTERM, poll_s: float = 0.2) -> None:
+        self.log, self.start_timeout_s, self.poll_s = log, start_timeout_s, poll_s
         self.ready_path, self.stop_signal = ready_path, stop_signal
         self.port, self.grpc_port = free_port(), free_port()
         self.command = command(self.port, self.grpc_port)
         self.process: subprocess.Popen | None = None
         self.exit_code: int | None = None
         self.killed = False  # did not stop within its grace period after the stop signal
+        self.ready_s: float | None = None  # from starting the command to its first ready answer (within `poll_s`)
 
     def url(self, path: str) -> str:
         return f"http://127.0.0.1:{self.port}{path}"
@@ -187,6 +191,7 @@ class ServerProcess:
         return grpc_url(self.grpc_port, model) if transport == "grpc" else self.url(f"/v2/models/{model}/infer")
 
     def __enter__(self) -> ServerProcess:
+        started = time.monotonic()
         with self.log.open("wb") as log:
             # A shell that starts a job in the background (`cmd &`, nohup) ignores SIGINT in it, and children
             # inherit that: the server must hear its stop signal however the benchmark was started
@@ -200,10 +205,11 @@ class ServerProcess:
             try:
                 with urllib.request.urlopen(self.url(self.ready_path), timeout=2) as response:
                     if response.status == 200:
+                        self.ready_s = time.monotonic() - started
                         return self
             except OSError:
                 pass
-            time.sleep(0.2)
+            time.sleep(self.poll_s)
         self.__exit__(None, None, None)
         raise RuntimeError(f"the server was not ready within {self.start_timeout_s} s:\n{tail(self.log)}")
 
