@@ -29,6 +29,7 @@ import tritonclient.http as triton
 from rampserve.control.controller import ControllerSettings
 from rampserve.serving.app import ServerState
 from rampserve.serving.models import ServedModel, load_served
+from rampserve.serving.models import served as make_served
 from rampserve.serving.server import ServerSettings, build_state, running_server
 from rampserve.serving.contract import ModelSettings
 
@@ -592,7 +593,7 @@ def test_the_controller_learns_each_ramps_error_in_the_models_own_score(served, 
     the controller's history holds each input's entropy at the ramp, as the eager ramp scores it."""
     # Compiled in this process: a compile worker would load the bundle, whose ramps score by max_prob
     model = replace(served.model, error_score="entropy", bundle_dir=None)
-    entropic = replace(served, model=model)
+    entropic = make_served(served.name, model)
     x = fmnist_feeds[:8]
     seen: list[np.ndarray] = []
     model.run({entropic.inputs[0].name: x}, [model.site_names[1]], lambda _, labels, errors: seen.append(errors))

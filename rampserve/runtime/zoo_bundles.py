@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from rampserve.paths import bundles_dir
@@ -39,3 +40,16 @@ def zoo_bundle(model: str, small: bool = False, config: PrepareConfig = PrepareC
         # a bundle that older ones serve from must not be replaced under them (they read the upgraded one as before)
         write_signature(bundle, signature_from_workload(load_bundle(bundle)))
     return bundle
+
+
+def main(argv: list[str]) -> None:
+    """`python -m rampserve.runtime.zoo_bundles MODEL`: print the directory of the zoo model's bundle, prepared if
+    needed (a server finds its zoo models' bundles this way, `serving.models.zoo_bundle_dir`)."""
+    try:
+        print(zoo_bundle(argv[0]))
+    except ValueError as exc:  # not a zoo model: say so without a traceback
+        raise SystemExit(f"rampserve: {exc}") from None
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -19,7 +19,6 @@ import sys
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
@@ -27,11 +26,10 @@ import numpy as np
 from prometheus_client import CollectorRegistry
 
 from rampserve.control.records import BatchRecord, Configuration
-from rampserve.runtime.bundle import load_bundle
 from rampserve.serving import wire
 from rampserve.serving.contract import GIL_SWITCH_INTERVAL_S, Answer, ModelSettings, Shed, freeze_startup_objects
 from rampserve.serving.metrics import ServerMetrics
-from rampserve.serving.models import served
+from rampserve.serving.models import read_served
 from rampserve.serving.worker import ModelWorker
 
 log = logging.getLogger("rampserve.serving")
@@ -63,7 +61,7 @@ class Executor:
         self._call_ids = itertools.count()
         self._calls_lock = threading.Lock()
         self.arena = wire.SlotArena(arena_fd, hello["slot_bytes"], hello["slots"])
-        model = replace(served(hello["name"], load_bundle(Path(hello["bundle"]))), version=hello["version"])
+        model = read_served(Path(hello["bundle"]), hello["name"], hello["version"])
         self.metrics = ServerMetrics()
         relayed = hello["relayed_control"]
         control = None if relayed is None else RelayedControl(self, Configuration.from_json(relayed))

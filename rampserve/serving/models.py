@@ -1,22 +1,30 @@
-"""What the server serves: a prepared model with the tensor signature clients see, found by zoo name or
-bundle directory."""
+"""What the server serves: a prepared model with the tensor signature clients see, found by zoo name or bundle
+directory. A bundle's is read from its manifest and signature alone, without torch: a front end whose models run in
+executor processes never loads one; the model itself loads where it runs (`ServedModel.model`)."""
 
 from __future__ import annotations
 
+import functools
+import subprocess
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from rampserve.runtime.bundle import load_bundle
-from rampserve.runtime.prepared import PreparedModel
+from rampserve.runtime.latency import LatencyProfile
+from rampserve.runtime.manifest import EXAMPLE_FILE, MANIFEST, BundleError, read_manifest, read_signature
 # Re-exported: the server names its answers (app) and other predictors' tensors (predictors) as served models do
 from rampserve.runtime.signature import LABEL_OUTPUT as LABEL_OUTPUT
 from rampserve.runtime.signature import LOGITS_OUTPUT as LOGITS_OUTPUT
 from rampserve.runtime.signature import V2_DATATYPES as V2_DATATYPES
-from rampserve.runtime.signature import TensorSignature
+from rampserve.runtime.signature import ModelSignature, TensorSignature
 from rampserve.serving.protocol import TensorSpec
+
+if TYPE_CHECKING:
+    from rampserve.runtime.prepared import PreparedModel
 
 VERSION = "1"
 
@@ -24,18 +32,31 @@ VERSION = "1"
 @dataclass(frozen=True)
 class ServedModel:
     name: str
-    model: PreparedModel
     inputs: tuple[TensorSpec, ...]
     outputs: tuple[TensorSpec, ...]
+    backend: str  # "torch" or "onnx": what runs the model
+    profile: LatencyProfile | None  # the bundle's latency profile, which sizes batches and the controller's costs
+    bundle_dir: Path | None  # where the model loads from; None for a model built in memory
     # Longest variable dimension a request may bring (a text model's positions); None: all dims are fixed.
     max_variable_dim: int | None = None
     version: str = VERSION
     # Real inputs of the model's workload (two rows): the example its serving path is compiled with
     example: Mapping[str, np.ndarray] = field(default_factory=dict)
+    given: PreparedModel | None = field(default=None, compare=False, repr=False)  # a model built in memory
 
     @property
     def platform(self) -> str:
-        return f"rampserve_{self.model.backend.kind}"
+        return f"rampserve_{self.backend}"
+
+    @functools.cached_property
+    def model(self) -> PreparedModel:
+        """The prepared model: the one given, or loaded from the bundle on first use (with torch), by whatever runs
+        it in this process."""
+        if self.given is not None:
+            return self.given
+        from rampserve.runtime.bundle import load_bundle
+
+        return load_bundle(self.bundle_dir)
 
     def check_limits(self, inputs: Mapping[str, np.ndarray]) -> str | None:
         """What is wrong with inputs the protocol accepted but the model cannot take, or None."""
@@ -53,16 +74,40 @@ def load_served(ref: str) -> ServedModel:
     """A bundle directory, or a zoo model's bundle (prepared on first use)."""
     path = Path(ref)
     if path.is_dir():
-        model, name = load_bundle(path), path.name
-    else:
-        # Imported here: only preparing reads workloads, so serving a bundle need not import their streams
-        from rampserve.runtime.zoo_bundles import zoo_bundle
-
-        model, name = load_bundle(zoo_bundle(ref)), ref
-    return served(name, model)
+        return read_served(path, path.name)
+    return read_served(zoo_bundle_dir(ref), ref)
 
 
-def served(name: str, model: PreparedModel) -> ServedModel:
+def zoo_bundle_dir(name: str) -> Path:
+    """The bundle of zoo model `name`, found (or prepared) by a process of its own: checking the zoo's cache reads
+    the model's workload, and preparing trains it, with torch, none of which a server should keep."""
+    found = subprocess.run([sys.executable, "-m", "rampserve.runtime.zoo_bundles", name], stdout=subprocess.PIPE,
+                           text=True)
+    if found.returncode:
+        raise ValueError(f"{name} is not a bundle directory, and no zoo model's bundle could be found or prepared "
+                         "for it (the error above says why)")
+    return Path(found.stdout.strip().splitlines()[-1])
+
+
+def read_served(bundle_dir: Path, name: str, version: str = VERSION) -> ServedModel:
+    """A bundle as a server serves it, from its manifest and signature: its model is loaded only where it runs. A
+    bundle prepared before bundles carried their signature is loaded here, to derive it (see `served`)."""
+    bundle_dir = Path(bundle_dir)
+    manifest = read_manifest(bundle_dir, digests=(EXAMPLE_FILE,))  # the executor checks the files it loads
+    signature = read_signature(bundle_dir, manifest)
+    if signature is None:
+        from rampserve.runtime.bundle import load_bundle
+
+        return served(name, load_bundle(bundle_dir), version)
+    try:
+        backend = manifest["backend"]
+        profile = LatencyProfile.from_json(manifest["profile"]) if manifest.get("profile") else None
+    except (KeyError, TypeError, ValueError) as exc:
+        raise BundleError(f"{bundle_dir}/{MANIFEST} is incomplete: {exc!r}") from exc
+    return _served(name, signature, backend, profile, bundle_dir, version)
+
+
+def served(name: str, model: PreparedModel, version: str = VERSION) -> ServedModel:
     """The model behind the signature it carries (prepare gives a model one, its bundle keeps it)."""
     signature = model.signature
     if signature is None:
@@ -71,8 +116,13 @@ def served(name: str, model: PreparedModel) -> ServedModel:
         from rampserve.runtime.prepare import signature_from_workload
 
         signature = signature_from_workload(model)
-    return ServedModel(name, model, _specs(signature.inputs), _specs(signature.outputs), signature.max_variable_dim,
-                       example=signature.example)
+    return _served(name, signature, model.backend.kind, model.profile, model.bundle_dir, version, model)
+
+
+def _served(name: str, signature: ModelSignature, backend: str, profile: LatencyProfile | None,
+            bundle_dir: Path | None, version: str, given: PreparedModel | None = None) -> ServedModel:
+    return ServedModel(name, _specs(signature.inputs), _specs(signature.outputs), backend, profile, bundle_dir,
+                       signature.max_variable_dim, version, signature.example, given)
 
 
 def _specs(tensors: tuple[TensorSignature, ...]) -> tuple[TensorSpec, ...]:

@@ -55,7 +55,7 @@ def make_worker(served: ServedModel, settings: ModelSettings, metrics: ServerMet
     """The executor for a served model: a process of its own where settings ask for it and the model can be loaded
     from its bundle there (with its controller, unless `control` links it to one this process holds); else a
     thread in this process, which loads the model (and torch) here."""
-    if settings.executor == "process" and served.model.bundle_dir is not None:
+    if settings.executor == "process" and served.bundle_dir is not None:
         return ProcessWorker(served, settings, metrics, control)
     from rampserve.serving.worker import ModelWorker
 
@@ -141,7 +141,7 @@ class ProcessWorker:
             settings = replace(settings, controller=replace(
                 settings.controller, initial=last.sites, start_thresholds=dict(zip(last.sites, last.thresholds))))
         transport.write(wire.frame(wire.HELLO, {
-            "bundle": str(self.served.model.bundle_dir), "name": self.served.name, "version": self.served.version,
+            "bundle": str(self.served.bundle_dir), "name": self.served.name, "version": self.served.version,
             "settings": settings.to_json(), "relayed_control": relayed,
             "slot_bytes": self._arena.slot_bytes, "slots": self._arena.slots}))
         await ready

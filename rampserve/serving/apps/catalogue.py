@@ -22,7 +22,7 @@ from pathlib import Path
 
 import orjson
 
-from rampserve.runtime.bundle import MANIFEST, load_bundle
+from rampserve.runtime.manifest import MANIFEST
 from rampserve.serving.apps.applications import (
     APPLICATIONS_NAMESPACE,
     Application,
@@ -30,7 +30,7 @@ from rampserve.serving.apps.applications import (
     check_compatible,
 )
 from rampserve.serving.metrics import ServerMetrics
-from rampserve.serving.models import served
+from rampserve.serving.models import read_served
 from rampserve.serving.apps.predictors import Predictor, RemotePredictor, WorkerPredictor, onnx_predictor
 from rampserve.serving.apps.state_store import StateStore
 from rampserve.serving.contract import ModelSettings, Worker
@@ -80,7 +80,7 @@ class ModelRepository:
         if len(kinds) != 1:
             raise CatalogueError(f"{folder} must hold exactly one of {sorted(FORMATS)}, found {len(kinds)}")
         if kinds[0] == "bundle":
-            model = replace(served(name, load_bundle(folder)), version=version)
+            model = read_served(folder, name, version)
             return WorkerPredictor(make_worker(model, self.settings, self.metrics))
         if kinds[0] == "onnx":
             return onnx_predictor(name, folder / "model.onnx", version)

@@ -21,19 +21,19 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import aiohttp
 import numpy as np
-import onnxruntime as ort
 import orjson
-import torch
-from torch import nn
 
-from rampserve.graph.torch_graph import TRACE_GUARD
 from rampserve.ramps.scores import top_label_and_error
 from rampserve.serving.models import LABEL_OUTPUT, LOGITS_OUTPUT, V2_DATATYPES, ServedModel
 from rampserve.serving.contract import Answer, Worker
 from rampserve.serving.protocol import TensorSpec
+
+if TYPE_CHECKING:
+    from torch import nn
 
 ONNX_DATATYPES = {"tensor(float)": "FP32", "tensor(double)": "FP64", "tensor(float16)": "FP16",
                   "tensor(int64)": "INT64", "tensor(int32)": "INT32", "tensor(uint8)": "UINT8",
@@ -247,6 +247,10 @@ class FunctionPredictor(Predictor):
 
 def torch_predictor(name: str, module: nn.Module, inputs: Sequence[TensorSpec], version: str = "1") -> Predictor:
     """A plain torch module (no ramps), called with its inputs in the order of `inputs`."""
+    import torch  # here: a server that serves no torch module imports no torch
+
+    from rampserve.graph.torch_graph import TRACE_GUARD
+
     module = module.eval()
     names = [spec.name for spec in inputs]
 
@@ -260,6 +264,8 @@ def torch_predictor(name: str, module: nn.Module, inputs: Sequence[TensorSpec], 
 def onnx_predictor(name: str, path: Path, version: str = "1") -> Predictor:
     """An ONNX graph on ONNX Runtime (CPU, one intra-op thread, like the server's executors); its first output
     is taken as the scores."""
+    import onnxruntime as ort  # here: a server that serves no ONNX graph imports no ONNX Runtime
+
     options = ort.SessionOptions()
     options.intra_op_num_threads = int(os.environ.get("RAMPSERVE_ORT_THREADS", "1"))
     session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])

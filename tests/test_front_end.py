@@ -1,0 +1,60 @@
+"""A server whose bundles run in executor processes never loads torch or ONNX Runtime in its own process: it serves
+each bundle from its manifest and signature, and only the executor loads the model."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+import sys
+
+import numpy as np
+
+from test_executor import get_json, infer_body, post
+from rampserve.bench.startup import mapped_libraries
+from rampserve.serving.models import load_served
+
+MODEL = "resnet18-small"
+
+
+def test_building_a_server_for_a_bundle_imports_no_torch(resnet_bundle) -> None:
+    """In a fresh interpreter: the server's state for a bundle served by an executor process, then the model itself
+    (which does import torch, so the check is not blind to it)."""
+    script = f"""
+import json, sys
+from rampserve.serving.contract import ModelSettings
+from rampserve.serving.models import load_served
+from rampserve.serving.server import ServerSettings, build_state
+
+served = load_served({str(resnet_bundle)!r})
+state = build_state([served], ModelSettings(), ServerSettings(port=0))
+front_end = [name for name in ("torch", "onnxruntime") if name in sys.modules]
+served.model.site_names
+print(json.dumps({{"front_end": front_end, "after_loading": "torch" in sys.modules,
+                   "workers": sorted(type(w).__name__ for w in state.catalogue.workers.values())}}))
+"""
+    found = json.loads(subprocess.run([sys.executable, "-c", script], check=True, stdout=subprocess.PIPE,
+                                      text=True).stdout.splitlines()[-1])
+    assert found == {"front_end": [], "after_loading": True, "workers": ["ProcessWorker"]}
+
+
+def test_the_real_server_serves_without_torch_while_its_executor_runs_the_model(resnet_bundle, fmnist_feeds) -> None:
+    """`rampserve serve BUNDLE`: once it answers, the libraries mapped into its process include neither torch's nor
+    ONNX Runtime's; its executor process's include torch's."""
+    served = load_served(str(resnet_bundle))
+    process = subprocess.Popen([sys.executable, "-m", "rampserve.cli", "serve", str(resnet_bundle), "--port", "0",
+                                "--grpc-port", "0"], stdout=subprocess.PIPE, text=True)
+    try:
+        url = re.search(r"http://[\d.]+:\d+", process.stdout.readline()).group(0)
+        code, body = post(f"{url}/v2/models/{MODEL}/infer", infer_body(served, fmnist_feeds[:2]))
+        assert code == 200, body
+        assert np.asarray(body["outputs"][0]["data"]).shape == (2,)
+        executor = get_json(url + "/status")["models"][MODEL]["executor"]
+        assert executor["kind"] == "process"
+        assert mapped_libraries(process.pid) == []
+        assert "torch" in mapped_libraries(executor["pid"])
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == -signal.SIGTERM
+    finally:
+        process.kill()
