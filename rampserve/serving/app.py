@@ -22,8 +22,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import rampserve
 from rampserve.serving.apps.applications import Application, ApplicationSpec, context_of, parse_query_input
-from rampserve.serving.apps.catalogue import Catalogue, CatalogueError
-from rampserve.serving.apps.predictors import WorkerPredictor
+from rampserve.serving.repository.catalogue import Catalogue, CatalogueError
+from rampserve.serving.repository.predictors import WorkerPredictor
 from rampserve.serving.apps.state_store import StoreError
 from rampserve.serving.apps.update_stream import UpdateListener
 from rampserve.serving.cache import PredictionCache
