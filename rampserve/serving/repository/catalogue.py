@@ -114,7 +114,7 @@ class Catalogue:
         self.started = False
 
     def _index_workers(self) -> None:
-        self.workers = {n: p.worker for n, p in self.models.items() if isinstance(p, WorkerPredictor)}
+        self.workers = {n: p.worker for n, p in self.models.items() if p.worker is not None}
 
     def model(self, name: str) -> Predictor:
         return self.models[name]
