@@ -27,7 +27,6 @@ from tritonclient.grpc import service_pb2_grpc
 from test_serving import MODEL, fixed_exits, get_json, original_logits
 from rampserve.serving.app import ServerState
 from rampserve.serving.apps.applications import ApplicationSpec
-from rampserve.serving.apps.predictors import FunctionPredictor, ModelUnavailable, Predictor
 from rampserve.serving.apps.state_store import StoreError
 from rampserve.serving.executor import ExecutorLost
 from rampserve.serving.grpc_codec import set_parameters
@@ -35,6 +34,7 @@ from rampserve.serving.grpc_server import GrpcFrontEnd
 from rampserve.serving.models import ServedModel, load_served
 from rampserve.serving.plane import DataPlane
 from rampserve.serving.protocol import TensorSpec
+from rampserve.serving.repository.predictors import FunctionPredictor, ModelUnavailable, Predictor
 from rampserve.serving.server import ServerSettings, build_state, running_server
 from rampserve.serving.worker import ExecutionFailed, ModelSettings, Shed
 

@@ -15,12 +15,12 @@ import torch
 
 from rampserve.control.controller import ControllerSettings
 from rampserve.serving.apps.applications import ApplicationSpec
-from rampserve.serving.apps.predictors import FunctionPredictor, ModelUnavailable, Predictor
 from rampserve.serving.apps.state_store import StoreError
 from rampserve.serving.executor import ExecutorLost
 from rampserve.serving.models import ServedModel, load_served
 from rampserve.serving.plane import DataPlane, InferResult
 from rampserve.serving.protocol import DATATYPES, TensorSpec
+from rampserve.serving.repository.predictors import FunctionPredictor, ModelUnavailable, Predictor
 from rampserve.serving.server import ServerSettings, build_state
 from rampserve.serving.worker import ExecutionFailed, ModelSettings, Shed
 

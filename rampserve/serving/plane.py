@@ -15,8 +15,6 @@ import numpy as np
 import orjson
 
 from rampserve.serving.apps.applications import ApplicationPredictor
-from rampserve.serving.apps.catalogue import Catalogue
-from rampserve.serving.apps.predictors import ModelUnavailable, Prediction, PredictRequest, Predictor
 from rampserve.serving.apps.state_store import StoreError
 from rampserve.serving.cache import CachedAnswer, PredictionCache, cache_key
 from rampserve.serving.executor import ExecutorLost
@@ -32,6 +30,8 @@ from rampserve.serving.protocol import (
     output_names_to_send,
     parse_infer_request,
 )
+from rampserve.serving.repository.catalogue import Catalogue
+from rampserve.serving.repository.predictors import ModelUnavailable, Prediction, PredictRequest, Predictor
 from rampserve.serving.worker import ExecutionFailed, Shed
 
 JSON = "application/json"

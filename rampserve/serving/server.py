@@ -17,14 +17,14 @@ from tqdm.auto import tqdm
 
 from rampserve.serving.app import ServerState, create_app
 from rampserve.serving.apps.applications import ApplicationSpec
-from rampserve.serving.apps.catalogue import Catalogue, CatalogueError, ModelRepository
+from rampserve.serving.apps.state_store import RedisStore, open_store
+from rampserve.serving.apps.update_stream import ModelUpdate, UpdateListener
 from rampserve.serving.executor import make_worker
 from rampserve.serving.grpc_server import GrpcFrontEnd, address
 from rampserve.serving.metrics import ServerMetrics
 from rampserve.serving.models import ServedModel, load_served
-from rampserve.serving.apps.predictors import Predictor, WorkerPredictor
-from rampserve.serving.apps.state_store import RedisStore, open_store
-from rampserve.serving.apps.update_stream import ModelUpdate, UpdateListener
+from rampserve.serving.repository.catalogue import Catalogue, CatalogueError, ModelRepository
+from rampserve.serving.repository.predictors import Predictor, WorkerPredictor
 from rampserve.serving.worker import (GIL_SWITCH_INTERVAL_S, ControlLink, ModelSettings, freeze_startup_objects)
 
 LOOPBACK = "127.0.0.1"

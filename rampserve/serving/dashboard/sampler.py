@@ -14,9 +14,9 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from rampserve.serving.apps.catalogue import Catalogue
 from rampserve.serving.dashboard.series import ModelReading, SampleRing, counter_delta, model_point
 from rampserve.serving.metrics import LATENCY_BUCKETS, ServerMetrics
+from rampserve.serving.repository.catalogue import Catalogue
 
 log = logging.getLogger("rampserve.serving")
 

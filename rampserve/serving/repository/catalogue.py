@@ -29,11 +29,11 @@ from rampserve.serving.apps.applications import (
     ApplicationSpec,
     check_compatible,
 )
+from rampserve.serving.apps.state_store import StateStore
 from rampserve.serving.executor import make_worker
 from rampserve.serving.metrics import ServerMetrics
 from rampserve.serving.models import served
-from rampserve.serving.apps.predictors import Predictor, RemotePredictor, WorkerPredictor, onnx_predictor
-from rampserve.serving.apps.state_store import StateStore
+from rampserve.serving.repository.predictors import Predictor, RemotePredictor, WorkerPredictor, onnx_predictor
 from rampserve.serving.worker import ModelSettings, Worker
 
 log = logging.getLogger("rampserve.serving")
@@ -114,7 +114,7 @@ class Catalogue:
         self.started = False
 
     def _index_workers(self) -> None:
-        self.workers = {n: p.worker for n, p in self.models.items() if isinstance(p, WorkerPredictor)}
+        self.workers = {n: p.worker for n, p in self.models.items() if p.worker is not None}
 
     def model(self, name: str) -> Predictor:
         return self.models[name]
