@@ -1,6 +1,6 @@
 """The model every peer of `bench peers` serves, run as rampserve's vanilla runs it: the bundle's own ONNX file on
 ONNX Runtime at the thread settings of the bundle's engine, or (a bundle served on torch) the original model traced
-to TorchScript with one intra-op thread; and the v2 JSON that the peers without a v2 front end of their own read and
+to TorchScript with one intra-op thread; the v2 JSON that the peers without a v2 front end of their own read and
 answer; and the command line every peer's server is started with.
 
 Each peer imports this module in its own venv (the benchmark puts the repository on its PYTHONPATH), so it imports
