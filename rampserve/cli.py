@@ -853,19 +853,19 @@ def bench_peers(
     ramp_budget: Annotated[float, typer.Option(help="what ramps may add to a non-exiting input")] = 0.02,
     warmup_requests: Annotated[int, typer.Option(help="requests every system gets before its measured replay, each "
                                                       "round (rampserve's controller learns from them)")] = 300,
-    mlserver_backend: Annotated[str, typer.Option(help="MLServer runs the model as torch (TorchScript) or onnx")]
-    = "torch",
     system: Annotated[Optional[list[str]], typer.Option(help="a system to run (repeatable; default all: "
                                                              "rampserve_vanilla, rampserve, mlserver, ray_serve, "
-                                                             "triton)")] = None,
+                                                             "triton, kserve, litserve)")] = None,
     transport: Annotated[str, typer.Option(help="http (binary tensors, or JSON to the JSON-only peers) or grpc "
-                                                "(to every system that serves it; Ray Serve stays on HTTP)")]
+                                                "(to every system that serves it; Ray Serve and LitServe stay on "
+                                                "HTTP)")]
     = "http",
     json_out: Annotated[Optional[Path], typer.Option("--json", help="write the results here")] = None,
     plots: Annotated[Optional[Path], typer.Option(help="write plots into this directory")] = None,
 ) -> None:
-    """rampserve vanilla, rampserve, MLServer, Ray Serve and Triton on the same model and client, in interleaved
-    rounds: each a replay and a concurrency sweep per system; medians and min–max over rounds."""
+    """rampserve vanilla, rampserve, MLServer, Ray Serve, Triton, KServe and LitServe on the same model (on the
+    bundle's engine: its ONNX file on ONNX Runtime where it serves on it) and client, in interleaved rounds: each a
+    replay and a concurrency sweep per system; medians and min–max over rounds."""
     from rampserve.bench.live import LiveSettings
     from rampserve.bench.peers import SWEEP_CLIENTS, SYSTEMS, PeerSettings, peers_notes, peers_table, run_peers
 
@@ -876,8 +876,7 @@ def bench_peers(
                             server_args=("--ramp-budget", str(ramp_budget)))
         settings = PeerSettings(live=live, systems=tuple(system or SYSTEMS), rounds=rounds,
                                 sweep_clients=tuple(sweep_clients or SWEEP_CLIENTS), sweep_s=sweep_s,
-                                sweep_settle_s=sweep_settle_s, mlserver_backend=mlserver_backend,
-                                transport=transport)
+                                sweep_settle_s=sweep_settle_s, transport=transport)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
     report = run_peers(settings, json_out, plots)
