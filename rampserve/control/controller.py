@@ -117,7 +117,7 @@ class Controller:
         return {"window_accuracy": window.accuracy, "cumulative_accuracy": window.cumulative,
                 "inputs_observed": window.served, "unverified_answers": self.unverified,
                 "exit_mode": settings.exit_mode, "feedback_share": settings.kept_share,
-                "objective": settings.objective, "guarantee": settings.guarantee,
+                "objective": settings.objective, "guarantee": settings.guarantee, "ramp_budget": settings.ramp_budget,
                 "bound": {"disagreement_upper": self.bound, "confidence": settings.confidence,
                           "constraint": settings.accuracy_constraint, "history": self.recent.size,
                           "certifications": self._looks, "monitor_log_evidence": self.monitor.log_evidence()},

@@ -170,6 +170,17 @@ class ServeOptions(ModelOptions, BaseSettings):
                               update_stream=self.update_stream, dashboard=self.dashboard)
 
 
+def read_model_options(path: Path) -> dict[str, Any]:
+    """The per-model keys a model-settings.json sets, checked; ValueError naming the file and the key."""
+    try:
+        options = ModelOptions.model_validate_json(path.read_bytes())
+    except OSError as exc:
+        raise ValueError(f"{path}: {exc}") from None
+    except ValidationError as exc:
+        raise ValueError(f"{path}: {described(exc, str)}") from None
+    return options.per_model(only_given=True)
+
+
 def described(error: ValidationError, where: Callable[[str], str]) -> str:
     """Each of pydantic's complaints as `KEY=VALUE: why`, the key as `where` names it (a flag, a variable)."""
     known = ", ".join(ModelOptions.model_fields)
