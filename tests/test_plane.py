@@ -85,7 +85,7 @@ def original_logits(served: ServedModel, x: np.ndarray) -> np.ndarray:
 
 def requests_counted(state, model: str, outcome: str) -> float:
     return state.metrics.registry.get_sample_value("rampserve_requests_total",
-                                                   {"model": model, "outcome": outcome}) or 0.0
+                                                   {"model": model, "outcome": outcome, "transport": "http"}) or 0.0
 
 
 @pytest.mark.parametrize("executor", ["thread", "process"])

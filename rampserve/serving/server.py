@@ -74,6 +74,8 @@ def build_state(models: Sequence[ServedModel | Predictor], model_settings: Model
     metrics = ServerMetrics()
     repository = None if settings.repository is None else ModelRepository(settings.repository, model_settings,
                                                                              metrics)
+    if repository is not None:
+        repository.check()
     predictors = [WorkerPredictor(make_worker(m, model_settings, metrics, control and control(m)))
                   if isinstance(m, ServedModel) else m for m in models]
     if repository is not None:
