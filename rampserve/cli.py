@@ -5,17 +5,19 @@ from __future__ import annotations
 import functools
 import json
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from inspect import Parameter, signature
 from dataclasses import replace
 from pathlib import Path
-from typing import Annotated, Optional
+from types import NoneType
+from typing import Annotated, Optional, get_args
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
 from rampserve.bench.load import DEFAULT_LOAD
+from rampserve.serving.settings import ENV_PREFIX, ModelOptions, ServeOptions
 
 app = typer.Typer(help="rampserve: serve models with managed early exits.", no_args_is_help=True)
 bench_app = typer.Typer(help="Benchmarks: print a table and write JSON.", no_args_is_help=True)
@@ -29,42 +31,54 @@ DEFAULT_MODEL = "resnet18-fmnist"
 LOAD_HELP = ("the replay's rate as a share of vanilla's measured closed-loop saturation: what `bench sim` calls load "
              "(--rate overrides)")
 
+
+def field_options(names: Iterable[str], env: bool = False) -> dict[str, object]:
+    """An option per named field of ServeOptions: its flag, type, description and default (the command gets None where
+    the flag is not given); with `env`, the help names the environment variable it is also read from."""
+    options: dict[str, object] = {}
+    for name in names:
+        field = ServeOptions.model_fields[name]
+        kind = next((arg for arg in get_args(field.annotation) if arg is not NoneType), field.annotation)
+        shown = f" (env {ENV_PREFIX}{name.upper()})" if env else ""
+        options[name] = Annotated[Optional[kind], typer.Option(
+            help=f"{field.description}{shown}", show_default=False if field.default is None else str(field.default))]
+    return options
+
+
 # Controller settings that `serve`, `bench sim` and `bench live` take alike (`controller_options`); None (not
 # given): the controller's own
-CONTROLLER_OPTIONS: dict[str, object] = {
-    "objective": Annotated[Optional[str], typer.Option(
-        help="what the ramp-set search minimises or raises: p50, p95, mean or throughput (default p50)")],
-    "guarantee": Annotated[Optional[str], typer.Option(
-        help="how thresholds keep the accuracy constraint: certified (a confidence bound) or long-run (default "
-             "certified)")],
-    "risk_target_share": Annotated[Optional[float], typer.Option(
-        help="share of the constraint rolling risk control holds long-run disagreement to (default 0.65 with "
-             "the certified guarantee, 1 with long-run)")],
-    "confidence": Annotated[Optional[float], typer.Option(help="confidence of the bound on disagreement (default "
-                                                               "0.95)")],
-    "search_every": Annotated[Optional[int], typer.Option(help="inputs between ramp-set searches (default 2048)")],
-    "history": Annotated[Optional[int], typer.Option(help="recent inputs threshold tuning judges (default 4096)")],
-    "shadow_share": Annotated[Optional[float], typer.Option(
-        help="share of batches that also run inactive ramps, to measure them (default 0.1)")],
-}
+CONTROLLER_OPTIONS = field_options(("objective", "guarantee", "risk_target_share", "confidence", "search_every",
+                                    "history", "shadow_share"))
+# Everything `serve` takes but its models and applications, the server's before the models': each read from
+# RAMPSERVE_<NAME> unless its flag is given
+SERVE_OPTIONS = field_options(sorted(ServeOptions.model_fields, key=lambda name: name in ModelOptions.model_fields),
+                              env=True)
 
 
-def controller_options(command: Callable[..., None]) -> Callable[..., None]:
-    """Give a command the CONTROLLER_OPTIONS; it gets those given, as ControllerSettings fields, in its
-    `controller_flags` argument."""
-    declared = signature(command, eval_str=True)
-    own = [p for name, p in declared.parameters.items() if name != "controller_flags"]
-    added = [Parameter(name, Parameter.KEYWORD_ONLY, default=None, annotation=annotation)
-             for name, annotation in CONTROLLER_OPTIONS.items()]
+def with_options(declared: dict[str, object], into: str) -> Callable[[Callable[..., None]], Callable[..., None]]:
+    """Give a command the `declared` options (name: annotation); it gets those given, by name, in its `into`
+    argument."""
 
-    @functools.wraps(command)
-    def with_flags(**kwargs: object) -> None:
-        given = {name: kwargs.pop(name) for name in CONTROLLER_OPTIONS}
-        command(**kwargs, controller_flags={name: value for name, value in given.items() if value is not None})
+    def decorate(command: Callable[..., None]) -> Callable[..., None]:
+        own_signature = signature(command, eval_str=True)
+        own = [p for name, p in own_signature.parameters.items() if name != into]
+        added = [Parameter(name, Parameter.KEYWORD_ONLY, default=None, annotation=annotation)
+                 for name, annotation in declared.items()]
 
-    with_flags.__signature__ = declared.replace(parameters=own + added)  # what typer reads the options from
-    with_flags.__annotations__ = {p.name: p.annotation for p in own + added}
-    return with_flags
+        @functools.wraps(command)
+        def with_flags(**kwargs: object) -> None:
+            given = {name: kwargs.pop(name) for name in declared}
+            command(**kwargs, **{into: {name: value for name, value in given.items() if value is not None}})
+
+        with_flags.__signature__ = own_signature.replace(parameters=own + added)  # what typer reads the options from
+        with_flags.__annotations__ = {p.name: p.annotation for p in own + added}
+        return with_flags
+
+    return decorate
+
+
+# Gives a command the CONTROLLER_OPTIONS; it gets those given, as ControllerSettings fields, in `controller_flags`
+controller_options = with_options(CONTROLLER_OPTIONS, "controller_flags")
 
 
 def _write_json(data: dict, path: Path | None) -> None:
@@ -277,90 +291,30 @@ def profile(
 
 
 @app.command()
-@controller_options
+@with_options(SERVE_OPTIONS, "flags")
 def serve(
     models: Annotated[Optional[list[str]], typer.Argument(help="zoo model names or bundle directories")] = None,
-    host: Annotated[str, typer.Option(help="address to bind (loopback unless told otherwise)")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="port (0: any free one)")] = 8000,
-    grpc_port: Annotated[int, typer.Option(help="port of KServe v2 over gRPC, on the same host (0: no gRPC)")]
-    = 8001,
-    slo_ms: Annotated[Optional[float], typer.Option(help="latency SLO per batch (default 2x batch-1 latency)")]
-    = None,
-    accuracy_constraint: Annotated[float, typer.Option(help="allowed share of answers that differ")] = 0.01,
-    ramp_budget: Annotated[float, typer.Option(help="what ramps may add to a non-exiting input")] = 0.02,
-    exit_mode: Annotated[str, typer.Option(help="release: every input runs to the end of the model; stop: an input "
-                                                "released at a ramp leaves its batch there (compiled torch models; "
-                                                "others serve it as release)")] = "release",
-    feedback_share: Annotated[float, typer.Option(help="stop mode: share of the inputs, drawn at random, that run "
-                                                       "to the end whatever they exit at, to measure agreement")]
-    = 0.1,
-    max_batch: Annotated[Optional[int], typer.Option(help="largest batch (default: the largest within the SLO)")]
-    = None,
-    max_delay_ms: Annotated[float, typer.Option(help="longest an input waits for its batch to fill (0: none)")] = 0.0,
-    adaptive_batching: Annotated[bool, typer.Option(help="AIMD batch size against the SLO (Clipper)")] = True,
-    max_queue: Annotated[int, typer.Option(help="inputs waiting before requests are refused with 503")] = 1024,
-    deadline_ms: Annotated[Optional[float], typer.Option(help="default request deadline (default: none)")]
-    = None,
-    torch_threads: Annotated[int, typer.Option(help="intra-op threads per model executor (0: torch's default)")]
-    = 1,
-    torchscript: Annotated[bool, typer.Option(help="run torch models' stages as TorchScript where they trace "
-                                                   "to the same outputs")] = True,
-    preload_s: Annotated[float, typer.Option(help="seconds a starting server waits for the sets its controller may "
-                                                  "ask for next to compile, to load them before serving")] = 30.0,
-    vanilla: Annotated[bool, typer.Option(help="serve the original model, no early exits")] = False,
-    executor: Annotated[str, typer.Option(help="where each bundle's batches run: process (one of its own, with its "
-                                          "controller and compiler) or thread (in the server's process)")]
-    = "process",
-    cache_updates: Annotated[bool, typer.Option(help="active cache ramps learn from served final answers")] = True,
-    cache_mb: Annotated[float, typer.Option(help="prediction cache per model in MiB (0: off)")] = 0.0,
-    max_body_mb: Annotated[float, typer.Option(help="largest request body accepted")] = 64.0,
-    repository: Annotated[Optional[Path], typer.Option(help="versioned model repository ({model}/{version}/)")]
-    = None,
     apps: Annotated[Optional[list[Path]], typer.Option("--app", help="JSON file of an application (or a list)")]
     = None,
-    store: Annotated[Optional[str], typer.Option(help="state store for selection and applications: memory or "
-                                                      "redis://host:port/db")] = None,
-    update_stream: Annotated[bool, typer.Option(help="follow model updates pushed to the Redis Stream "
-                                                     "rampserve:model-updates")] = False,
-    dashboard: Annotated[bool, typer.Option(help="serve /dashboard, sampling every model once a second")] = True,
-    admin_token: Annotated[Optional[str], typer.Option(envvar="RAMPSERVE_ADMIN_TOKEN",
-                                                       help="token the admin endpoints require (needed when "
-                                                            "bound beyond loopback)")] = None,
-    ray: Annotated[bool, typer.Option("--ray", help="deploy on Ray Serve (RAY_ADDRESS, or a local Ray); each "
-                                                    "model gets one controller for all replicas")] = False,
-    replicas: Annotated[int, typer.Option(help="Ray Serve replicas (with --ray)")] = 1,
-    autoscaling: Annotated[Optional[str], typer.Option(help="Ray Serve autoscaling_config as JSON (with --ray; "
-                                                            "replaces --replicas)")] = None,
     *,
-    controller_flags: dict[str, object],
+    flags: dict[str, object],
 ) -> None:
     """Serve models and applications over HTTP (Open Inference Protocol v2, Clipper's application API) and gRPC
-    (KServe v2) with managed early exits."""
-    from rampserve.control.controller import ControllerSettings
-    from rampserve.serving.server import ServerSettings
+    (KServe v2) with managed early exits. Every option is also read from the environment variable RAMPSERVE_<NAME>
+    (RAMPSERVE_GRPC_PORT for --grpc-port); a flag given wins. A model of the --repository may set its own with a
+    model-settings.json beside its files."""
     from rampserve.serving.server import serve as run_server
-    from rampserve.serving.contract import ModelSettings
 
     try:
-        model_settings = ModelSettings(
-            slo_ms=slo_ms, max_batch=max_batch, max_delay_ms=max_delay_ms, adaptive_batching=adaptive_batching,
-            max_queue=max_queue, deadline_ms=deadline_ms, vanilla=vanilla, torch_threads=torch_threads or None,
-            torchscript=torchscript, cache_updates=cache_updates, preload_s=preload_s, executor=executor,
-            controller=ControllerSettings(accuracy_constraint=accuracy_constraint, ramp_budget=ramp_budget,
-                                          exit_mode=exit_mode, feedback_share=feedback_share, **controller_flags))
-    except ValueError as exc:
-        raise typer.BadParameter(str(exc)) from exc
-    try:
-        settings = ServerSettings(host=host, port=port, grpc_port=grpc_port or None, max_body_mb=max_body_mb,
-                                  cache_mb=cache_mb, admin_token=admin_token, store=store, repository=repository,
-                                  update_stream=update_stream, dashboard=dashboard)
+        options = ServeOptions.read(flags)
+        model_settings, settings = options.model_settings(), options.server_settings()
         specs = [spec for path in apps or () for spec in read_applications(path)]
-        if ray:
+        if options.ray:
             from rampserve.serving.ray.serve import RayDeployment, serve_on_ray
 
-            scaling = None if autoscaling is None else json.loads(autoscaling)
+            scaling = None if options.autoscaling is None else json.loads(options.autoscaling)
             serve_on_ray(models or [], model_settings, settings, specs,
-                         RayDeployment(replicas=replicas, autoscaling=scaling))
+                         RayDeployment(replicas=options.replicas, autoscaling=scaling))
             return
         run_server(models or [], model_settings, settings, specs)
     except ValueError as exc:
@@ -872,19 +826,19 @@ def bench_peers(
     ramp_budget: Annotated[float, typer.Option(help="what ramps may add to a non-exiting input")] = 0.02,
     warmup_requests: Annotated[int, typer.Option(help="requests every system gets before its measured replay, each "
                                                       "round (rampserve's controller learns from them)")] = 300,
-    mlserver_backend: Annotated[str, typer.Option(help="MLServer runs the model as torch (TorchScript) or onnx")]
-    = "torch",
     system: Annotated[Optional[list[str]], typer.Option(help="a system to run (repeatable; default all: "
                                                              "rampserve_vanilla, rampserve, mlserver, ray_serve, "
-                                                             "triton)")] = None,
+                                                             "triton, kserve, litserve)")] = None,
     transport: Annotated[str, typer.Option(help="http (binary tensors, or JSON to the JSON-only peers) or grpc "
-                                                "(to every system that serves it; Ray Serve stays on HTTP)")]
+                                                "(to every system that serves it; Ray Serve and LitServe stay on "
+                                                "HTTP)")]
     = "http",
     json_out: Annotated[Optional[Path], typer.Option("--json", help="write the results here")] = None,
     plots: Annotated[Optional[Path], typer.Option(help="write plots into this directory")] = None,
 ) -> None:
-    """rampserve vanilla, rampserve, MLServer, Ray Serve and Triton on the same model and client, in interleaved
-    rounds: each a replay and a concurrency sweep per system; medians and min–max over rounds."""
+    """rampserve vanilla, rampserve, MLServer, Ray Serve, Triton, KServe and LitServe on the same model (on the
+    bundle's engine: its ONNX file on ONNX Runtime where it serves on it) and client, in interleaved rounds: each a
+    replay and a concurrency sweep per system; medians and min–max over rounds."""
     from rampserve.bench.live import LiveSettings
     from rampserve.bench.peers import SWEEP_CLIENTS, SYSTEMS, PeerSettings, peers_notes, peers_table, run_peers
 
@@ -895,8 +849,7 @@ def bench_peers(
                             server_args=("--ramp-budget", str(ramp_budget)))
         settings = PeerSettings(live=live, systems=tuple(system or SYSTEMS), rounds=rounds,
                                 sweep_clients=tuple(sweep_clients or SWEEP_CLIENTS), sweep_s=sweep_s,
-                                sweep_settle_s=sweep_settle_s, mlserver_backend=mlserver_backend,
-                                transport=transport)
+                                sweep_settle_s=sweep_settle_s, transport=transport)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
     report = run_peers(settings, json_out, plots)

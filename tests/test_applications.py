@@ -18,10 +18,11 @@ import torch
 from sklearn.linear_model import LogisticRegression
 from test_serving import get_json, post
 
-from rampserve.serving.apps.applications import ApplicationSpec
 from rampserve.serving.app import ServerState
+from rampserve.serving.apps.applications import ApplicationSpec
 from rampserve.serving.models import load_served
-from rampserve.serving.apps.predictors import (
+from rampserve.serving.protocol import TensorSpec
+from rampserve.serving.repository.predictors import (
     FunctionPredictor,
     ModelUnavailable,
     Predictor,
@@ -30,7 +31,6 @@ from rampserve.serving.apps.predictors import (
     sklearn_predictor,
     torch_predictor,
 )
-from rampserve.serving.protocol import TensorSpec
 from rampserve.serving.server import ServerSettings, build_state, check_admin_access, running_server
 from rampserve.serving.contract import ModelSettings
 from rampserve.workloads.fashion_mnist import load_fashion_mnist, to_model_input

@@ -1,7 +1,10 @@
-"""`bench peers` without MLServer's or Triton's venv: the Ray Serve peer answers the original model's labels through
-v2 JSON, the TorchScript and ONNX exports MLServer and Triton serve agree with the torch model, the client's JSON
-bodies are what the JSON peers read; and the rounds' arithmetic: rotated orders, medians and min–max over rounds,
-saturation from a sweep under the SLO rule, goals on medians, the report's shape with a system that failed."""
+"""`bench peers` without the peers' own venvs: every peer runs what rampserve's vanilla runs (an ONNX bundle's own
+file at its engine's threads, or a torch bundle's TorchScript trace) and gives the original model's labels, the Ray
+Serve peer answers them through v2 JSON, the client's JSON bodies are what the JSON peers read, each peer's server is
+started from its venv with the model's description and the repository on its path; where a peer's venv has been made
+(by a `bench peers` run), its server starts for real and answers the benchmark's client over each transport it is
+spoken to in. And the rounds' arithmetic: rotated orders, medians and min–max over rounds, saturation from a sweep
+under the SLO rule, goals on medians, the report's shape with a system that failed."""
 
 from __future__ import annotations
 
@@ -10,7 +13,9 @@ import json
 import signal
 import socket
 import sys
+import tomllib
 import urllib.request
+from pathlib import Path
 
 import numpy as np
 import orjson
@@ -20,18 +25,22 @@ from hypothesis import strategies as st
 from ray import serve
 from rich.console import Console
 
-from rampserve.bench.harness import ServerProcess
+from rampserve.bench.harness import ServerProcess, run_loadgen, v2_inputs
 from rampserve.bench.live import LiveSettings
 from rampserve.bench.loadgen import Job, LoadResult, encode_request, read_answer
 from rampserve.bench.peers import (
-    BASELINE, EXITS, MAX_UNANSWERED_SHARE, PEERS, SYSTEMS, TRANSPORTS, PeerSettings, ensure_venv, export_onnx,
-    export_torchscript, goals, input_specs, mlserver_repository, over_rounds, peers_notes, peers_table,
-    round_orders,
-    saturation_from_sweep, sweep_point, system_summary, with_ratios, within_slo,
+    BASELINE, EXITS, GRPC, GRPC_SYSTEMS, JSON, MAX_UNANSWERED_SHARE, PEERS, SYSTEMS, TRANSPORTS, PeerLaunch,
+    PeerSettings, ensure_venv, goals, infer_url, input_specs, mlserver_repository, over_rounds, peer_model,
+    peer_server, peers_notes, peers_table, round_orders, saturation_from_sweep, sweep_point, system_summary,
+    transport_of, with_ratios, within_slo,
+)
+from rampserve.bench.peers_engine import (
+    PeerModel, label_function, labels_per_request, v2_json_feeds, v2_json_labels,
 )
 from rampserve.bench.peers_plots import write_peer_plots
 from rampserve.bench.peers_ray import V2Classifier
-from rampserve.runtime.bundle import load_bundle
+from rampserve.graph.onnx_graph import ONNX_SPIN_US
+from rampserve.runtime.bundle import load_bundle, save_bundle
 from rampserve.workloads.fashion_mnist import to_model_input
 from rampserve.workloads.streams import get_stream
 
@@ -49,9 +58,20 @@ def inputs() -> np.ndarray:
     return to_model_input(stream.items(start, start + 12))
 
 
+@pytest.fixture(scope="module")
+def onnx_bundle(onnx_prepared, tmp_path_factory) -> Path:
+    """The small ResNet served on ONNX Runtime: what the zoo's bundles are on a machine where it is the fastest."""
+    return save_bundle(onnx_prepared, tmp_path_factory.mktemp("bundles") / "resnet18-small-onnx")
+
+
 def original_labels(bundle, inputs: np.ndarray) -> np.ndarray:
     model = load_bundle(bundle)
     return model.run({model.backend.input_names[0]: inputs}).argmax(axis=1)
+
+
+def served_model(bundle: Path, inputs: np.ndarray, workdir: Path) -> PeerModel:
+    model = load_bundle(bundle)
+    return peer_model(model, {model.backend.input_names[0]: inputs[:1]}, workdir)
 
 
 def json_job(url: str, input_name: str) -> Job:
@@ -64,68 +84,169 @@ def post(job: Job, request: dict[str, np.ndarray]) -> bytes:
         return response.read()
 
 
-def test_json_request_is_plain_v2(inputs):
+def test_json_request_is_plain_v2_and_what_the_json_peers_read(inputs):
     job = json_job("http://unused", "x")
     body, headers = encode_request(job, {"x": inputs[:2]})
     decoded = orjson.loads(body)
     assert headers == {"Content-Type": "application/json"}
     tensor = decoded["inputs"][0]
     assert (tensor["name"], tensor["datatype"], tensor["shape"]) == ("x", "FP32", list(inputs[:2].shape))
-    np.testing.assert_array_equal(np.asarray(tensor["data"], dtype=np.float32).reshape(tensor["shape"]), inputs[:2])
+    feeds = v2_json_feeds(decoded)
+    assert list(feeds) == ["x"] and feeds["x"].dtype == np.float32
+    np.testing.assert_array_equal(feeds["x"], inputs[:2])
+    tokens = np.array([[101, 7, 102]], dtype=np.int64)  # a text model's inputs keep their integer type
+    text = v2_json_feeds(orjson.loads(encode_request(Job("http://unused", (("input_ids", "INT64"),), "label", None,
+                                                         json_bodies=True), {"input_ids": tokens})[0]))
+    assert text["input_ids"].dtype == np.int64
+    np.testing.assert_array_equal(text["input_ids"], tokens)
+    answer = orjson.dumps(v2_json_labels("m", np.array([3, 1], dtype=np.int64)))
+    assert read_answer(answer, "label") == (3, False, None)  # the client reads the JSON peers' answers
 
 
-def test_ray_serve_peer_answers_the_original_labels(local_ray, resnet_bundle, inputs):
-    expected = original_labels(resnet_bundle, inputs)
+def test_every_peer_runs_an_onnx_bundles_own_file_at_its_engines_threads(onnx_bundle, inputs, tmp_path):
+    model = load_bundle(onnx_bundle)
+    served = served_model(onnx_bundle, inputs, tmp_path)
+    assert Path(served.path) == onnx_bundle / "model.onnx"  # the file rampserve serves, not an export of its own
+    assert served.engine == "onnxruntime"
+    assert served.input_names == tuple(model.backend.input_names)
+    assert (served.intra_op_threads, served.spin_us) == (model.backend.intra_op_threads, ONNX_SPIN_US)
+    assert not list(tmp_path.iterdir())
+    assert PeerModel.from_json(served.to_json()) == served  # what a peer's command line carries
+    labels = label_function(served)
+    for batch in (1, 5, 12):  # the batch axis is dynamic
+        found = labels({served.input_names[0]: inputs[:batch]})
+        assert found.dtype == np.int64
+        np.testing.assert_array_equal(found, original_labels(onnx_bundle, inputs[:batch]))
+
+
+def test_a_torch_bundle_is_served_to_peers_as_a_torchscript_trace_on_one_thread(resnet_bundle, inputs, tmp_path):
+    served = served_model(resnet_bundle, inputs, tmp_path)
+    assert served.engine == "torchscript" and served.intra_op_threads == 1
+    assert Path(served.path).parent == tmp_path
+    labels = label_function(served)
+    for batch in (1, 5, 12):
+        np.testing.assert_array_equal(labels({served.input_names[0]: inputs[:batch]}),
+                                      original_labels(resnet_bundle, inputs[:batch]))
+
+
+def test_requests_batched_together_get_their_own_labels_back(onnx_bundle, inputs, tmp_path):
+    served = served_model(onnx_bundle, inputs, tmp_path)
+    name = served.input_names[0]
+    requests = [{name: inputs[0:1]}, {name: inputs[1:4]}, {name: inputs[4:5]}]
+    answers = labels_per_request(label_function(served), requests)
+    expected = original_labels(onnx_bundle, inputs[:5])
+    assert [a.tolist() for a in answers] == [expected[0:1].tolist(), expected[1:4].tolist(), expected[4:5].tolist()]
+
+
+def test_ray_serve_peer_answers_the_original_labels(local_ray, onnx_bundle, inputs, tmp_path):
+    expected = original_labels(onnx_bundle, inputs)
+    served = served_model(onnx_bundle, inputs, tmp_path)
+    name = served.input_names[0]
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     try:
-        serve.run(V2Classifier.bind(str(resnet_bundle), "small", 4, 0.001), name="peer", route_prefix="/")
-        job = json_job(f"http://127.0.0.1:{port}/v2/models/small/infer", "x")
-        labels = [read_answer(post(job, {"x": inputs[i:i + 1]}), "label")[0] for i in range(len(inputs))]
+        serve.run(V2Classifier.bind(served, "small", 4, 0.001), name="peer", route_prefix="/")
+        job = json_job(f"http://127.0.0.1:{port}/v2/models/small/infer", name)
+        labels = [read_answer(post(job, {name: inputs[i:i + 1]}), "label")[0] for i in range(len(inputs))]
         assert labels == expected.tolist()
-        whole = orjson.loads(post(job, {"x": inputs}))  # several inputs in one request keep their order
+        whole = orjson.loads(post(job, {name: inputs}))  # several inputs in one request keep their order
         assert whole["model_name"] == "small"
         assert whole["outputs"][0]["data"] == expected.tolist()
         with pytest.raises(urllib.error.HTTPError) as wrong_path:
-            post(json_job(f"http://127.0.0.1:{port}/v2/models/other/infer", "x"), {"x": inputs[:1]})
+            post(json_job(f"http://127.0.0.1:{port}/v2/models/other/infer", name), {name: inputs[:1]})
         assert wrong_path.value.code == 404
     finally:
         serve.shutdown()
 
 
-def test_onnx_export_agrees_with_the_torch_model(resnet_bundle, inputs, tmp_path):
-    import onnxruntime as ort
-
-    model = load_bundle(resnet_bundle)
-    name = model.backend.input_names[0]
-    path = export_onnx(model, {name: inputs[:1]}, tmp_path / "model.onnx")
-    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    for batch in (1, 5, 12):  # the batch axis is dynamic
-        logits = session.run(None, {session.get_inputs()[0].name: inputs[:batch]})[0]
-        np.testing.assert_array_equal(logits.argmax(axis=1), original_labels(resnet_bundle, inputs[:batch]))
-
-
-def test_torchscript_export_agrees_with_the_torch_model(resnet_bundle, inputs, tmp_path):
-    import torch
-
-    model = load_bundle(resnet_bundle)
-    path = export_torchscript(model, {model.backend.input_names[0]: inputs[:1]}, tmp_path / "model.pt")
-    traced = torch.jit.load(str(path))
-    for batch in (1, 5, 12):
-        with torch.inference_mode():
-            logits = traced(torch.from_numpy(inputs[:batch])).numpy()
-        np.testing.assert_array_equal(logits.argmax(axis=1), original_labels(resnet_bundle, inputs[:batch]))
-
-
-def test_mlserver_repository_sets_adaptive_batching(tmp_path):
-    root = mlserver_repository(tmp_path / "repo", "m", tmp_path / "model.onnx", 8, 0.0, (1, 2, 3))
+def test_mlserver_repository_sets_adaptive_batching_and_carries_the_model(tmp_path):
+    served = PeerModel(str(tmp_path / "model.onnx"), ("x",), 0, ONNX_SPIN_US)
+    root = mlserver_repository(tmp_path / "repo", "m", served, 8, 0.0, (1, 2, 3))
     server = json.loads((root / "settings.json").read_text())
-    assert (server["http_port"], server["grpc_port"], server["metrics_port"]) == (1, 2, 3)
+    assert (server["host"], server["http_port"], server["grpc_port"], server["metrics_port"]) == ("127.0.0.1", 1, 2, 3)
     model = json.loads((root / "m" / "model-settings.json").read_text())
     assert model["max_batch_size"] == 8
     assert 0 < model["max_batch_time"] <= 1e-3  # 0 would turn MLServer's batching off
     assert model["implementation"] == "runtime.Labels"
+    assert PeerModel.from_json(model["parameters"]["extra"]["peer_model"]) == served
     assert (root / "m" / "runtime.py").is_file()
+
+
+def launch(served: PeerModel, workdir: Path, venv_bin: Path | None, max_batch: int = 4) -> PeerLaunch:
+    return PeerLaunch(served, "m", max_batch, 0.0, [("x", "float32", [1, 28, 28])], workdir, 120.0, venv_bin)
+
+
+VENV_PEERS = ("mlserver", "triton", "kserve", "litserve")
+
+
+@pytest.mark.parametrize("name", VENV_PEERS)
+def test_a_peer_in_a_venv_of_its_own_runs_its_python_with_the_model_and_the_repository_on_its_path(name, tmp_path):
+    served = PeerModel(str(tmp_path / "model.onnx"), ("x",), 0, ONNX_SPIN_US)
+    command = peer_server(name, launch(served, tmp_path, tmp_path / "venv" / "bin")).command
+    repository = Path(__file__).resolve().parents[1]
+    program = tmp_path / "venv" / "bin" / ("mlserver" if name == "mlserver" else "python")
+    assert command[:3] == ["env", f"PYTHONPATH={repository}", str(program)]
+    arguments = command[3:]
+    if name == "mlserver":  # the model is in the repository's settings
+        settings = json.loads((tmp_path / "mlserver" / "m" / "model-settings.json").read_text())
+        assert PeerModel.from_json(settings["parameters"]["extra"]["peer_model"]) == served
+    else:
+        assert arguments[0] == str(repository / "rampserve" / "bench" / name / "server.py")
+        assert PeerModel.from_json(arguments[1]) == served
+        assert arguments[arguments.index("--name") + 1] == "m"
+    with pytest.raises(ValueError, match="venv"):
+        peer_server(name, launch(served, tmp_path, None))
+
+
+def test_the_client_finds_each_peer_where_it_serves_in_the_transport_it_reads(tmp_path):
+    served = PeerModel(str(tmp_path / "model.onnx"), ("x",), 0, ONNX_SPIN_US)
+    srv = peer_server("kserve", launch(served, tmp_path, tmp_path))
+    assert infer_url(srv, "kserve", "m", "http") == f"http://127.0.0.1:{srv.port}/v2/models/m/infer"
+    assert infer_url(srv, "kserve", "m", GRPC) == f"grpc://127.0.0.1:{srv.grpc_port}/m"
+    assert infer_url(srv, "litserve", "m", GRPC) == f"http://127.0.0.1:{srv.port}/predict"  # LitServe: HTTP only
+    assert infer_url(srv, "ray_serve", "m", GRPC) == f"http://127.0.0.1:{srv.port}/v2/models/m/infer"
+    assert (transport_of("kserve", "http"), transport_of("litserve", "http")) == ("binary", JSON)
+    assert (transport_of("kserve", GRPC), transport_of("litserve", GRPC)) == (GRPC, JSON)
+    with pytest.raises(ValueError, match="not a peer"):
+        peer_server("torchserve", launch(served, tmp_path, tmp_path))
+
+
+def test_every_peer_runs_the_onnx_runtime_that_rampserve_pins():
+    repository = Path(__file__).resolve().parents[1]
+    pins = tomllib.loads((repository / "pyproject.toml").read_text())["project"]["dependencies"]
+    onnxruntime = next(pin for pin in pins if pin.startswith("onnxruntime=="))
+    for name in VENV_PEERS:
+        requirements = (repository / "rampserve" / "bench" / name / "requirements.txt").read_text().splitlines()
+        assert onnxruntime in [line.split("#")[0].strip() for line in requirements], name
+
+
+def made_venv(name: str) -> Path | None:
+    """The bin folder of the peer's venv where a `bench peers` run made it from the current requirements."""
+    venv = getattr(PeerSettings(), f"{name}_venv")
+    requirements = Path(__file__).resolve().parents[1] / "rampserve" / "bench" / name / "requirements.txt"
+    stamp = venv / "rampserve-requirements.txt"
+    return venv / "bin" if stamp.is_file() and stamp.read_text() == requirements.read_text() else None
+
+
+@pytest.mark.parametrize("name", VENV_PEERS)
+def test_a_peer_in_its_venv_answers_the_benchmarks_client_with_the_original_labels(name, onnx_bundle, inputs,
+                                                                                    tmp_path):
+    venv_bin = made_venv(name)
+    if venv_bin is None:
+        pytest.skip(f"{name}'s venv is made by `rampserve bench peers` (it installs from the network), not by tests")
+    served = served_model(onnx_bundle, inputs, tmp_path)
+    requests = [{served.input_names[0]: inputs[i:i + 1]} for i in range(len(inputs))]
+    expected = original_labels(onnx_bundle, inputs).tolist()
+    started = PeerLaunch(served, "m", 4, 0.0, input_specs(requests), tmp_path, 180.0, venv_bin)
+    transports = ("http", GRPC) if name in GRPC_SYSTEMS else ("http",)
+    with peer_server(name, started) as srv:
+        for transport in transports:
+            job = Job(infer_url(srv, name, "m", transport), v2_inputs(requests[0]), "label", None, 30.0,
+                      json_bodies=transport_of(name, transport) == JSON, clients=1, requests=len(requests))
+            result = run_loadgen(job, requests, tmp_path, f"{name}-{transport}", 5.0, progress=False)
+            assert result.ok.all(), (transport, result.errors)
+            assert result.label.tolist() == expected, transport
+    assert srv.outcome()["killed"] is False
 
 
 # --- rounds -------------------------------------------------------------------------------------------------------
@@ -273,16 +394,18 @@ def three_rounds(p50s: list[float], p99s: list[float], saturations: list[float])
     return [measured_round(i + 1, *figures) for i, figures in enumerate(zip(p50s, p99s, saturations))]
 
 
-def five_systems() -> dict[str, dict]:
+def every_system() -> dict[str, dict]:
     return {BASELINE: system_summary(BASELINE, three_rounds([2.0, 2.2, 1.8], [4.0, 4.6, 4.4], [300, 310, 290])),
             EXITS: system_summary(EXITS, three_rounds([1.0, 1.1, 0.9], [5.0, 5.0, 5.0], [300, 300, 300])),
             "mlserver": system_summary("mlserver", three_rounds([3.0, 3.5, 2.5], [4.2, 4.0, 9.0], [200, 210, 190])),
             "ray_serve": system_summary("ray_serve", three_rounds([4.0, 4.5, 4.2], [8.0, 8.0, 8.0], [250, 250, 240])),
-            "triton": system_summary("triton", [failed_round(1), failed_round(2), failed_round(3)])}
+            "triton": system_summary("triton", [failed_round(1), failed_round(2), failed_round(3)]),
+            "kserve": system_summary("kserve", three_rounds([3.2, 3.4, 3.3], [6.0, 6.0, 6.0], [220, 220, 220])),
+            "litserve": system_summary("litserve", three_rounds([5.0, 5.0, 5.0], [9.0, 9.0, 9.0], [150, 150, 150]))}
 
 
 def test_the_report_keeps_every_system_a_failed_one_with_its_error_and_judges_goals_on_the_others():
-    report = peers_report(five_systems())
+    report = peers_report(every_system())
     assert list(report["systems"]) == list(SYSTEMS)
     for name, summary in report["systems"].items():
         assert summary["transport"] == TRANSPORTS[name]
@@ -293,16 +416,16 @@ def test_the_report_keeps_every_system_a_failed_one_with_its_error_and_judges_go
             assert key in summary, (name, key)
     assert report["systems"]["mlserver"]["ratios"]["p50_ms"] == pytest.approx(3.0 / 2.0)
     assert report["goals"] == {
-        "peers_compared": ["mlserver", "ray_serve"],  # triton failed: not compared
-        "vanilla_p50_at_most_every_peer": True,  # 2.0 against 3.0 and 4.2
+        "peers_compared": ["mlserver", "ray_serve", "kserve", "litserve"],  # triton failed: not compared
+        "vanilla_p50_at_most_every_peer": True,  # 2.0 against 3.0, 4.2, 3.3 and 5.0
         "vanilla_p99_at_most_1.1x_best_peer": True,  # 4.4 against 1.1 × 4.2
-        "vanilla_saturation_at_least_every_peer": True,  # 300 against 200 and 250
+        "vanilla_saturation_at_least_every_peer": True,  # 300 against 200, 250, 220 and 150
         "exits_p50_at_most_0.6x_best_peer": True,  # 1.0 against 0.6 × 3.0
     }
 
 
 def test_goals_count_on_medians_not_on_a_lucky_round():
-    systems = five_systems()
+    systems = every_system()
     # vanilla's best round beats every peer's, its median does not
     systems[BASELINE] = system_summary(BASELINE, three_rounds([1.0, 3.2, 3.1], [4.0, 4.0, 4.0], [300, 300, 300]))
     systems[EXITS] = system_summary(EXITS, three_rounds([0.5, 1.9, 1.9], [5.0, 5.0, 5.0], [300, 300, 300]))
@@ -316,7 +439,7 @@ def test_goals_count_on_medians_not_on_a_lucky_round():
 
 
 def test_goals_need_the_systems_they_compare():
-    systems = five_systems()
+    systems = every_system()
     only_vanilla = {BASELINE: systems[BASELINE], "triton": systems["triton"]}
     assert goals(only_vanilla) == {"peers_compared": [], "vanilla_p50_at_most_every_peer": None,
                                    "vanilla_p99_at_most_1.1x_best_peer": None,
@@ -339,16 +462,16 @@ def test_saturations_are_not_compared_when_no_system_had_a_level_within_the_slo(
 
 
 def test_a_peer_that_answered_nothing_counts_as_slowest():
-    systems = five_systems()
+    systems = every_system()
     systems["mlserver"] = system_summary("mlserver", three_rounds([None] * 3, [None] * 3, [0.0] * 3))
     verdicts = goals(with_ratios(systems))
     assert systems["mlserver"]["ratios"]["p50_ms"] is None
     assert verdicts["vanilla_p50_at_most_every_peer"] is True
-    assert verdicts["exits_p50_at_most_0.6x_best_peer"] is True  # 1.0 against 0.6 × ray_serve's 4.2
+    assert verdicts["exits_p50_at_most_0.6x_best_peer"] is True  # 1.0 against 0.6 × kserve's 3.3
 
 
 def test_the_table_and_plots_show_every_system(tmp_path):
-    report = peers_report(five_systems())
+    report = peers_report(every_system())
     console = Console(file=io.StringIO(), width=300)
     console.print(peers_table(report))
     text = console.file.getvalue()
@@ -366,12 +489,13 @@ def test_the_table_and_plots_show_every_system(tmp_path):
 def test_peer_settings_refuse_what_cannot_be_measured():
     for wrong in ({"systems": ("mlserver",)}, {"systems": (BASELINE, "torchserve")},
                   {"systems": (BASELINE, BASELINE)}, {"rounds": 0}, {"sweep_clients": (0, 2)},
-                  {"sweep_s": 1.0, "sweep_settle_s": 1.0}, {"mlserver_backend": "tensorrt"},
+                  {"sweep_s": 1.0, "sweep_settle_s": 1.0},
                   {"live": LiveSettings(loads=(0.1, 0.2))}):
         with pytest.raises(ValueError):
             PeerSettings(**wrong)
     assert set(TRANSPORTS) == set(SYSTEMS) == {BASELINE, EXITS, *PEERS}
-    assert {name for name, transport in TRANSPORTS.items() if transport == "binary"} == {BASELINE, EXITS, "triton"}
+    assert {name for name, transport in TRANSPORTS.items() if transport == "binary"} == {BASELINE, EXITS, "triton",
+                                                                                         "kserve"}
 
 
 def test_triton_declares_fixed_dimensions_and_leaves_varying_ones_open():

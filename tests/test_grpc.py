@@ -24,10 +24,10 @@ import tritonclient.grpc as triton
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc
 
-from test_serving import MODEL, fixed_exits, get_json, original_logits
+from test_serving import MODEL, fixed_exits, get_json, infer_body, original_logits, post
 from rampserve.serving.app import ServerState
+from rampserve.serving.dashboard.sampler import front_end_readings
 from rampserve.serving.apps.applications import ApplicationSpec
-from rampserve.serving.apps.predictors import FunctionPredictor, ModelUnavailable, Predictor
 from rampserve.serving.apps.state_store import StoreError
 from rampserve.serving.contract import ExecutionFailed, ExecutorLost, ModelSettings, Shed
 from rampserve.serving.grpc_codec import set_parameters
@@ -35,6 +35,7 @@ from rampserve.serving.grpc_server import GrpcFrontEnd
 from rampserve.serving.models import ServedModel, load_served
 from rampserve.serving.plane import DataPlane
 from rampserve.serving.protocol import TensorSpec
+from rampserve.serving.repository.predictors import FunctionPredictor, ModelUnavailable, Predictor
 from rampserve.serving.server import ServerSettings, build_state, running_server
 
 INVALID, NOT_FOUND = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND
@@ -162,6 +163,22 @@ def test_labels_leave_at_the_ramp_and_asking_for_logits_waits_for_the_original_m
     assert answered["early"] is False and json.loads(answered["exit_site"]) == [None] * len(x)  # the final layer
     np.testing.assert_array_equal(final.as_numpy("logits"), original_logits(served, x))
     np.testing.assert_array_equal(final.as_numpy("label"), original_logits(served, x).argmax(axis=1))
+
+
+def test_requests_are_counted_by_transport_and_the_dashboard_adds_them_up(served, fmnist_feeds) -> None:
+    x = fmnist_feeds[:2]
+    with grpc_server([served]) as (url, address, state):
+        status, _, _ = post(f"{url}/v2/models/{MODEL}/infer", infer_body(served, x))
+        answered, _, _, _ = call(address, typed_image(x))
+        refused, _, _, _ = call(address, b"not a ModelInferRequest")
+        counted = {(sample.labels["transport"], sample.labels["model"], sample.labels["outcome"]): sample.value
+                   for family in state.metrics.requests.collect() for sample in family.samples
+                   if sample.name.endswith("_total")}
+        requests, _ = front_end_readings(state.metrics)
+    assert (status, answered, refused) == (200, grpc.StatusCode.OK, INVALID)
+    assert counted == {("http", MODEL, "final"): 1.0, ("grpc", MODEL, "final"): 1.0,
+                       ("grpc", "unknown", "invalid"): 1.0}
+    assert requests[MODEL] == (2.0, 0.0)  # the dashboard's rates: answered, refused, whatever the transport
 
 
 # --- bad input: every HTTP class's twin --------------------------------------------------------------------------
@@ -308,11 +325,12 @@ def test_every_bad_request_gets_its_status_code_and_the_server_keeps_serving(man
     request, expected_code, expected = BAD_REQUESTS[case]
     counted = state.metrics.registry.get_sample_value
     model = "unknown" if isinstance(request, bytes) or request.model_name == "nope" else request.model_name
-    invalid_before = counted("rampserve_requests_total", {"model": model, "outcome": "invalid"}) or 0.0
+    labels = {"model": model, "outcome": "invalid", "transport": "grpc"}
+    invalid_before = counted("rampserve_requests_total", labels) or 0.0
     code, details, _, _ = call(address, request)
     assert code == expected_code and re.search(expected, details), (code, details)
     # Counted as HTTP counts it, but for a message over the limit: grpcio refuses it before the server sees it
-    invalid_after = counted("rampserve_requests_total", {"model": model, "outcome": "invalid"}) or 0.0
+    invalid_after = counted("rampserve_requests_total", labels) or 0.0
     assert invalid_after - invalid_before == (0 if expected_code == EXHAUSTED else 1)
     code, _, _, answer = call(address, typed_image(fmnist_feeds[:2]))
     assert code == grpc.StatusCode.OK

@@ -12,8 +12,8 @@ from test_applications import IMAGE, admin, const_onnx, constant, infer, labels_
 from test_serving import get_json
 
 from rampserve.serving.apps.applications import ApplicationSpec
-from rampserve.serving.apps.predictors import FunctionPredictor
 from rampserve.serving.apps.update_stream import ModelUpdate, publish_update
+from rampserve.serving.repository.predictors import FunctionPredictor
 
 
 @pytest.fixture

@@ -15,12 +15,12 @@ import torch
 
 from rampserve.control.controller import ControllerSettings
 from rampserve.serving.apps.applications import ApplicationSpec
-from rampserve.serving.apps.predictors import FunctionPredictor, ModelUnavailable, Predictor
 from rampserve.serving.apps.state_store import StoreError
 from rampserve.serving.contract import ExecutionFailed, ExecutorLost, ModelSettings, Shed
 from rampserve.serving.models import ServedModel, load_served
 from rampserve.serving.plane import DataPlane, InferResult
 from rampserve.serving.protocol import DATATYPES, TensorSpec
+from rampserve.serving.repository.predictors import FunctionPredictor, ModelUnavailable, Predictor
 from rampserve.serving.server import ServerSettings, build_state
 
 MODEL = "resnet18-small"
@@ -84,7 +84,7 @@ def original_logits(served: ServedModel, x: np.ndarray) -> np.ndarray:
 
 def requests_counted(state, model: str, outcome: str) -> float:
     return state.metrics.registry.get_sample_value("rampserve_requests_total",
-                                                   {"model": model, "outcome": outcome}) or 0.0
+                                                   {"model": model, "outcome": outcome, "transport": "http"}) or 0.0
 
 
 @pytest.mark.parametrize("executor", ["thread", "process"])

@@ -181,6 +181,11 @@ class ServerProcess:
     def url(self, path: str) -> str:
         return f"http://127.0.0.1:{self.port}{path}"
 
+    @property
+    def pid(self) -> int | None:
+        """The server's own process (the root of what it starts); None before it is started."""
+        return None if self.process is None else self.process.pid
+
     def _hear_stop_signal(self) -> None:
         signal.signal(self.stop_signal, signal.SIG_DFL)
 

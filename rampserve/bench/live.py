@@ -12,7 +12,9 @@ back to back, here vanilla's measured closed-loop saturation (the simulator, wit
 model's batch-1 capacity). `--rate` replaces the load's rate; the run then reports the load that rate came to.
 
 Per-system figures carry `bench sim`'s keys. Latency percentiles, accuracy and exits are over answered requests;
-shed (429/503) and failed requests (other errors, timeouts) are counted apart. From the server's own status:
+shed (429/503) and failed requests (other errors, timeouts) are counted apart. The server's CPU over the measured
+requests comes from the kernel's accounting of its processes and threads (`cpu`), per answered request beside it
+(`cpu_ms_per_answer`): what management costs, whatever it saves. From the server's own status:
 configurations it adopted during the run, of them those that changed the ramp set and those that moved thresholds
 alone, and its event loop's lag (`server_figures`).
 
@@ -41,6 +43,7 @@ import torch
 from rich.table import Table
 from tqdm.auto import tqdm
 
+from rampserve.bench.cpu import cpu_used
 from rampserve.bench.figures import ACCURACY_WINDOW, configuration_changes, exit_mode_figures, windows_below_share
 from rampserve.bench.harness import (
     QUANTILES, TRANSPORTS, ServerProcess, encode_items, fmt, get_json, mean_batch_size, measure_saturation,
@@ -63,9 +66,11 @@ from rampserve.workloads.traces import MAF_MINUTE_S, arrival_times
 
 SATURATION_ITEMS = 1000  # distinct inputs the closed-loop probes cycle through
 FEEDING_CLIENTS = 8  # closed-loop clients of the probe of whether the front end keeps batches full (issue 15)
-# Issue 17's bars for exits that stop early, against vanilla in the same run (`versus_vanilla`)
-SATURATION_GOAL = 1.4  # managed closed-loop saturation at least this times vanilla's
-P50_GOAL, P99_GOAL = 0.5, 1.0  # the replay's p50 and p99 at most these times vanilla's, at the load it ran at
+# Issue 31's bars for a managed server against vanilla in the same run (`versus_vanilla`): management costs nothing
+# (release keeps vanilla's saturation and CPU per answer; stop, which skips the rest of the model, raises saturation)
+SATURATION_GOALS = {"release": 0.97, "stop": 1.3}  # managed closed-loop saturation at least this times vanilla's
+P50_GOAL, P99_GOAL = 0.85, 1.05  # the replay's p50 and p99 at most these times vanilla's, at the load it ran at
+CPU_GOAL = 1.05  # the server's CPU per answered request (release) at most this times vanilla's
 ACCURACY_GOAL = 0.99
 
 
@@ -291,8 +296,9 @@ def table_rows(entry: dict) -> list[tuple[str, ...]]:
             fmt(s["mean_batch_size"], ".2f"), fmt(s.get("config_changes"), "d"),
             fmt(s.get("ramp_set_changes"), "d"), fmt(s.get("threshold_changes"), "d"),
             fmt(s.get("max_loop_lag_ms"), ".1f"), fmt(s.get("loop_lag_samples_over_5ms"), "d"),
+            fmt(s.get("cpu_ms_per_answer"), ".3f"),
             *(fmt(ratio(s.get(key), vanilla.get(key)), ".2f")
-              for key in ("saturation_rps", "p50_ms", "p99_ms", "throughput_rps")),
+              for key in ("saturation_rps", "p50_ms", "p99_ms", "throughput_rps", "cpu_ms_per_answer")),
             fmt(s.get("oracle_share"), ".2f"),
         ))
     return rows
@@ -300,8 +306,8 @@ def table_rows(entry: dict) -> list[tuple[str, ...]]:
 
 TABLE_COLUMNS = ("system", "sent", "shed", "failed", "p25 ms", "p50 ms", "p95 ms", "p99 ms", "rps", "sat rps",
                  "accuracy", "worst 1k", "1k <target", "exits", "exit mode", "mean batch", "configs",
-                 "set changes", "threshold changes", "max loop lag ms", "lag >5 ms", "sat ×van", "p50 ×van",
-                 "p99 ×van", "rps ×van", "oracle share")
+                 "set changes", "threshold changes", "max loop lag ms", "lag >5 ms", "CPU ms/answer", "sat ×van",
+                 "p50 ×van", "p99 ×van", "rps ×van", "CPU ×van", "oracle share")
 
 
 def _at_most(value: float | None, bound: float) -> bool | None:
@@ -327,7 +333,9 @@ def versus_vanilla(vanilla: dict, managed: dict, load: float | None) -> dict:
     ratio_range = [min(managed_rounds) / max(vanilla_rounds), max(managed_rounds) / min(vanilla_rounds)] \
         if vanilla_rounds and managed_rounds and min(vanilla_rounds) > 0 else None
     saturation_ratio = ratio(sat_managed, sat_vanilla)
+    saturation_goal = SATURATION_GOALS[managed.get("exit_mode") or "release"]
     p50_ratio, p99_ratio = (ratio(managed[key], vanilla[key]) for key in ("p50_ms", "p99_ms"))
+    cpu_ratio = ratio(managed.get("cpu_ms_per_answer"), vanilla.get("cpu_ms_per_answer"))
     accuracy = managed["accuracy"]
     over_all = accuracy * managed["answered"] / managed["requests"] if accuracy is not None and managed["requests"] \
         else None
@@ -342,11 +350,16 @@ def versus_vanilla(vanilla: dict, managed: dict, load: float | None) -> dict:
         "accuracy": accuracy, "accuracy_over_all_requests": over_all,
         "worst_window_accuracy": managed["worst_window_accuracy"],
         "windows_below_share": managed.get("windows_below_share"),
+        "cpu_ms_per_answer": {"vanilla": vanilla.get("cpu_ms_per_answer"),
+                              "rampserve": managed.get("cpu_ms_per_answer"), "ratio": cpu_ratio, "load": load},
         "goals": {
-            f"saturation_at_least_{SATURATION_GOAL:g}x": _at_least(saturation_ratio, SATURATION_GOAL),
+            f"saturation_at_least_{saturation_goal:g}x": _at_least(saturation_ratio, saturation_goal),
             f"p50_at_most_{P50_GOAL:g}x": _at_most(p50_ratio, P50_GOAL),
             f"p99_at_most_{P99_GOAL:g}x": _at_most(p99_ratio, P99_GOAL),
             f"accuracy_at_least_{ACCURACY_GOAL:g}": _at_least(accuracy, ACCURACY_GOAL),
+            # stop mode skips work: its CPU per answer has no bar of its own beyond saturation
+            f"cpu_per_answer_at_most_{CPU_GOAL:g}x":
+                _at_most(cpu_ratio, CPU_GOAL) if managed.get("exit_mode") != "stop" else None,
         },
     }
 
@@ -450,6 +463,9 @@ def versus_table(entry: dict) -> Table:
     table.add_row("accuracy, answered (all sent)", "", f"{fmt(versus['accuracy'], '.4f')} "
                   f"({fmt(versus['accuracy_over_all_requests'], '.4f')})", "", *verdict(3))
     table.add_row("1k windows below target", "", fmt(versus["windows_below_share"], ".1%"), "", "", "")
+    cpu = versus["cpu_ms_per_answer"]
+    table.add_row("CPU ms per answer", fmt(cpu["vanilla"], ".3f"), fmt(cpu["rampserve"], ".3f"),
+                  fmt(cpu["ratio"], ".2f"), *verdict(4))
     if "p50_saving_ms" in versus:
         saving = versus["p50_saving_ms"]
         table.add_row("p50 saving ms (live / simulator)", "", f"{fmt(saving['live'], '.2f')} / "
@@ -631,7 +647,7 @@ def run_live(settings: LiveSettings, json_out: Path | None, plots_dir: Path | No
 
             def job(srv: ServerProcess, transport: str = settings.transport, **kwargs: object) -> Job:
                 return Job(srv.infer_url(settings.model, transport), inputs, "label", srv.url("/status"),
-                           settings.timeout_s, **kwargs)
+                           settings.timeout_s, cpu_pid=srv.pid, **kwargs)
 
             clients = settings.saturation_clients or 2 * max_batch + 2
 
@@ -779,11 +795,21 @@ def score_run(settings: LiveSettings, result: LoadResult, reference: np.ndarray,
     """One replay's figures (`summarize_live`, what the server says of itself, how it stopped), its released labels
     scored against `reference`, the original model's."""
     status_before, status_after = result.status_before, result.status_after
-    return (summarize_live(result, reference, settings.worst_window,
-                           mean_batch_size(status_before, status_after, settings.model),
-                           1.0 - settings.accuracy_constraint)
+    summary = summarize_live(result, reference, settings.worst_window,
+                             mean_batch_size(status_before, status_after, settings.model),
+                             1.0 - settings.accuracy_constraint)
+    return (summary | cpu_figures(result, summary["answered"])
             | server_figures(status_before, status_after, settings.model)
             | {"server": server | {"status": _model_status(status_after, settings.model)}})
+
+
+def cpu_figures(result: LoadResult, answered: int) -> dict:
+    """The server's CPU over the measured requests (front end, executor, compile worker: `cpu.cpu_used`) and per
+    answered request; None where the run has no readings."""
+    if result.cpu_before is None or result.cpu_after is None:
+        return {"cpu": None, "cpu_ms_per_answer": None}
+    used = cpu_used(result.cpu_before, result.cpu_after)
+    return {"cpu": used, "cpu_ms_per_answer": used["total_s"] * 1000.0 / answered if answered else None}
 
 
 def _model_status(status: dict | str | None, model: str) -> dict | str | None:

@@ -41,6 +41,8 @@ import orjson
 import uvloop
 from tritonclient.grpc import service_pb2 as pb
 
+from rampserve.bench.cpu import read_tree
+
 # KServe v2 tensor datatypes (BYTES has no fixed width and is not sent by this benchmark).
 V2_DTYPES = {"BOOL": np.bool_, "UINT8": np.uint8, "UINT16": np.uint16, "UINT32": np.uint32, "UINT64": np.uint64,
              "INT8": np.int8, "INT16": np.int16, "INT32": np.int32, "INT64": np.int64, "FP16": np.float16,
@@ -81,6 +83,8 @@ class Job:
     refused_pause_ms: float = 0.0
     # Plain v2 JSON bodies instead of Triton's binary tensors: for servers without the extension (MLServer).
     json_bodies: bool = False
+    # The server's process: its tree's CPU (`cpu.read_tree`) is read with each status. None: not read.
+    cpu_pid: int | None = None
 
     @property
     def over_grpc(self) -> bool:
@@ -102,6 +106,8 @@ class LoadResult:
     errors: dict[str, int]  # every outcome other than an answer, by message, for the report
     status_before: dict | str | None  # the server's status after the warm-up (a string: why it could not be read)
     status_after: dict | str | None  # ... and once every measured request was answered
+    cpu_before: dict | None = None  # the server's CPU (`cpu.read_tree`) read with status_before
+    cpu_after: dict | None = None  # ... and with status_after
 
     @property
     def ok(self) -> np.ndarray:
@@ -130,7 +136,8 @@ class LoadResult:
             meta = json.loads(str(data["meta"]))
             arrays = {k: data[k] for k in data.files if k != "meta"}
         return cls(**arrays, sites=tuple(meta["sites"]), errors=meta["errors"], status_before=meta["status_before"],
-                   status_after=meta["status_after"])
+                   status_after=meta["status_after"], cpu_before=meta.get("cpu_before"),
+                   cpu_after=meta.get("cpu_after"))
 
 
 # --- jobs on disk: the spec as JSON, each input as one flat array plus per-request shapes -----------------------
@@ -242,6 +249,10 @@ def fetch_status(url: str | None) -> dict | str | None:
         return f"GET {url}: {exc}"
 
 
+def read_cpu(pid: int | None) -> dict | None:
+    return None if pid is None else read_tree(pid)
+
+
 # --- the client ---------------------------------------------------------------------------------------------------
 
 class _Recorder:
@@ -257,13 +268,15 @@ class _Recorder:
         site_index = -1 if site is None else self.sites.setdefault(site, len(self.sites))
         self.rows.append((index, scheduled_ms, sent_ms, done_ms, status, label, early, site_index))
 
-    def result(self, status_before: dict | str | None, status_after: dict | str | None) -> LoadResult:
+    def result(self, status_before: dict | str | None, status_after: dict | str | None,
+               cpu_before: dict | None = None, cpu_after: dict | None = None) -> LoadResult:
         rows = sorted(self.rows)
         columns = list(zip(*rows)) if rows else [()] * 8
         as_array = [np.array(c, dtype=t) for c, t in zip(columns, (np.int64, np.float64, np.float64, np.float64,
                                                                    np.int64, np.int64, bool, np.int64))]
         return LoadResult(*as_array[1:], sites=tuple(self.sites), errors=dict(self.errors),
-                          status_before=status_before, status_after=status_after)
+                          status_before=status_before, status_after=status_after, cpu_before=cpu_before,
+                          cpu_after=cpu_after)
 
 
 class _Client:
@@ -399,9 +412,10 @@ async def run_job(job: Job, requests: list[dict[str, np.ndarray]], arrivals_ms: 
             raise ValueError(f"{len(bodies)} requests for {warmup} warm-up and {len(arrivals_ms)} measured arrivals")
         await client.open_loop(bodies[:warmup], warmup_arrivals_ms)
         # Blocking on purpose: nothing is in flight between the two runs.
-        before = fetch_status(job.status_url)
+        before, cpu_before = fetch_status(job.status_url), read_cpu(job.cpu_pid)
         recorder = await client.open_loop(bodies[warmup:], arrivals_ms)
-        return recorder.result(before, fetch_status(job.status_url))
+        cpu_after = read_cpu(job.cpu_pid)  # before the status request, which costs the server CPU of its own
+        return recorder.result(before, fetch_status(job.status_url), cpu_before, cpu_after)
 
 
 def main(argv: list[str]) -> int:

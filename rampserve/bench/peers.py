@@ -1,25 +1,30 @@
-"""`rampserve bench peers`: rampserve vanilla, rampserve with early exits, MLServer, Ray Serve and Triton serving the
-same model at the same max batch and wait, measured as perf_analyzer measures: in interleaved rounds.
+"""`rampserve bench peers`: rampserve vanilla, rampserve with early exits, MLServer, Ray Serve, Triton, KServe and
+LitServe serving the same model at the same max batch and wait, measured as perf_analyzer measures: in interleaved
+rounds.
 
-Every system runs the bundle's original model traced to TorchScript, the same kernels with one intra-op thread:
-rampserve as its executor compiles it by default (vanilla: no ramps), Ray Serve in a replica of its own
-(`peers_ray`), MLServer from a traced file in a custom runtime (or, with `mlserver_backend="onnx"`, exported to ONNX
-under ONNX Runtime: a different kernel library, not a different server) and Triton through PyTriton (`triton/`),
-whose tritonserver hands each batch its dynamic batcher forms to the traced model in a Python process. MLServer and
-Triton run in venvs of their own, made on first use from the requirements files beside their code: MLServer's
-fastapi/starlette pins clash with rampserve's, and Triton's Python backend links Debian's own libpython3.11.
+Every system runs the model on the engine the bundle serves on (`peers_engine`): a bundle served on ONNX Runtime is
+run from its own ONNX file by every peer, on ONNX Runtime at the bundle's engine's threads with the idle spin
+rampserve bounds; a bundle served on torch is traced to TorchScript, run with one intra-op thread as rampserve's
+executor runs it. Each peer batches as it offers to: MLServer's adaptive batching, Ray Serve's `@serve.batch`,
+Triton's dynamic batcher (through PyTriton, `triton/`: tritonserver hands each batch to the model in a Python process)
+and LitServe's batching (`litserve/`); KServe's model server (`kserve/`) has no batcher of its own and runs each
+request alone. Ray Serve's replica runs in rampserve's venv (`peers_ray`); the others run in venvs of their own, made
+on first use from the pinned requirements files beside their code: MLServer's fastapi/starlette pins clash with
+rampserve's, Triton's Python backend links Debian's own libpython3.11, and KServe and LitServe bring their own
+servers' pins.
 
 A round starts each system in turn, in an order rotated from round to round (so each system meets every phase of a
 noisy machine, not one); each replays the same stream slice open loop at the same rate (after the same warm-up) and
 then runs a concurrency sweep: closed loops of 1, 2, 4, 8 and 16 clients. Its saturation in that round is the most
 it answered per second at a level whose p99 stayed within the SLO. Each system's figures are medians over rounds,
 with their min and max; the goals compare medians. Requests carry Triton's binary tensors to the systems that read
-them (rampserve, Triton) and plain v2 JSON to the rest (`transport`); with `transport="grpc"`, KServe v2 over gRPC
-to every system that serves it (rampserve, Triton, MLServer; the Ray Serve peer has HTTP only: Ray Serve's proxy
-speaks gRPC only to servicers registered with it, which this peer, a plain HTTP deployment, has none of). The rate is
-`bench live`'s: the stated load (`bench sim`'s, default 0.2) of rampserve vanilla's closed-loop saturation, probed
-before the rounds, unless given (the report's `load` is then None). A system that cannot be installed or started keeps
-its key, with `error` saying why.
+them (rampserve, Triton, KServe) and plain v2 JSON to the rest (`transport`): LitServe has no v2 protocol, so its API
+reads the v2 JSON body at LitServe's own route and answers the labels as v2 JSON does. With `transport="grpc"`,
+KServe v2 over gRPC to every system that serves it (rampserve, Triton, MLServer, KServe; the Ray Serve peer has HTTP
+only: Ray Serve's proxy speaks gRPC only to servicers registered with it, which this peer, a plain HTTP deployment,
+has none of; LitServe serves HTTP only). The rate is `bench live`'s: the stated load (`bench sim`'s, default 0.2) of
+rampserve vanilla's closed-loop saturation, probed before the rounds, unless given (the report's `load` is then
+None). A system that cannot be installed or started keeps its key, with `error` saying why.
 """
 
 from __future__ import annotations
@@ -44,18 +49,23 @@ from rampserve.bench.harness import (
 )
 from rampserve.bench.live import LiveSettings, plan_live, replay_schedule, score_run
 from rampserve.bench.loadgen import Job, LoadResult
+from rampserve.bench.peers_engine import PeerModel
 from rampserve.bench.ramp_outputs import ramp_outputs
+from rampserve.graph.onnx_graph import ONNX_SPIN_US
+from rampserve.runtime.backends import OnnxBackend
+from rampserve.runtime.engines import engine_of
 from rampserve.runtime.prepared import PreparedModel
 
 BASELINE = "rampserve_vanilla"
 EXITS = "rampserve"
-PEERS = ("mlserver", "ray_serve", "triton")
+PEERS = ("mlserver", "ray_serve", "triton", "kserve", "litserve")
 SYSTEMS = (BASELINE, EXITS, *PEERS)
 BINARY, JSON, GRPC = "binary", "json", "grpc"
-# Triton's binary-data extension where the server reads it; MLServer's REST server does not, nor does the Ray Serve
-# peer (it reads what MLServer reads, so that the two JSON servers parse the same bodies)
-TRANSPORTS = {BASELINE: BINARY, EXITS: BINARY, "triton": BINARY, "mlserver": JSON, "ray_serve": JSON}
-GRPC_SYSTEMS = (BASELINE, EXITS, "triton", "mlserver")  # those that also serve KServe v2 over gRPC
+# Triton's binary-data extension where the server reads it; MLServer's REST server does not, nor do the Ray Serve and
+# LitServe peers (they read what MLServer reads, so that the JSON servers parse the same bodies)
+TRANSPORTS = {BASELINE: BINARY, EXITS: BINARY, "triton": BINARY, "mlserver": JSON, "ray_serve": JSON,
+              "kserve": BINARY, "litserve": JSON}
+GRPC_SYSTEMS = (BASELINE, EXITS, "triton", "mlserver", "kserve")  # those that also serve KServe v2 over gRPC
 SWEEP_CLIENTS = (1, 2, 4, 8, 16)
 # A sweep level is within the SLO when its p99 is: at most this share of its requests may go unanswered (shed or
 # failed), since an unanswered request is one later than any SLO
@@ -67,6 +77,9 @@ RATIO_KEYS = ("p50_ms", "p95_ms", "p99_ms", "throughput_rps", "saturation_rps")
 BENCH_DIR = Path(__file__).resolve().parent
 MLSERVER_DIR = BENCH_DIR / "mlserver"
 TRITON_DIR = BENCH_DIR / "triton"
+KSERVE_DIR = BENCH_DIR / "kserve"
+LITSERVE_DIR = BENCH_DIR / "litserve"
+LITSERVE_ROUTE = "/predict"  # LitServe's default route, where its API takes the JSON body
 # Triton's Python-backend stub links this interpreter's libpython: a venv on another Python (pyenv's) fails to load
 # the model
 TRITON_PYTHON = Path("/usr/bin/python3.11")
@@ -90,8 +103,9 @@ class PeerSettings:
     sweep_s: float = 5.0  # each level of the sweep, each round ...
     sweep_settle_s: float = 1.0  # ... less its first part, while the clients start
     mlserver_venv: Path = field(default_factory=lambda: _repository_root() / ".venv-mlserver")
-    mlserver_backend: str = "torch"  # or "onnx"; an ONNX bundle is served as ONNX
     triton_venv: Path = field(default_factory=lambda: _repository_root() / ".venv-triton")
+    kserve_venv: Path = field(default_factory=lambda: _repository_root() / ".venv-kserve")
+    litserve_venv: Path = field(default_factory=lambda: _repository_root() / ".venv-litserve")
     transport: str = "http"  # or "grpc": gRPC to the systems that serve it (GRPC_SYSTEMS), HTTP to the rest
 
     def __post_init__(self) -> None:
@@ -111,8 +125,6 @@ class PeerSettings:
             raise ValueError(f"a sweep level ({self.sweep_s} s) must outlast its settling ({self.sweep_settle_s} s)")
         if self.transport not in ("http", GRPC):
             raise ValueError(f"transport is http or grpc, not {self.transport!r}")
-        if self.mlserver_backend not in ("torch", "onnx"):
-            raise ValueError(f"mlserver_backend is torch or onnx, not {self.mlserver_backend!r}")
 
 
 # --- statistics (pure) ----------------------------------------------------------------------------------------
@@ -329,23 +341,23 @@ def export_torchscript(model: PreparedModel, example: dict[str, np.ndarray], pat
     return path
 
 
-def export_onnx(model: PreparedModel, example: dict[str, np.ndarray], path: Path) -> Path:
-    """The bundle's original model as ONNX with a dynamic batch axis (an ONNX bundle's own graph is copied)."""
-    from rampserve.runtime.backends import OnnxBackend
-
+def peer_model(model: PreparedModel, example: dict[str, np.ndarray], workdir: Path) -> PeerModel:
+    """What every peer runs: the bundle's own ONNX file at its engine's threads and rampserve's idle spin, where
+    the bundle serves on ONNX Runtime; else its torch model traced into `workdir`, run with one thread."""
     if isinstance(model.backend, OnnxBackend):
-        return Path(shutil.copyfile(model.backend.path, path))
-    import torch
-
-    names = list(model.backend.input_names)
-    with torch.inference_mode():
-        torch.onnx.export(model.backend.module, tuple(torch.from_numpy(example[n]) for n in names), str(path),
-                          input_names=names, output_names=["logits"], opset_version=17, dynamo=False,
-                          dynamic_axes={**{n: {0: "batch"} for n in names}, "logits": {0: "batch"}})
-    return path
+        engine = engine_of(model.meta, model.backend.kind)
+        return PeerModel(str(model.backend.path), tuple(model.backend.input_names), engine.intra_op_threads,
+                         ONNX_SPIN_US)
+    traced = export_torchscript(model, example, workdir / "model.pt")
+    return PeerModel(str(traced), tuple(example), 1, ONNX_SPIN_US)
 
 
-def mlserver_repository(root: Path, model_name: str, model_path: Path, max_batch: int, max_delay_ms: float,
+def in_peer_venv(command: Callable[[int, int], list[str]]) -> Callable[[int, int], list[str]]:
+    """A peer's command, with the repository on its path for `peers_engine` alone (its venv lacks rampserve)."""
+    return lambda port, grpc_port: ["env", f"PYTHONPATH={_repository_root()}", *command(port, grpc_port)]
+
+
+def mlserver_repository(root: Path, model_name: str, model: PeerModel, max_batch: int, max_delay_ms: float,
                         ports: tuple[int, int, int]) -> Path:
     """A model repository for `mlserver start`: server settings (loopback, the given HTTP, gRPC and metrics ports)
     and one model folder with the custom runtime and adaptive batching at rampserve's max batch and wait."""
@@ -360,17 +372,68 @@ def mlserver_repository(root: Path, model_name: str, model_path: Path, max_batch
     (folder / "model-settings.json").write_text(json.dumps({
         "name": model_name, "implementation": "runtime.Labels", "max_batch_size": max_batch,
         "max_batch_time": max(max_delay_ms / 1000.0, MLSERVER_MIN_BATCH_TIME_S),
-        "parameters": {"uri": str(model_path)}}))
+        "parameters": {"extra": {"peer_model": model.to_json()}}}))
     return root
 
 
-def triton_command(python: Path, model_path: Path, model_name: str, inputs: list[tuple[str, str, list[int]]],
-                   max_batch: int, max_delay_ms: float) -> Callable[[int], list[str]]:
-    """PyTriton's server (`triton/server.py`) in its venv, HTTP and gRPC on the given ports, metrics on a free one."""
-    return lambda port, grpc_port: [
-        str(python), str(TRITON_DIR / "server.py"), str(model_path), "--name", model_name, "--inputs",
-        json.dumps(inputs), "--http-port", str(port), "--grpc-port", str(grpc_port), "--metrics-port",
-        str(free_port()), "--max-batch", str(max_batch), "--wait-ms", f"{max_delay_ms:g}"]
+@dataclass(frozen=True)
+class PeerLaunch:
+    """What a peer's server is started with."""
+
+    model: PeerModel
+    model_name: str
+    max_batch: int
+    max_delay_ms: float
+    inputs: list[tuple[str, str, list[int]]]  # `input_specs`: what Triton declares
+    workdir: Path  # the server's log and files
+    start_timeout_s: float
+    venv_bin: Path | None = None  # its venv's bin folder; None for Ray Serve, which runs in rampserve's venv
+
+
+def peer_server(name: str, launch: PeerLaunch) -> ServerProcess:
+    """A peer's server, on loopback ports (KServe's on every interface: it has no setting for the address), to be
+    started by entering it: Ray Serve's replica (`peers_ray`), or a server in the peer's own venv."""
+    log, timeout = launch.workdir / f"{name}-server.log", launch.start_timeout_s
+    model, model_name = launch.model.to_json(), launch.model_name
+    batching = ["--max-batch", str(launch.max_batch), "--wait-ms", f"{launch.max_delay_ms:g}"]
+    if name == "ray_serve":
+        return ServerProcess(lambda port, _grpc_port: [
+            sys.executable, "-m", "rampserve.bench.peers_ray", model, "--name", model_name, "--port", str(port),
+            *batching], log, timeout)
+    if launch.venv_bin is None:
+        raise ValueError(f"{name} runs in a venv of its own, and none was given")
+    python = str(launch.venv_bin / "python")
+    if name == "triton":
+        # Triton answers /v2/health/ready before its model is loaded; SIGTERM would leave tritonserver behind
+        return ServerProcess(in_peer_venv(lambda port, grpc_port: [
+            python, str(TRITON_DIR / "server.py"), model, "--name", model_name, "--inputs", json.dumps(launch.inputs),
+            "--http-port", str(port), "--grpc-port", str(grpc_port), "--metrics-port", str(free_port()), *batching]),
+            log, timeout, ready_path=f"/v2/models/{model_name}/ready", stop_signal=signal.SIGINT)
+    if name == "kserve":
+        return ServerProcess(in_peer_venv(lambda port, grpc_port: [
+            python, str(KSERVE_DIR / "server.py"), model, "--name", model_name, "--http-port", str(port),
+            "--grpc-port", str(grpc_port)]), log, timeout)
+    if name == "litserve":
+        # LitServe's /health answers 200 once its inference worker is up; it shuts down on SIGINT
+        return ServerProcess(in_peer_venv(lambda port, _grpc_port: [
+            python, str(LITSERVE_DIR / "server.py"), model, "--name", model_name, "--port", str(port), *batching]),
+            log, timeout, ready_path="/health", stop_signal=signal.SIGINT)
+    if name == "mlserver":
+        def mlserver(port: int, grpc_port: int) -> list[str]:
+            repository = mlserver_repository(launch.workdir / "mlserver", model_name, launch.model, launch.max_batch,
+                                             launch.max_delay_ms, (port, grpc_port, free_port()))
+            return [str(launch.venv_bin / "mlserver"), "start", str(repository)]
+
+        return ServerProcess(in_peer_venv(mlserver), log, timeout)
+    raise ValueError(f"{name} is not a peer; the peers are {PEERS}")
+
+
+def infer_url(srv: ServerProcess, name: str, model_name: str, transport: str) -> str:
+    """Where the client sends a system's requests: LitServe's route, else the v2 infer endpoint over the transport
+    the system is spoken to in (`transport_of`)."""
+    if name == "litserve":
+        return srv.url(LITSERVE_ROUTE)
+    return srv.infer_url(model_name, "grpc" if transport_of(name, transport) == GRPC else "http")
 
 
 # --- the benchmark ------------------------------------------------------------------------------------------------
@@ -381,58 +444,39 @@ def run_peers(settings: PeerSettings, json_out: Path | None, plots_dir: Path | N
     plan = plan_live(live)
     model, slo, max_batch = plan.model, plan.slo_ms, plan.max_batch
     inputs = v2_inputs(plan.probe_feeds[0])
-    mlserver_backend = "onnx" if model.backend.kind == "onnx" else settings.mlserver_backend
 
     # A peer that cannot be installed is measured in no round; the rest go on without it
     install_errors: dict[str, str] = {}
-    if "triton" in settings.systems and model.backend.kind != "torch":
-        install_errors["triton"] = f"the Triton peer serves a TorchScript trace; this bundle is {model.backend.kind}"
     venv_bins: dict[str, Path] = {}
-    for name, venv, requirements, python in (
-            ("mlserver", settings.mlserver_venv, MLSERVER_DIR / "requirements.txt", Path(sys.executable)),
-            ("triton", settings.triton_venv, TRITON_DIR / "requirements.txt", TRITON_PYTHON)):
-        if name in settings.systems and name not in install_errors:
+    for name, venv, folder, python in (
+            ("mlserver", settings.mlserver_venv, MLSERVER_DIR, Path(sys.executable)),
+            ("triton", settings.triton_venv, TRITON_DIR, TRITON_PYTHON),
+            ("kserve", settings.kserve_venv, KSERVE_DIR, Path(sys.executable)),
+            ("litserve", settings.litserve_venv, LITSERVE_DIR, Path(sys.executable))):
+        if name in settings.systems:
             try:
-                venv_bins[name] = ensure_venv(venv, requirements, python, note)
+                venv_bins[name] = ensure_venv(venv, folder / "requirements.txt", python, note)
             except (OSError, RuntimeError, subprocess.CalledProcessError) as exc:
                 install_errors[name] = f"installing {name}: {exc}"
                 note(install_errors[name])
 
     with tempfile.TemporaryDirectory(prefix="rampserve-peers-") as tmp:
         workdir = Path(tmp)
-        example = plan.probe_feeds[0]
-        traced = export_torchscript(model, example, workdir / "model.pt") if model.backend.kind == "torch" else None
-        model_file = traced if mlserver_backend == "torch" else export_onnx(model, example, workdir / "model.onnx")
+        served = peer_model(model, plan.probe_feeds[0], workdir)
 
         def server(name: str) -> ServerProcess:
-            log = workdir / f"{name}-server.log"
             if name in (BASELINE, EXITS):
                 return ServerProcess(rampserve_serve(live.model, slo, max_batch, live.max_delay_ms, name == BASELINE,
-                                                     live.server_args), log, live.start_timeout_s)
-            if name == "ray_serve":
-                return ServerProcess(lambda port, _grpc_port: [
-                    sys.executable, "-m", "rampserve.bench.peers_ray", str(plan.bundle), "--name", live.model,
-                    "--port", str(port), "--max-batch", str(max_batch), "--wait-ms", f"{live.max_delay_ms:g}"],
-                    log, live.start_timeout_s)
-            if name == "triton":
-                # Triton answers /v2/health/ready before its model is loaded; SIGTERM would leave tritonserver behind
-                return ServerProcess(triton_command(venv_bins[name] / "python", traced, live.model,
-                                                    input_specs(plan.probe_feeds), max_batch, live.max_delay_ms),
-                                     log, live.start_timeout_s, ready_path=f"/v2/models/{live.model}/ready",
-                                     stop_signal=signal.SIGINT)
-
-            def mlserver(port: int, grpc_port: int) -> list[str]:
-                repository = mlserver_repository(workdir / "mlserver", live.model, model_file, max_batch,
-                                                 live.max_delay_ms, (port, grpc_port, free_port()))
-                return [str(venv_bins[name] / "mlserver"), "start", str(repository)]
-
-            return ServerProcess(mlserver, log, live.start_timeout_s)
+                                                     live.server_args), workdir / f"{name}-server.log",
+                                     live.start_timeout_s)
+            return peer_server(name, PeerLaunch(served, live.model, max_batch, live.max_delay_ms,
+                                                input_specs(plan.probe_feeds), workdir, live.start_timeout_s,
+                                                venv_bins.get(name)))
 
         def job(srv: ServerProcess, name: str, **kwargs: object) -> Job:
             status = srv.url("/status") if name in (BASELINE, EXITS) else None
-            transport = transport_of(name, settings.transport)
-            return Job(srv.infer_url(live.model, "grpc" if transport == GRPC else "http"), inputs, "label", status,
-                       live.timeout_s, json_bodies=transport == JSON, **kwargs)
+            return Job(infer_url(srv, name, live.model, settings.transport), inputs, "label", status, live.timeout_s,
+                       json_bodies=transport_of(name, settings.transport) == JSON, **kwargs)
 
         calibration = None
         if live.rate_rps is None:
@@ -497,15 +541,21 @@ def run_peers(settings: PeerSettings, json_out: Path | None, plots_dir: Path | N
         "sweep_settle_s": settings.sweep_settle_s, "calibration": calibration,
         "client": "one process per run (rampserve.bench.loadgen): binary tensors, v2 JSON or gRPC, per system's "
                   "transport",
-        "backends": {BASELINE: f"rampserve serve --vanilla ({model.backend.kind}; its executor compiles to "
+        "engine": asdict(served) | {"engine": served.engine, "bundle_engine": engine_of(model.meta,
+                                                                                      model.backend.kind).name},
+        "backends": {BASELINE: f"rampserve serve --vanilla ({model.backend.kind}; on torch its executor compiles to "
                                 "TorchScript where it can: /status `compiled` in each round)",
                      EXITS: f"rampserve serve ({model.backend.kind} with ramps; compiled sets where they compile)",
-                     "ray_serve": "TorchScript (rampserve's compiled original model) behind @serve.batch",
-                     "mlserver": "TorchScript" if mlserver_backend == "torch" else "ONNX Runtime",
-                     "triton": "TorchScript in PyTriton's Python process, behind tritonserver's dynamic batcher"},
+                     "mlserver": f"{served.engine} in a custom runtime, behind MLServer's adaptive batching",
+                     "ray_serve": f"{served.engine} behind @serve.batch",
+                     "triton": f"{served.engine} in PyTriton's Python process, behind tritonserver's dynamic batcher",
+                     "kserve": f"{served.engine} in a kserve.Model, one request at a time (KServe's model server has "
+                               "no batcher)",
+                     "litserve": f"{served.engine} in a LitAPI, behind LitServe's batching; v2 JSON bodies at "
+                                 f"{LITSERVE_ROUTE} (LitServe has no v2 protocol)"},
         "systems": systems, "goals": goals(systems),
-        "settings": asdict(settings) | {"mlserver_venv": str(settings.mlserver_venv),
-                                        "triton_venv": str(settings.triton_venv)},
+        "settings": {key: str(value) if isinstance(value, Path) else value
+                     for key, value in asdict(settings).items()},
     }
     if plots_dir is not None:
         from rampserve.bench.peers_plots import write_peer_plots

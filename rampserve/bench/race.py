@@ -415,8 +415,8 @@ def run_race(settings: RaceSettings, json_out: Path | None = None, note: Callabl
              progress: bool = True) -> dict:
     from rampserve.serving.apps.applications import ApplicationSpec
     from rampserve.serving.models import ServedModel, load_served
-    from rampserve.serving.apps.predictors import RemotePredictor
     from rampserve.serving.contract import GIL_SWITCH_INTERVAL_S, ModelSettings
+    from rampserve.serving.repository.predictors import RemotePredictor
     from rampserve.serving.server import ServerSettings, build_state, running_server
 
     index, images, labels = query_images(settings)

@@ -23,18 +23,13 @@ import numpy as np
 from rampserve.control.costs import CostModel
 from rampserve.control.guarantee import DisagreementMonitor, RiskBound
 from rampserve.control.monitor import AccuracyWindow, ExitHistory
-from rampserve.control.objective import OBJECTIVES
 from rampserve.control.ramps import SetEstimate, estimate, search_sets
 from rampserve.control.records import BatchRecord, Configuration
+from rampserve.control.settings import ControllerSettings
 from rampserve.control.risk import rolled_scale, served_scale
 from rampserve.control.thresholds import ExitData, certified_thresholds, tune_greedy
-from rampserve.ramps.exit_rule import EXIT_MODES
 from rampserve.runtime.latency import LatencyProfile
 
-# certified: thresholds certified at the stated confidence on recent inputs, rolling risk control below them;
-# long-run: thresholds tuned on recent inputs at the full constraint, rolling risk control alone bounds the long-run
-# disagreement (deterministically, whatever the stream)
-GUARANTEES = ("certified", "long-run")
 # Modelled cost of a decision: tuning reads every row of every active ramp some hundred times. Charged per row and
 # ramp of the data each threshold choice reads (certifying 4,096 inputs at 4 ramps took 70 ms on this 2-core
 # machine), so that the simulator's decision delays, and with them its results, do not depend on the wall clock.
@@ -47,105 +42,6 @@ DECISION_BASE_MS = 0.05
 # Certifying every candidate so costs ~24 s of modelled decision time a round, which left configurations stale
 RERANKED_SETS = 5
 RANKING_SPLITS = 4
-
-
-@dataclass(frozen=True)
-class ControllerSettings:
-    accuracy_constraint: float = 0.01  # allowed share of answers that differ from the original model's
-    window: int = 16  # released answers whose accuracy `/status` reports as the window's
-    # Recent observed inputs that tuning reads, and as many shadow inputs that the ramp-set search reads
-    history: int = 4096
-    search_every: int = 2048  # inputs between ramp-set searches; each also recertifies the thresholds
-    warmup: int = 1024  # shadow inputs gathered before the first search (or, without search, the first tuning)
-    shadow_share: float = 0.1  # after warm-up, the share of batches that evaluate every ramp (0: no search)
-    search_rows: int = 2048  # newest shadow inputs the search judges sets on
-    beam: int = 3  # sets of each size the search keeps growing
-    # A set replaces the deployed one only when its estimated objective is lower by this share (or equal, with the
-    # mean lower by this share): estimates from a few thousand inputs differ by noise alone, and a new set starts
-    # with fewer inputs to certify its thresholds on (resnet18-fmnist, 108k inputs: 31 set changes at 0.03, 13 at
-    # 0.1, the same p50)
-    hysteresis: float = 0.1
-    objective: str = "p50"  # see `objective.OBJECTIVES`
-    guarantee: str = "certified"
-    # Thresholds keep an upper confidence bound on released answers' disagreement with the original model within
-    # the constraint at this confidence (see `guarantee`); the monitor's alarm uses it too
-    confidence: float = 0.95
-    # Rolling risk control (see `risk`): how far one disagreement moves the scale on the tuned thresholds (a share
-    # of them); the constraint's worth of agreement moves it back as far
-    risk_step: float = 0.05
-    # Share of the constraint rolling risk control holds the long-run disagreement to (None: 0.65 with the certified
-    # guarantee, 1 with long-run). The constraint is judged on windows of answers too (1,000 in the benches); a
-    # long-run mean at the constraint itself leaves about a third of them above it (static thresholds tuned at 0.99
-    # on resnet18-fmnist: 36% of 1k windows below 0.99), one at 0.65 of it about one in twenty
-    risk_target_share: float | None = None
-    exit_mode: str = "release"  # "release": every input runs to the end; "stop": exited inputs leave the batch
-    feedback_share: float = 0.1  # stop mode: share of the inputs kept running to the end to measure agreement
-    ramp_budget: float = 0.02  # what active ramps may add to a non-exiting input, share of the model's latency
-    budget_batch_size: int | None = None  # batch size the budget is judged at; None: the median one served
-    initial_step: float = 0.1
-    min_step: float = 0.01
-    threshold_tuning: bool = True
-    ramp_adjustment: bool = True
-    initial: tuple[str, ...] | None = None  # active ramps to start from; None: none until the first search
-    # Threshold a ramp is served at while tuning is off, or until the first tuning (absent: 0, no exits)
-    start_thresholds: dict[str, float] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        if not 0.0 <= self.accuracy_constraint < 1.0:
-            raise ValueError(f"accuracy constraint must lie in [0, 1), got {self.accuracy_constraint}")
-        if min(self.history, self.search_every, self.warmup, self.search_rows, self.beam) < 1:
-            raise ValueError("history, search_every, warmup, search_rows and beam must be positive")
-        if self.ramp_budget < 0:
-            raise ValueError(f"ramp budget must be >= 0, got {self.ramp_budget}")
-        if not 0.0 < self.confidence < 1.0:
-            raise ValueError(f"confidence must lie in (0, 1), got {self.confidence}")
-        if self.exit_mode not in EXIT_MODES:
-            raise ValueError(f"exit mode must be one of {EXIT_MODES}, got {self.exit_mode!r}")
-        if self.objective not in OBJECTIVES:
-            raise ValueError(f"objective must be one of {OBJECTIVES}, got {self.objective!r}")
-        if self.guarantee not in GUARANTEES:
-            raise ValueError(f"guarantee must be one of {GUARANTEES}, got {self.guarantee!r}")
-        if not 0.0 < self.feedback_share <= 1.0:
-            raise ValueError(f"feedback share must lie in (0, 1], got {self.feedback_share}")
-        if not 0.0 <= self.shadow_share <= 1.0:
-            raise ValueError(f"shadow share must lie in [0, 1], got {self.shadow_share}")
-        if not 0.0 <= self.hysteresis < 1.0:
-            raise ValueError(f"hysteresis must lie in [0, 1), got {self.hysteresis}")
-        if self.risk_step <= 0:
-            raise ValueError(f"risk step must be positive, got {self.risk_step}")
-        if self.risk_target_share is not None and not 0.0 < self.risk_target_share <= 1.0:
-            raise ValueError(f"risk target share must lie in (0, 1], got {self.risk_target_share}")
-
-    @property
-    def target_accuracy(self) -> float:
-        return 1.0 - self.accuracy_constraint
-
-    @property
-    def stops(self) -> bool:
-        return self.exit_mode == "stop"
-
-    @property
-    def kept_share(self) -> float:
-        """Share of exited inputs that run to the end: all of them in release mode."""
-        return self.feedback_share if self.stops else 1.0
-
-    @property
-    def risk_target(self) -> float:
-        """The long-run disagreement rolling risk control holds answers to."""
-        share = self.risk_target_share
-        if share is None:
-            share = 0.65 if self.guarantee == "certified" else 1.0
-        return self.accuracy_constraint * share
-
-    @property
-    def searches(self) -> bool:
-        """Whether ramp sets are searched (which needs shadow batches)."""
-        return self.ramp_adjustment and self.shadow_share > 0
-
-    @property
-    def shadow_every(self) -> int:
-        """After warm-up, one batch in this many is a shadow batch."""
-        return max(1, round(1.0 / self.shadow_share)) if self.searches else 0
 
 
 @dataclass(frozen=True)
@@ -221,7 +117,7 @@ class Controller:
         return {"window_accuracy": window.accuracy, "cumulative_accuracy": window.cumulative,
                 "inputs_observed": window.served, "unverified_answers": self.unverified,
                 "exit_mode": settings.exit_mode, "feedback_share": settings.kept_share,
-                "objective": settings.objective, "guarantee": settings.guarantee,
+                "objective": settings.objective, "guarantee": settings.guarantee, "ramp_budget": settings.ramp_budget,
                 "bound": {"disagreement_upper": self.bound, "confidence": settings.confidence,
                           "constraint": settings.accuracy_constraint, "history": self.recent.size,
                           "certifications": self._looks, "monitor_log_evidence": self.monitor.log_evidence()},

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
-from rampserve.control.controller import ControllerSettings
+from rampserve.control.settings import ControllerSettings
 from rampserve.control.records import BatchRecord, Configuration
 
 if TYPE_CHECKING:

@@ -21,7 +21,7 @@ from tritonclient.grpc import service_pb2 as pb
 
 import rampserve
 from rampserve.serving.grpc_codec import infer_request, infer_response, model_metadata_response
-from rampserve.serving.plane import DataPlane, Refusal
+from rampserve.serving.plane import GRPC, DataPlane, Refusal
 from rampserve.serving.protocol import BINARY_DATA_EXTENSION, ProtocolError, server_metadata
 
 SERVICE = "inference.GRPCInferenceService"
@@ -119,11 +119,12 @@ def handlers(plane: DataPlane, ready: Callable[[], bool]) -> dict[str, grpc.RpcM
         try:
             message = pb.ModelInferRequest.FromString(body)
         except DecodeError as exc:
-            await abort(context, plane.refuse("", ProtocolError(f"the request is not a ModelInferRequest: {exc}")))
+            await abort(context, plane.refuse("", ProtocolError(f"the request is not a ModelInferRequest: {exc}"),
+                                              GRPC))
         result = await plane.answer(message.model_name, message.model_version or None,
                                     lambda inputs: infer_request(message, inputs),
                                     lambda answer: infer_response(answer, typed=not message.raw_input_contents),
-                                    arrived)
+                                    GRPC, arrived)
         if isinstance(result, Refusal):
             await abort(context, result)
         return result.SerializeToString()

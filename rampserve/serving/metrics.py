@@ -59,8 +59,8 @@ class ServerMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter("rampserve_requests", "Inference requests by outcome", ["model", "outcome"],
-                                registry=r)
+        self.requests = Counter("rampserve_requests", "Inference requests by outcome and transport (http, grpc)",
+                                ["model", "outcome", "transport"], registry=r)
         self.queue = Histogram("rampserve_queue_seconds", "Time a request waited for its batch to start",
                                ["model"], buckets=LATENCY_BUCKETS, registry=r)
         self.compute = Histogram("rampserve_compute_seconds", "Time a batch ran, first stage to final layer",

@@ -15,8 +15,6 @@ import numpy as np
 import orjson
 
 from rampserve.serving.apps.applications import ApplicationPredictor
-from rampserve.serving.apps.catalogue import Catalogue
-from rampserve.serving.apps.predictors import ModelUnavailable, Prediction, PredictRequest, Predictor
 from rampserve.serving.apps.state_store import StoreError
 from rampserve.serving.cache import CachedAnswer, PredictionCache, cache_key
 from rampserve.serving.contract import ExecutionFailed, ExecutorLost, Shed
@@ -32,8 +30,12 @@ from rampserve.serving.protocol import (
     output_names_to_send,
     parse_infer_request,
 )
+from rampserve.serving.repository.catalogue import Catalogue
+from rampserve.serving.repository.predictors import ModelUnavailable, Prediction, PredictRequest, Predictor
 
 JSON = "application/json"
+# rampserve_requests_total's transport label: what brought the request
+HTTP, GRPC = "http", "grpc"
 
 
 @dataclass(frozen=True)
@@ -129,9 +131,10 @@ class DataPlane:
 
     async def answer(self, model: str, version: str | None,
                      decode: Callable[[Sequence[TensorSpec]], InferRequest], encode: Callable[[Answer], Encoded],
-                     arrived: float | None = None) -> Encoded | Refusal:
-        """Answer one request, whatever its transport: `decode` reads it against the model's inputs, `encode`
-        turns the answer into what the transport sends (a ProtocolError from either refuses the request).
+                     transport: str, arrived: float | None = None) -> Encoded | Refusal:
+        """Answer one request, whatever its transport (HTTP or GRPC, as it is counted): `decode` reads it against
+        the model's inputs, `encode` turns the answer into what the transport sends (a ProtocolError from either
+        refuses the request).
         `arrived` (time.perf_counter()) starts the latency the metrics observe, at the request's arrival rather
         than once its body was read; default now."""
         arrived = time.perf_counter() if arrived is None else arrived
@@ -152,7 +155,7 @@ class DataPlane:
             result = Refusal(500, str(exc), "failed")
         except StoreError as exc:
             result = Refusal(503, f"the state store is unavailable: {exc}", "failed")
-        self._count(model, result.outcome if isinstance(result, Refusal) else answered.outcome, arrived)
+        self._count(model, result.outcome if isinstance(result, Refusal) else answered.outcome, transport, arrived)
         return result
 
     async def infer(self, model: str, version: str | None, body: bytes, header_length: int | None,
@@ -160,19 +163,19 @@ class DataPlane:
         """Answer one HTTP request: `body` as sent, `header_length` the length of its JSON part when binary tensors
         follow it (None: JSON only)."""
         result = await self.answer(model, version, lambda inputs: parse_infer_request(body, header_length, inputs),
-                                   http_answer, arrived)
+                                   http_answer, HTTP, arrived)
         return http_refusal(result) if isinstance(result, Refusal) else result
 
-    def refuse(self, model: str, error: ProtocolError) -> Refusal:
+    def refuse(self, model: str, error: ProtocolError, transport: str) -> Refusal:
         """A request its transport refused before the plane could read it (a body over the limit, a malformed
         binary header length, a message that does not parse), counted as the plane counts the invalid requests it
         refuses itself."""
-        self._count(model, "invalid", time.perf_counter())
+        self._count(model, "invalid", transport, time.perf_counter())
         return Refusal(error.status, error.message, "invalid")
 
     def refused(self, model: str, error: ProtocolError) -> InferResult:
         """`refuse` for HTTP."""
-        return http_refusal(self.refuse(model, error))
+        return http_refusal(self.refuse(model, error, HTTP))
 
     async def _answer(self, predictor: Predictor, decode: Callable[[Sequence[TensorSpec]], InferRequest]) -> Answer:
         inputs = predictor.inputs
@@ -205,10 +208,10 @@ class DataPlane:
         return Answer(predictor.name, predictor.version, parsed.id,
                       [(output, datatypes[output.name], tensors[output.name]) for output in wanted], parameters, outcome)
 
-    def _count(self, model: str, outcome: str, arrived: float) -> None:
+    def _count(self, model: str, outcome: str, transport: str, arrived: float) -> None:
         catalogue = self.catalogue
         label = model if model in catalogue.models or model in catalogue.apps else "unknown"
-        self.metrics.requests.labels(model=label, outcome=outcome).inc()
+        self.metrics.requests.labels(model=label, outcome=outcome, transport=transport).inc()
         if outcome != "invalid":
             self.metrics.latency.labels(model=label).observe(time.perf_counter() - arrived)
 

@@ -17,15 +17,15 @@ from tqdm.auto import tqdm
 
 from rampserve.serving.app import ServerState, create_app
 from rampserve.serving.apps.applications import ApplicationSpec
-from rampserve.serving.apps.catalogue import Catalogue, CatalogueError, ModelRepository
+from rampserve.serving.apps.state_store import RedisStore, open_store
+from rampserve.serving.apps.update_stream import ModelUpdate, UpdateListener
 from rampserve.serving.contract import GIL_SWITCH_INTERVAL_S, ControlLink, ModelSettings, freeze_startup_objects
 from rampserve.serving.grpc_server import GrpcFrontEnd, address
 from rampserve.serving.metrics import ServerMetrics
 from rampserve.serving.models import ServedModel, load_served
-from rampserve.serving.apps.predictors import Predictor, WorkerPredictor
-from rampserve.serving.apps.state_store import RedisStore, open_store
-from rampserve.serving.apps.update_stream import ModelUpdate, UpdateListener
 from rampserve.serving.process_worker import make_worker
+from rampserve.serving.repository.catalogue import Catalogue, CatalogueError, ModelRepository
+from rampserve.serving.repository.predictors import Predictor, WorkerPredictor
 
 LOOPBACK = "127.0.0.1"
 
@@ -74,6 +74,8 @@ def build_state(models: Sequence[ServedModel | Predictor], model_settings: Model
     metrics = ServerMetrics()
     repository = None if settings.repository is None else ModelRepository(settings.repository, model_settings,
                                                                              metrics)
+    if repository is not None:
+        repository.check()
     predictors = [WorkerPredictor(make_worker(m, model_settings, metrics, control and control(m)))
                   if isinstance(m, ServedModel) else m for m in models]
     if repository is not None:

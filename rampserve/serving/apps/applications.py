@@ -29,11 +29,11 @@ import numpy as np
 
 from rampserve.control.deciders import Candidate, Decision, first, make_decider
 from rampserve.control.selection import SelectionState, exp3_choose, exp3_update, exp4_update, exp4_votes
+from rampserve.serving.apps.state_store import StateStore
 from rampserve.serving.cache import cache_key
 from rampserve.serving.metrics import ServerMetrics
-from rampserve.serving.apps.predictors import Prediction, PredictRequest, Predictor
 from rampserve.serving.protocol import DATATYPES, ProtocolError, TensorSpec
-from rampserve.serving.apps.state_store import StateStore
+from rampserve.serving.repository.predictors import Prediction, PredictRequest, Predictor
 
 POLICIES = ("exp3", "exp4", "race")
 # Learning rates of the bandits. Exp3 divides the loss by the chosen model's probability, so one mistake of a

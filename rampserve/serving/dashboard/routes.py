@@ -13,7 +13,7 @@ from importlib import resources
 from importlib.resources.abc import Traversable
 
 import orjson
-from fastapi import APIRouter, Request, Response
+from fastapi import Request, Response
 
 from rampserve.serving.dashboard.sampler import DashboardSampler
 from rampserve.serving.protocol import ProtocolError
@@ -50,36 +50,33 @@ def since_parameter(request: Request) -> int:
     return int(raw)
 
 
-def dashboard_router(sampler: DashboardSampler | None) -> APIRouter:
-    """The routes; with no sampler (`rampserve serve --no-dashboard`) each answers 404 saying so."""
-    router = APIRouter()
-    files = static_files()
+class DashboardEndpoints:
+    """The routes over the sampler; with none (`rampserve serve --no-dashboard`) each answers 404 saying so."""
 
-    def off() -> None:
-        if sampler is None:
+    def __init__(self, sampler: DashboardSampler | None) -> None:
+        self.sampler = sampler
+        self.files = static_files()
+
+    def _check_on(self) -> None:
+        if self.sampler is None:
             raise ProtocolError("the dashboard is off: this server was started with --no-dashboard", 404)
 
-    def static(path: str) -> Response:
-        off()
-        found = files.get(path)
+    def _static(self, path: str) -> Response:
+        self._check_on()
+        found = self.files.get(path)
         if found is None:
             raise ProtocolError(f"no dashboard file {path!r}", 404)
         content, kind = found
         return Response(content, headers={**SECURITY_HEADERS, "Cache-Control": "no-cache"}, media_type=kind)
 
-    @router.get("/dashboard")
-    async def page() -> Response:
-        return static("index.html")
+    async def page(self) -> Response:
+        return self._static("index.html")
 
-    @router.get("/dashboard/static/{path:path}")
-    async def asset(path: str) -> Response:
-        return static(path)
+    async def asset(self, path: str) -> Response:
+        return self._static(path)
 
-    @router.get("/dashboard/data")
-    async def data(request: Request) -> Response:
-        off()
-        body = orjson.dumps(sampler.data(since_parameter(request)), option=orjson.OPT_SERIALIZE_NUMPY)
+    async def data(self, request: Request) -> Response:
+        self._check_on()
+        body = orjson.dumps(self.sampler.data(since_parameter(request)), option=orjson.OPT_SERIALIZE_NUMPY)
         return Response(body, headers={**SECURITY_HEADERS, "Cache-Control": "no-store"},
                         media_type="application/json")
-
-    return router

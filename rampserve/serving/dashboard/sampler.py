@@ -14,9 +14,9 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from rampserve.serving.apps.catalogue import Catalogue
 from rampserve.serving.dashboard.series import ModelReading, SampleRing, counter_delta, model_point
 from rampserve.serving.metrics import LATENCY_BUCKETS, ServerMetrics
+from rampserve.serving.repository.catalogue import Catalogue
 
 log = logging.getLogger("rampserve.serving")
 
@@ -41,8 +41,9 @@ class SamplerSettings:
 
 
 def front_end_readings(metrics: ServerMetrics) -> tuple[dict[str, tuple[float, float]], dict[str, list[float]]]:
-    """Per model, from the front end's own registry: (answered, refused or failed) requests, and the request latency
-    histogram's cumulative bucket counts in LATENCY_BOUNDS' order."""
+    """Per model, from the front end's own registry: (answered, refused or failed) requests over every transport
+    (rampserve_requests' samples per transport add up), and the request latency histogram's cumulative bucket
+    counts in LATENCY_BOUNDS' order."""
     requests: dict[str, list[float]] = {}
     for family in metrics.requests.collect():
         for sample in family.samples:

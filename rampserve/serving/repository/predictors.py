@@ -28,8 +28,8 @@ import numpy as np
 import orjson
 
 from rampserve.ramps.scores import top_label_and_error
-from rampserve.serving.models import LABEL_OUTPUT, LOGITS_OUTPUT, V2_DATATYPES, ServedModel
 from rampserve.serving.contract import Answer, Worker
+from rampserve.serving.models import LABEL_OUTPUT, LOGITS_OUTPUT, V2_DATATYPES, ServedModel
 from rampserve.serving.protocol import TensorSpec
 
 if TYPE_CHECKING:
@@ -120,6 +120,9 @@ class Predictor:
     outputs: tuple[TensorSpec, ...] = (LABEL_TENSOR,)
     # Whether the prediction cache may answer for the model: its answer is a function of the inputs
     cacheable: bool = True
+    # A prepared bundle's batching executor, which answers v2 inference itself and keeps its own status and
+    # metrics; None for every other kind
+    worker: Worker | None = None
 
     @property
     def platform(self) -> str:
@@ -154,6 +157,11 @@ class Predictor:
     def describe(self) -> dict:
         return {"name": self.name, "version": self.version, "kind": self.kind,
                 "inputs": None if self.inputs is None else [spec.to_json() for spec in self.inputs]}
+
+    async def status(self, latest_decisions: int | None = None) -> dict:
+        """What `/status` shows of the model now: what it is, or for a bundle its executor's counts, latencies
+        and the controller's latest decisions (None: all of them)."""
+        return self.describe()
 
 
 def bundle_prediction(answer: Answer) -> Prediction:
@@ -210,6 +218,9 @@ class WorkerPredictor(Predictor):
 
     def count_cached(self, labels: np.ndarray) -> None:
         self.worker.count_cached(labels)
+
+    async def status(self, latest_decisions: int | None = None) -> dict:
+        return await self.worker.current_status(latest_decisions)
 
     async def close(self) -> None:
         await self.worker.shutdown()

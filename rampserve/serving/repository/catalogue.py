@@ -1,12 +1,14 @@
 """What a server serves, and how that changes while it serves: models by name (one version live at a time),
 loaded from a versioned repository on disk, and the applications over them.
 
-Repository layout (Triton's): `ROOT/{model}/{version}/` with a positive integer version, holding one of
+Repository layout: `ROOT/{model}/` holding the model itself (MLServer's and KServe's layout; served as version 1),
+or versions of it in `ROOT/{model}/{version}/` with a positive integer version (Triton's). The model is one of
 - `manifest.json`: a prepared bundle, served with early exits (`rampserve prepare --out` writes one);
 - `model.onnx`: an ONNX graph on ONNX Runtime;
 - `remote.json`: `{"url", "model", "version"?, "timeout_ms"?, "retries"?, "label_output"?, "scores_output"?}`,
   a model behind another Open Inference Protocol server.
-Nothing is unpickled: bundles are safetensors or ONNX with a JSON manifest.
+A bundle's `ROOT/{model}/model-settings.json` (`serving.settings.ModelOptions`' keys) overrides the server's
+settings for every version of it. Nothing is unpickled: bundles are safetensors or ONNX with a JSON manifest.
 
 A swap starts the new version first, then points the name at it (one step on the event loop, so a request
 goes wholly to one version), then lets the old one answer everything it accepted before it stops.
@@ -29,12 +31,13 @@ from rampserve.serving.apps.applications import (
     ApplicationSpec,
     check_compatible,
 )
-from rampserve.serving.metrics import ServerMetrics
-from rampserve.serving.models import read_served
-from rampserve.serving.apps.predictors import Predictor, RemotePredictor, WorkerPredictor, onnx_predictor
 from rampserve.serving.apps.state_store import StateStore
 from rampserve.serving.contract import ModelSettings, Worker
+from rampserve.serving.metrics import ServerMetrics
+from rampserve.serving.models import VERSION, read_served
 from rampserve.serving.process_worker import make_worker
+from rampserve.serving.repository.predictors import Predictor, RemotePredictor, WorkerPredictor, onnx_predictor
+from rampserve.serving.settings import MODEL_SETTINGS_FILE, read_model_options, with_options
 
 log = logging.getLogger("rampserve.serving")
 
@@ -61,6 +64,8 @@ class ModelRepository:
         folder = self.root / name
         if not folder.is_dir() or name.startswith("."):
             return []
+        if _kinds(folder):
+            return [VERSION]
         return sorted((p.name for p in folder.iterdir() if p.is_dir() and p.name.isdigit() and int(p.name) > 0),
                       key=int)
 
@@ -75,14 +80,12 @@ class ModelRepository:
         version = versions[-1] if version is None else str(version)
         if version not in versions:
             raise CatalogueError(f"model {name!r} has no version {version!r}; versions: {versions}", 404)
-        folder = self.root / name / version
-        kinds = [kind for file, kind in FORMATS.items() if (folder / file).is_file()]
-        if len(kinds) != 1:
-            raise CatalogueError(f"{folder} must hold exactly one of {sorted(FORMATS)}, found {len(kinds)}")
-        if kinds[0] == "bundle":
+        folder, kind = self._located(name, version)
+        settings = self.model_settings(name, kind)
+        if kind == "bundle":
             model = read_served(folder, name, version)
-            return WorkerPredictor(make_worker(model, self.settings, self.metrics))
-        if kinds[0] == "onnx":
+            return WorkerPredictor(make_worker(model, settings, self.metrics))
+        if kind == "onnx":
             return onnx_predictor(name, folder / "model.onnx", version)
         try:
             config = orjson.loads((folder / "remote.json").read_bytes())
@@ -93,6 +96,45 @@ class ModelRepository:
             raise CatalogueError(f"{folder}/remote.json: {exc}") from None
         remote.version = version  # the repository's version; remote.json's names the remote server's
         return remote
+
+    def _located(self, name: str, version: str) -> tuple[Path, str]:
+        """The folder of a version on disk, and what it holds."""
+        folder = self.root / name
+        folder = folder if _kinds(folder) else folder / version
+        kinds = _kinds(folder)
+        if len(kinds) != 1:
+            raise CatalogueError(f"{folder} must hold exactly one of {sorted(FORMATS)}, found {len(kinds)}")
+        return folder, kinds[0]
+
+    def model_settings(self, name: str, kind: str) -> ModelSettings:
+        """The server's settings, with those of the model's model-settings.json where it has one."""
+        path = self.root / name / MODEL_SETTINGS_FILE
+        if not path.is_file():
+            return self.settings
+        if kind != "bundle":
+            raise CatalogueError(f"{path}: settings apply to prepared bundles only, not to {name} ({kind})")
+        try:
+            return with_options(self.settings, read_model_options(path))
+        except ValueError as exc:
+            raise CatalogueError(str(exc)) from None
+
+    def check(self) -> None:
+        """Every model folder holds a model, with settings that serve: a server stops at start, before it loads
+        anything, at the first that does not (the folder or the file, and the key, named)."""
+        for folder in sorted(p for p in self.root.iterdir() if p.is_dir() and not p.name.startswith(".")):
+            versions = self.versions(folder.name)
+            try:
+                if not versions:
+                    raise CatalogueError(f"{folder} holds no model: a prepared bundle ({MANIFEST}, as `rampserve "
+                                         "prepare --out` writes), model.onnx or remote.json, or version folders "
+                                         "(1/, 2/, ...) holding one")
+                self.model_settings(folder.name, self._located(folder.name, versions[-1])[1])
+            except CatalogueError as exc:
+                raise ValueError(exc.message) from None
+
+
+def _kinds(folder: Path) -> list[str]:
+    return [kind for file, kind in FORMATS.items() if (folder / file).is_file()]
 
 
 class Catalogue:
@@ -114,7 +156,7 @@ class Catalogue:
         self.started = False
 
     def _index_workers(self) -> None:
-        self.workers = {n: p.worker for n, p in self.models.items() if isinstance(p, WorkerPredictor)}
+        self.workers = {n: p.worker for n, p in self.models.items() if p.worker is not None}
 
     def model(self, name: str) -> Predictor:
         return self.models[name]

@@ -1,0 +1,171 @@
+"""The route handlers called as they are, with no HTTP server: each endpoint class bound to a started catalogue of
+plain models."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+import numpy as np
+import orjson
+import pytest
+from fastapi import Request, Response
+
+from rampserve.serving.app import ServerState
+from rampserve.serving.endpoints.admin import AdminToken
+from rampserve.serving.endpoints.applications import ApplicationEndpoints
+from rampserve.serving.endpoints.observability import ObservabilityEndpoints
+from rampserve.serving.endpoints.repository import RepositoryEndpoints
+from rampserve.serving.endpoints.v2 import V2Endpoints
+from rampserve.serving.plane import DataPlane
+from rampserve.serving.protocol import ProtocolError, TensorSpec
+from rampserve.serving.repository.catalogue import CatalogueError
+from rampserve.serving.repository.predictors import FunctionPredictor
+from rampserve.serving.server import ServerSettings, build_state
+from rampserve.serving.contract import ModelSettings
+
+MODEL = "positive"
+ROW = TensorSpec("x", "FP32", (-1, 3))
+LIMIT = 1 << 20
+
+
+def is_positive(feeds: dict[str, np.ndarray]) -> np.ndarray:
+    return (feeds["x"].sum(axis=1) > 0).astype(np.int64)
+
+
+@contextlib.asynccontextmanager
+async def started() -> AsyncIterator[tuple[ServerState, DataPlane]]:
+    state = build_state([FunctionPredictor(MODEL, is_positive, (ROW,))], ModelSettings(vanilla=True),
+                        ServerSettings(port=0))
+    await state.catalogue.start()
+    try:
+        yield state, DataPlane(state.catalogue, state.metrics, state.cache)
+    finally:
+        await state.catalogue.close()
+        await state.catalogue.store.close()
+
+
+def request(body: object = None, headers: dict[str, str] | None = None, **path_params: str) -> Request:
+    """A request as Starlette hands it to a handler, its JSON body sent in one piece."""
+    raw = b"" if body is None else orjson.dumps(body)
+    sent = False
+
+    async def receive() -> dict:
+        nonlocal sent
+        if sent:  # past the body, the client is only ever heard from again when it leaves
+            return {"type": "http.disconnect"}
+        sent = True
+        return {"type": "http.request", "body": raw, "more_body": False}
+
+    scope = {"type": "http", "method": "POST", "path": "/", "query_string": b"", "path_params": path_params,
+             "headers": [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]}
+    return Request(scope, receive)
+
+
+def decoded(response: Response) -> tuple[int, object]:
+    return response.status_code, orjson.loads(response.body)
+
+
+def test_status_comes_from_each_model_itself() -> None:
+    async def scenario() -> tuple:
+        async with started() as (state, plane):
+            observability = ObservabilityEndpoints(plane, state.is_ready, None)
+            overall = decoded(await observability.status())
+            one = decoded(await observability.model_status(MODEL))
+            with pytest.raises(ProtocolError) as unknown:
+                await observability.model_status("ghost")
+            return overall, one, unknown.value
+
+    (status, overall), (one_status, one), unknown = asyncio.run(scenario())
+    described = {"name": MODEL, "version": "1", "kind": "python", "inputs": [ROW.to_json()]}
+    assert status == 200 and overall["ready"] is False and overall["updates"] is None
+    # A plain model has no executor of its own: it is listed with what it is, beside no bundle
+    assert overall["models"] == {} and overall["other_models"] == {MODEL: described}
+    assert (one_status, one) == (200, described)
+    assert unknown.status == 404 and "unknown model 'ghost'" in unknown.message
+
+
+def test_readiness_is_read_when_asked() -> None:
+    async def scenario() -> tuple:
+        async with started() as (state, plane):
+            v2 = V2Endpoints(plane, state.is_ready, LIMIT)
+            before = decoded(await v2.ready()), decoded(await v2.model_ready(MODEL))
+            state.ready = True
+            after = decoded(await v2.ready()), decoded(await v2.model_ready(MODEL))
+            with pytest.raises(ProtocolError) as unknown:
+                await v2.model_ready("ghost")
+            return before, after, unknown.value
+
+    before, after, unknown = asyncio.run(scenario())
+    assert before == ((503, {"error": "models are still loading"}), (503, {"error": "model is loading"}))
+    assert after == ((200, {"ready": True}), (200, {"name": MODEL, "ready": True}))
+    assert unknown.status == 404
+
+
+def test_infer_answers_a_body_and_refuses_one_past_the_limit() -> None:
+    body = {"inputs": [{"name": "x", "shape": [2, 3], "datatype": "FP32", "data": [1, 2, 3, -1, -2, -3]}]}
+
+    async def scenario() -> tuple:
+        async with started() as (state, plane):
+            v2 = V2Endpoints(plane, state.is_ready, len(orjson.dumps(body)))
+            answered = await v2.infer(request(body, model=MODEL))
+            refused = await v2.infer(request({**body, "id": "longer"}, model=MODEL))
+            return decoded(answered), decoded(refused)
+
+    (status, answer), (refused_status, refused) = asyncio.run(scenario())
+    assert status == 200 and answer["outputs"][0]["data"] == [1, 0]
+    assert refused_status == 413 and "exceeds the limit" in refused["error"]
+
+
+def test_applications_are_registered_and_queried_through_their_endpoints() -> None:
+    async def scenario() -> tuple:
+        async with started() as (state, _plane):
+            applications = ApplicationEndpoints(state.catalogue, LIMIT)
+            registered = decoded(await applications.register(request({"name": "sign", "models": [MODEL]})))
+            answered = decoded(await applications.predict("sign", request({"input": [-1.0, -1.0, 0.5]})))
+            with pytest.raises(ProtocolError) as bad_label:
+                await applications.update("sign", request({"input": [1.0, 1.0, 1.0], "label": -1}))
+            with pytest.raises(CatalogueError) as unknown:
+                await applications.predict("ghost", request({"input": [1.0, 1.0, 1.0]}))
+            return registered, answered, bad_label.value, unknown.value
+
+    (created, spec), (status, answer), bad_label, unknown = asyncio.run(scenario())
+    assert created == 201 and spec["spec"]["models"] == [MODEL]
+    assert status == 200 and answer["output"] == 0 and answer["models"] == [MODEL]
+    assert bad_label.status == 400 and "non-negative integer" in bad_label.message
+    assert unknown.status == 404
+
+
+def test_the_repository_endpoints_without_a_repository() -> None:
+    async def scenario() -> tuple:
+        async with started() as (state, _plane):
+            repository = RepositoryEndpoints(state.catalogue, LIMIT)
+            index = decoded(await repository.index())
+            with pytest.raises(CatalogueError) as no_repository:
+                await repository.load(MODEL, request({"parameters": {"version": "2"}}))
+            with pytest.raises(ProtocolError) as bad_version:
+                await repository.load(MODEL, request({"parameters": {"version": [2]}}))
+            unloaded = decoded(await repository.unload(MODEL))
+            return index, no_repository.value, bad_version.value, unloaded, dict(state.catalogue.models)
+
+    index, no_repository, bad_version, unloaded, models = asyncio.run(scenario())
+    assert index == (200, [{"name": MODEL, "version": "1", "state": "READY", "reason": ""}])
+    assert no_repository.status == 404 and "--repository" in no_repository.message
+    assert bad_version.status == 400 and "parameters.version" in bad_version.message
+    assert unloaded == (200, {"name": MODEL, "state": "UNAVAILABLE"}) and models == {}
+
+
+@pytest.mark.parametrize(("header", "status"), [
+    (None, 401), ("Basic s3cret", 401), ("Bearer ", 401), ("Bearer guess", 403), ("Bearer s3cret!", 403)])
+def test_an_admin_request_without_the_token_is_refused(header: str | None, status: int) -> None:
+    with pytest.raises(ProtocolError) as refused:
+        asyncio.run(AdminToken("s3cret")(request(headers={} if header is None else {"Authorization": header})))
+    assert refused.value.status == status
+
+
+@pytest.mark.parametrize(("token", "header"), [("s3cret", "Bearer s3cret"), ("s3cret", "bearer s3cret"),
+                                               (None, None)])
+def test_an_admin_request_with_the_token_or_to_an_open_server_passes(token: str | None, header: str | None) -> None:
+    headers = {} if header is None else {"Authorization": header}
+    assert asyncio.run(AdminToken(token)(request(headers=headers))) is None

@@ -1,0 +1,193 @@
+"""Settings as MLServer and KServe users set them: the server's from RAMPSERVE_* environment variables with
+`rampserve serve`'s flags over them, a repository of model folders each with its own model-settings.json, and a
+bad setting refused at start with its key named. The repository is served for real, by `rampserve serve` in a
+process of its own on a loopback port."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+import rampserve.serving.server as server_module
+from rampserve.cli import app
+from rampserve.control.controller import ControllerSettings
+from rampserve.serving.server import ServerSettings, build_state
+from rampserve.serving.settings import ENV_PREFIX, MODEL_SETTINGS_FILE, ServeOptions
+from rampserve.serving.contract import ModelSettings
+from test_applications import const_onnx, infer
+from test_serving import get_json
+
+# What the server under test runs with, whatever the test sets: executors in the server's process and no waiting
+# for compiled sets, so that it starts in seconds; and lines wide enough that rich does not fold an error's words
+QUICK = {"RAMPSERVE_EXECUTOR": "thread", "RAMPSERVE_TORCHSCRIPT": "false", "RAMPSERVE_PRELOAD_S": "0",
+         "COLUMNS": "1000", "TERMINAL_WIDTH": "1000"}
+
+
+@pytest.fixture(autouse=True)
+def no_server_variables(monkeypatch) -> None:
+    """The tests' own environment only: none of the server's variables from the one pytest runs in."""
+    for name in ServeOptions.model_fields:
+        monkeypatch.delenv(f"{ENV_PREFIX}{name.upper()}", raising=False)
+
+
+@pytest.fixture
+def served_with(monkeypatch) -> list[tuple]:
+    """`rampserve serve` with the server itself replaced: each call's models, ModelSettings, ServerSettings and
+    applications, as the command would have served them."""
+    calls: list[tuple] = []
+    monkeypatch.setattr(server_module, "serve", lambda *args: calls.append(args))
+    return calls
+
+
+def run_serve(args: list[str], env: dict[str, str] | None = None):
+    return CliRunner().invoke(app, ["serve", *args], env=env)
+
+
+def words(output: str) -> str:
+    """The command's output as one line: rich wraps an error in a box, across lines."""
+    return " ".join(output.replace("│", " ").split())
+
+
+def test_the_defaults_are_the_settings_classes_own() -> None:
+    options = ServeOptions.read({})
+    assert options.model_settings() == ModelSettings()
+    assert replace(options.server_settings(), grpc_port=None) == ServerSettings()
+    assert options.server_settings().grpc_port == 8001  # the command serves gRPC unless told not to
+
+
+def test_environment_variables_set_the_server_and_its_models(served_with) -> None:
+    env = {"RAMPSERVE_HOST": "::1", "RAMPSERVE_PORT": "9000", "RAMPSERVE_GRPC_PORT": "0",
+           "RAMPSERVE_ADMIN_TOKEN": "s3cret", "RAMPSERVE_EXECUTOR": "thread", "RAMPSERVE_DASHBOARD": "false",
+           "RAMPSERVE_RAMP_BUDGET": "0.05", "RAMPSERVE_GUARANTEE": "long-run", "RAMPSERVE_MAX_BATCH": "8",
+           "RAMPSERVE_TORCH_THREADS": "0"}
+    result = run_serve(["m"], env)
+    assert result.exit_code == 0, result.output
+    ((models, model_settings, settings, apps),) = served_with
+    assert models == ["m"] and apps == []
+    assert settings == ServerSettings(host="::1", port=9000, grpc_port=None, admin_token="s3cret", dashboard=False)
+    assert model_settings == ModelSettings(
+        executor="thread", max_batch=8, torch_threads=None,
+        controller=ControllerSettings(ramp_budget=0.05, guarantee="long-run"))
+
+
+def test_a_flag_overrides_the_environment(served_with) -> None:
+    env = {"RAMPSERVE_PORT": "9000", "RAMPSERVE_RAMP_BUDGET": "0.05", "RAMPSERVE_DASHBOARD": "false",
+           "RAMPSERVE_OBJECTIVE": "p95"}
+    result = run_serve(["--port", "9100", "--ramp-budget", "0.03", "--dashboard", "--objective", "mean"], env)
+    assert result.exit_code == 0, result.output
+    ((_, model_settings, settings, _),) = served_with
+    assert (settings.port, settings.dashboard) == (9100, True)
+    assert (model_settings.controller.ramp_budget, model_settings.controller.objective) == (0.03, "mean")
+
+
+@pytest.mark.parametrize(("env", "args", "named"), [
+    ({"RAMPSERVE_PORT": "eighty"}, [], "RAMPSERVE_PORT='eighty'"),
+    ({"RAMPSERVE_EXIT_MODE": "halt"}, [], "RAMPSERVE_EXIT_MODE='halt'"),
+    ({"RAMPSERVE_MAX_BATCH": "0"}, [], "RAMPSERVE_MAX_BATCH='0'"),
+    ({"RAMPSERVE_EXECUTOR": "fork"}, [], "RAMPSERVE_EXECUTOR='fork'"),
+    ({}, ["--accuracy-constraint", "1.5"], "--accuracy-constraint=1.5"),
+], ids=["type", "exit mode", "range", "executor", "flag"])
+def test_a_bad_value_is_refused_at_start_naming_its_variable_or_flag(served_with, env, args, named) -> None:
+    result = run_serve(args, env)
+    assert result.exit_code == 2, result.output
+    assert named in words(result.output)
+    assert served_with == []
+
+
+def bundle_folder(folder: Path, bundle: Path, settings: dict | None = None) -> Path:
+    """A repository's model folder: the prepared bundle's files (linked), and its settings file if given."""
+    folder.mkdir(parents=True)
+    for file in bundle.iterdir():
+        (folder / file.name).symlink_to(file)
+    if settings is not None:
+        (folder / MODEL_SETTINGS_FILE).write_text(json.dumps(settings))
+    return folder
+
+
+@pytest.mark.parametrize(("contents", "named"), [
+    ({"ramp_budjet": 0.05}, "unknown key 'ramp_budjet'"),
+    ({"exit_mode": "halt"}, "exit_mode='halt': exit mode must be one of"),
+    ({"max_batch": "many"}, "max_batch='many'"),
+    ({"slo_ms": -1}, "slo_ms=-1"),
+    ([1, 2], "Input should be an object"),
+], ids=["unknown key", "bad choice", "bad type", "out of range", "not an object"])
+def test_a_bad_settings_file_stops_the_server_naming_the_file_and_key(tmp_path, resnet_bundle, served_with, contents,
+                                                                      named) -> None:
+    """The server as the command builds it, up to serving: the repository is checked before anything loads."""
+    folder = bundle_folder(tmp_path / "repo" / "good", resnet_bundle, {"ramp_budget": 0.05})
+    bad = bundle_folder(tmp_path / "repo" / "bad", resnet_bundle)
+    (bad / MODEL_SETTINGS_FILE).write_text(json.dumps(contents))
+    settings = ServerSettings(port=0, repository=folder.parent)
+    with pytest.raises(ValueError) as refused:
+        build_state([], ModelSettings(), settings)
+    assert f"{bad / MODEL_SETTINGS_FILE}: " in str(refused.value) and named in str(refused.value)
+
+
+def test_a_model_folder_without_a_model_stops_the_server(tmp_path, resnet_bundle) -> None:
+    bundle_folder(tmp_path / "repo" / "good", resnet_bundle)
+    (tmp_path / "repo" / "empty").mkdir()
+    with pytest.raises(ValueError, match=re.escape(f"{tmp_path / 'repo' / 'empty'} holds no model")):
+        build_state([], ModelSettings(), ServerSettings(port=0, repository=tmp_path / "repo"))
+
+
+def test_settings_beside_a_model_that_takes_none_are_refused(tmp_path) -> None:
+    const_onnx(tmp_path / "repo" / "clf" / "model.onnx", 1)
+    (tmp_path / "repo" / "clf" / MODEL_SETTINGS_FILE).write_text('{"ramp_budget": 0.05}')
+    with pytest.raises(ValueError, match="settings apply to prepared bundles"):
+        build_state([], ModelSettings(), ServerSettings(port=0, repository=tmp_path / "repo"))
+
+
+def start(args: list[str], env: dict[str, str]) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "rampserve.cli", "serve", *args], env={**os.environ, **env},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_the_command_exits_on_a_bad_settings_file_before_serving(tmp_path, resnet_bundle) -> None:
+    bundle_folder(tmp_path / "repo" / "m", resnet_bundle, {"accuracy_constraint": 2})
+    process = start(["--repository", str(tmp_path / "repo"), "--port", "0", "--grpc-port", "0"], QUICK)
+    try:
+        out, err = process.communicate(timeout=300)
+    finally:
+        process.kill()
+    assert process.returncode == 2
+    assert "rampserve: serving" not in out
+    assert f"{MODEL_SETTINGS_FILE}: accuracy_constraint=2: accuracy constraint must lie in [0, 1)" in words(err)
+
+
+def test_a_repository_serves_each_model_with_its_settings_file_over_the_environment_and_flags(
+        tmp_path, resnet_bundle, fmnist_feeds) -> None:
+    """Two model folders holding the same bundle: `fast` sets its controller and batching in its file, `slow` its
+    SLO and deadline; what a file leaves unset comes from the flags, then the environment."""
+    root = tmp_path / "repo"
+    bundle_folder(root / "fast", resnet_bundle, {"ramp_budget": 0.05, "accuracy_constraint": 0.02,
+                                                 "exit_mode": "stop", "guarantee": "long-run", "max_batch": 2})
+    bundle_folder(root / "slow", resnet_bundle, {"slo_ms": 40, "deadline_ms": 500})
+    env = {**QUICK, "RAMPSERVE_REPOSITORY": str(root), "RAMPSERVE_PORT": "0", "RAMPSERVE_GRPC_PORT": "0",
+           "RAMPSERVE_RAMP_BUDGET": "0.07", "RAMPSERVE_MAX_BATCH": "8"}
+    process = start(["--max-batch", "4"], env)
+    try:
+        line = process.stdout.readline()
+        found = re.search(r"http://[\d.]+:\d+", line)
+        assert found, (line, process.stderr.read() if process.poll() is not None else "")
+        url = found.group(0)
+        fast, slow = get_json(f"{url}/status/fast"), get_json(f"{url}/status/slow")
+        answers = {name: infer(url, name, fmnist_feeds[:2])[0] for name in ("fast", "slow")}
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=60)
+    finally:
+        process.kill()
+    assert answers == {"fast": 200, "slow": 200}
+    assert (fast["ramp_budget"], fast["bound"]["constraint"], fast["exit_mode"], fast["guarantee"],
+            fast["max_batch"], fast["deadline_ms"]) == (0.05, 0.02, "stop", "long-run", 2, None)
+    assert (slow["ramp_budget"], slow["bound"]["constraint"], slow["exit_mode"], slow["guarantee"],
+            slow["max_batch"], slow["slo_ms"], slow["deadline_ms"]) == (0.07, 0.01, "release", "certified", 4, 40.0,
+                                                                        500.0)
