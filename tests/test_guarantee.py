@@ -30,6 +30,17 @@ def test_the_bound_is_clopper_pearsons_and_grows_with_disagreements():
     assert binomial_upper(np.array([0]), n, DELTA)[0] <= CONSTRAINT < binomial_upper(np.array([0]), n - 1, DELTA)[0]
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 100_000), st.floats(0.0, 1.0), st.floats(1e-4, 0.5))
+def test_the_bound_is_the_beta_quantile_of_scipy_stats(n, wrong_share, delta):
+    """The bound reads the quantile from scipy.special (scipy.stats is slow to import): it is scipy.stats.beta's."""
+    from scipy.stats import beta
+
+    wrong = np.array([0, int(wrong_share * n), n - 1])
+    want = np.where(wrong >= n, 1.0, beta.ppf(1.0 - delta, wrong + 1, np.maximum(n - wrong, 1)))
+    np.testing.assert_array_equal(binomial_upper(wrong, n, delta), want)
+
+
 def _stream(rng: np.random.Generator, n: int, slopes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Ramp j's error score is uniform on [0, 1] and its answer is wrong with probability slopes[j] * score,
     independently across ramps: the true disagreement of thresholds (t1, t2) is known exactly."""
