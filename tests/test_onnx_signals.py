@@ -4,6 +4,10 @@ the blocked values ONNX Runtime keeps are the sites' activations."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -122,3 +126,14 @@ def test_a_confidence_above_a_floor_stays_above_its_float32_floor(floor: float, 
     assert converted.dtype == np.float32 and converted <= floor
     if np.float32(confidence) > floor:
         assert np.float32(confidence) > converted
+
+
+def test_the_python_operators_load_without_the_tokenizer_converters() -> None:
+    """onnxruntime_extensions' package imports its tokenizer converters, and with them transformers (seconds of an
+    executor's start), and sets the protobuf implementation in the environment: loaded for its operators, neither."""
+    flag = "PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION"
+    code = ("import os, sys; import rampserve.runtime.onnx_signals as s; "
+            f"print('transformers' in sys.modules, {flag!r} in os.environ, s.library().endswith('.so'))")
+    env = {name: value for name, value in os.environ.items() if name != flag}
+    found = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert found.stdout.split() == ["False", "False", "True"]

@@ -16,23 +16,45 @@ finds that batch's buffers in a thread-local.
 from __future__ import annotations
 
 import os
+import sys
 import threading
+import types
 from collections.abc import Sequence
 
 import numpy as np
 import torch
-from onnxruntime_extensions import PyCustomOpDef, get_library_path, onnx_op
 
 from rampserve.graph.onnx_graph import SignalledRunner
 from rampserve.ramps.exit_rule import NEVER_STOP
 
+
+def _python_operators() -> types.ModuleType:
+    """onnxruntime_extensions, loaded without its tokenizer converters (`cvt`), which its package imports whatever is
+    asked of it: they import transformers (0.6-1.2 s of an executor process's start, most of what its first ONNX set
+    cost) and set PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION=python in the environment of every process started after.
+    Only its Python operators are used here; a placeholder stands for the converters while the package loads (it
+    binds one name of theirs, `gen_processing_models`, never called here)."""
+    if "onnxruntime_extensions" in sys.modules:
+        return sys.modules["onnxruntime_extensions"]
+    converters = "onnxruntime_extensions.cvt"
+    placeholder = types.ModuleType(converters)
+    placeholder.gen_processing_models = None
+    sys.modules[converters] = placeholder
+    try:
+        import onnxruntime_extensions
+    finally:
+        del sys.modules[converters]  # imported by name later, the real converters load
+    return onnxruntime_extensions
+
+
+_extensions = _python_operators()
+_FLOAT, _INT64 = _extensions.PyCustomOpDef.dt_float, _extensions.PyCustomOpDef.dt_int64
 SIGNAL_OP = "RampserveRampSignal"
 _ZERO = np.zeros((), dtype=np.float32)
 _batch = threading.local()  # (logits out (rows, sites, classes), notify fd) of the run on this thread
 
 
-@onnx_op(op_type=SIGNAL_OP, inputs=[PyCustomOpDef.dt_float, PyCustomOpDef.dt_float],
-         outputs=[PyCustomOpDef.dt_float], attrs={"column": PyCustomOpDef.dt_int64})
+@_extensions.onnx_op(op_type=SIGNAL_OP, inputs=[_FLOAT, _FLOAT], outputs=[_FLOAT], attrs={"column": _INT64})
 def _signal(logits: np.ndarray, confidence: np.ndarray, column: int) -> np.ndarray:
     out, notify = _batch.run
     out[:, column] = logits
@@ -50,7 +72,7 @@ def float32_floors(floors: Sequence[float]) -> np.ndarray:
 
 def library() -> str:
     """The path of the library through which ONNX Runtime calls Python operators."""
-    return get_library_path()
+    return _extensions.get_library_path()
 
 
 class OnnxSignalledRunner:
