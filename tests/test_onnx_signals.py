@@ -1,6 +1,7 @@
 """ONNX sets run whole in one session whose ramps signal as the run goes on: ramps read a site's value in ONNX
-Runtime's blocked layout as they read it in the model's, every reader of a site's value waits for its signal, and
-the blocked values ONNX Runtime keeps are the sites' activations."""
+Runtime's blocked layout as they read it in the model's, every reader of a site's value waits for its signal, the
+blocked values ONNX Runtime keeps are the sites' activations, and a set's graph kept on disk makes the same session
+in a later process."""
 
 from __future__ import annotations
 
@@ -8,16 +9,22 @@ import os
 import subprocess
 import sys
 
+from pathlib import Path
+
 import numpy as np
 import onnx
 import onnxruntime as ort
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from rampserve.graph import onnx_graph
 from rampserve.graph.onnx_graph import (
     PYTHON_OP_DOMAIN, SiteValue, Tap, nchwc_block_size, optimize_for_machine, session_options, with_signals,
 )
+from rampserve.runtime.bundle import load_bundle, save_bundle
+from rampserve.runtime.prepared import PreparedModel
 from rampserve.ramps.kinds import RampSpec, make_ramp
 from rampserve.ramps.onnx_fused import ramp_tap
 from rampserve.ramps.pooling import LINEAR_CNN_GRID, POOLING_REDUCTIONS
@@ -137,3 +144,55 @@ def test_the_python_operators_load_without_the_tokenizer_converters() -> None:
     env = {name: value for name, value in os.environ.items() if name != flag}
     found = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert found.stdout.split() == ["False", "False", "True"]
+
+
+@pytest.fixture(scope="module")
+def onnx_bundle(onnx_prepared, tmp_path_factory) -> Path:
+    return save_bundle(onnx_prepared, tmp_path_factory.mktemp("bundles") / "resnet18-small-onnx")
+
+
+def _run(model: PreparedModel, sites: tuple[str, ...], feeds: dict) -> tuple[np.ndarray, list]:
+    ramps: list = []
+    output = model.run(feeds, sites, lambda *seen: ramps.append(seen), compiled=True)
+    return output, ramps
+
+
+def test_a_signalled_set_is_kept_on_disk_and_a_later_start_loads_it_unoptimized(onnx_bundle, fmnist_feeds,
+                                                                                 monkeypatch) -> None:
+    """Built once and checked against the model, a signalled set's graph is kept beside the bundle; the bundle
+    loaded afresh (a restarted executor) makes its session from it, optimizing and checking nothing again, and it
+    answers as the set built did, output and ramps. One whose graph does not match its index is built again."""
+    first = load_bundle(onnx_bundle)
+    name = first.backend.input_names[0]
+    example, feeds = {name: fmnist_feeds[-2:]}, {name: fmnist_feeds[:16]}
+    sites = tuple(first.site_names[1:3])
+    assert first.compile(sites, example)
+    built = first.compiled_set(sites)
+    assert type(built.runner).__name__ == "OnnxSignalledRunner" and not built.from_disk
+    [stored] = (onnx_bundle / "compiled").glob("*.onnx")
+    output, ramps = _run(first, sites, feeds)
+
+    def fail(*_args: object, **_kwargs: object) -> None:
+        raise AssertionError("a set kept on disk was optimized or checked again")
+
+    again = load_bundle(onnx_bundle)
+    with monkeypatch.context() as patched:
+        patched.setattr(onnx_graph, "optimize_for_machine", fail)
+        patched.setattr(PreparedModel, "_faithful", fail)
+        assert again.compile(sites, example)
+    loaded = again.compiled_set(sites)
+    assert type(loaded.runner).__name__ == "OnnxSignalledRunner" and loaded.from_disk
+    output_again, ramps_again = _run(again, sites, feeds)
+    np.testing.assert_array_equal(output_again, output)
+    assert [site for site, *_ in ramps_again] == [site for site, *_ in ramps] == list(sites)
+    for (_, labels, errors), (_, labels_again, errors_again) in zip(ramps, ramps_again):
+        np.testing.assert_array_equal(labels_again, labels)
+        np.testing.assert_array_equal(errors_again, errors)
+
+    graph = stored.read_bytes()
+    stored.write_bytes(graph[:-1] + bytes([graph[-1] ^ 1]))  # no longer the graph its index hashed
+    rebuilt = load_bundle(onnx_bundle)
+    assert rebuilt.compile(sites, example) and not rebuilt.compiled_set(sites).from_disk
+    np.testing.assert_array_equal(_run(rebuilt, sites, feeds)[0], output)
+    third = load_bundle(onnx_bundle)
+    assert third.compile(sites, example) and third.compiled_set(sites).from_disk  # kept again, whole

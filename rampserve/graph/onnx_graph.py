@@ -322,22 +322,28 @@ class OnnxSplitModel:
         return lambda activation: session.run([v.name for v in tap.outputs], {cut: activation})
 
     def signalled(self, cuts: Sequence[str], tap_for: Callable[[str, SiteValue], Tap], op_type: str, library: str,
-                  keep_layout: Collection[str] = ()) -> SignalledRunner:
+                  keep_layout: Collection[str] = ()) -> tuple[SignalledRunner, bytes]:
         """One session running the whole model as ONNX Runtime optimized it for this machine, in which the value of
         each of `cuts` (in model order) feeds its tap `tap_for(site, value)`, whose outputs go to a node of Python
         operator `op_type` as soon as they exist where they clear the floor fed for the site (`with_signals`);
         `library` is the path of the library that runs Python operators. A cut in `keep_layout` is read in the
-        model's own layout."""
+        model's own layout. With it, the session's graph as bytes, from which `signalled_session` makes the same
+        session without optimizing it again."""
         block = nchwc_block_size()
         optimized, values = optimize_for_machine(self._model, self._threads[0], cuts, block, keep_layout)
         taps = {cut: tap_for(cut, value) for cut, value in values.items()}
-        model = with_signals(optimized, values, taps, op_type, SIGNAL_FLOORS)
+        graph = with_signals(optimized, values, taps, op_type, SIGNAL_FLOORS).SerializeToString()
+        return self.signalled_session(graph, [taps[cut].outputs[0].name for cut in cuts], library), graph
+
+    def signalled_session(self, graph: bytes, logits: Sequence[str], library: str) -> SignalledRunner:
+        """A `signalled` session from its graph (optimized already: ONNX Runtime's optimizations are off) and its
+        ramps' logits outputs, in site order."""
         options = session_options(*self._threads)
-        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL  # optimized already
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
         options.register_custom_ops_library(library)
-        session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+        session = ort.InferenceSession(graph, options, providers=["CPUExecutionProvider"])
         return SignalledRunner(session, self.input_names[0], tuple(self.input_names[1:]), self.output_name,
-                               tuple(taps[cut].outputs[0].name for cut in cuts))
+                               tuple(logits))
 
     def _as_model(self, graph: onnx.GraphProto) -> onnx.ModelProto:
         """A graph of this model's nodes as a model of its own, with this model's versions and functions."""

@@ -35,9 +35,10 @@ _lock = threading.Lock()
 _state: dict[str, str | bool] = {}
 
 
-def _cpu() -> bytes:
-    """What the build is tuned for: it is compiled for this CPU's instruction set (`-march=native`), so a cache
-    shared with another machine must not hand it a library built elsewhere."""
+def cpu_flags() -> bytes:
+    """The CPU's instruction set, which what is built for this machine depends on: the operators are compiled for it
+    (`-march=native`), ONNX Runtime optimizes a graph for it; a cache shared with another machine must not hand it
+    what was built elsewhere."""
     try:
         with open("/proc/cpuinfo", "rb") as info:
             return next((line for line in info if line.startswith(b"flags")), b"")
@@ -49,7 +50,7 @@ def _cpu() -> bytes:
 def build_id() -> str:
     """What a build depends on: the source, the torch it links against and the CPU it is tuned for (part of a
     compiled set's key)."""
-    digest = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + _cpu()).hexdigest()[:16]
+    digest = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + cpu_flags()).hexdigest()[:16]
     return f"ramp_exit-{digest}"
 
 

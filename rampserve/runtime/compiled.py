@@ -17,7 +17,10 @@ end with their batch rows. Rows the executor keeps (its feedback sample, request
 stop. It is compiled and kept apart from the release-mode set of the same ramps (the mode is part of its key).
 
 An ONNX model's set is an `OnnxSetRunner` with the same signature: its stages' sessions, each linear ramp inside
-the session of the stage that ends at its site (made in a few ms, in the serving process, and not kept on disk).
+the session of the stage that ends at its site, built in the serving process; or, where every ramp of the set
+fuses, the whole model in one session whose ramps signal (`runtime.onnx_signals`), whose graph, optimized for this
+machine, is kept on disk beside the torch sets once built (0.1-1.7 s on the zoo's models, the check against the
+model included) and loaded with ONNX Runtime's optimizations off.
 
 A compiled set is made once (in a compile worker process, see `serving.compiler`) and loaded by every server
 that serves the same bundle with the same torch and ramp operator: an entry is keyed by the bundle's digest, the
@@ -43,6 +46,7 @@ import torch
 from torch import nn
 
 from rampserve.graph.torch_graph import torchscript_quietly
+from rampserve.paths import home
 from rampserve.ramps import kernel
 from rampserve.ramps.exit_rule import EXIT_MARGIN, EXIT_MODES, NEVER_STOP, STOP_MARGIN, exit_floor
 
@@ -206,6 +210,7 @@ class CompiledSet:
     classes: int
     exit_margin: float = EXIT_MARGIN  # how far below 1 - threshold a ramp's confidence still signals
     mode: str = "release"  # "stop": a `StopSetRunner`, whose exited rows leave the batch
+    from_disk: bool = False  # loaded from the on-disk cache (made before, by a compile worker or an earlier build)
     run: Callable = field(init=False, repr=False)
     _floors: list = field(default_factory=lambda: [(None, [])], init=False, repr=False)  # [(key, floors)]
     _stop_floors: list = field(default_factory=lambda: [(None, [])], init=False, repr=False)
@@ -268,6 +273,21 @@ def set_key(bundle_digest: str, sites: Sequence[str], score: str, mode: str = "r
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:32]
 
 
+def compiled_dir(bundle_dir: Path, digest: str) -> Path:
+    """Where a bundle's compiled sets are kept: next to the bundle; under rampserve's home where the bundle's directory
+    cannot be written."""
+    beside = bundle_dir / "compiled"
+    try:
+        beside.mkdir(exist_ok=True)
+        if os.access(beside, os.W_OK):
+            return beside
+    except OSError:
+        pass
+    elsewhere = home() / "compiled" / digest
+    elsewhere.mkdir(parents=True, exist_ok=True)
+    return elsewhere
+
+
 def write_atomically(path: Path, data: bytes) -> None:
     """A reader sees the whole file or none; of two writers of the same entry, either one's file stands."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -278,19 +298,46 @@ def write_atomically(path: Path, data: bytes) -> None:
 
 
 def save_compiled(directory: Path, key: str, compiled: CompiledSet | None, refusal: str = "") -> None:
-    """`<key>.pt` (the TorchScript archive) and `<key>.json` (its sha256, sites and fused flags; or why the set
-    does not compile); the archive is written first, so an index never names an archive that is not there."""
+    """`<key>.pt` (the TorchScript archive) and `<key>.json` (its index: sites, fused flags; or why the set does not
+    compile)."""
     if compiled is None:
-        index: dict = {"format": FORMAT, "refused": refusal or "refused"}
-    else:
-        buffer = io.BytesIO()
-        with torchscript_quietly():
-            torch.jit.save(compiled.runner, buffer)
-        data = buffer.getvalue()
-        write_atomically(directory / f"{key}.pt", data)
-        index = {"format": FORMAT, "sha256": hashlib.sha256(data).hexdigest(), "sites": list(compiled.sites),
-                 "fused": list(compiled.fused), "classes": compiled.classes, "exit_mode": compiled.mode}
+        write_atomically(directory / f"{key}.json", json.dumps({"format": FORMAT, "refused": refusal or "refused"})
+                         .encode())
+        return
+    buffer = io.BytesIO()
+    with torchscript_quietly():
+        torch.jit.save(compiled.runner, buffer)
+    write_entry(directory, key, ".pt", buffer.getvalue(), {
+        "sites": list(compiled.sites), "fused": list(compiled.fused), "classes": compiled.classes,
+        "exit_mode": compiled.mode})
+
+
+def write_entry(directory: Path, key: str, suffix: str, data: bytes, index: dict) -> None:
+    """A compiled set on disk: `<key><suffix>` (its data), then `<key>.json` (`index` with the data's sha256), so
+    that an index never names data that is not there."""
+    write_atomically(directory / f"{key}{suffix}", data)
+    index = {"format": FORMAT, "sha256": hashlib.sha256(data).hexdigest(), **index}
     write_atomically(directory / f"{key}.json", json.dumps(index).encode())
+
+
+def read_entry(directory: Path, key: str, suffix: str) -> tuple[dict, bytes | None]:
+    """A compiled set's index and data (None where the index says why the set does not compile). Raises
+    FileNotFoundError where there is no index and CorruptEntry where the data does not match it (it is hashed from
+    the bytes returned, so what was checked is what loads)."""
+    index_path = directory / f"{key}.json"
+    text = index_path.read_text()
+    try:
+        index = json.loads(text)
+        if not isinstance(index, dict) or index.get("format") != FORMAT:
+            raise CorruptEntry(f"{index_path}: not a compiled set of this rampserve")
+        if "refused" in index:
+            return index, None
+        data = (directory / f"{key}{suffix}").read_bytes()
+    except (OSError, ValueError) as exc:
+        raise CorruptEntry(f"{directory}/{key}: {exc}") from exc
+    if hashlib.sha256(data).hexdigest() != index.get("sha256"):
+        raise CorruptEntry(f"{directory}/{key}{suffix}: its sha256 does not match {index_path.name}")
+    return index, data
 
 
 def has_compiled(directory: Path, key: str) -> bool:
@@ -299,34 +346,26 @@ def has_compiled(directory: Path, key: str) -> bool:
 
 def load_compiled(directory: Path, key: str) -> CompiledSet | str:
     """The compiled set stored as `key`, or why it was refused. Raises FileNotFoundError where there is none and
-    CorruptEntry where the archive does not match its index (it is hashed from the bytes it is loaded from, so
-    what was checked is what runs). TorchScript archives are read by torch's own loader, which builds TorchScript
-    modules and tensors only, never Python objects."""
-    index_path = directory / f"{key}.json"
-    text = index_path.read_text()
+    CorruptEntry where the archive does not match its index (`read_entry`). TorchScript archives are read by torch's
+    own loader, which builds TorchScript modules and tensors only, never Python objects."""
+    index, data = read_entry(directory, key, ".pt")
+    if data is None:
+        return str(index["refused"])
     try:
-        index = json.loads(text)
-        if not isinstance(index, dict) or index.get("format") != FORMAT:
-            raise CorruptEntry(f"{index_path}: not a compiled set of this rampserve")
-        if "refused" in index:
-            return str(index["refused"])
-        data = (directory / f"{key}.pt").read_bytes()
-        if hashlib.sha256(data).hexdigest() != index.get("sha256"):
-            raise CorruptEntry(f"{directory}/{key}.pt: its sha256 does not match {index_path.name}")
         kernel.available()  # a fused ramp calls the ramp operator: it must be registered before the archive loads
         with torchscript_quietly():
             runner = torch.jit.load(io.BytesIO(data))
         mode = str(index.get("exit_mode", "release"))
         if mode not in EXIT_MODES:
-            raise CorruptEntry(f"{index_path}: unknown exit mode {mode!r}")
+            raise CorruptEntry(f"{directory}/{key}.json: unknown exit mode {mode!r}")
         return CompiledSet(tuple(index["sites"]), runner, tuple(bool(f) for f in index["fused"]),
-                           int(index["classes"]), mode=mode)
+                           int(index["classes"]), mode=mode, from_disk=True)
     except CorruptEntry:
         raise
-    except (OSError, ValueError, KeyError, TypeError, RuntimeError) as exc:
+    except (ValueError, KeyError, TypeError, RuntimeError) as exc:
         raise CorruptEntry(f"{directory}/{key}: {exc}") from exc
 
 
 def remove_compiled(directory: Path, key: str) -> None:
-    for suffix in (".json", ".pt"):
+    for suffix in (".json", ".pt", ".onnx"):
         (directory / f"{key}{suffix}").unlink(missing_ok=True)

@@ -11,21 +11,38 @@ and the ramp's column to the notify pipe. The run goes on meanwhile. Elsewhere n
 about 50 us with the caches cold from the model's layers, 1% of that 5.5 ms run): every ramp's logits are outputs
 of the run, copied after it. ONNX Runtime runs a session's nodes on the thread that called it, so the operator
 finds that batch's buffers in a thread-local.
+
+Such a set's graph (optimized for this machine, with its ramps and signals) is kept on disk once built and checked
+against the model (`signalled_key`), and a later start makes its session from it with ONNX Runtime's optimizations
+off, checking nothing again (as a torch set compiled before is loaded).
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import importlib
+import json
 import os
 import sys
 import threading
 import types
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
+import onnxruntime
 import torch
 
 from rampserve.graph.onnx_graph import SignalledRunner
 from rampserve.ramps.exit_rule import NEVER_STOP
+from rampserve.ramps.kernel import cpu_flags
+from rampserve.runtime.compiled import FORMAT
+
+# The modules whose code writes a signalled set's graph: a stored graph is keyed by their source, so that one written
+# by other code is never loaded
+GRAPH_WRITERS = ("rampserve.graph.onnx_graph", "rampserve.ramps.onnx_fused", "rampserve.ramps.pooling",
+                 "rampserve.runtime.onnx_signals")
 
 
 def _python_operators() -> types.ModuleType:
@@ -109,3 +126,19 @@ class OnnxSignalledRunner:
             converted = float32_floors(floors[:len(self.tapped)])
             self._floors = (floors, converted)
         return converted
+
+
+def signalled_key(bundle_digest: str, sites: Sequence[str], score: str, threads: int) -> str:
+    """The on-disk name of a signalled set's graph: what it was built from (the bundle, the set, the error score) and
+    what wrote it for this machine at `threads` intra-op threads (ONNX Runtime's version and the CPU's instruction set,
+    whose vector width its layout follows, and rampserve's code that writes it): an optimized graph is not portable."""
+    what = {"format": FORMAT, "runner": "onnx-signalled", "bundle": bundle_digest, "sites": list(sites),
+            "score": score, "intra_op_threads": threads, "onnxruntime": onnxruntime.__version__,
+            "cpu": hashlib.sha256(cpu_flags()).hexdigest(), "writers": _writers_digest()}
+    return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:32]
+
+
+@functools.cache
+def _writers_digest() -> str:
+    sources = (Path(importlib.import_module(name).__file__).read_bytes() for name in GRAPH_WRITERS)
+    return hashlib.sha256(b"".join(sources)).hexdigest()

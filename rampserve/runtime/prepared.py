@@ -8,6 +8,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -22,14 +23,23 @@ from rampserve.ramps.scores import top_label_and_error
 from rampserve.runtime.backends import Backend
 from rampserve.runtime.compiled import (
     CompiledSet,
+    CorruptEntry,
     OnnxSetRunner,
     RampBuffers,
     RunnerStage,
     SetRunner,
     StopSetRunner,
+    compiled_dir,
+    read_entry,
+    remove_compiled,
+    write_entry,
 )
 from rampserve.runtime.latency import LatencyProfile
+from rampserve.runtime.manifest import bundle_digest
 from rampserve.runtime.signature import ModelSignature
+
+if TYPE_CHECKING:
+    from rampserve.runtime.onnx_signals import OnnxSignalledRunner
 
 log = logging.getLogger("rampserve.runtime")
 
@@ -182,21 +192,65 @@ class PreparedModel:
         return {s.name: ramp_tap(self.ramps[s.name], s.name, s.activation_shape, opset, self.error_score)
                 for s in self.sites if can_tap(self.ramps[s.name])}
 
-    def _signalled_runner(self, sites: tuple[str, ...], side: str | None):
-        """The ONNX model whole in one session whose ramps at `sites` signal (`runtime.onnx_signals`), or None where
-        ONNX Runtime refuses that graph (an operator that needs a weight the signal's zero was added to, say): the
-        set is then cut into stages."""
+    def _signalled_runner(self, sites: tuple[str, ...], side: str | None) -> tuple[OnnxSignalledRunner, bytes] | None:
+        """The ONNX model whole in one session whose ramps at `sites` signal (`runtime.onnx_signals`) and that
+        session's graph, or None where ONNX Runtime refuses that graph (an operator that needs a weight the signal's
+        zero was added to, say): the set is then cut into stages."""
         from rampserve.ramps.pooling import POOLING_REDUCTIONS
         from rampserve.runtime.onnx_signals import SIGNAL_OP, OnnxSignalledRunner, library
 
         unpooled = [s for s in sites if self.ramps[s].spec.reduce not in POOLING_REDUCTIONS]
         try:
-            session = self.backend.split.signalled(sites, self._signalled_tap, SIGNAL_OP, library(),
-                                                   keep_layout=unpooled)
+            session, graph = self.backend.split.signalled(sites, self._signalled_tap, SIGNAL_OP, library(),
+                                                          keep_layout=unpooled)
         except Exception as exc:  # noqa: BLE001 - ONNX Runtime raises its own types for a graph it refuses
             log.warning("ONNX Runtime refused %s as one signalled session (%s); serving it in stages", sites, exc)
             return None
-        return OnnxSignalledRunner(session, sites, side)
+        return OnnxSignalledRunner(session, sites, side), graph
+
+    @functools.cached_property
+    def _stored_sets(self) -> tuple[Path, str] | None:
+        """Where this bundle's compiled sets are kept and its digest (what their keys start from); None for a model
+        not loaded from a bundle."""
+        if self.bundle_dir is None:
+            return None
+        digest = bundle_digest(self.bundle_dir)
+        return compiled_dir(self.bundle_dir, digest), digest
+
+    def _signalled_key(self, sites: tuple[str, ...]) -> tuple[Path, str] | None:
+        """Where a signalled set of `sites` is kept, if this model keeps its sets."""
+        from rampserve.runtime.onnx_signals import signalled_key
+
+        if self._stored_sets is None:
+            return None
+        directory, digest = self._stored_sets
+        return directory, signalled_key(digest, sites, self.error_score, self.backend.intra_op_threads)
+
+    def _stored_signalled(self, sites: tuple[str, ...], side: str | None) -> CompiledSet | None:
+        """The signalled set of `sites` as kept on disk when it was built and checked (it is not checked again), or
+        None where there is none. One that does not match its index is removed, to be built again."""
+        from rampserve.runtime.onnx_signals import OnnxSignalledRunner, library
+
+        where = self._signalled_key(sites)
+        if where is None:
+            return None
+        try:
+            index, graph = read_entry(*where, ".onnx")
+        except FileNotFoundError:
+            return None
+        except CorruptEntry as exc:
+            log.warning("%s; building that set again", exc)
+            remove_compiled(*where)
+            return None
+        runner = OnnxSignalledRunner(self.backend.split.signalled_session(graph, index["logits"], library()), sites,
+                                     side)
+        return CompiledSet(sites, runner, runner.tapped, int(index["classes"]), ONNX_EXIT_MARGIN, from_disk=True)
+
+    def _store_signalled(self, compiled: CompiledSet, graph: bytes) -> None:
+        where = self._signalled_key(compiled.sites)
+        if where is not None:
+            write_entry(*where, ".onnx", graph, {"sites": list(compiled.sites), "classes": compiled.classes,
+                                                  "logits": list(compiled.runner.runner.logits_names)})
 
     def _signalled_tap(self, site: str, value) -> object:
         """The ramp at `site` as a tap on `value` (a `graph.onnx_graph.SiteValue`), in the value's layout."""
@@ -280,14 +334,23 @@ class PreparedModel:
         classes = next((s.ramp.num_classes for s in self.sites), 0)
         if self.backend.kind == "onnx":
             side = side_names[0] if side_names else None
-            runner = self._signalled_runner(sites, side) if signals and sites and all(
-                s in self.onnx_taps for s in sites) else None
-            if runner is None:
+            whole = signals and sites and all(s in self.onnx_taps for s in sites)
+            stored = self._stored_signalled(sites, side) if whole else None
+            if stored is not None:
+                return stored
+            signalled = self._signalled_runner(sites, side) if whole else None
+            if signalled is None:
                 stages = self.backend.split.build_tapped(sites, {s: self.onnx_taps[s] for s in sites
                                                                  if s in self.onnx_taps})
                 runner = OnnxSetRunner(stages, side)
+            else:
+                runner = signalled[0]
             compiled = CompiledSet(sites, runner, runner.tapped, classes, ONNX_EXIT_MARGIN)
-            return compiled if self._faithful(compiled, example) else None
+            if not self._faithful(compiled, example):
+                return None
+            if signalled is not None:
+                self._store_signalled(compiled, signalled[1])
+            return compiled
         if active and not kernel.available():
             return None
         shapes = {s.name: s.activation_shape for s in self.sites}
@@ -371,6 +434,10 @@ class PreparedModel:
 
     def compiled_set(self, active: Sequence[str], mode: str = "release") -> CompiledSet | None:
         return self._compiled.get(self._compiled_key(active, mode))
+
+    def compiled_sets(self) -> list[CompiledSet]:
+        """The compiled sets held in memory (of every exit mode), least recently installed first."""
+        return [compiled for compiled in self._compiled.values() if compiled is not None]
 
     def _compiled_key(self, active: Sequence[str], mode: str) -> tuple[str, tuple[str, ...]]:
         """A set's entry in memory: its exit mode and its sites in model order."""

@@ -23,10 +23,10 @@ from pathlib import Path
 
 import numpy as np
 
-from rampserve.paths import home
 from rampserve.runtime.compiled import (
     CompiledSet,
     CorruptEntry,
+    compiled_dir,
     has_compiled,
     load_compiled,
     remove_compiled,
@@ -62,20 +62,6 @@ def likely_next_sets(active: Sequence[str], sites: Sequence[str], limit: int = 3
     unique = dict.fromkeys(tuple(sorted(c, key=order.__getitem__)) for c in candidates)
     unique.pop(tuple(sorted(current, key=order.__getitem__)), None)
     return list(unique)[:limit]
-
-
-def compiled_dir(bundle_dir: Path, digest: str) -> Path:
-    """Next to the bundle; under rampserve's home where the bundle's directory cannot be written."""
-    beside = bundle_dir / "compiled"
-    try:
-        beside.mkdir(exist_ok=True)
-        if os.access(beside, os.W_OK):
-            return beside
-    except OSError:
-        pass
-    elsewhere = home() / "compiled" / digest
-    elsewhere.mkdir(parents=True, exist_ok=True)
-    return elsewhere
 
 
 class CompileService:
