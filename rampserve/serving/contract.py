@@ -61,7 +61,8 @@ class ModelSettings:
     # Active cache ramps learn from every batch's final labels (Freeze's caches, kept current by live traffic).
     cache_updates: bool = True
     # How long a starting server waits for the sets its controller may ask for next to compile (in the worker
-    # process) so that it loads them before it serves; the rest load when needed
+    # process) so that it loads them before it serves; the rest load when needed. 0 (a restarted executor process):
+    # those already on disk load, and none is compiled before it serves
     preload_s: float = 30.0
     # Where a bundle's executor runs: "process", a process of its own (`serving.executor`), so that the front end's
     # parsing and writing never holds the GIL the model's Python parts need; or "thread", in the server's process

@@ -5,10 +5,15 @@ It runs the model's `ModelWorker` as a standalone server would: its queue and ba
 with early release, the releasing thread, the controller and the compile worker. Requests come from the front end's
 socket, their inputs from the shared memory it wrote them into; each answer goes back as one frame, sent from
 whichever thread has it. It stops when the front end says so, or is gone, once it has answered what it accepted.
+
+Its start is logged phase by phase (`StartLog`): the interpreter started, the imports (torch, ONNX Runtime, the
+controller) done, the bundle loaded, the compiled sets loaded, ready; a restart's at WARNING, since the model is
+unavailable until the last of them.
 """
 
 from __future__ import annotations
 
+import importlib
 import itertools
 import logging
 import os
@@ -17,6 +22,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from functools import partial
@@ -29,14 +35,41 @@ from rampserve.control.records import BatchRecord, Configuration
 from rampserve.serving import wire
 from rampserve.serving.contract import GIL_SWITCH_INTERVAL_S, Answer, ModelSettings, Shed, freeze_startup_objects
 from rampserve.serving.metrics import ServerMetrics
-from rampserve.serving.models import read_served
-from rampserve.serving.worker import ModelWorker
+from rampserve.serving.models import ServedModel, read_served
 
 log = logging.getLogger("rampserve.serving")
 
 # Longest an executor's control thread waits for a controller the front end holds; past it, the record is lost to
 # the controller and the executor serves on with the configuration it has (as a replica that loses its controller)
 CONTROL_CALL_TIMEOUT_S = 30.0
+# What serving a bundle imports, by its backend (torch, ONNX Runtime and its Python operators, the controller):
+# imported by `main` after the interpreter's start and before the bundle loads, so that the start's log tells the
+# three apart (this module imports none of them at its top)
+MODEL_MODULES = {"torch": ("rampserve.serving.worker", "rampserve.runtime.bundle"),
+                 "onnx": ("rampserve.serving.worker", "rampserve.runtime.bundle", "rampserve.runtime.onnx_signals")}
+
+
+class StartLog:
+    """An executor's start, phase by phase: each is logged as it ends with its time since the front end started the
+    process (`time.monotonic` is one clock across processes), at WARNING on a restart (the model is unavailable
+    until it is ready: an operator sees where that time went) and at INFO on a first start. `report` is what READY
+    carries to the front end, which shows it in the model's status."""
+
+    def __init__(self, model: str, spawned: float, restart: bool) -> None:
+        self.model, self.spawned = model, spawned
+        self.what, self.level = ("restart", logging.WARNING) if restart else ("start", logging.INFO)
+        self.phases: list[tuple[str, float]] = []  # (phase, seconds since the spawn at its end)
+        self.sets: dict[str, int] = {}
+
+    def phase(self, name: str, detail: str = "") -> None:
+        at = time.monotonic() - self.spawned
+        took = at - (self.phases[-1][1] if self.phases else 0.0)
+        self.phases.append((name, at))
+        log.log(self.level, "model %s: executor %s: %s at %.2f s (+%.2f s)%s", self.model, self.what, name, at, took,
+                f"; {detail}" if detail else "")
+
+    def report(self) -> dict:
+        return {"phases": dict(self.phases), "sets": self.sets}
 
 
 def metric_families(registry: CollectorRegistry, model: str) -> list[dict]:
@@ -55,13 +88,17 @@ class Executor:
     """The executor process: a `ModelWorker` whose executor thread reads the front end's frames itself whenever it
     waits for work (`RequestQueue.feed`), and answers through the socket from whichever thread has the answer."""
 
-    def __init__(self, sock: socket.socket, reader: wire.FrameReader, hello: dict, arena_fd: int) -> None:
+    def __init__(self, sock: socket.socket, reader: wire.FrameReader, hello: dict, arena_fd: int, model: ServedModel,
+                 start: StartLog) -> None:
+        """`model` is loaded already (`main` times it)."""
+        from rampserve.serving.worker import ModelWorker  # imported by `main`, which times the imports
+
         self._sock, self._reader, self._sending = sock, reader, threading.Lock()
         self._calls: dict[int, Future] = {}  # the front end's answers awaited, by call
         self._call_ids = itertools.count()
         self._calls_lock = threading.Lock()
         self.arena = wire.SlotArena(arena_fd, hello["slot_bytes"], hello["slots"])
-        model = read_served(Path(hello["bundle"]), hello["name"], hello["version"])
+        self.start = start
         self.metrics = ServerMetrics()
         relayed = hello["relayed_control"]
         control = None if relayed is None else RelayedControl(self, Configuration.from_json(relayed))
@@ -88,10 +125,23 @@ class Executor:
 
     def serve(self) -> None:
         self.worker.start()
+        self.start.phase("sets loaded", self._sets_loaded())
         freeze_startup_objects()
-        self.send(wire.frame(wire.READY, {"pid": os.getpid()}))
+        self.start.phase("ready")
+        self.send(wire.frame(wire.READY, {"pid": os.getpid(), "start": self.start.report()}))
         self.worker.wait_stopped()
         self.worker.stop()  # the control thread's last records, the compile worker
+
+    def _sets_loaded(self) -> str:
+        """The compiled sets held once started, how many were loaded from disk (compiled before, by this process's
+        compile worker or an earlier one's) and how many the compile worker compiled meanwhile."""
+        held = self.worker.served.model.compiled_sets()
+        compiled = self.metrics.registry.get_sample_value(
+            "rampserve_compiles_total", {"model": self.worker.served.name, "outcome": "compiled"}) or 0
+        sets = self.start.sets = {"held": len(held), "from_disk": sum(s.from_disk for s in held),
+                                  "compiled": int(compiled)}
+        return (f"{sets['from_disk']} of {sets['held']} compiled sets from disk, {sets['compiled']} compiled by the "
+                "compile worker first")
 
     def _read(self, timeout: float | None) -> None:
         """Whatever the front end sent, waiting at most `timeout` seconds for it (on the executor thread)."""
@@ -201,12 +251,21 @@ def main(argv: list[str]) -> None:
     logging.basicConfig(level=logging.WARNING, format="rampserve executor %(process)d: %(message)s")
     sock = socket.socket(fileno=sock_fd)
     reader = wire.FrameReader()
-    hello = None
-    while hello is None and (data := sock.recv(1 << 20)):
-        hello = next(iter(reader.feed(data)), None)  # nothing else comes before the executor is ready
-    if hello is None or hello[0] != wire.HELLO:
+    first = None
+    while first is None and (data := sock.recv(1 << 20)):
+        first = next(iter(reader.feed(data)), None)  # nothing else comes before the executor is ready
+    if first is None or first[0] != wire.HELLO:
         raise SystemExit("rampserve executor: the front end sent no HELLO")
-    Executor(sock, reader, hello[1], arena_fd).serve()
+    hello = first[1]
+    start = StartLog(hello["name"], hello["spawned"], hello["restart"])
+    start.phase("process started")
+    model = read_served(Path(hello["bundle"]), hello["name"], hello["version"])
+    for module in MODEL_MODULES[model.backend]:
+        importlib.import_module(module)
+    start.phase("imports done")
+    model.model  # noqa: B018 - loads the bundle (a cached property), timed apart from the sets
+    start.phase("bundle loaded")
+    Executor(sock, reader, hello, arena_fd, model, start).serve()
 
 
 if __name__ == "__main__":

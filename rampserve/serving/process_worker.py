@@ -9,10 +9,13 @@ end's parsing and writing never take the GIL from the model's Python parts, and 
 here imports torch: only the executor process loads the model.
 
 Faults: when the executor process dies (killed, out of memory, a crash in native code), the front end sees its
-socket close at once and fails every request the process held with a 503 that says why; it starts a new one with
-the last configuration the old one adopted, and refuses requests with 503 (Retry-After) until it is ready. On
-shutdown the front end asks the process to answer everything it accepted and waits for it to exit. The shared
-memory is an anonymous memory file: nothing of it outlives the processes, however they end.
+socket close at once and fails every request the process held with a 503 that says why; it starts a new one at once
+with the last configuration the old one adopted, which loads the sets on disk and compiles nothing before it serves
+(its compile worker starts once a set not on disk is asked for), and refuses requests with 503 (Retry-After), the
+model not ready, until it is ready. A process that dies soon after it became ready, again, is restarted after a
+pause that grows (a crash loop). On shutdown the front end asks the process to answer everything it accepted and
+waits for it to exit. The shared memory is an anonymous memory file: nothing of it outlives the processes, however
+they end.
 """
 
 from __future__ import annotations
@@ -45,7 +48,8 @@ log = logging.getLogger("rampserve.serving")
 SLOT_BYTES = 64 << 10
 SLOTS = 256
 CONTROL_TIMEOUT_S = 5.0  # longest wait for an executor's status or metrics
-# A process that dies this soon after it became ready is restarted after a growing pause (a crash loop)
+# A process that dies this soon after it became ready, the second time in a row or more, is restarted after a
+# growing pause (a crash loop); the first time, at once
 QUICK_DEATH_S = 10.0
 MAX_RESTART_PAUSE_S = 30.0
 
@@ -113,27 +117,38 @@ class ProcessWorker:
         self._stopping = False
         self._restarting: asyncio.Task | None = None
         self._quick_deaths = 0
+        self._lost_at = 0.0  # when the last executor process was lost
+        # The last start's phases (seconds since its spawn) and sets, as its executor reported them; on a restart,
+        # how long the model was unavailable
+        self.last_start: dict = {}
         self._labels = {"model": served.name}
 
     @property
     def pid(self) -> int | None:
         return None if self._channel is None else self._channel.process.pid
 
+    @property
+    def available(self) -> bool:
+        return self._channel is not None
+
     async def launch(self) -> None:
         self._arena = wire.SlotArena.create(self.served.name, SLOT_BYTES, SLOTS)
-        self._channel = await self._spawn()
+        self._channel = await self._spawn(restart=False)
 
-    async def _spawn(self) -> _Channel:
+    async def _spawn(self, restart: bool) -> _Channel:
         """Start an executor process and wait until it serves (its first set compiled and loaded)."""
         loop = asyncio.get_running_loop()
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         command = [sys.executable, "-m", "rampserve.serving.executor", str(theirs.fileno()), str(self._arena.fd)]
+        spawned = time.monotonic()
         # A session of its own: a terminal's Ctrl-C reaches the front end alone, which then drains the executor
         process = subprocess.Popen(command, pass_fds=(theirs.fileno(), self._arena.fd), start_new_session=True)
         theirs.close()
         ready = loop.create_future()
         transport, channel = await loop.create_unix_connection(lambda: _Channel(self, process, ready), sock=ours)
-        settings, relayed = self.settings, None
+        # A restart serves as soon as the sets on disk are loaded: none is compiled ahead before it is ready (the first
+        # start waits `preload_s` for those), so its compile worker starts only once a set not on disk is asked for
+        settings, relayed = (replace(self.settings, preload_s=0.0) if restart else self.settings), None
         if self._control is not None:  # the controller outlives its executors: it says where they start
             relayed = self._control.configuration().to_json()
         elif self._configuration is not None:  # a restart: carry on with the configuration the last one had
@@ -142,10 +157,11 @@ class ProcessWorker:
                 settings.controller, initial=last.sites, start_thresholds=dict(zip(last.sites, last.thresholds))))
         transport.write(wire.frame(wire.HELLO, {
             "bundle": str(self.served.bundle_dir), "name": self.served.name, "version": self.served.version,
-            "settings": settings.to_json(), "relayed_control": relayed,
+            "settings": settings.to_json(), "relayed_control": relayed, "spawned": spawned, "restart": restart,
             "slot_bytes": self._arena.slot_bytes, "slots": self._arena.slots}))
-        await ready
+        header = await ready
         channel.ready_at = time.monotonic()
+        self.last_start = header["start"]
         return channel
 
     # ---- requests (event loop) ---------------------------------------------------------------------------------
@@ -265,20 +281,26 @@ class ProcessWorker:
                   channel.process.pid, how)
         self.restarts += 1
         self.metrics.executor_restarts.labels(**self._labels).inc()
-        self._quick_deaths = self._quick_deaths + 1 if time.monotonic() - channel.ready_at < QUICK_DEATH_S else 0
+        self._lost_at = time.monotonic()
+        self._quick_deaths = self._quick_deaths + 1 if self._lost_at - channel.ready_at < QUICK_DEATH_S else 0
         self._restarting = asyncio.get_running_loop().create_task(self._restart(channel.process))
 
     async def _restart(self, dead: subprocess.Popen) -> None:
         await asyncio.to_thread(dead.wait)  # reap it
         while not self._stopping:
-            pause = 0.0 if not self._quick_deaths else min(MAX_RESTART_PAUSE_S, 0.5 * 2 ** self._quick_deaths)
-            await asyncio.sleep(pause)
+            if self._quick_deaths > 1:
+                await asyncio.sleep(min(MAX_RESTART_PAUSE_S, 0.5 * 2 ** (self._quick_deaths - 1)))
             try:
-                self._channel = await self._spawn()
-                return
+                channel = await self._spawn(restart=True)
             except Exception:
                 log.exception("model %s: its executor process failed to start again", self.served.name)
                 self._quick_deaths += 1
+                continue
+            self.last_start["unavailable_s"] = channel.ready_at - self._lost_at
+            self._channel = channel
+            log.warning("model %s: its new executor process (pid %d) serves, %.2f s after the last one was lost",
+                        self.served.name, channel.process.pid, self.last_start["unavailable_s"])
+            return
 
     # ---- status and metrics -------------------------------------------------------------------------------------
 
@@ -296,7 +318,8 @@ class ProcessWorker:
             self._replies.pop(request, None)
 
     async def current_status(self, latest_decisions: int | None = None) -> dict:
-        executor = {"kind": "process", "pid": self.pid, "restarts": self.restarts, "in_flight": len(self._in_flight)}
+        executor = {"kind": "process", "pid": self.pid, "restarts": self.restarts, "in_flight": len(self._in_flight),
+                    "available": self.available, "last_start": self.last_start}
         try:
             status = await self._ask(wire.STATUS, decisions=latest_decisions)
         except (ExecutorLost, TimeoutError) as exc:
