@@ -34,9 +34,15 @@ def is_positive(feeds: dict[str, np.ndarray]) -> np.ndarray:
     return (feeds["x"].sum(axis=1) > 0).astype(np.int64)
 
 
+class Restarting(FunctionPredictor):
+    """A model served but not available now, as a bundle is while its executor process restarts."""
+
+    available = False
+
+
 @contextlib.asynccontextmanager
-async def started() -> AsyncIterator[tuple[ServerState, DataPlane]]:
-    state = build_state([FunctionPredictor(MODEL, is_positive, (ROW,))], ModelSettings(vanilla=True),
+async def started(*more: FunctionPredictor) -> AsyncIterator[tuple[ServerState, DataPlane]]:
+    state = build_state([FunctionPredictor(MODEL, is_positive, (ROW,)), *more], ModelSettings(vanilla=True),
                         ServerSettings(port=0))
     await state.catalogue.start()
     try:
@@ -87,19 +93,23 @@ def test_status_comes_from_each_model_itself() -> None:
 
 
 def test_readiness_is_read_when_asked() -> None:
+    """A model is ready once the server is, and while it is available: a model not available now (a bundle whose
+    executor restarts) is not ready, though the server and its other models are."""
     async def scenario() -> tuple:
-        async with started() as (state, plane):
+        async with started(Restarting("restarting", is_positive, (ROW,))) as (state, plane):
             v2 = V2Endpoints(plane, state.is_ready, LIMIT)
             before = decoded(await v2.ready()), decoded(await v2.model_ready(MODEL))
             state.ready = True
             after = decoded(await v2.ready()), decoded(await v2.model_ready(MODEL))
+            restarting = decoded(await v2.model_ready("restarting"))
             with pytest.raises(ProtocolError) as unknown:
                 await v2.model_ready("ghost")
-            return before, after, unknown.value
+            return before, after, restarting, unknown.value
 
-    before, after, unknown = asyncio.run(scenario())
+    before, after, (restarting_status, restarting), unknown = asyncio.run(scenario())
     assert before == ((503, {"error": "models are still loading"}), (503, {"error": "model is loading"}))
     assert after == ((200, {"ready": True}), (200, {"name": MODEL, "ready": True}))
+    assert restarting_status == 503 and "restarting" in restarting["error"]
     assert unknown.status == 404
 
 

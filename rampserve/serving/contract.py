@@ -109,6 +109,10 @@ class Worker(Protocol):
 
     served: ServedModel
 
+    @property
+    def available(self) -> bool:
+        """Whether it serves now: False while an executor process restarts (the model is not ready meanwhile)."""
+
     async def launch(self) -> None:
         """Start serving (once the event loop runs)."""
 

@@ -96,10 +96,10 @@ def handlers(plane: DataPlane, ready: Callable[[], bool]) -> dict[str, grpc.RpcM
         # As Triton answers: a model not served is not ready, no error (tritonclient's is_model_ready is False,
         # as over HTTP, where it reads the 404 so)
         try:
-            plane.metadata(request.name, request.version or None)  # served, with a signature
+            available = plane.model_ready(request.name, request.version or None)  # served, with a signature
         except ProtocolError:
             return pb.ModelReadyResponse(ready=False)
-        return pb.ModelReadyResponse(ready=ready())
+        return pb.ModelReadyResponse(ready=ready() and available)
 
     async def server_metadata_of(_request: pb.ServerMetadataRequest, _context: grpc.aio.ServicerContext
                                  ) -> pb.ServerMetadataResponse:

@@ -121,6 +121,12 @@ class DataPlane:
             return checked_version(ApplicationPredictor(self.catalogue.apps[name]), version)
         return self.model(name, version)
 
+    def model_ready(self, name: str, version: str | None = None) -> bool:
+        """Whether what v2 serves under `name` (and version) serves now, once the server is ready; ProtocolError where
+        nothing is served so (404) or it has no signature (503: an application whose models are all unloaded)."""
+        self.metadata(name, version)
+        return self.find(name, version).available
+
     def metadata(self, name: str, version: str | None = None) -> dict:
         """The v2 model metadata; an application whose models are all unloaded has none (ProtocolError 503)."""
         predictor = self.find(name, version)

@@ -86,6 +86,8 @@ class LocalControl:
 
 
 class ModelWorker:
+    available = True  # serving from its launch to its shutdown (the `Worker` contract)
+
     def __init__(self, served: ServedModel, settings: ModelSettings, metrics: ServerMetrics,
                  control: ControlLink | None = None) -> None:
         """`control`: the model's controller (default: one of its own in this process; none when vanilla)."""

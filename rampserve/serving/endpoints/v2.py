@@ -22,7 +22,8 @@ from rampserve.serving.protocol import ProtocolError, server_metadata
 
 
 class V2Endpoints:
-    """`is_ready` says whether the server has started its models (a model is ready once the server is)."""
+    """`is_ready` says whether the server has started its models (a model is ready once the server is, and while it
+    serves: not while its executor process restarts)."""
 
     def __init__(self, plane: DataPlane, is_ready: Callable[[], bool], max_body_bytes: int) -> None:
         self.plane, self.is_ready, self.max_body_bytes = plane, is_ready, max_body_bytes
@@ -40,8 +41,12 @@ class V2Endpoints:
         return json_response(self.plane.metadata(model, version))
 
     async def model_ready(self, model: str, version: str | None = None) -> Response:
-        self.plane.metadata(model, version)  # served, and with a signature (an application's models may all be gone)
-        return json_response({"name": model, "ready": True}) if self.is_ready() else error(503, "model is loading")
+        available = self.plane.model_ready(model, version)  # 404 where not served
+        if not self.is_ready():
+            return error(503, "model is loading")
+        if not available:
+            return error(503, f"model {model} is not available: its executor process is restarting")
+        return json_response({"name": model, "ready": True})
 
     async def infer(self, request: Request) -> Response:
         """A plain Starlette handler (the request alone): FastAPI's parameter resolution adds nothing the hot

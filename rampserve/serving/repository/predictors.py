@@ -129,6 +129,12 @@ class Predictor:
         """The v2 metadata's platform."""
         return f"rampserve_{self.kind}"
 
+    @property
+    def available(self) -> bool:
+        """Whether the model serves now, once the server has started it (its readiness): a bundle's is not while its
+        executor process restarts."""
+        return True
+
     async def start(self) -> None:
         """Called once the event loop runs, before the first prediction."""
 
@@ -196,6 +202,10 @@ class WorkerPredictor(Predictor):
     @property
     def platform(self) -> str:
         return self.served.platform
+
+    @property
+    def available(self) -> bool:
+        return self.worker.available
 
     async def start(self) -> None:
         await self.worker.launch()
