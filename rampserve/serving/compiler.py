@@ -230,7 +230,7 @@ def compile_worker(bundle_dir: str, example: dict[str, np.ndarray], directory: s
     torch.set_num_threads(1)
     model = load_bundle(Path(bundle_dir))
     digest, out = bundle_digest(Path(bundle_dir)), Path(directory)
-    while (sites := conn.recv()) is not None:
+    while (sites := _next_request(conn)) is not None:
         try:
             compiled = model.build_compiled(sites, example, mode)
             ordered = model.backend.ordered_cuts(sites)
@@ -239,3 +239,12 @@ def compile_worker(bundle_dir: str, example: dict[str, np.ndarray], directory: s
             conn.send(("compiled" if compiled is not None else "refused", ordered, ""))
         except Exception as exc:  # the parent serves the set eagerly; the worker goes on with the next one
             conn.send(("failed", tuple(sites), repr(exc)))
+
+
+def _next_request(conn) -> list[str] | None:
+    """The next set to compile, or None once the serving process says stop or is gone (killed: its end of the pipe
+    closed; a traceback would only add to its log's account of the death)."""
+    try:
+        return conn.recv()
+    except EOFError:
+        return None

@@ -96,6 +96,11 @@ class _Channel(asyncio.Protocol):
         self.worker._lost(self)
 
 
+def _ended(code: int | None) -> str:
+    """How a process ended, from its exit status (None: not known yet, it is not reaped)."""
+    return "ended" if code is None else f"was killed by signal {-code}" if code < 0 else f"exited with {code}"
+
+
 class ProcessWorker:
     """The front end's handle on a model served by an executor process: the same interface as a `ModelWorker`."""
 
@@ -258,8 +263,7 @@ class ProcessWorker:
 
     def _lost(self, channel: _Channel) -> None:
         """The executor's socket closed: it exited (asked to, or died). Everything it held fails now."""
-        code = channel.process.poll()
-        how = "exited" if code is None else (f"was killed by signal {-code}" if code < 0 else f"exited with {code}")
+        how = _ended(channel.process.poll())
         if not channel.ready.done():
             channel.ready.set_exception(RuntimeError(f"model {self.served.name}: its executor process {how} "
                                                      "before it was ready"))
@@ -277,8 +281,6 @@ class ProcessWorker:
         self._arena.free_all()  # nobody reads any slot now
         if self._stopping or not channel.ready_at:
             return
-        log.error("model %s: its executor process (pid %d) %s; restarting it", self.served.name,
-                  channel.process.pid, how)
         self.restarts += 1
         self.metrics.executor_restarts.labels(**self._labels).inc()
         self._lost_at = time.monotonic()
@@ -286,7 +288,9 @@ class ProcessWorker:
         self._restarting = asyncio.get_running_loop().create_task(self._restart(channel.process))
 
     async def _restart(self, dead: subprocess.Popen) -> None:
-        await asyncio.to_thread(dead.wait)  # reap it
+        await asyncio.to_thread(dead.wait)  # reap it: how it ended is known only then
+        log.error("model %s: its executor process (pid %d) %s; restarting it", self.served.name, dead.pid,
+                  _ended(dead.returncode))
         while not self._stopping:
             if self._quick_deaths > 1:
                 await asyncio.sleep(min(MAX_RESTART_PAUSE_S, 0.5 * 2 ** (self._quick_deaths - 1)))
