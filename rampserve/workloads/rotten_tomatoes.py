@@ -8,7 +8,6 @@ from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
-import pandas as pd
 
 CORPUS_FILE = "rotten_tomatoes_corpus_full.csv.bz2"
 
@@ -35,6 +34,8 @@ def corpus_path() -> Path:
 @lru_cache(maxsize=1)
 def load_rotten_tomatoes() -> RottenTomatoes:
     """Fresh/rotten snippets; 'plot' rows, empty texts and duplicate texts dropped (first kept)."""
+    import pandas as pd  # here: reading the corpus alone needs it, and it costs any importer 0.4 s (an executor's start)
+
     frame = pd.read_csv(corpus_path(), usecols=["category", "text", "movie_name"])
     frame = frame[frame["category"].isin(["fresh", "rotten"])]
     frame = frame.dropna(subset=["text", "movie_name"])

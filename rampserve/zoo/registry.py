@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -17,9 +17,8 @@ from torch import nn
 
 from rampserve.workloads.fashion_mnist import to_model_input
 from rampserve.workloads.streams import fmnist_drift_lighting
-from rampserve.zoo import cnn, minilm, mpnet
+from rampserve.zoo import cnn
 from rampserve.zoo.efficientnet_lite import build_lite0_classifier, grey_images_as_photos
-from rampserve.zoo.minilm import MiniLMClassifier, build_minilm, encode_texts
 from rampserve.zoo.train import (
     Recipe,
     TrainConfig,
@@ -29,6 +28,9 @@ from rampserve.zoo.train import (
     rotten_tomatoes_examples,
     train_cached,
 )
+
+if TYPE_CHECKING:
+    from rampserve.zoo.minilm import MiniLMClassifier
 
 # Seed of every fresh architecture, so `build()` is the same model each call.
 BUILD_SEED = 0
@@ -220,8 +222,15 @@ def _pretrained(build: Callable[[], MiniLMClassifier]) -> MiniLMClassifier:
     return model
 
 
+# The text models' modules are imported by their entries alone: they import transformers (seconds), which building a
+# CNN's architecture (an executor loading its bundle) must not wait for
+
+
 @register("minilm-rt")
 def _minilm_rt(small: bool) -> ZooEntry:
+    from rampserve.zoo import minilm
+    from rampserve.zoo.minilm import build_minilm, encode_texts
+
     build = seeded(partial(build_minilm, MINILM_SMALL_LAYERS if small else None))
     config = MINILM_SMALL_CONFIG if small else MINILM_CONFIG
     recipe = Recipe(
@@ -246,6 +255,8 @@ MPNET_SMALL_LAYERS = 2
 
 @register("mpnet-rt")
 def _mpnet_rt(small: bool) -> ZooEntry:
+    from rampserve.zoo import mpnet
+
     layers = MPNET_SMALL_LAYERS if small else None
     config = MPNET_SMALL_CONFIG if small else MPNET_CONFIG
     recipe = Recipe(
