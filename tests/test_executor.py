@@ -9,16 +9,21 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pytest
+import tritonclient.grpc as triton_grpc
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
+
+from rampserve.bench.harness import free_port
 
 from rampserve.serving import wire
 from rampserve.serving.models import ServedModel, load_served
@@ -50,6 +55,14 @@ def post(url: str, body: bytes) -> tuple[int, dict]:
 def get_json(url: str) -> dict:
     with urllib.request.urlopen(url, timeout=30) as response:
         return json.loads(response.read())
+
+
+def get_status(url: str) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=30) as response:
+            return response.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
 
 
 def get_text(url: str) -> str:
@@ -172,53 +185,136 @@ def _is_zombie(pid: int) -> bool:
         return True
 
 
-def test_a_killed_executor_fails_what_it_held_before_a_new_one_serves_and_comes_back(served, fmnist_feeds) -> None:
-    """SIGKILL under load (8 closed-loop clients): every request gets one response; what the executor held fails
-    as its socket closes, not once a new executor is up: each client whose request was held is told next that
-    the executor is restarting. Then a new executor serves."""
-    x = fmnist_feeds[:1]
-    body = infer_body(served, x)
-    state = build_state([served], ModelSettings(vanilla=True), ServerSettings(port=0))
-    with running_server(state) as url:
-        pid = get_json(url + "/status")["models"][MODEL]["executor"]["pid"]
-        responses: dict[int, list[tuple[int, dict]]] = {k: [] for k in range(8)}  # per client, in order
+# The phases a restarted executor logs, in order, between the front end's word of the death and its word that the
+# new process serves
+RESTART_PHASES = ("process started", "imports done", "bundle loaded", "sets loaded", "ready")
 
-        def client(k: int, n: int) -> None:
-            for _ in range(n):
-                responses[k].append(post(f"{url}/v2/models/{MODEL}/infer", body))
 
-        with ThreadPoolExecutor(8) as pool:
-            clients = [pool.submit(client, k, 60) for k in responses]
-            while sum(map(len, responses.values())) < 40:  # under load
-                time.sleep(0.005)
-            os.kill(pid, signal.SIGKILL)
-            for c in clients:
-                c.result(timeout=60)
-        assert [len(r) for r in responses.values()] == [60] * 8  # every request got exactly one response
-        codes = [code for r in responses.values() for code, _ in r]
-        assert set(codes) <= {200, 503}
-        lost = [answer for r in responses.values() for code, answer in r if code == 503]
-        assert lost, "killing the executor under load failed no request"
-        assert all("executor process" in answer["error"] for answer in lost)
-        held = 0
-        for k, sequence in responses.items():
-            at = [i for i, (code, answer) in enumerate(sequence) if code == 503 and "while it held" in answer["error"]]
-            assert len(at) <= 1, f"client {k} had {len(at)} requests held by one executor"
-            if at and at[0] + 1 < len(sequence):
-                held += 1
-                code, answer = sequence[at[0] + 1]
-                assert code == 503 and "is restarting" in answer["error"], \
-                    f"client {k}: after its held request failed it heard {code} {answer}, not that the executor " \
-                    "was restarting: the held request failed only once a new executor was up"
-        assert held, "the executor held no request when it was killed"
+@dataclass(frozen=True)
+class Reply:
+    sent: float  # time.monotonic() when sent, and when answered
+    done: float
+    code: int
+    body: dict
+
+
+def test_a_killed_executor_fails_what_it_held_is_not_ready_until_its_sets_load_from_disk_then_serves(
+        resnet_bundle, served, fmnist_feeds, tmp_path) -> None:
+    """SIGKILL under load (8 closed-loop clients) on `rampserve serve` as a user runs it, with its controller and
+    compiled sets, asserting the sequence: every request gets one response; what the executor held fails with 503
+    at once, once per client, whose next request hears that the executor is restarting; the model is ready (HTTP
+    and gRPC) until the kill, then not, then ready for good, and requests meanwhile are refused; ready means the
+    new executor logged its start's phases in order and loaded its sets from disk, the compile worker compiling
+    none of them; then it answers."""
+    grpc_port = free_port()
+    log_path = tmp_path / "server.log"
+    with log_path.open("w") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "rampserve.cli", "serve", str(resnet_bundle), "--port", "0",
+             "--grpc-port", str(grpc_port)], stdout=subprocess.PIPE, stderr=log, text=True)
+    try:
+        url = re.search(r"http://[\d.]+:\d+", process.stdout.readline()).group(0)
+        old = get_json(f"{url}/status/{MODEL}")["executor"]  # answered once the server has started
+        _kill_under_load(url, grpc_port, old["pid"], infer_body(served, fmnist_feeds[:1]), log_path)
+    finally:
+        process.kill()
+        process.wait()
+
+
+def _kill_under_load(url: str, grpc_port: int, pid: int, body: bytes, log_path: Path) -> None:
+    infer, ready_url = f"{url}/v2/models/{MODEL}/infer", f"{url}/v2/models/{MODEL}/ready"
+    grpc_client = triton_grpc.InferenceServerClient(f"127.0.0.1:{grpc_port}")
+    replies: dict[int, list[Reply]] = {k: [] for k in range(8)}  # per client, in order
+    readiness: list[tuple[float, int, bool]] = []  # (when asked, HTTP status, gRPC ModelReady)
+    stop = threading.Event()
+
+    def client(k: int) -> None:
+        while not stop.is_set():
+            sent = time.monotonic()
+            code, answer = post(infer, body)
+            replies[k].append(Reply(sent, time.monotonic(), code, answer))
+            if code != 200:
+                time.sleep(0.02)  # a refusal is immediate: resent at once, it would keep the server busy refusing
+
+    def watch() -> None:
+        while not stop.is_set():
+            asked = time.monotonic()
+            readiness.append((asked, get_status(ready_url), grpc_client.is_model_ready(MODEL)))
+            time.sleep(0.02)
+
+    def answered() -> int:
+        return sum(r.code == 200 for sequence in replies.values() for r in sequence)
+
+    assert get_status(ready_url) == 200 and grpc_client.is_model_ready(MODEL)
+    with ThreadPoolExecutor(9) as pool:
+        running = [pool.submit(client, k) for k in replies] + [pool.submit(watch)]
         deadline = time.monotonic() + 60
-        while (status := get_json(url + "/status")["models"][MODEL]).get("unavailable"):
-            assert time.monotonic() < deadline, "the executor never came back"
-            time.sleep(0.05)
-        assert status["executor"]["restarts"] == 1 and status["executor"]["pid"] != pid
-        code, _ = post(f"{url}/v2/models/{MODEL}/infer", body)
-        assert code == 200
-        assert f'rampserve_executor_restarts_total{{model="{MODEL}"}} 1.0' in get_text(url + "/metrics")
+        while answered() < 40:  # under load
+            assert time.monotonic() < deadline, "the server did not answer under load before the kill"
+            time.sleep(0.01)
+        killed = time.monotonic()
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 120
+        while not any(asked > killed and code == 200 for asked, code, _ in readiness[-1:]) or \
+                answered() < sum(r.code == 200 and r.sent < killed for rs in replies.values() for r in rs) + 40:
+            assert time.monotonic() < deadline, "the model never became ready and answering again"
+            time.sleep(0.02)
+        stop.set()
+        for future in running:
+            future.result(timeout=60)
+    grpc_client.close()
+
+    # Ready, then not, then ready for good: one window of unavailability, on both transports
+    after = [(asked, code, ok) for asked, code, ok in readiness if asked > killed]
+    assert re.fullmatch("A*B+A+", "".join("A" if code == 200 else "B" for _, code, _ in after)), after
+    assert set(code for _, code, _ in after) == {200, 503}
+    assert re.fullmatch("T*F+T+", "".join("T" if ok else "F" for *_, ok in after)), after
+    unready = [asked for asked, code, _ in after if code == 503]
+
+    # What the executor held failed at once, once per client, and the client's next request heard it restarting
+    every = [r for sequence in replies.values() for r in sequence]
+    assert {r.code for r in every} == {200, 503}
+    assert all("executor process" in r.body["error"] for r in every if r.code == 503)
+    held = 0
+    for k, sequence in replies.items():
+        at = [i for i, r in enumerate(sequence) if r.code == 503 and "while it held" in r.body["error"]]
+        assert len(at) <= 1, f"client {k} had {len(at)} requests held by one executor"
+        if at:
+            held += 1
+            after_held = sequence[at[0] + 1]
+            assert after_held.code == 503 and "is restarting" in after_held.body["error"], \
+                f"client {k}: after its held request failed it heard {after_held}, not that the executor was " \
+                "restarting: the held request failed only once a new executor was up"
+    assert held, "the executor held no request when it was killed"
+    # A request sent and answered while the model was seen unavailable throughout was refused
+    within = [r for r in every if unready[0] < r.sent and r.done < unready[-1]]
+    assert within and all(r.code == 503 for r in within)
+    # Then it answers, with labels
+    last = [r for r in every if r.sent > unready[-1]]
+    assert last and any(r.code == 200 for r in last)
+    assert all(r.body["outputs"][0]["name"] == "label" for r in last if r.code == 200)
+
+    # Ready only once the new executor had loaded its sets from disk, none compiled again
+    status = get_json(f"{url}/status/{MODEL}")["executor"]
+    assert status["restarts"] == 1 and status["pid"] != pid and status["available"]
+    start = status["last_start"]
+    assert list(start["phases"]) == list(RESTART_PHASES)
+    assert start["sets"]["held"] >= 2  # the configuration's and the shadow batches' (every site)
+    assert start["sets"]["from_disk"] == start["sets"]["held"] and start["sets"]["compiled"] == 0
+    metrics = get_text(f"{url}/metrics")
+    assert f'rampserve_executor_restarts_total{{model="{MODEL}"}} 1.0' in metrics
+    loaded = re.search(rf'rampserve_compiles_total{{model="{MODEL}",outcome="loaded"}} ([\d.]+)', metrics)
+    assert loaded and float(loaded.group(1)) >= start["sets"]["held"]
+
+    # The server's log: the death, the new executor's phases in order (a restart's, at WARNING), then it serves
+    lines = log_path.read_text().splitlines()
+    death = next(i for i, line in enumerate(lines) if f"(pid {pid}) was killed by signal 9; restarting it" in line)
+    phases = [next(i for i, line in enumerate(lines) if f"executor restart: {phase} at " in line)
+              for phase in RESTART_PHASES]
+    serves = next(i for i, line in enumerate(lines) if f"its new executor process (pid {status['pid']}) serves" in line)
+    assert [death, *phases, serves] == sorted([death, *phases, serves])
+    assert f"{start['sets']['held']} of {start['sets']['held']} compiled sets from disk, 0 compiled" in \
+        lines[phases[RESTART_PHASES.index("sets loaded")]]
 
 
 def test_a_stopped_server_answers_what_it_accepted_and_leaves_no_process_or_shared_memory(
