@@ -770,16 +770,24 @@ def bench_startup(
                                                                         "resnet18-fmnist), e.g. mpnet-rt")] = None,
     rounds: Annotated[int, typer.Option(help="starts per model, interleaved across models")] = 5,
     vanilla: Annotated[bool, typer.Option(help="serve the original model: no controller, no sets to compile")] = False,
+    restart: Annotated[bool, typer.Option(help="also kill the executor (SIGKILL), idle and under load, and time it "
+                                               "until the model is ready again, phase by phase")] = False,
+    restart_clients: Annotated[int, typer.Option(help="closed-loop clients of the load a restart comes under")] = 8,
     json_out: Annotated[Optional[Path], typer.Option("--json", help="write the results here")] = None,
 ) -> None:
-    """A server's start: the front end's resident memory and its time to ready, with the executor's memory."""
-    from rampserve.bench.startup import StartupBenchSettings, run_startup_bench, startup_table
+    """A server's start: the front end's resident memory and its time to ready, with the executor's memory; with
+    --restart, an executor's restart after a kill."""
+    from rampserve.bench.startup import StartupBenchSettings, restart_table, run_startup_bench, startup_table
 
     try:
-        settings = StartupBenchSettings(models=tuple(models or (DEFAULT_MODEL,)), rounds=rounds, vanilla=vanilla)
+        settings = StartupBenchSettings(models=tuple(models or (DEFAULT_MODEL,)), rounds=rounds, vanilla=vanilla,
+                                        restart=restart, restart_clients=restart_clients)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
-    console.print(startup_table(run_startup_bench(settings, json_out)))
+    report = run_startup_bench(settings, json_out)
+    console.print(startup_table(report))
+    if restart:
+        console.print(restart_table(report))
 
 
 @bench_app.command("dashboard")

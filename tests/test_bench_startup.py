@@ -9,7 +9,9 @@ import numpy as np
 import pytest
 from rich.console import Console
 
-from rampserve.bench.startup import StartupBenchSettings, mapped_libraries, memory_mib, startup_table
+from rampserve.bench.startup import (
+    RESTART_ROWS, StartupBenchSettings, mapped_libraries, memory_mib, restart_table, startup_table,
+)
 
 
 def test_a_process_memory_is_at_most_its_peak_and_grows_with_what_it_touches() -> None:
@@ -39,7 +41,32 @@ def test_the_table_shows_each_models_medians_spans_and_what_its_front_end_loaded
     assert "over 3 rounds" in out.getvalue()
 
 
+def test_the_restart_table_shows_each_phase_idle_and_under_load() -> None:
+    """A row per figure of a restart (kill to ready, then each phase), a column per model and load, each cell the
+    figure's median and span over the rounds."""
+    figures: dict = {"min_max": {}}
+    for k, (_, key) in enumerate(RESTART_ROWS):
+        for load, base in (("", 1.0), ("loaded_", 5.0)):
+            value = base + k / 10
+            figures[f"restart_{load}{key}"] = value
+            figures["min_max"][f"restart_{load}{key}"] = [value - 0.5, value + 0.5]
+    report = {"settings": {"rounds": 3, "restart_clients": 8}, "models": {"m": figures}}
+    out = io.StringIO()
+    Console(file=out, width=200).print(restart_table(report))
+    text = out.getvalue()
+    assert "m idle" in text and "m 8 clients" in text and "over 3 rounds" in text
+    for k, (label, _) in enumerate(RESTART_ROWS):
+        row = next(line for line in text.splitlines() if line.startswith(f"│ {label} "))
+        assert f"{1 + k / 10:.2f} ({0.5 + k / 10:.2f}–{1.5 + k / 10:.2f})" in row
+        assert f"{5 + k / 10:.2f} ({4.5 + k / 10:.2f}–{5.5 + k / 10:.2f})" in row
+
+
 @pytest.mark.parametrize("bad", [{"models": ()}, {"rounds": 0}])
 def test_settings_refuse_no_model_or_no_round(bad: dict) -> None:
     with pytest.raises(ValueError, match="at least one round and one model"):
         StartupBenchSettings(**bad)
+
+
+def test_settings_refuse_a_restart_under_no_load() -> None:
+    with pytest.raises(ValueError, match="a client at least"):
+        StartupBenchSettings(restart=True, restart_clients=0)
