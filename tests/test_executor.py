@@ -23,7 +23,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from rampserve.bench.harness import free_port
+from rampserve.bench.harness import free_port, http_status
 
 from rampserve.serving import wire
 from rampserve.serving.models import ServedModel, load_served
@@ -55,14 +55,6 @@ def post(url: str, body: bytes) -> tuple[int, dict]:
 def get_json(url: str) -> dict:
     with urllib.request.urlopen(url, timeout=30) as response:
         return json.loads(response.read())
-
-
-def get_status(url: str) -> int:
-    try:
-        with urllib.request.urlopen(url, timeout=30) as response:
-            return response.status
-    except urllib.error.HTTPError as exc:
-        return exc.code
 
 
 def get_text(url: str) -> str:
@@ -239,13 +231,13 @@ def _kill_under_load(url: str, grpc_port: int, pid: int, body: bytes, log_path: 
     def watch() -> None:
         while not stop.is_set():
             asked = time.monotonic()
-            readiness.append((asked, get_status(ready_url), grpc_client.is_model_ready(MODEL)))
+            readiness.append((asked, http_status(ready_url), grpc_client.is_model_ready(MODEL)))
             time.sleep(0.02)
 
     def answered() -> int:
         return sum(r.code == 200 for sequence in replies.values() for r in sequence)
 
-    assert get_status(ready_url) == 200 and grpc_client.is_model_ready(MODEL)
+    assert http_status(ready_url) == 200 and grpc_client.is_model_ready(MODEL)
     with ThreadPoolExecutor(9) as pool:
         running = [pool.submit(client, k) for k in replies] + [pool.submit(watch)]
         deadline = time.monotonic() + 60

@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from collections import Counter
 from collections.abc import Callable
@@ -140,6 +141,15 @@ def free_port() -> int:
 def get_json(url: str) -> dict:
     with urllib.request.urlopen(url, timeout=10) as response:
         return json.loads(response.read())
+
+
+def http_status(url: str) -> int:
+    """The status a GET of `url` is answered with, an error's included."""
+    try:
+        with urllib.request.urlopen(url, timeout=10) as response:
+            return response.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
 
 
 def write_json(report: dict, path: Path | None) -> None:

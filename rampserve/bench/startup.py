@@ -23,8 +23,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -32,7 +30,7 @@ from pathlib import Path
 from rich.table import Table
 from tqdm.auto import tqdm
 
-from rampserve.bench.harness import ServerProcess, get_json, median_cell, v2_inputs, write_json
+from rampserve.bench.harness import ServerProcess, get_json, http_status, median_cell, v2_inputs, write_json
 from rampserve.bench.loadgen import Job, save_job
 from rampserve.bench.peers import over_rounds, round_orders
 from rampserve.serving.models import LABEL_OUTPUT, read_served
@@ -122,7 +120,7 @@ def restart_once(server: ServerProcess, model: str, ready_at: float) -> tuple[di
     killed = time.monotonic()
     os.kill(pid, signal.SIGKILL)
     seen_down = False  # the front end may answer once more before it has read of the death
-    while (code := ready_status(ready_url)) != 200 or not seen_down:
+    while (code := http_status(ready_url)) != 200 or not seen_down:
         seen_down = seen_down or code != 200
         if time.monotonic() - killed > RESTART_TIMEOUT_S:
             raise RuntimeError(f"model {model} was not ready again within {RESTART_TIMEOUT_S:.0f} s of its "
@@ -134,14 +132,6 @@ def restart_once(server: ServerProcess, model: str, ready_at: float) -> tuple[di
     ends = [phases[phase] for phase, _ in RESTART_PHASES]
     took = {f"{name}_s": end - before for (_, name), end, before in zip(RESTART_PHASES, ends, [0.0, *ends])}
     return {"serving_s": serving_s, **took, "front_end_s": serving_s - ends[-1]}, ready_again
-
-
-def ready_status(url: str) -> int:
-    try:
-        with urllib.request.urlopen(url, timeout=10) as response:
-            return response.status
-    except urllib.error.HTTPError as exc:
-        return exc.code
 
 
 @contextlib.contextmanager
