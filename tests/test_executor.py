@@ -13,7 +13,7 @@ import threading
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -23,12 +23,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
+from test_shadow_batches import FixedControl, HeldCompiler
 from rampserve.bench.harness import free_port, http_status
-
+from rampserve.control.records import Configuration
 from rampserve.serving import wire
-from rampserve.serving.models import ServedModel, load_served
-from rampserve.serving.server import ServerSettings, build_state, running_server
+from rampserve.serving.compiler import likely_next_sets
 from rampserve.serving.contract import Answer, ModelSettings
+from rampserve.serving.metrics import ServerMetrics
+from rampserve.serving.models import ServedModel, load_served
+from rampserve.serving.models import served as make_served
+from rampserve.serving.server import ServerSettings, build_state, running_server
+from rampserve.serving.worker import ModelWorker
 
 MODEL = "resnet18-small"
 
@@ -175,6 +180,34 @@ def _is_zombie(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
     except FileNotFoundError:
         return True
+
+
+@pytest.mark.parametrize("compile_ahead", [True, False])
+def test_a_restarted_executor_loads_the_sets_on_disk_and_asks_for_no_other_before_it_serves(
+        resnet_prepared, fmnist_feeds, compile_ahead: bool) -> None:
+    """A first start asks for every set the controller may want next, the shadow batches' first; a restart
+    (`compile_ahead` off, as the front end starts one) loads those already on disk and asks for none of the others,
+    so that its compile worker starts only once a set not on disk is wanted."""
+    model = replace(resnet_prepared)  # compiled sets of its own
+    names, name = tuple(model.site_names), model.backend.input_names[0]
+    active = (names[1],)
+    example = {name: fmnist_feeds[-2:]}
+    worker = ModelWorker(make_served("m", model), ModelSettings(preload_s=0.0, compile_ahead=compile_ahead),
+                         ServerMetrics(), FixedControl(Configuration(1, active, (0.5,))))
+    compiler = worker._compiler = HeldCompiler(model, example)
+    on_disk = {names, likely_next_sets(active, names)[1]}
+    compiler.released |= on_disk
+    try:
+        worker._preload(active)
+    finally:
+        if worker._signals is not None:
+            worker._signals.close()
+    asked = [sites for sites, _ in compiler.requests]
+    assert asked[0] == names and all(model.has_compiled(sites) for sites in on_disk)
+    if compile_ahead:
+        assert set(asked) > on_disk
+    else:
+        assert set(asked) == on_disk and compiler.loads == len(on_disk)
 
 
 # The phases a restarted executor logs, in order, between the front end's word of the death and its word that the

@@ -61,9 +61,11 @@ class ModelSettings:
     # Active cache ramps learn from every batch's final labels (Freeze's caches, kept current by live traffic).
     cache_updates: bool = True
     # How long a starting server waits for the sets its controller may ask for next to compile (in the worker
-    # process) so that it loads them before it serves; the rest load when needed. 0 (a restarted executor process):
-    # those already on disk load, and none is compiled before it serves
+    # process) so that it loads them before it serves; the rest load when needed
     preload_s: float = 30.0
+    # Whether those sets are compiled ahead, before the controller asks for them. A restarted executor process's are
+    # not: it loads the ones on disk and serves, and its compile worker starts once a set not on disk is asked for
+    compile_ahead: bool = True
     # Where a bundle's executor runs: "process", a process of its own (`serving.executor`), so that the front end's
     # parsing and writing never holds the GIL the model's Python parts need; or "thread", in the server's process
     # (a model built in memory, with no bundle on disk to load, always runs there)

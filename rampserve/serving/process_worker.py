@@ -151,9 +151,9 @@ class ProcessWorker:
         theirs.close()
         ready = loop.create_future()
         transport, channel = await loop.create_unix_connection(lambda: _Channel(self, process, ready), sock=ours)
-        # A restart serves as soon as the sets on disk are loaded: none is compiled ahead before it is ready (the first
-        # start waits `preload_s` for those), so its compile worker starts only once a set not on disk is asked for
-        settings, relayed = (replace(self.settings, preload_s=0.0) if restart else self.settings), None
+        # A restart serves as soon as the sets on disk are loaded: none is compiled ahead (the first start waits
+        # `preload_s` for those), so its compile worker starts only once a set not on disk is asked for
+        settings, relayed = (replace(self.settings, compile_ahead=False) if restart else self.settings), None
         if self._control is not None:  # the controller outlives its executors: it says where they start
             relayed = self._control.configuration().to_json()
         elif self._configuration is not None:  # a restart: carry on with the configuration the last one had

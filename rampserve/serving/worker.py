@@ -449,7 +449,7 @@ class ModelWorker:
         # The set of every site first: shadow batches run it, and a controller warming up asks for them at once
         upcoming = list(dict.fromkeys([tuple(model.site_names), *likely_next_sets(active, model.site_names)]))
         upcoming = upcoming[:COMPILED_SETS_KEPT - 1]
-        if not self.settings.preload_s:  # a restart: the sets on disk load now, the others compile once asked for
+        if not self.settings.compile_ahead:  # the sets on disk load now, the others compile once asked for
             upcoming = [sites for sites in upcoming if self._compiler.ready(sites)]
         for sites in upcoming:
             self._compiler.request(sites)
