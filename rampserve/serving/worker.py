@@ -46,6 +46,7 @@ from rampserve.serving.exit_modes import RELEASE, Finals, StopStrategy
 from rampserve.serving.metrics import ServerMetrics
 from rampserve.serving.models import ServedModel, stack_inputs
 from rampserve.serving.request_queue import Pending, RequestQueue
+from rampserve.threads import OsNamedThread
 
 log = logging.getLogger("rampserve.serving")
 
@@ -150,9 +151,9 @@ class ModelWorker:
         self.on_configuration: Callable[[Configuration], None] | None = None
         self._records: queue.SimpleQueue[BatchRecord | CompileOutcome | None] = queue.SimpleQueue()
         self._labels = {"model": served.name}
-        self._executor = threading.Thread(target=self._serve_batches, name=f"executor-{served.name}", daemon=True)
+        self._executor = OsNamedThread(target=self._serve_batches, name=f"executor-{served.name}", daemon=True)
         # A vanilla model has no controller to feed
-        self._control = None if control is None else threading.Thread(
+        self._control = None if control is None else OsNamedThread(
             target=self._control_loop, args=(control,), name=f"controller-{served.name}", daemon=True)
 
     @property
