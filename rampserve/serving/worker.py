@@ -54,7 +54,7 @@ ANSWER_PATHS = ("early", "final", "cached", "unverified")
 RECENT_BATCHES = 64  # batch summaries kept for the status endpoint
 CONTROL_POLL_S = 1.0  # how often an idle worker asks its controller for a configuration published meanwhile
 # How long the control thread lets records gather once one has come: each wake costs the process more than the
-# records it books (resnet18-fmnist at 110 rps, batch 1: the thread's CPU per answer was 0.54 ms gathering 5 ms,
+# records it learns from (resnet18-fmnist at 110 rps, batch 1: the thread's CPU per answer was 0.54 ms gathering 5 ms,
 # 0.20 ms gathering 50, 0.11 ms gathering 200). A released answer that disagrees is learnt from at once.
 CONTROL_GATHER_S = 0.2
 # How long a starting server waits for its first configuration's set to compile (in the worker process) before
@@ -141,7 +141,7 @@ class ModelWorker:
         # The shadow sites and their set (None: eager) that shadow batches run, once loaded by the control thread:
         # the same whatever the configuration's thresholds, so one load serves every later configuration
         self._shadow_set: tuple[tuple[str, ...], CompiledSet | None] | None = None
-        self.batches_booked = 0  # counted in the books, which lag the runs by a batch or two
+        self.batches_booked = 0  # counted once their answers are out
         self.inputs_served = 0
         self.requests_served = 0
         # Answers given, one per input, by the path they took: what /status and /metrics report as the books
@@ -285,10 +285,9 @@ class ModelWorker:
         done = Answered(state, finals.labels, [column for column, _ in unscored],
                         [strategy.reached(outputs, j) for _, j in unscored], late, started, finished,
                         min(p.arrival for p in batch), strategy.feedback_share(shadow is not None))
-        if self._control is not None:  # the books, off this thread: the next batch is waiting
+        self._count(done)
+        if self._control is not None:  # the controller's record, off this thread: the next batch is waiting
             self._record(done, urgent=done.released_a_disagreement())
-        else:
-            self._book(done)
 
     @staticmethod
     def _keep_finals(state: BatchState, which: list[bool], finals: Finals) -> None:
@@ -337,17 +336,11 @@ class ModelWorker:
                                  (started - min(p.arrival for p in batch)) * 1000.0,
                                  (time.monotonic() - started) * 1000.0, unverified=True), urgent=True)
 
-    def _book(self, done: Answered) -> BatchRecord | None:
-        """A batch's books once its answers are out (on the control thread where there is one): the ramps not
-        scored yet, counts, metrics and the record for the controller."""
+    def _count(self, done: Answered) -> None:
+        """A batch's counts, metrics and batch-size feedback once its answers are out, on the executor thread: what
+        status and /metrics read is whole as soon as the answers are (the controller's record waits for its
+        thread, which gathers)."""
         state = done.state
-        for k, column in enumerate(done.unscored):
-            # The rows that left the batch before this ramp (stop mode) never reached it
-            rows = done.unscored_rows[k]
-            state.labels[:, column], state.errors[:, column] = NO_LABEL, np.nan
-            if len(rows):
-                state.labels[rows, column], state.errors[rows, column] = top_label_and_error(
-                    done.late[rows, k], self.served.model.error_score)
         config, exits, n = state.config, state.exits, state.n
         compute_ms = (done.finished - done.started) * 1000.0
         queue_ms = (done.started - done.oldest_arrival) * 1000.0
@@ -375,10 +368,22 @@ class ModelWorker:
             site = "final" if j == NO_EXIT else config.sites[j]
             self.exits[site] = self.exits.get(site, 0) + int(count)
             m.exits.labels(site=site, **labels_).inc(int(count))
-        if self.control is None:
-            return None
-        return BatchRecord(config.version, config.sites, state.labels, state.errors, done.final, exits, queue_ms,
-                           compute_ms, feedback_share=done.feedback_share,
+
+    def _controller_record(self, done: Answered) -> BatchRecord:
+        """A counted batch's record for the controller, on the control thread: the ramps no input exited at are
+        scored first."""
+        state = done.state
+        for k, column in enumerate(done.unscored):
+            # The rows that left the batch before this ramp (stop mode) never reached it
+            rows = done.unscored_rows[k]
+            state.labels[:, column], state.errors[:, column] = NO_LABEL, np.nan
+            if len(rows):
+                state.labels[rows, column], state.errors[rows, column] = top_label_and_error(
+                    done.late[rows, k], self.served.model.error_score)
+        exits = state.exits
+        return BatchRecord(state.config.version, state.config.sites, state.labels, state.errors, done.final, exits,
+                           (done.started - done.oldest_arrival) * 1000.0, (done.finished - done.started) * 1000.0,
+                           feedback_share=done.feedback_share,
                            forced=None if state.wants_final is None else
                            state.wants_final | np.isin(exits, state.unstoppable))
 
@@ -417,7 +422,7 @@ class ModelWorker:
                         items.append(self._records.get_nowait())
                     except queue.Empty:
                         break
-                records = [self._book(item) if isinstance(item, Answered) else item for item in items]
+                records = [self._controller_record(item) if isinstance(item, Answered) else item for item in items]
                 records = [item for item in records if isinstance(item, BatchRecord)]
                 new = None
                 for record in merged(records):
