@@ -25,6 +25,7 @@ import onnx
 import onnxruntime as ort
 
 from rampserve.graph.sites import Dataflow, Op, SiteCandidate, SitePolicy, find_sites
+from rampserve.threads import native_threads_named
 
 if TYPE_CHECKING:
     import torch
@@ -206,6 +207,7 @@ class _Runner:
 
 
 ONNX_SPIN_US = 200  # how long an idle pool thread spins before it sleeps, in microseconds
+ORT_POOL_NAME = "onnxruntime"  # the kernel's name for the threads of a served session's pool
 
 
 def session_options(intra_op_threads: int = 0, spin_after_run: bool = False) -> ort.SessionOptions:
@@ -341,7 +343,8 @@ class OnnxSplitModel:
         options = session_options(*self._threads)
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
         options.register_custom_ops_library(library)
-        session = ort.InferenceSession(graph, options, providers=["CPUExecutionProvider"])
+        with native_threads_named(ORT_POOL_NAME):
+            session = ort.InferenceSession(graph, options, providers=["CPUExecutionProvider"])
         return SignalledRunner(session, self.input_names[0], tuple(self.input_names[1:]), self.output_name,
                                tuple(logits))
 
@@ -351,7 +354,8 @@ class OnnxSplitModel:
                                       opset_imports=self._model.opset_import, functions=self._model.functions)
 
     def _session(self, model: onnx.ModelProto) -> ort.InferenceSession:
-        return ort.InferenceSession(model.SerializeToString(), self._options, providers=["CPUExecutionProvider"])
+        with native_threads_named(ORT_POOL_NAME):
+            return ort.InferenceSession(model.SerializeToString(), self._options, providers=["CPUExecutionProvider"])
 
     def _runner(self, start: str, stop: str, tap: Tap | None = None) -> _Runner:
         # Keyed by segment rather than by cut tuple: a segment's session is the same whatever the other cuts

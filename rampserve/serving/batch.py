@@ -18,6 +18,7 @@ from rampserve.control.records import NO_EXIT, NO_LABEL, Configuration
 from rampserve.ramps import exit_rule
 from rampserve.serving.contract import Answer
 from rampserve.serving.request_queue import Pending
+from rampserve.threads import OsNamedThread
 
 log = logging.getLogger("rampserve.serving")
 
@@ -161,7 +162,7 @@ class RampSignals:
         self._lock = threading.Lock()
         self._on_column: Callable[[int], None] | None = None
         self._closed = False
-        self._thread = threading.Thread(target=self._listen, name=f"releaser-{name}", daemon=True)
+        self._thread = OsNamedThread(target=self._listen, name=f"releaser-{name}", daemon=True)
         self._thread.start()
 
     def begin(self, on_column: Callable[[int], None]) -> None:

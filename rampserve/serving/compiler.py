@@ -35,6 +35,7 @@ from rampserve.runtime.compiled import (
 )
 from rampserve.runtime.manifest import bundle_digest
 from rampserve.runtime.prepared import PreparedModel
+from rampserve.threads import OsNamedThread
 
 log = logging.getLogger("rampserve.serving")
 
@@ -189,7 +190,7 @@ class CompileService:
         self._process.start()
         child.close()
         self._conn = parent
-        threading.Thread(target=self._listen, args=(parent,), name="compile-listener", daemon=True).start()
+        OsNamedThread(target=self._listen, args=(parent,), name="compile-listener", daemon=True).start()
 
     def _listen(self, conn) -> None:
         while True:

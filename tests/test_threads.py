@@ -1,0 +1,59 @@
+"""Thread names the kernel knows: what `bench live`'s CPU by thread reads."""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+from rampserve.threads import OsNamedThread, native_threads_named, set_os_thread_name
+
+
+def _comm(tid: int) -> str:
+    return Path(f"/proc/self/task/{tid}/comm").read_text().strip()
+
+
+def _tids() -> set[int]:
+    return {int(tid) for tid in os.listdir("/proc/self/task")}
+
+
+def test_a_thread_is_known_to_the_kernel_by_its_python_name_cut_to_15_bytes():
+    seen: list[str] = []
+    thread = OsNamedThread(target=lambda: seen.append(_comm(threading.get_native_id())),
+                           name="releaser-resnet18-fmnist")
+    thread.start()
+    thread.join()
+    assert seen == ["releaser-resnet"]
+
+
+def test_threads_started_inside_the_block_take_its_name_and_the_caller_keeps_its_own():
+    me = threading.get_native_id()
+    set_os_thread_name("test-caller")
+    seen: list[str] = []
+    with native_threads_named("onnxruntime"):
+        plain = threading.Thread(target=lambda: seen.append(_comm(threading.get_native_id())))
+        plain.start()
+        plain.join()
+    assert seen == ["onnxruntime"]
+    assert _comm(me) == "test-caller"
+
+
+def test_an_onnx_runtime_pool_started_inside_the_block_is_named_for_it():
+    import numpy as np
+    import onnx
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    onnx.checker.check_model(model)
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 3  # a pool of two threads beside the caller
+    before = _tids()
+    with native_threads_named("onnxruntime"):
+        session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    started = _tids() - before
+    assert started and {_comm(tid) for tid in started} == {"onnxruntime"}
+    assert session.run(None, {"x": np.array([-1, 0, 1, 2], dtype=np.float32)})[0].tolist() == [0, 0, 1, 2]
