@@ -235,8 +235,9 @@ def test_a_killed_executor_fails_what_it_held_is_not_ready_until_its_sets_load_f
     log_path = tmp_path / "server.log"
     with log_path.open("w") as log:
         process = subprocess.Popen(
+            # The first start preloads for 10 s at most: it is answered within the status request's timeout
             [sys.executable, "-m", "rampserve.cli", "serve", str(resnet_bundle), "--port", "0",
-             "--grpc-port", str(grpc_port)], stdout=subprocess.PIPE, stderr=log, text=True)
+             "--grpc-port", str(grpc_port), "--preload-s", "10"], stdout=subprocess.PIPE, stderr=log, text=True)
     try:
         url = re.search(r"http://[\d.]+:\d+", process.stdout.readline()).group(0)
         old = get_json(f"{url}/status/{MODEL}")["executor"]  # answered once the server has started
