@@ -25,11 +25,11 @@ from hypothesis import strategies as st
 from ray import serve
 from rich.console import Console
 
-from rampserve.bench.harness import ServerProcess, run_loadgen, v2_inputs
+from rampserve.bench.harness import ServerProcess
 from rampserve.bench.live import LiveSettings
 from rampserve.bench.loadgen import Job, LoadResult, encode_request, read_answer
 from rampserve.bench.peers import (
-    BASELINE, EXITS, GRPC, GRPC_SYSTEMS, JSON, MAX_UNANSWERED_SHARE, PEERS, SYSTEMS, TRANSPORTS, PeerLaunch,
+    BASELINE, EXITS, GRPC, JSON, MAX_UNANSWERED_SHARE, PEERS, SYSTEMS, TRANSPORTS, PeerLaunch,
     PeerSettings, ensure_venv, goals, infer_url, input_specs, mlserver_repository, over_rounds, peer_model,
     peer_server, peers_notes, peers_table, round_orders, saturation_from_sweep, sweep_point, system_summary,
     transport_of, with_ratios, within_slo,
@@ -218,35 +218,6 @@ def test_every_peer_runs_the_onnx_runtime_that_rampserve_pins():
     for name in VENV_PEERS:
         requirements = (repository / "rampserve" / "bench" / name / "requirements.txt").read_text().splitlines()
         assert onnxruntime in [line.split("#")[0].strip() for line in requirements], name
-
-
-def made_venv(name: str) -> Path | None:
-    """The bin folder of the peer's venv where a `bench peers` run made it from the current requirements."""
-    venv = getattr(PeerSettings(), f"{name}_venv")
-    requirements = Path(__file__).resolve().parents[1] / "rampserve" / "bench" / name / "requirements.txt"
-    stamp = venv / "rampserve-requirements.txt"
-    return venv / "bin" if stamp.is_file() and stamp.read_text() == requirements.read_text() else None
-
-
-@pytest.mark.parametrize("name", VENV_PEERS)
-def test_a_peer_in_its_venv_answers_the_benchmarks_client_with_the_original_labels(name, onnx_bundle, inputs,
-                                                                                    tmp_path):
-    venv_bin = made_venv(name)
-    if venv_bin is None:
-        pytest.skip(f"{name}'s venv is made by `rampserve bench peers` (it installs from the network), not by tests")
-    served = served_model(onnx_bundle, inputs, tmp_path)
-    requests = [{served.input_names[0]: inputs[i:i + 1]} for i in range(len(inputs))]
-    expected = original_labels(onnx_bundle, inputs).tolist()
-    started = PeerLaunch(served, "m", 4, 0.0, input_specs(requests), tmp_path, 180.0, venv_bin)
-    transports = ("http", GRPC) if name in GRPC_SYSTEMS else ("http",)
-    with peer_server(name, started) as srv:
-        for transport in transports:
-            job = Job(infer_url(srv, name, "m", transport), v2_inputs(requests[0]), "label", None, 30.0,
-                      json_bodies=transport_of(name, transport) == JSON, clients=1, requests=len(requests))
-            result = run_loadgen(job, requests, tmp_path, f"{name}-{transport}", 5.0, progress=False)
-            assert result.ok.all(), (transport, result.errors)
-            assert result.label.tolist() == expected, transport
-    assert srv.outcome()["killed"] is False
 
 
 # --- rounds -------------------------------------------------------------------------------------------------------
