@@ -344,9 +344,16 @@ def test_the_dashboard_shows_in_a_browser_what_the_server_served(resnet_bundle, 
             assert cells[:5] == [APP, "exp4", str(app_status["requests"]), str(app_status["defaults"]), MODEL]
             assert cells[5:] == [str(stats[k]) for k in ("asked", "answered", "wins", "late", "failed")]
 
-            # Configuration changes are marked where the server made them, and nothing came from elsewhere
-            versions = driver.execute_script("return window.rampserveDashboard.events.map(e => e.version)")
-            assert versions and versions[-1] == json.loads(get(f"{url}/status/{MODEL}")[2])["configuration"]["version"]
+            # Configuration changes are marked where the server made them, and nothing came from elsewhere. The
+            # controller may still learn from the load's last records after the load stops, so the page is
+            # given the time of a few samples to catch up with the server's latest version
+            def marked_versions():
+                versions = driver.execute_script("return window.rampserveDashboard.events.map(e => e.version)")
+                served_version = json.loads(get(f"{url}/status/{MODEL}")[2])["configuration"]["version"]
+                return versions if versions and versions[-1] == served_version else None
+
+            versions = wait_for("the page to mark the server's latest configuration", marked_versions)
+            assert versions == sorted(set(versions))
             resources = driver.execute_script("return performance.getEntriesByType('resource').map(r => r.name)")
             assert resources and all(r.startswith(url + "/dashboard") for r in resources), resources
             problems = [entry for entry in driver.get_log("browser") if entry["level"] == "SEVERE"]
