@@ -95,8 +95,11 @@ def prepare(
              "classifier saved by save_pretrained (BERT, RoBERTa, MPNet, DistilBERT)")],
     out: Annotated[Path, typer.Option(help="bundle directory to write")],
     workload: Annotated[Optional[str], typer.Option(help="stream whose bootstrap part trains the ramps")] = None,
-    ramp_kind: Annotated[str, typer.Option(
-        help="linear (default), deep, cache (Freeze Inference), or mixed (per site, linear or cache)")] = "linear",
+    ramp_kind: Annotated[Optional[str], typer.Option(
+        help="linear, mlp (a hidden layer), deep, cache (Freeze Inference), or mixed (per site, linear or cache); "
+             "default: the zoo model's own (mlp for lite0-fmnist), else linear")] = None,
+    ramp_hidden: Annotated[Optional[int], typer.Option(help="mlp ramps: width of the hidden layer (default 64)")] \
+    = None,
     cache_reduction: Annotated[str, typer.Option(help="cache ramps: learned (default) or pca")] = "learned",
     cache_dim: Annotated[int, typer.Option(help="cache ramps: dimensions of the reduced space")] = 32,
     cache_lookup: Annotated[str, typer.Option(help="cache ramps: kmeans (default) or knn")] = "kmeans",
@@ -126,10 +129,11 @@ def prepare(
         policy = import_object(site_policy) if site_policy else None
         cache = CacheSpec(reduction=cache_reduction, dim=cache_dim, lookup=cache_lookup, points=cache_points,
                           neighbours=cache_neighbours)
-        budget = {} if profile_budget is None else {"profile_budget_s": profile_budget}
+        given = {key: value for key, value in (("profile_budget_s", profile_budget), ("ramp_hidden", ramp_hidden))
+                 if value is not None}
         prepared = run_prepare(source, PrepareConfig(workload=workload, ramp_kind=ramp_kind, bootstrap_items=bootstrap,
-                                                     in_domain_items=in_domain, cache=cache, engine=engine,
-                                                     **budget), policy)
+                                                     in_domain_items=in_domain, cache=cache, engine=engine, **given),
+                               policy)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
     save_bundle(prepared, out)

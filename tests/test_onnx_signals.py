@@ -55,16 +55,19 @@ def _blocked(activation: np.ndarray, block: int) -> np.ndarray:
 @settings(max_examples=40, deadline=None)
 @given(channels=st.integers(1, 40), side=st.integers(3, 9), block=st.sampled_from([4, 8, 16]),
        reduce=st.sampled_from(POOLING_REDUCTIONS), rows=st.integers(1, 3), seed=st.integers(0, 2**16),
-       score=st.sampled_from(["max_prob", "entropy"]))
+       score=st.sampled_from(["max_prob", "entropy"]), hidden=st.sampled_from([None, 3, 16]))
 def test_a_ramp_reads_a_blocked_value_as_it_reads_the_model_layout(channels, side, block, reduce, rows, seed,
-                                                                   score) -> None:
+                                                                   score, hidden) -> None:
+    """A linear ramp (`hidden` None) or an MLP one: both computing the eager ramp's logits in either layout."""
     torch.manual_seed(seed)
     features = channels * (LINEAR_CNN_GRID**2 if reduce == "grid_mean" else 1)
-    ramp = make_ramp(RampSpec("linear", reduce, (features,), 5)).eval()
+    ramp = make_ramp(RampSpec("mlp" if hidden else "linear", reduce, (features,), 5, hidden=hidden)).eval()
     ramp.center.normal_()
     shape = (channels, side, side)
     activation = np.random.default_rng(seed).standard_normal((rows, *shape)).astype(np.float32)
     plain = _run_tap(ramp_tap(ramp, "site", shape, OPSET, score), activation)
+    with torch.no_grad():
+        np.testing.assert_allclose(plain[0], ramp(torch.from_numpy(activation)).numpy(), rtol=1e-4, atol=1e-5)
     blocked = _run_tap(ramp_tap(ramp, "site", shape, OPSET, score, block=block), _blocked(activation, block))
     np.testing.assert_allclose(blocked[0], plain[0], rtol=1e-4, atol=1e-5)  # logits
     np.testing.assert_allclose(blocked[1], plain[1], rtol=0, atol=1e-5)  # the batch's highest confidence
@@ -123,6 +126,7 @@ def test_every_reader_of_a_site_value_waits_for_its_signal(onnx_prepared, data) 
             assert position[id(signal)] < position[id(waits[0])] < position[id(reader)]
 
 
+@settings(deadline=None)  # the first example imports the signalling module, which takes seconds on a busy machine
 @given(st.floats(-1.0, 3.0), st.floats(0.0, 1.0, width=32))
 def test_a_confidence_above_a_floor_stays_above_its_float32_floor(floor: float, confidence: float) -> None:
     """The session compares float32 confidences with float32 floors: no confidence above a floor may fall to or

@@ -39,8 +39,9 @@ def _unit_rows(images: np.ndarray) -> np.ndarray:
     return rows / np.linalg.norm(rows, axis=1, keepdims=True)
 
 
-@pytest.mark.parametrize("name", FMNIST_CNNS)
+@pytest.mark.parametrize("name", [*FMNIST_CNNS, "lite0-fmnist"])
 def test_fmnist_ramps_learn_on_train_split_images_the_stream_never_shows(name: str, streamed_images) -> None:
+    """lite0-fmnist's classifier trained on 8,000 of the train split: its ramps learn on more of it all the same."""
     data = ramp_data(ModelSource("zoo", name), PrepareConfig())
     assert data.record() == {"bootstrap": {"workload": "fmnist-drift", "items": 8000},
                              "in_domain": {"source": "Fashion-MNIST train split under fmnist-drift's lighting",
@@ -123,3 +124,39 @@ def test_the_zoo_prepares_a_cached_bundle_again_when_its_ramps_learned_on_other_
     assert prepared == [replace(small_prepare_config, in_domain_items=100),
                         replace(small_prepare_config, bootstrap_items=600), small_prepare_config]
     assert read_manifest(cached)["meta"]["ramp_data"] == recorded
+
+
+def test_the_zoo_prepares_a_cached_bundle_again_when_its_ramps_are_of_another_kind(
+        resnet_prepared, resnet_bundle, small_prepare_config, tmp_path, monkeypatch) -> None:
+    """Another ramp kind than the config's (or the zoo entry's, where the config names none), an MLP of another
+    width, or a token reduction the entry does not take: the cached bundle is prepared again."""
+    import rampserve.runtime.zoo_bundles as zoo_bundles
+
+    monkeypatch.setenv("RAMPSERVE_HOME", str(tmp_path))
+    cached = Path(shutil.copytree(resnet_bundle, tmp_path / "bundles" / "resnet18-fmnist-small"))
+    prepared: list[PrepareConfig] = []
+    monkeypatch.setattr(zoo_bundles, "prepare", lambda source, config: prepared.append(config) or resnet_prepared)
+
+    def cached_with(**ramp: object) -> None:
+        """The cached bundle's manifest with every site's ramp spec updated (and its kind recorded)."""
+        manifest = read_manifest(cached)
+        for site in manifest["sites"]:
+            site["ramp"].update(ramp)
+        manifest["meta"]["ramp_kind"] = manifest["sites"][0]["ramp"]["kind"]
+        (cached / "manifest.json").write_text(json.dumps(manifest))
+
+    assert get_entry("resnet18-fmnist", small=True).ramp_kind == "linear" and small_prepare_config.ramp_kind is None
+    zoo_bundles.zoo_bundle("resnet18-fmnist", small=True, config=small_prepare_config)
+    assert prepared == []
+    mlp = replace(small_prepare_config, ramp_kind="mlp", ramp_hidden=12)
+    zoo_bundles.zoo_bundle("resnet18-fmnist", small=True, config=mlp)
+    assert prepared == [mlp]
+    cached_with(kind="mlp", hidden=12)
+    zoo_bundles.zoo_bundle("resnet18-fmnist", small=True, config=mlp)
+    assert prepared == [mlp]
+    cached_with(kind="mlp", hidden=12)
+    zoo_bundles.zoo_bundle("resnet18-fmnist", small=True, config=replace(mlp, ramp_hidden=16))
+    assert prepared[-1].ramp_hidden == 16
+    cached_with(reduce="token_mean_masked")  # a text model's reduction the entry (first token) does not take
+    zoo_bundles.zoo_bundle("resnet18-fmnist", small=True, config=small_prepare_config)
+    assert prepared[-1] == small_prepare_config and len(prepared) == 3

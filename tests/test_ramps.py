@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 from torch import nn
 
-from rampserve.ramps.kinds import Ramp, spec_for
+from rampserve.ramps.kinds import Ramp, RampSpec, spec_for
 from rampserve.ramps.oracle import NO_EXIT, earliest_correct_exit
 from rampserve.ramps.scores import top_label_and_error
 from rampserve.ramps.train import Features, TrainConfig, train_ramps
@@ -37,14 +37,25 @@ def test_specs_follow_the_activation_shape() -> None:
     assert spec_for("linear", (32, 7, 7), 10).feature_shape == (32 * 9,)
     assert spec_for("linear", (12, 384), 2).reduce == "first_token"
     assert spec_for("deep", (32, 7, 7), 10).feature_shape == (32, 4, 4)
+    mlp = spec_for("mlp", (32, 7, 7), 10, hidden=24)
+    assert (mlp.reduce, mlp.feature_shape, mlp.hidden) == ("grid_mean", (32 * 9,), 24)
+    assert spec_for("mlp", (12, 384), 2, token_reduce="token_mean_masked").reduce == "token_mean_masked"
     with pytest.raises(ValueError, match="unknown ramp kind"):
         spec_for("huge", (3,), 2)
 
 
+def test_a_spec_round_trips_and_only_an_mlp_records_its_width() -> None:
+    for kind in ("linear", "mlp", "deep", "cache"):
+        spec = spec_for(kind, (8, 5, 5), 4)
+        assert RampSpec.from_json(spec.to_json()) == spec
+        assert ("hidden" in spec.to_json()) == (kind == "mlp")
+
+
 def test_ramp_maps_activation_to_output_width() -> None:
-    for kind, shape in (("linear", (8, 5, 5)), ("deep", (8, 5, 5)), ("linear", (6, 10)), ("deep", (6, 10))):
-        ramp = Ramp(spec_for(kind, shape, 3)).eval()
-        assert ramp(torch.randn(2, *shape)).shape == (2, 3)
+    for kind in ("linear", "mlp", "deep"):
+        for shape in ((8, 5, 5), (6, 10)):
+            ramp = Ramp(spec_for(kind, shape, 3)).eval()
+            assert ramp(torch.randn(2, *shape)).shape == (2, 3)
 
 
 def test_training_one_ramp_alone_gives_the_same_weights_as_training_all() -> None:
@@ -118,6 +129,7 @@ def _assert_scores_its_own_logits(ramp: Ramp, activation: torch.Tensor) -> None:
 
 @pytest.mark.parametrize(("kind", "shape"), [
     ("linear", (8, 5, 5)), ("linear", (16, 2, 2)), ("linear", (32, 7, 7)), ("linear", (12, 16)), ("deep", (8, 9, 9)),
+    ("mlp", (8, 5, 5)), ("mlp", (12, 16)),
 ])
 @pytest.mark.parametrize("batch", [1, 16])
 def test_ramp_evaluate_scores_its_own_logits(kind: str, shape: tuple[int, ...], batch: int) -> None:
@@ -126,16 +138,20 @@ def test_ramp_evaluate_scores_its_own_logits(kind: str, shape: tuple[int, ...], 
         _assert_scores_its_own_logits(ramp, torch.randn(batch, *shape))
 
 
-def test_ramp_evaluate_follows_its_weights_and_shapes() -> None:
-    ramp = _ramp("linear", (8, 6, 6), 4, seed=0)
+@pytest.mark.parametrize("kind", ["linear", "mlp"])
+def test_ramp_evaluate_follows_its_weights_and_shapes(kind: str) -> None:
+    ramp = _ramp(kind, (8, 6, 6), 4, seed=0)
     with torch.inference_mode():  # as the serving path calls it
         _assert_scores_its_own_logits(ramp, torch.randn(5, 8, 6, 6))
-    ramp.load_state_dict(_ramp("linear", (8, 6, 6), 4, seed=1).state_dict())
+    ramp.load_state_dict(_ramp(kind, (8, 6, 6), 4, seed=1).state_dict())
     _assert_scores_its_own_logits(ramp, torch.randn(5, 8, 6, 6))
+    first, last = ramp.dense_layers()[0], ramp.dense_layers()[-1]
     with torch.no_grad():
-        ramp.head.bias.add_(3.0)
+        last.bias.add_(3.0)
     _assert_scores_its_own_logits(ramp, torch.randn(5, 8, 6, 6))
-    ramp.head.weight = nn.Parameter(torch.randn(4, 8 * 9) * 4.0)
+    first.weight = nn.Parameter(torch.randn(first.out_features, 8 * 9) * 4.0)
+    _assert_scores_its_own_logits(ramp, torch.randn(5, 8, 6, 6))
+    last.weight = nn.Parameter(torch.randn(4, last.in_features) * 4.0)
     _assert_scores_its_own_logits(ramp, torch.randn(5, 8, 6, 6))
     ramp.head.double()  # new storage, in another dtype
     _assert_scores_its_own_logits(ramp, torch.randn(5, 8, 6, 6, dtype=torch.float64))
@@ -156,11 +172,12 @@ def test_oracle_exits_at_the_first_agreeing_ramp() -> None:
     assert earliest_correct_exit(ramp_labels, final).tolist() == [1, 0, NO_EXIT]
 
 
-def test_linear_ramps_learn_the_same_whatever_the_scale_of_their_features() -> None:
-    """Linear heads train on standardised features: the scale is folded into their weights afterwards and the mean
-    kept as their center."""
-    feats, specs = features(n=600)
-    linear = {"a": specs["a"]}
+@pytest.mark.parametrize("kind", ["linear", "mlp"])
+def test_dense_ramps_learn_the_same_whatever_the_scale_of_their_features(kind: str) -> None:
+    """Linear and MLP heads train on standardised features: the scale is folded into their (first) weights
+    afterwards and the mean kept as their center."""
+    feats, _ = features(n=600)
+    linear = {"a": spec_for(kind, (8, 5, 5), 4)}
     config = TrainConfig(seed=1, max_epochs=10, patience=3)
     ramps, _ = train_ramps(feats, linear, config, progress=False)
     scaled = Features({"a": feats.by_site["a"] * 1000.0 + 500.0}, feats.targets, 0.0)

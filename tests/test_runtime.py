@@ -263,8 +263,9 @@ def test_minilm_sites_lie_between_encoder_layers() -> None:
         assert site.op_name == layer.name
 
 
-def test_minilm_prepares_with_first_token_ramps_and_stages_exactly(small_prepare_config) -> None:
-    """A Hugging Face encoder with a side input (the attention mask) splits between layers, exactly."""
+def test_minilm_prepares_with_masked_mean_ramps_and_stages_exactly(small_prepare_config) -> None:
+    """A Hugging Face encoder with a side input (the attention mask) splits between layers, exactly; its ramps
+    average each input's own tokens."""
     from dataclasses import replace
 
     from rampserve.runtime.prepare import prepare
@@ -273,7 +274,7 @@ def test_minilm_prepares_with_first_token_ramps_and_stages_exactly(small_prepare
 
     config = replace(small_prepare_config, bootstrap_items=200, profile_batch_sizes=(1, 2), profile_repeats=1)
     model = prepare(ModelSource("zoo", "minilm-rt", small=True), config)
-    assert all(s.ramp.reduce == "first_token" and s.activation_shape[-1] == 384 for s in model.sites)
+    assert all(s.ramp.reduce == "token_mean_masked" and s.activation_shape[-1] == 384 for s in model.sites)
     stream = get_stream("rt-drift")
     texts = stream.items(stream.evaluation.start, stream.evaluation.start + 6)
     feeds = dict(zip(model.backend.input_names, get_entry("minilm-rt", small=True).encode(texts).values()))
@@ -288,12 +289,15 @@ def test_minilm_prepares_with_first_token_ramps_and_stages_exactly(small_prepare
             assert np.array_equal(model.run(cut, active=active, compiled=True), eager)
 
 
-@pytest.mark.parametrize("token_reduce, score", [("first_token", "max_prob"), ("token_mean", "entropy")])
-def test_onnx_ramps_of_a_text_encoder_fuse_as_they_evaluate(token_reduce: str, score: str, tmp_path) -> None:
-    """On an ONNX text encoder with a side input (the attention mask), linear ramps of every reduction its sites
-    take (the tokens' first or mean, a flat head after the last layer) fused into the one session that runs the
-    model whole report the eager ramps' labels and error scores (to float32 rounding), and the compiled output is
-    the whole model's."""
+@pytest.mark.parametrize("token_reduce, score, kind", [("first_token", "max_prob", "linear"),
+                                                       ("token_mean", "entropy", "linear"),
+                                                       ("token_mean_masked", "max_prob", "mlp")])
+def test_onnx_ramps_of_a_text_encoder_fuse_as_they_evaluate(token_reduce: str, score: str, kind: str,
+                                                            tmp_path) -> None:
+    """On an ONNX text encoder with a side input (the attention mask), linear and MLP ramps of every reduction its
+    sites take (the tokens' first or mean, a flat head after the last layer) fused into the one session that runs
+    the model whole report the eager ramps' labels and error scores (to float32 rounding), and the compiled output
+    is the whole model's."""
     from rampserve.graph.onnx_graph import export_onnx
     from rampserve.runtime.backends import OnnxBackend
     from rampserve.workloads.streams import get_stream
@@ -310,7 +314,7 @@ def test_onnx_ramps_of_a_text_encoder_fuse_as_they_evaluate(token_reduce: str, s
     sites, ramps = [], {}
     for candidate in backend.sites:
         shape = tuple(activations[candidate.value].shape[1:])
-        ramp = make_ramp(spec_for("linear", shape, logits.shape[1], token_reduce=token_reduce)).eval()
+        ramp = make_ramp(spec_for(kind, shape, logits.shape[1], token_reduce=token_reduce)).eval()
         ramp.center.normal_()
         sites.append(SiteInfo(candidate.value, candidate.index, candidate.kind, candidate.scope, shape, ramp.spec))
         ramps[candidate.value] = ramp
@@ -328,6 +332,38 @@ def test_onnx_ramps_of_a_text_encoder_fuse_as_they_evaluate(token_reduce: str, s
         for (_, labels, errors), (_, eager_labels, eager_errors) in zip(reported[True], reported[False]):
             assert np.array_equal(labels, eager_labels)
             np.testing.assert_allclose(errors, eager_errors, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("engine", ["onnxruntime", "torch"])
+def test_mlp_ramps_prepare_and_run_compiled_as_they_evaluate(engine: str, small_prepare_config, fmnist_feeds,
+                                                             tmp_path) -> None:
+    """MLP ramps of the hidden width asked for keep their weights through a bundle, and on the compiled path (fused
+    into the session that runs the model whole on ONNX Runtime, stashed for Python on torch) report what they
+    report evaluated apart."""
+    from dataclasses import replace
+
+    from rampserve.runtime.bundle import load_bundle, save_bundle
+    from rampserve.runtime.prepare import prepare
+    from rampserve.runtime.sources import ModelSource
+
+    config = replace(small_prepare_config, ramp_kind="mlp", ramp_hidden=12, bootstrap_items=400,
+                     profile_batch_sizes=(1, 2), engine=engine)
+    model = load_bundle(save_bundle(prepare(ModelSource("zoo", "resnet18-fmnist", small=True), config),
+                                    tmp_path / "mlp"))
+    assert model.backend.kind == ("onnx" if engine == "onnxruntime" else "torch")
+    assert {(s.ramp.kind, s.ramp.hidden) for s in model.sites} == {("mlp", 12)}
+    feeds = {model.backend.input_names[0]: fmnist_feeds}
+    assert model.compile(model.site_names, {name: value[:2] for name, value in feeds.items()})
+    reported: dict[bool, list] = {True: [], False: []}
+    outputs = [model.run(feeds, model.site_names, lambda *seen, into=reported[compiled]: into.append(seen),
+                         compiled=compiled) for compiled in (True, False)]
+    if engine == "onnxruntime":
+        assert type(model.compiled_set(model.site_names).runner).__name__ == "OnnxSignalledRunner"
+    np.testing.assert_allclose(outputs[0], outputs[1], rtol=1e-4, atol=1e-5)
+    assert [site for site, *_ in reported[True]] == [site for site, *_ in reported[False]] == model.site_names
+    for (_, labels, errors), (_, eager_labels, eager_errors) in zip(reported[True], reported[False]):
+        assert np.array_equal(labels, eager_labels)
+        np.testing.assert_allclose(errors, eager_errors, rtol=0, atol=1e-5)
 
 
 def test_deep_ramps_prepare_and_round_trip(small_prepare_config, fmnist_feeds, tmp_path) -> None:

@@ -11,11 +11,13 @@ import torch.fx
 from safetensors.torch import load_file
 from torch import nn
 
+from rampserve.ramps.pooling import reduce_activation
 from rampserve.workloads.fashion_mnist import load_fashion_mnist
 from rampserve.workloads.rotten_tomatoes import load_rotten_tomatoes, rt_movie_split
 from rampserve.zoo import get_entry, load_trained, train_zoo, zoo_names
 from rampserve.zoo import train as train_module
 from rampserve.zoo.cnn import resnet18, resnet50, vgg11, vgg16
+from rampserve.zoo.hf_encoders import additive_mask
 from rampserve.zoo.minilm import MiniLMClassifier, build_minilm, encode_texts
 from rampserve.zoo.train import METRICS_FILE, WEIGHTS_FILE, artifact_dir
 
@@ -186,6 +188,16 @@ def test_minilm_traces_with_leaf_modules() -> None:
         # Padding is masked out: a text scores the same alone as next to a longer one.
         alone = {k: torch.from_numpy(v) for k, v in encode_texts(["a triumph."]).items()}
         torch.testing.assert_close(model(**alone)[0], expected[0], atol=1e-5, rtol=1e-4)
+        # and every layer zeroes its padded positions, so a ramp's mean over the text's own tokens is the same too
+        padded, single = model.embeddings(feeds["input_ids"]), model.embeddings(alone["input_ids"])
+        real = feeds["attention_mask"].bool()
+        for layer in model.layers:
+            padded = layer(padded, additive_mask(feeds["attention_mask"]))
+            single = layer(single, additive_mask(alone["attention_mask"]))
+            assert not real.all() and torch.equal(padded[~real], torch.zeros_like(padded[~real]))
+            torch.testing.assert_close(reduce_activation(padded, "token_mean_masked")[0],
+                                       reduce_activation(single, "token_mean_masked")[0], atol=1e-5, rtol=1e-4)
+    assert get_entry("minilm-rt").token_reduce == "token_mean_masked"
 
 
 def test_minilm_small_trains_and_loads(home: Path) -> None:

@@ -1,4 +1,4 @@
-"""Linear ramps fused into ONNX stages: the ramp as ONNX nodes that the session of the stage ending at its site
+"""Linear and MLP ramps fused into ONNX stages: the ramp as ONNX nodes that the session of the stage ending at its site
 runs after the stage's own nodes (`graph.onnx_graph.Tap`), its logits and the batch's highest confidence extra
 outputs of that session call.
 
@@ -21,7 +21,7 @@ import numpy as np
 from onnx import TensorProto, helper, numpy_helper
 
 from rampserve.graph.onnx_graph import Tap
-from rampserve.ramps.kinds import Ramp
+from rampserve.ramps.kinds import DENSE_KINDS, Ramp
 from rampserve.ramps.pooling import POOLING_REDUCTIONS, pooling_matrix, separable_pooling
 from rampserve.ramps.scores import ERROR_SCORES
 
@@ -32,15 +32,16 @@ AXES_AS_INPUT_SINCE = {"ReduceSum": 13, "ReduceMean": 18, "ReduceMax": 18}
 
 
 def can_tap(ramp: object) -> bool:
-    return isinstance(ramp, Ramp) and ramp.spec.kind == "linear" and ramp.spec.reduce in TAPPED_REDUCTIONS
+    return isinstance(ramp, Ramp) and ramp.spec.kind in DENSE_KINDS and ramp.spec.reduce in TAPPED_REDUCTIONS
 
 
 def ramp_tap(ramp: Ramp, site: str, activation_shape: tuple[int, ...], opset: int, score: str, block: int = 0
              ) -> Tap:
-    """`ramp` (linear, see `can_tap`) on the cut value `site` of per-input shape `activation_shape`, as ONNX nodes
-    for a model of operator set `opset`. Its outputs: logits = (reduce(activation) - center) @ weight.T + bias,
-    reducing as the eager ramp does (a pooling as a matmul by its pooling matrix, as `PooledLinear` computes it),
-    and the highest confidence (1 - error `score`) of any row, in float32: to tell whether any input may exit.
+    """`ramp` (linear or MLP, see `can_tap`) on the cut value `site` of per-input shape `activation_shape`, as ONNX
+    nodes for a model of operator set `opset`. Its outputs: logits = (reduce(activation) - center) @ weight.T + bias
+    (an MLP's hidden layer so, then its ReLU and output layer), reducing as the eager ramp does (a pooling as a
+    matmul by its pooling matrix, as `PooledLinear` computes it), and the highest confidence (1 - error `score`) of
+    any row, in float32: to tell whether any input may exit.
     With `block` > 0 the value is in ONNX Runtime's blocked layout (see `graph.onnx_graph.SiteValue`); a pooling
     ramp reads it as it is, its center and weight reordered to match."""
     if not can_tap(ramp):
@@ -68,8 +69,9 @@ def ramp_tap(ramp: Ramp, site: str, activation_shape: tuple[int, ...], opset: in
         return node(op, [value], axes=[axis], keepdims=keepdims)
 
     reduce = ramp.spec.reduce
+    layers = ramp.dense_layers()
     center = ramp.center.detach().numpy().astype(np.float32)
-    weight_t = ramp.head.weight.detach().numpy().T.astype(np.float32)
+    weight_t = layers[0].weight.detach().numpy().T.astype(np.float32)
     if block:  # maps pooled by rows, then by columns, in blocks: (n * blocks, cells, block), features by block
         channels, (height, width) = activation_shape[0], activation_shape[1:]
         rows, columns = (np.ascontiguousarray(f.T.astype(np.float32)) for f in separable_pooling(activation_shape,
@@ -109,10 +111,16 @@ def ramp_tap(ramp: Ramp, site: str, activation_shape: tuple[int, ...], opset: in
         features = node("Div", [over_axis("ReduceSum", site), count])
     else:
         features = over_axis("ReduceMean", site)
-    centered = node("Sub", [features, constant("center", center)])
-    product = node("MatMul", [centered, constant("weight_t", weight_t)])
-    logits = node("Add", [product, constant("bias", ramp.head.bias.detach().numpy().astype(np.float32))],
-                  output=f"{prefix}/logits")
+    value = node("Sub", [features, constant("center", center)])
+    for index, layer in enumerate(layers):
+        suffix = str(index) if index else ""  # the first layer's names as a linear ramp's
+        if index:
+            value = node("Relu", [value])
+        weight = weight_t if index == 0 else layer.weight.detach().numpy().T.astype(np.float32)
+        product = node("MatMul", [value, constant(f"weight_t{suffix}", weight)])
+        value = node("Add", [product, constant(f"bias{suffix}", layer.bias.detach().numpy().astype(np.float32))],
+                     output=f"{prefix}/logits" if index == len(layers) - 1 else "")
+    logits = value
     probabilities = node("Softmax", [logits], axis=1)
     if score == "max_prob":
         confidence = node("ReduceMax", [probabilities], output=f"{prefix}/confidence", keepdims=0)

@@ -1,7 +1,8 @@
 """Parameter-free reductions of a site's activation, and pooling followed by a linear map evaluated in NumPy.
 
-Both linear ramps (pooling, then the head) and cache ramps (pooling, then the projection to the cache's space)
-start with a fixed pooling and a linear map; `PooledLinear` runs the two as small matmuls.
+Linear and MLP ramps (pooling, then the head) and cache ramps (pooling, then the projection to the cache's space)
+start with a fixed pooling and a linear map; `PooledLinear` runs the two as small matmuls (and an MLP head's ReLU
+and output layer after them).
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ LINEAR_CNN_GRID = 3
 # Reductions that average every channel's map with the same fixed weights: a linear ramp on one is evaluated
 # in NumPy as two small matmuls, pooling as a matrix then the head (see `Ramp.evaluate`).
 POOLING_REDUCTIONS = ("spatial_mean", "grid_mean")
+# Reductions of a (tokens, hidden) activation, one of which a text model's linear ramps take (`ZooEntry.token_reduce`)
+TOKEN_REDUCTIONS = ("first_token", "token_mean", "token_mean_masked")
 
 
 def reduce_activation(activation: torch.Tensor, how: str) -> torch.Tensor:
@@ -91,40 +94,49 @@ class PooledLinear:
     """A pooling linear ramp as arrays for one activation shape: reduce(x) == (x.reshape(n * channels,
     positions) @ pool_t).reshape(n, -1), and views of the head's parameters, through which in-place updates
     (optimiser steps, load_state_dict) show: the map is (reduce(x) - center) @ weight_t + bias, without a center
-    for a map that has none. `key` holds the shape and the parameters' storage addresses: a parameter replaced
-    or moved to new storage makes it stale (the views keep the old storage alive, so its address cannot come
-    back)."""
+    for a map that has none, then for an MLP head max(0, that) @ out_weight_t + out_bias. `key` holds the shape and
+    the parameters' storage addresses: a parameter replaced or moved to new storage makes it stale (the views keep
+    the old storage alive, so its address cannot come back)."""
 
     key: tuple
     positions: int
     pool_t: np.ndarray  # (positions, pooled positions)
-    weight_t: np.ndarray  # (features, classes)
+    weight_t: np.ndarray  # (features, outputs)
     bias: np.ndarray
     center: np.ndarray | None = None  # (features,)
+    out_weight_t: np.ndarray | None = None  # an MLP head's output layer (hidden, classes)
+    out_bias: np.ndarray | None = None
 
     @classmethod
     def build(cls, key: tuple, reduce: str, params: dict[str, torch.Tensor]) -> PooledLinear:
         pool_t = pooling_matrix(key[0], reduce).astype(np.float32)
-        center = params.get("center")
+        center, out_weight = params.get("center"), params.get("out_weight")
         return cls(key, len(pool_t), pool_t, params["weight"].detach().numpy().T, params["bias"].detach().numpy(),
-                   None if center is None else center.detach().numpy())
+                   None if center is None else center.detach().numpy(),
+                   None if out_weight is None else out_weight.detach().numpy().T,
+                   None if out_weight is None else params["out_bias"].detach().numpy())
 
     @classmethod
     def current(cls, arrays: PooledLinear | None, activation: torch.Tensor, reduce: str,
                 params: dict[str, torch.Tensor]) -> PooledLinear:
         """`arrays` if they still fit this activation's shape and these parameters (`weight` (outputs, features)
-        as in nn.Linear, `bias`, and an optional `center`), else new ones."""
+        as in nn.Linear, `bias`, an optional `center`, and an MLP head's `out_weight` and `out_bias`), else new
+        ones."""
         key = (tuple(activation.shape[1:]), *(params[name].data_ptr() for name in sorted(params)))
         if arrays is None or arrays.key != key:
             arrays = cls.build(key, reduce, params)
         return arrays
 
     def __call__(self, activation: torch.Tensor) -> np.ndarray:
-        """(n, outputs): the linear map of the pooled activation."""
+        """(n, outputs): the linear map of the pooled activation (and an MLP head's output layer after it)."""
         flat = activation.numpy(force=True)
         pooled = (flat.reshape(-1, self.positions) @ self.pool_t).reshape(len(flat), -1)
         if self.center is not None:
             pooled -= self.center
         out = pooled @ self.weight_t
         out += self.bias
+        if self.out_weight_t is not None:
+            np.maximum(out, 0.0, out=out)
+            out = out @ self.out_weight_t
+            out += self.out_bias
         return out

@@ -8,10 +8,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
+from tqdm.auto import tqdm
 
 from rampserve.graph.sites import SitePolicy
 from rampserve.ramps.cache import CacheSpec, static_threshold
-from rampserve.ramps.kinds import spec_for
+from rampserve.ramps.kinds import MLP_HIDDEN, spec_for
 from rampserve.ramps.oracle import NO_EXIT, earliest_correct_exit, exit_latency
 from rampserve.ramps.train import Features, TrainConfig, TrainReport, build_cache_ramps, collect_features, train_ramps
 from rampserve.runtime.backends import Backend, TorchBackend
@@ -31,7 +32,10 @@ EXAMPLE_ROWS = 2  # rows of the example a serving path is compiled with: a batch
 @dataclass(frozen=True)
 class PrepareConfig:
     workload: str | None = None  # stream whose bootstrap part trains the ramps; default from the zoo entry
-    ramp_kind: str = "linear"  # "linear", "deep", "cache", or "mixed" (per site, a linear or a cache ramp)
+    # "linear", "mlp", "deep", "cache", or "mixed" (per site, a linear or a cache ramp); None: the zoo entry's
+    # (`ZooEntry.ramp_kind`), else linear
+    ramp_kind: str | None = None
+    ramp_hidden: int = MLP_HIDDEN  # width of an MLP ramp's hidden layer
     cache: CacheSpec = field(default_factory=CacheSpec)  # what cache ramps store
     bootstrap_items: int = 8000  # at most this many bootstrap inputs (distinct ones, for text)
     # At most this many of a zoo model's own in-domain inputs (`ZooEntry.ramp_items`: inputs no stream shows) that
@@ -108,6 +112,18 @@ def default_workload(source: ModelSource) -> str:
 
         return "rt-drift" if get_entry(source.ref, small=source.small).task == "text" else "fmnist-drift"
     raise ValueError(f"a {source.kind} model needs a workload to train its ramps on (e.g. fmnist-drift)")
+
+
+def ramp_kind(source: ModelSource, config: PrepareConfig) -> str:
+    """The kind of ramps `prepare` trains for the model from `source`: the config's, else its zoo entry's, else
+    linear (Apparate's)."""
+    if config.ramp_kind is not None:
+        return config.ramp_kind
+    if source.kind == "zoo":
+        from rampserve.zoo.registry import get_entry
+
+        return get_entry(source.ref, small=source.small).ramp_kind
+    return "linear"
 
 
 def token_reduction(source: ModelSource) -> str:
@@ -312,22 +328,24 @@ def prepare(source: ModelSource, config: PrepareConfig = PrepareConfig(),
     encoder, items = bootstrap.encoder, data.items
     sample = sample_feeds(backend, bootstrap)(EXAMPLE_ROWS)
 
-    token_reduce = token_reduction(source)
+    token_reduce, kind = token_reduction(source), ramp_kind(source, config)
     site_names = [s.value for s in backend.sites]
     probe_acts, probe_logits = next(backend.site_activations([sample], site_names))
     num_classes = int(probe_logits.shape[1])
 
     def specs_of(kind: str) -> dict:
-        return {name: spec_for(kind, tuple(act.shape[1:]), num_classes, token_reduce, cache=config.cache)
-                for name, act in probe_acts.items()}
+        return {name: spec_for(kind, tuple(act.shape[1:]), num_classes, token_reduce, cache=config.cache,
+                               hidden=config.ramp_hidden) for name, act in probe_acts.items()}
 
     # Every kind reduces a site's activation the same way except the deep CNN head, which keeps a grid.
     features = collect_features(
-        backend.site_activations(
+        tqdm(backend.site_activations(
             (feeds_for(backend, encoder, chunk) for chunk in _batches(items, config.batch_size)), site_names),
-        specs_of("deep" if config.ramp_kind == "deep" else "linear"),
+            total=-(-len(items) // config.batch_size), desc="running the model for ramp features", unit="batch",
+            disable=not config.progress),
+        specs_of("deep" if kind == "deep" else "linear"),
     )
-    ramps, report, val_outputs = train_site_ramps(config.ramp_kind, features, specs_of, config)
+    ramps, report, val_outputs = train_site_ramps(kind, features, specs_of, config)
     sites = [
         SiteInfo(s.value, s.index, s.kind, s.scope, tuple(probe_acts[s.value].shape[1:]), ramps[s.value].spec,
                  report.ramps[s.value].val_accuracy)
@@ -346,7 +364,7 @@ def prepare(source: ModelSource, config: PrepareConfig = PrepareConfig(),
         "workload": data.workload,
         "task": bootstrap.task,
         "num_classes": num_classes,
-        "ramp_kind": config.ramp_kind,
+        "ramp_kind": kind,
         "ramp_data": data.record(),
         "engine": engine.to_json(),
         "training": {**report.to_json(), "config": asdict(config.train)},

@@ -6,10 +6,13 @@ import sys
 from pathlib import Path
 
 from rampserve.paths import bundles_dir
+from rampserve.ramps.pooling import TOKEN_REDUCTIONS
 from rampserve.runtime.bundle import load_bundle, save_bundle, write_signature
 from rampserve.runtime.engines import AUTO, ONNX_SERVING
 from rampserve.runtime.manifest import BundleError, read_manifest
-from rampserve.runtime.prepare import PrepareConfig, prepare, ramp_data, signature_from_workload
+from rampserve.runtime.prepare import (
+    PrepareConfig, prepare, ramp_data, ramp_kind, signature_from_workload, token_reduction,
+)
 from rampserve.runtime.sources import ModelSource
 
 
@@ -23,8 +26,7 @@ def zoo_bundle(model: str, small: bool = False, config: PrepareConfig = PrepareC
     source = ModelSource.parse(model, small=small)
     try:
         manifest = read_manifest(bundle)
-        caches = [site["ramp"]["cache"] for site in manifest["sites"] if site["ramp"].get("cache")]
-        if manifest["meta"]["ramp_kind"] != config.ramp_kind or any(c != config.cache.to_json() for c in caches):
+        if _other_ramps(manifest, source, config):
             raise BundleError(f"{bundle} was prepared with other ramps")
         if manifest["meta"].get("ramp_data") != ramp_data(source, config).record():
             raise BundleError(f"{bundle} has ramps trained on other data")
@@ -40,6 +42,16 @@ def zoo_bundle(model: str, small: bool = False, config: PrepareConfig = PrepareC
         # a bundle that older ones serve from must not be replaced under them (they read the upgraded one as before)
         write_signature(bundle, signature_from_workload(load_bundle(bundle)))
     return bundle
+
+
+def _other_ramps(manifest: dict, source: ModelSource, config: PrepareConfig) -> bool:
+    """Whether the bundle's ramps differ from those `config` asks for: their kind, a cache's spec, an MLP's width, or
+    how they reduce a text encoder's tokens."""
+    ramps = [site["ramp"] for site in manifest["sites"]]
+    return (manifest["meta"]["ramp_kind"] != ramp_kind(source, config)
+            or any(r["cache"] != config.cache.to_json() for r in ramps if r.get("cache"))
+            or any(r["hidden"] != config.ramp_hidden for r in ramps if r.get("hidden"))
+            or any(r["reduce"] != token_reduction(source) for r in ramps if r["reduce"] in TOKEN_REDUCTIONS))
 
 
 def main(argv: list[str]) -> None:

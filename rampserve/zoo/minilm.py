@@ -3,7 +3,9 @@
 The module is laid out for the ramp analysis, which traces it with torch.fx keeping `rampserve_leaf_types` as
 leaves: the embeddings, one call per encoder layer (a Python loop that fx unrolls) and a one-module head, so
 the traced graph is a chain `embeddings -> layers.0 -> ... -> layers.5 -> head` with the attention mask as a
-side input. Everything loads from the package's local files; nothing touches a hub.
+side input. Its layers are `hf_encoders.EncoderLayer`s, which zero the hidden states at padded positions, so
+that its ramps can average each input's own tokens whatever the batch's padding (`token_mean_masked`).
+Everything loads from the package's local files; nothing touches a hub.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from torch import nn
 from transformers import BertConfig
 from transformers.models.bert.modeling_bert import BertEmbeddings, BertLayer
 
-from rampserve.zoo.hf_encoders import MAX_LENGTH, additive_mask, packaged_config, tokenize
+from rampserve.zoo.hf_encoders import MAX_LENGTH, EncoderLayer, additive_mask, packaged_config, tokenize
 
 NUM_CLASSES = 2
 
@@ -33,21 +35,6 @@ def model_dir() -> Path:
 def load_config(num_layers: int | None = None) -> BertConfig:
     """The encoder's config from the package's config.json, optionally cut to the first `num_layers`."""
     return packaged_config(BertConfig, model_dir() / "config.json", num_layers)
-
-
-class EncoderLayer(nn.Module):
-    """One BERT layer behind a fixed `(hidden, additive_mask) -> hidden` interface.
-
-    The wrapper pins the call signature the tracer sees as a leaf, whatever keyword arguments or return
-    type a transformers release gives `BertLayer`.
-    """
-
-    def __init__(self, config: BertConfig) -> None:
-        super().__init__()
-        self.layer = BertLayer(config)
-
-    def forward(self, hidden: torch.Tensor, additive_mask: torch.Tensor) -> torch.Tensor:
-        return self.layer(hidden, additive_mask)
 
 
 class ClassifierHead(nn.Module):
@@ -70,7 +57,7 @@ class MiniLMClassifier(nn.Module):
     def __init__(self, config: BertConfig, num_classes: int = NUM_CLASSES) -> None:
         super().__init__()
         self.embeddings = BertEmbeddings(config)
-        self.layers = nn.ModuleList(EncoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(EncoderLayer(BertLayer(config)) for _ in range(config.num_hidden_layers))
         self.head = ClassifierHead(config.hidden_size, num_classes, config.hidden_dropout_prob)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
