@@ -104,14 +104,16 @@ def _ramp_alone(model, site: str, fused: bool) -> Callable[[torch.Tensor], float
     return alone
 
 
-def _in_place_factor(with_ramps: np.ndarray, without: np.ndarray, own: float) -> float:
-    """How much more the ramps cost on the serving path than their operators alone (caches cold between the
-    model's layers, the runner's arguments): the paired marginal time of every ramp at once (`paired_median` of
-    the two paths' samples) over the sum of their own times, where it stands out of the noise (twice the standard
-    error of its median), else 1. On a run of 60 ms (MiniLM at batch 16) noise is a millisecond, and a factor
-    fitted to it charged a 1 us ramp 0.2 ms."""
+def in_place_factor(with_ramps: np.ndarray, without: np.ndarray, own: float) -> float:
+    """What the ramps cost on the serving path over the sum of their own times: the paired marginal time of every
+    ramp at once (`paired_median` of the two paths' samples) over `own`, where it stands out of the noise (twice
+    the standard error of its median), else 1. Above 1 on torch, where caches go cold between the model's layers
+    and the runner takes arguments; below 1 on ONNX Runtime, where a ramp's own time is its nodes in a session of
+    their own, whose call the one-session path never makes (minilm-rt: 0.12 ms alone, 0.055 ms on the serving
+    path, `bench staging`). On a run of 60 ms (MiniLM at batch 16) noise is a millisecond, and a factor fitted to
+    it charged a 1 us ramp 0.2 ms."""
     median, error = paired_median(with_ramps, without)
-    return max(1.0, median / own) if own > 0 and median > 2 * error else 1.0
+    return median / own if own > 0 and median > 2 * error else 1.0
 
 
 def measure_profile(model, sample_feeds: Callable[[int], dict[str, np.ndarray]],
@@ -124,7 +126,7 @@ def measure_profile(model, sample_feeds: Callable[[int], dict[str, np.ndarray]],
     the server runs by default (each set's stages compiled with its ramps fused in, see
     `PreparedModel.build_compiled`), since that is what a ramp costs when served. A ramp's own time is its
     operator's (timed alone in TorchScript, free of the model's noise); what it costs the serving path is that
-    times one factor for all ramps (see `_in_place_factor`), from the marginal time of the set of every ramp
+    times one factor for all ramps (see `in_place_factor`), from the marginal time of the set of every ramp
     against no ramp on the serving path with no input exiting (threshold 0: the releasing thread is not woken):
     each path run in a block (see `BLOCK`) in each round, in an order that alternates from round to round so
     that drift cancels in the difference (`interleaved_samples`), over at least `repeats` rounds and as many as
@@ -170,7 +172,7 @@ def measure_profile(model, sample_feeds: Callable[[int], dict[str, np.ndarray]],
         for name in segment:
             segment[name].append(float(np.median(runs[name])))
         own = {site: float(np.median(runs[f"head:{site}"])) for site in sites}
-        factor = _in_place_factor(samples["ramps"], samples["none"], sum(own.values()))
+        factor = in_place_factor(samples["ramps"], samples["none"], sum(own.values()))
         for name in sites:
             ramp[name].append(own[name] * factor)
     return LatencyProfile(
