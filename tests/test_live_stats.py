@@ -71,6 +71,8 @@ def test_summary_scores_answered_requests_and_counts_shed_and_failed_apart():
     assert s["mean_ms"] == pytest.approx(9 / 4)
     assert s["exit_share"] == pytest.approx(1 / 2)
     assert s["exit_share_by_site"] == {"a": pytest.approx(1 / 4), "b": pytest.approx(1 / 4)}
+    # answered latencies 2, 4, 1, 2 ms released at b, the end, a, the end
+    assert s["p50_ms_by_exit_site"] == {"a": 1.0, "b": 2.0, "final": pytest.approx(3.0)}
     assert s["throughput_rps"] == pytest.approx(4 / 0.402)  # first arrival to last answer
     assert s["rate_rps"] == pytest.approx(6 / 0.5)
     assert s["mean_batch_size"] == 1.5

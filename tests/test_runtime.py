@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 from dataclasses import replace
 
 import numpy as np
@@ -113,6 +114,62 @@ def test_a_compiled_run_signals_exactly_the_ramps_where_an_input_may_exit(prepar
         near = {j for j in range(len(sites)) if thresholds[j] > 0
                 and np.any(errors[j] < thresholds[j] + 2 * compiled.exit_margin)}
         assert signalled == sorted(signalled) and exits <= set(signalled) <= near
+
+    try:
+        check()
+    finally:
+        os.close(read)
+        os.close(write)
+
+
+def test_an_onnx_run_hands_its_columns_to_the_batch_on_its_own_thread(onnx_prepared, fmnist_feeds) -> None:
+    """Where the batch in progress takes columns on the run's thread, an ONNX set's ramps hand them there as they
+    are computed (their logits already in the buffer, while the run goes on), exactly those the pipe would get,
+    and write nothing to the pipe; a handler that fails sends its column to the pipe, for the executor to take
+    after the run."""
+    from rampserve.runtime.column_handlers import hand_columns_to
+
+    model = onnx_prepared
+    name = model.backend.input_names[0]
+    sites = model.site_names
+    assert model.compile(sites, {name: fmnist_feeds[-2:]})
+    compiled = model.compiled_set(sites)
+    read, write = os.pipe()
+    os.set_blocking(read, False)
+
+    def run(thresholds: list[float], batch: int, handler) -> list[int]:
+        """The columns written to the pipe by a run whose columns go to `handler(outputs)` (None: to the pipe)."""
+        outputs = model.ramp_outputs(compiled, batch)
+        hand_columns_to(write, None if handler is None else handler(outputs))
+        try:
+            with torch.inference_mode():
+                model.run_compiled(compiled, {name: fmnist_feeds[:batch]}, outputs, thresholds, write)
+        finally:
+            hand_columns_to(write, None)
+        try:
+            return list(os.read(read, 4096))
+        except BlockingIOError:
+            return []
+
+    @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+    @given(st.lists(st.floats(0.0, 1.0), min_size=len(sites), max_size=len(sites)), st.integers(1, 8))
+    def check(thresholds: list[float], batch: int) -> None:
+        piped = run(thresholds, batch, None)
+        handed: list[tuple[int, int, np.ndarray]] = []  # column, thread, its logits as handed
+        assert run(thresholds, batch, lambda outputs: lambda column: handed.append(
+            (column, threading.get_ident(), outputs.buffers.logits[:, column].copy()))) == []
+        assert [column for column, _, _ in handed] == piped
+        outputs = model.ramp_outputs(compiled, batch)  # the same buffers, as the run left them
+        for column, thread, logits in handed:
+            assert thread == threading.get_ident()
+            np.testing.assert_array_equal(logits, outputs.buffers.logits[:, column])
+
+        def failing(outputs):
+            def take(column: int) -> None:
+                raise RuntimeError("the batch could not take it")
+            return take
+
+        assert run(thresholds, batch, failing) == piped
 
     try:
         check()

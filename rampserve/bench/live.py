@@ -242,6 +242,9 @@ def summarize_live(result: LoadResult, reference: np.ndarray, worst_window: int,
         "exit_share": float(early.mean()) if answered else None,
         "mean_batch_size": batch_size,
         "exit_share_by_site": {site: float(np.mean(exit_sites == i)) for i, site in enumerate(result.sites)},
+        # where an exit's time goes: an answer released at a ramp should come back in about the model's time to it
+        "p50_ms_by_exit_site": {site: float(np.median(latency[exit_sites == i]))
+                                for i, site in (*enumerate(result.sites), (-1, "final")) if np.any(exit_sites == i)},
         "requests": len(ok),
         "answered": answered,
         "shed": int(result.shed.sum()),

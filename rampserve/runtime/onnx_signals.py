@@ -5,9 +5,10 @@ conversions of each site's value out of and back into ONNX Runtime's blocked lay
 224x224 (5.5 ms at batch 1 on 2 cores), 3-4% of the model per ramp. Here the model runs whole, in one session of
 the graph ONNX Runtime optimized for this machine, each ramp computed on its site's value in whatever layout it is
 (`graph.onnx_graph.with_signals`). Where the batch's highest confidence clears the ramp's exit floor (fed with the
-batch), the ramp hands its logits to a Python operator (onnxruntime-extensions' PyOp) that does what
-`runtime.compiled.OnnxSetRunner` does between two stages: it writes them where the releasing thread reads them
-and the ramp's column to the notify pipe. The run goes on meanwhile. Elsewhere no Python runs (calling it costs
+batch), the ramp hands its logits to a Python operator (onnxruntime-extensions' PyOp) that writes them where the
+batch reads them and hands the ramp's column to the batch in progress (`runtime.column_handlers`), which releases
+the inputs that exit there before the run goes on; with no batch to take it, the column goes to the notify pipe,
+as a torch set's operator writes it. Elsewhere no Python runs (calling it costs
 about 50 us with the caches cold from the model's layers, 1% of that 5.5 ms run): every ramp's logits are outputs
 of the run, copied after it. ONNX Runtime runs a session's nodes on the thread that called it, so the operator
 finds that batch's buffers in a thread-local.
@@ -23,6 +24,7 @@ import functools
 import hashlib
 import importlib
 import json
+import logging
 import os
 import sys
 import threading
@@ -37,6 +39,7 @@ import torch
 from rampserve.graph.onnx_graph import SignalledRunner
 from rampserve.ramps.exit_rule import NEVER_STOP
 from rampserve.ramps.kernel import cpu_flags
+from rampserve.runtime.column_handlers import column_handler
 from rampserve.runtime.compiled import FORMAT
 
 # The modules whose code writes a signalled set's graph: a stored graph is keyed by their source, so that one written
@@ -68,13 +71,21 @@ _extensions = _python_operators()
 _FLOAT, _INT64 = _extensions.PyCustomOpDef.dt_float, _extensions.PyCustomOpDef.dt_int64
 SIGNAL_OP = "RampserveRampSignal"
 _ZERO = np.zeros((), dtype=np.float32)
-_batch = threading.local()  # (logits out (rows, sites, classes), notify fd) of the run on this thread
+_batch = threading.local()  # (logits out (rows, sites, classes), notify fd, column handler) of the run on this thread
+log = logging.getLogger("rampserve.runtime")
 
 
 @_extensions.onnx_op(op_type=SIGNAL_OP, inputs=[_FLOAT, _FLOAT], outputs=[_FLOAT], attrs={"column": _INT64})
 def _signal(logits: np.ndarray, confidence: np.ndarray, column: int) -> np.ndarray:
-    out, notify = _batch.run
+    out, notify, on_column = _batch.run
     out[:, column] = logits
+    if on_column is not None:
+        try:
+            on_column(column)
+            return _ZERO
+        except Exception:  # an exception would fail the run: the executor takes the column from the pipe after it
+            log.exception("releasing early answers inside the run failed; they are answered at the end of the batch")
+            _batch.run = (out, notify, None)
     os.write(notify, bytes((column,)))
     return _ZERO
 
@@ -108,7 +119,7 @@ class OnnxSignalledRunner:
                 notify: int, stashes: list[torch.Tensor]) -> torch.Tensor:
         sides = {} if self.side_name is None else {self.side_name: side.numpy()}
         logits = out.numpy()
-        _batch.run = (logits, notify)
+        _batch.run = (logits, notify, column_handler(notify))
         try:
             output, *ramps = self.runner(activation.numpy(), sides, self._silent if notify < 0 else
                                          self._converted(floors))

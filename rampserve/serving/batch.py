@@ -16,6 +16,7 @@ import numpy as np
 
 from rampserve.control.records import NO_EXIT, NO_LABEL, Configuration
 from rampserve.ramps import exit_rule
+from rampserve.runtime.column_handlers import hand_columns_to
 from rampserve.serving.contract import Answer
 from rampserve.serving.request_queue import Pending
 from rampserve.threads import OsNamedThread
@@ -166,12 +167,16 @@ class RampSignals:
         self._thread.start()
 
     def begin(self, on_column: Callable[[int], None]) -> None:
+        """A run begins: its columns go to `on_column`, on the run's own thread where the ramp calls Python (ONNX
+        Runtime's), else on the releasing thread."""
+        hand_columns_to(self.write_fd, on_column)
         with self._lock:
             self._on_column = on_column
 
     def end(self) -> bytes:
         """The run is over: wait for the column being handled; returns the columns signalled but not taken, which
         the caller handles itself, so that what a batch answers never depends on this thread's timing."""
+        hand_columns_to(self.write_fd, None)
         with self._lock:
             self._on_column = None
             return self._take()
