@@ -5,6 +5,7 @@ each costs cannot be told apart from outside."""
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -41,9 +42,23 @@ def native_threads_named(name: str) -> Iterator[None]:
         set_os_thread_name(before)
 
 
+def lower_os_thread_priority(niceness: int) -> None:
+    """Give the calling thread `niceness` (Linux schedules threads apart: the rest of the process keeps its own)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), niceness)
+    except OSError:  # not allowed here: the thread runs at the process's priority
+        pass
+
+
 class OsNamedThread(threading.Thread):
-    """A thread the kernel knows by its Python name."""
+    """A thread the kernel knows by its Python name, at `niceness` (0: the process's priority)."""
+
+    def __init__(self, *args, niceness: int = 0, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.niceness = niceness
 
     def run(self) -> None:
         set_os_thread_name(self.name)
+        if self.niceness:
+            lower_os_thread_priority(self.niceness)
         super().run()

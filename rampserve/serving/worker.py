@@ -57,6 +57,11 @@ CONTROL_POLL_S = 1.0  # how often an idle worker asks its controller for a confi
 # records it learns from (resnet18-fmnist at 110 rps, batch 1: the thread's CPU per answer was 0.54 ms gathering 5 ms,
 # 0.20 ms gathering 50, 0.11 ms gathering 200). A released answer that disagrees is learnt from at once.
 CONTROL_GATHER_S = 0.2
+# The control thread searches ramp sets and loads them (a minilm-rt set: 0.3 s of a core) while the model runs on
+# every core: ONNX Runtime's threads wait for each other between operators, so a core taken from one slows the whole
+# run several times, and at minilm-rt's first search under load the queue grew to 0.4 s. At this niceness the
+# model's threads take the cores first and the controller works in the time between batches.
+CONTROL_NICENESS = 10
 # How long a starting server waits for its first configuration's set to compile (in the worker process) before
 # it serves that set eagerly
 START_COMPILE_WAIT_S = 300.0
@@ -162,7 +167,8 @@ class ModelWorker:
         self._executor = OsNamedThread(target=self._serve_batches, name=f"executor-{served.name}", daemon=True)
         # A vanilla model has no controller to feed
         self._control = None if control is None else OsNamedThread(
-            target=self._control_loop, args=(control,), name=f"controller-{served.name}", daemon=True)
+            target=self._control_loop, args=(control,), name=f"controller-{served.name}", daemon=True,
+            niceness=CONTROL_NICENESS)
 
     @property
     def configuration(self) -> Configuration:
