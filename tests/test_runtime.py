@@ -84,6 +84,21 @@ def test_compiled_runs_equal_the_original_model_and_fused_ramps_equal_the_eager_
     check()
 
 
+def _every_site_compiled(model, feeds: np.ndarray) -> tuple[str, list[str], object]:
+    """The model's input name, its sites and its compiled set of every site."""
+    name = model.backend.input_names[0]
+    sites = model.site_names
+    assert model.compile(sites, {name: feeds[-2:]})
+    return name, sites, model.compiled_set(sites)
+
+
+def _signal_pipe() -> tuple[int, int]:
+    """A pipe for a run's ramps to write their columns to, read without blocking."""
+    read, write = os.pipe()
+    os.set_blocking(read, False)
+    return read, write
+
+
 @pytest.mark.parametrize("score", ["max_prob", "entropy"])
 @pytest.mark.parametrize("prepared", BACKENDS)
 def test_a_compiled_run_signals_exactly_the_ramps_where_an_input_may_exit(prepared, score, fmnist_feeds,
@@ -92,12 +107,8 @@ def test_a_compiled_run_signals_exactly_the_ramps_where_an_input_may_exit(prepar
     threshold (so the releasing thread can release it while the model runs on), and nowhere else but within the
     set's margin for rounding (float32 confidences on ONNX), whichever error score the model uses."""
     model = replace(request.getfixturevalue(prepared), error_score=score)
-    name = model.backend.input_names[0]
-    sites = model.site_names
-    assert model.compile(sites, {name: fmnist_feeds[-2:]})
-    compiled = model.compiled_set(sites)
-    read, write = os.pipe()
-    os.set_blocking(read, False)
+    name, sites, compiled = _every_site_compiled(model, fmnist_feeds)
+    read, write = _signal_pipe()
 
     @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
     @given(st.lists(st.floats(0.0, 1.0), min_size=len(sites), max_size=len(sites)), st.integers(1, 16))
@@ -130,12 +141,8 @@ def test_an_onnx_run_hands_its_columns_to_the_batch_on_its_own_thread(onnx_prepa
     from rampserve.runtime.column_handlers import hand_columns_to
 
     model = onnx_prepared
-    name = model.backend.input_names[0]
-    sites = model.site_names
-    assert model.compile(sites, {name: fmnist_feeds[-2:]})
-    compiled = model.compiled_set(sites)
-    read, write = os.pipe()
-    os.set_blocking(read, False)
+    name, sites, compiled = _every_site_compiled(model, fmnist_feeds)
+    read, write = _signal_pipe()
 
     def run(thresholds: list[float], batch: int, handler) -> list[int]:
         """The columns written to the pipe by a run whose columns go to `handler(outputs)` (None: to the pipe)."""
