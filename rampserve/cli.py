@@ -344,9 +344,9 @@ def demo(
     model: Annotated[str, typer.Option(help="zoo model to prepare")] = DEMO_MODEL,
     small: Annotated[bool, typer.Option(help="the zoo's tiny variant (quick; no live replay)")] = False,
     duration: Annotated[float, typer.Option(help="seconds of drifting stream replayed against each server")] = 40.0,
-    warmup: Annotated[int, typer.Option(help="requests sent to each server before the measured replay: the "
-                                             "controller's first ramp-set search comes after its first 1,024 "
-                                             "inputs")] = 1200,
+    warmup_requests: Annotated[int, typer.Option(help="requests sent to each server before the measured replay: "
+                                                      "the controller's first ramp-set search comes after its "
+                                                      "first 1,024 inputs")] = 1200,
     load: Annotated[float, typer.Option(help=LOAD_HELP)] = DEFAULT_LOAD,
     ramp_budget: Annotated[float, typer.Option(help="what ramps may add to a non-exiting input, as a share of "
                                                      "the model's latency (the controller's default)")] = 0.02,
@@ -362,7 +362,7 @@ def demo(
 
     try:  # before the model is prepared: refused settings should not wait for it
         settings = LiveSettings(model=model, workload=default_workload(ModelSource.parse(model, small=small)),
-                                loads=(load,), duration_s=duration, saturation_s=6.0, warmup_requests=warmup,
+                                loads=(load,), duration_s=duration, saturation_s=6.0, warmup_requests=warmup_requests,
                                 sequential_requests=200, inprocess_rounds=200,
                                 server_args=("--ramp-budget", str(ramp_budget)))
     except ValueError as exc:
@@ -378,7 +378,7 @@ def demo(
     console.print(f"serving {model} over HTTP on {engine}, the fastest engine here (vanilla is the model on it "
                   f"without ramps), then with early exits (ramp budget {ramp_budget:.0%}), and replaying "
                   f"{duration:g} s of the drifting stream ({settings.workload}) against each at load {load:g} (that "
-                  f"share of vanilla's measured saturation) after {warmup:,} warm-up requests")
+                  f"share of vanilla's measured saturation) after {warmup_requests:,} warm-up requests")
     report = run_live(settings, None, None)
     (entry,) = report["loads"]
     console.print(live_table(report, entry))
