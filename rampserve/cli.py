@@ -353,8 +353,8 @@ def demo(
     json_out: Annotated[Optional[Path], typer.Option("--json", help="write the replay's report here (`bench "
                                                                     "live`'s)")] = None,
 ) -> None:
-    """Prepare the default model (training what is missing), show what its ramps could save, then serve it for
-    real, vanilla and with early exits, replay a short drifting stream against both and print the outcome."""
+    """Prepare the demo's model (minilm-rt; training what is missing), show what its ramps could save, then serve it
+    for real, vanilla and with early exits, replay a short drifting stream against both and print the outcome."""
     from rampserve.bench.live import LiveSettings, live_table, run_live
     from rampserve.runtime.prepare import default_workload
     from rampserve.runtime.sources import ModelSource

@@ -172,7 +172,7 @@ class Ramp(nn.Module):
         if isinstance(head, nn.Linear):  # without nn.Module.__getattr__ calls (~1 us each): a linear ramp at batch 1
             first, out = head._parameters, None
         else:
-            first, out = head[0]._parameters, head[2]._parameters
+            first, out = (layer._parameters for layer in self.dense_layers())
         params = {"weight": first["weight"], "bias": first["bias"], "center": self._buffers["center"]}
         if out is not None:
             params |= {"out_weight": out["weight"], "out_bias": out["bias"]}

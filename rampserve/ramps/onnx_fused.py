@@ -22,11 +22,11 @@ from onnx import TensorProto, helper, numpy_helper
 
 from rampserve.graph.onnx_graph import Tap
 from rampserve.ramps.kinds import DENSE_KINDS, Ramp
-from rampserve.ramps.pooling import POOLING_REDUCTIONS, pooling_matrix, separable_pooling
+from rampserve.ramps.pooling import POOLING_REDUCTIONS, TOKEN_REDUCTIONS, pooling_matrix, separable_pooling
 from rampserve.ramps.scores import ERROR_SCORES
 
 # The reductions a tap computes; a ramp with another (a deep head's grid) is evaluated in Python
-TAPPED_REDUCTIONS = (*POOLING_REDUCTIONS, "identity", "first_token", "token_mean", "token_mean_masked")
+TAPPED_REDUCTIONS = (*POOLING_REDUCTIONS, "identity", *TOKEN_REDUCTIONS)
 # The operator set from which each reduction takes its axes as an input rather than as an attribute
 AXES_AS_INPUT_SINCE = {"ReduceSum": 13, "ReduceMean": 18, "ReduceMax": 18}
 

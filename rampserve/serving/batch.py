@@ -154,8 +154,10 @@ class Answered:
 class RampSignals:
     """The pipe a compiled run's ramps write their column to where some input may exit (see `ramps.fused`), and
     the releasing thread that reads it and hands each column to the batch in progress, so that early answers
-    leave while the model runs on, from the other core. Columns are read only under the lock, and `end` takes
-    what is left before the next batch begins, so that no column reaches a batch it does not belong to."""
+    leave while the model runs on, from the other core. A ramp that calls Python on the run's thread (ONNX
+    Runtime's) hands its column to the batch there instead (`runtime.column_handlers`, registered by `begin`).
+    Columns are read only under the lock, and `end` takes what is left before the next batch begins, so that no
+    column reaches a batch it does not belong to."""
 
     def __init__(self, name: str) -> None:
         self._read_fd, self.write_fd = os.pipe()
