@@ -13,9 +13,9 @@ from rampserve.bench.executor import (
     ENCODINGS, EXECUTORS, ExecutorBenchSettings, executor_table, grpc_over_binary, paired_ratios, rotated,
 )
 
-FIGURES = ("overhead_binary_ms", "overhead_json_ms", "overhead_grpc_ms", "closed_rps", "closed_p50_ms",
-           "closed_p99_ms", "closed_mean_batch", "closed_grpc_rps", "closed_grpc_p50_ms", "closed_grpc_p99_ms",
-           "closed_grpc_mean_batch")
+FIGURES = ("overhead_binary_ms", "overhead_json_ms", "overhead_grpc_ms", "overhead_lean_ms", "closed_rps",
+           "closed_p50_ms", "closed_p99_ms", "closed_mean_batch", "closed_grpc_rps", "closed_grpc_p50_ms",
+           "closed_grpc_p99_ms", "closed_grpc_mean_batch")
 
 
 def _round(value: float) -> dict:

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from rampserve.runtime.engines import AUTO, CHOSEN_BY_TIMING, EngineChoice, EngineTiming, choose_engine
 from rampserve.runtime.manifest import read_manifest
 from rampserve.runtime.prepare import PrepareConfig, ramp_data
 from rampserve.runtime.sources import ModelSource
@@ -160,3 +161,36 @@ def test_the_zoo_prepares_a_cached_bundle_again_when_its_ramps_are_of_another_ki
     cached_with(reduce="token_mean_masked")  # a text model's reduction the entry (first token) does not take
     zoo_bundles.zoo_bundle("resnet18-fmnist", small=True, config=small_prepare_config)
     assert prepared[-1] == small_prepare_config and len(prepared) == 3
+
+
+def test_the_zoo_prepares_a_cached_bundle_again_when_its_engine_table_now_chooses_another(
+        resnet_prepared, resnet_bundle, small_prepare_config, tmp_path, monkeypatch) -> None:
+    """A bundle timed on every engine whose recorded choice the rule of `choose_engine` no longer makes (the rule
+    changed since) is prepared again; one it still makes, or one whose engine the user named, is kept."""
+    import rampserve.runtime.zoo_bundles as zoo_bundles
+
+    monkeypatch.setenv("RAMPSERVE_HOME", str(tmp_path))
+    cached = Path(shutil.copytree(resnet_bundle, tmp_path / "bundles" / "resnet18-fmnist-small"))
+    prepared: list[PrepareConfig] = []
+    monkeypatch.setattr(zoo_bundles, "prepare", lambda source, config: prepared.append(config) or resnet_prepared)
+    timed = replace(small_prepare_config, engine=AUTO)
+    # Two threads and one within the spread: the rule takes the one on fewer cores
+    table = [EngineTiming("torch", 1, 0.8, 0.7, 1.0), EngineTiming("onnxruntime", 1, 0.2, 0.15, 0.3),
+             EngineTiming("onnxruntime-1thread", 1, 0.25, 0.2, 0.35)]
+
+    def cached_choosing(engine: str) -> None:
+        manifest = read_manifest(cached)
+        manifest["meta"]["engine"] = EngineChoice(engine, CHOSEN_BY_TIMING, tuple(table)).to_json()
+        (cached / "manifest.json").write_text(json.dumps(manifest))
+
+    rule = choose_engine(table)
+    cached_choosing(rule)
+    zoo_bundles.zoo_bundle("resnet18-fmnist", small=True, config=timed)
+    assert prepared == []
+    other = next(t.engine for t in table if t.engine != rule and t.engine != "torch")
+    cached_choosing(other)
+    zoo_bundles.zoo_bundle("resnet18-fmnist", small=True, config=timed)
+    assert prepared == [timed]
+    cached_choosing(other)  # the engine named by the user is kept whatever the table says
+    zoo_bundles.zoo_bundle("resnet18-fmnist", small=True, config=replace(small_prepare_config, engine=other))
+    assert prepared == [timed]

@@ -30,10 +30,12 @@ from rampserve.runtime.zoo_bundles import zoo_bundle
 from rampserve.workloads.streams import get_stream
 
 EXECUTORS = ("thread", "process")
-ENCODINGS = ("binary", "json", "grpc")  # one at a time: binary tensors and JSON over HTTP, KServe v2 over gRPC
+# One at a time: binary tensors and JSON over HTTP, KServe v2 over gRPC, and binary tensors from the lean client
+# (`loadgen.LeanHttpSender`: the server's time with little of the client's; the others use aiohttp and grpc.aio)
+ENCODINGS = ("binary", "json", "grpc", "lean")
 CLOSED_LOOPS = {"binary": "closed", "grpc": "closed_grpc"}  # the closed loop's transports and their figures' prefix
 # Figures where lower is better (a ratio under 1 favours the process) and those where higher is better
-LOWER_IS_BETTER = ("overhead_binary_ms", "overhead_json_ms", "overhead_grpc_ms", "closed_p50_ms", "closed_p99_ms",
+LOWER_IS_BETTER = ("overhead_binary_ms", "overhead_json_ms", "overhead_grpc_ms", "overhead_lean_ms", "closed_p50_ms", "closed_p99_ms",
                    "closed_grpc_p50_ms", "closed_grpc_p99_ms")
 HIGHER_IS_BETTER = ("closed_rps", "closed_mean_batch", "closed_grpc_rps", "closed_grpc_mean_batch")
 
@@ -101,7 +103,8 @@ def run_executor_bench(settings: ExecutorBenchSettings, json_out: Path | None, p
                     for encoding in rotated(ENCODINGS, len(rounds[kind])):
                         job = Job(server.infer_url(settings.model, "grpc" if encoding == "grpc" else "http"),
                                   v2_inputs(feeds[0]), "label", None, clients=1,
-                                  requests=settings.sequential_requests, json_bodies=encoding == "json")
+                                  requests=settings.sequential_requests, json_bodies=encoding == "json",
+                                  lean=encoding == "lean")
                         one = require_answers(run_loadgen(job, feeds, workdir, f"{kind} one at a time",
                                                           settings.sequential_requests * 0.003, False), kind)
                         figures[f"overhead_{encoding}_ms"] = float(np.median(one.latency_ms[one.ok][warm:])) - batch1
@@ -154,7 +157,8 @@ def executor_table(report: dict) -> Table:
     table.add_column("process / thread (paired)", justify="right")
     clients = settings["clients"]
     rows = [("overhead, binary (ms)", "overhead_binary_ms", ".3f"), ("overhead, JSON (ms)", "overhead_json_ms", ".3f"),
-            ("overhead, gRPC (ms)", "overhead_grpc_ms", ".3f")]
+            ("overhead, gRPC (ms)", "overhead_grpc_ms", ".3f"),
+            ("overhead, binary, lean client (ms)", "overhead_lean_ms", ".3f")]
     for transport, prefix in CLOSED_LOOPS.items():
         over = "" if transport == "binary" else " over gRPC"
         rows += [(f"{clients} clients{over}: rps", f"{prefix}_rps", ".0f"),

@@ -25,6 +25,7 @@ import gc
 import itertools
 import json
 import re
+import socket
 import sys
 import threading
 import time
@@ -33,6 +34,7 @@ from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import aiohttp
 import grpc
@@ -85,6 +87,13 @@ class Job:
     json_bodies: bool = False
     # The server's process: its tree's CPU (`cpu.read_tree`) is read with each status. None: not read.
     cpu_pid: int | None = None
+    # One client over HTTP on one blocking socket (`LeanHttpSender`) instead of aiohttp on the event loop: the
+    # server's time with as little of the client's own as Python allows, as a native client measures it
+    lean: bool = False
+
+    def __post_init__(self) -> None:
+        if self.lean and (self.clients != 1 or self.over_grpc):
+            raise ValueError("the lean client is one closed-loop client over HTTP")
 
     @property
     def over_grpc(self) -> bool:
@@ -370,6 +379,55 @@ def http_sender(job: Job, session: aiohttp.ClientSession
     return send
 
 
+class LeanHttpSender:
+    """HTTP/1.1 on one kept-alive connection, written and read with blocking calls: no event-loop turn, task or
+    parser object per request. It blocks the loop while it waits, so it serves a single client alone. A request
+    that failed leaves the connection in an unknown state: the next one opens a new connection."""
+
+    def __init__(self, job: Job) -> None:
+        url = urlsplit(job.url)
+        self.address, self.timeout_s = (url.hostname, url.port), job.timeout_s
+        self.start = f"POST {url.path} HTTP/1.1\r\nHost: {url.netloc}\r\n".encode()
+        self.connection: socket.socket | None = None
+        self.pending = bytearray()  # bytes read past the response
+
+    async def __call__(self, body: tuple[bytes, dict[str, str]]) -> tuple[int, bytes]:
+        try:
+            return self._exchange(body)
+        except BaseException:
+            self.close()
+            raise
+
+    def _exchange(self, body: tuple[bytes, dict[str, str]]) -> tuple[int, bytes]:
+        if self.connection is None:
+            self.connection = socket.create_connection(self.address, self.timeout_s)
+            self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        headers = "".join(f"{name}: {value}\r\n" for name, value in body[1].items())
+        self.connection.sendall(self.start + f"{headers}Content-Length: {len(body[0])}\r\n\r\n".encode() + body[0])
+        pending = self.pending
+        while (end := pending.find(b"\r\n\r\n")) < 0:
+            self._receive()
+        head = bytes(pending[:end]).decode("latin-1").split("\r\n")
+        fields = {name.strip().lower(): value.strip() for name, value in (line.split(":", 1) for line in head[1:])}
+        length = int(fields["content-length"])
+        while len(pending) < end + 4 + length:
+            self._receive()
+        payload = bytes(pending[end + 4:end + 4 + length])
+        del pending[:end + 4 + length]
+        return int(head[0].split(" ", 2)[1]), payload
+
+    def _receive(self) -> None:
+        data = self.connection.recv(1 << 16)
+        if not data:
+            raise ConnectionError("the server closed the connection")
+        self.pending += data
+
+    def close(self) -> None:
+        if self.connection is not None:
+            self.connection.close()
+        self.connection, self.pending = None, bytearray()
+
+
 def grpc_sender(job: Job, channel: grpc.aio.Channel
                 ) -> Callable[[tuple[bytes, dict[str, str]]], Awaitable[tuple[int, bytes]]]:
     """ModelInfer with the request already serialised; the answer is parsed once the clock has stopped."""
@@ -400,6 +458,10 @@ async def run_job(job: Job, requests: list[dict[str, np.ndarray]], arrivals_ms: 
         if job.over_grpc:
             channel = grpc.aio.insecure_channel(job.url.removeprefix(GRPC_SCHEME).rsplit("/", 1)[0])
             client = _Client(job, grpc_sender(job, await stack.enter_async_context(channel)))
+        elif job.lean:
+            sender = LeanHttpSender(job)
+            stack.callback(sender.close)
+            client = _Client(job, sender)
         else:
             connector = aiohttp.TCPConnector(limit=job.max_connections, keepalive_timeout=CLIENT_KEEPALIVE_S)
             session = aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=job.timeout_s))

@@ -8,7 +8,7 @@ from pathlib import Path
 from rampserve.paths import bundles_dir
 from rampserve.ramps.pooling import TOKEN_REDUCTIONS
 from rampserve.runtime.bundle import load_bundle, save_bundle, write_signature
-from rampserve.runtime.engines import AUTO, ONNX_SERVING
+from rampserve.runtime.engines import AUTO, CHOSEN_BY_TIMING, ONNX_SERVING, EngineChoice, choose_engine
 from rampserve.runtime.manifest import BundleError, read_manifest
 from rampserve.runtime.prepare import (
     PrepareConfig, prepare, ramp_data, ramp_kind, signature_from_workload, token_reduction,
@@ -34,6 +34,8 @@ def zoo_bundle(model: str, small: bool = False, config: PrepareConfig = PrepareC
         if config.engine not in (AUTO, engine.get("engine")) or engine.get("onnxruntime_serving") != ONNX_SERVING:
             raise BundleError(f"{bundle} was prepared for another engine, served otherwise on ONNX Runtime, or "
                               "before the engine was chosen")
+        if config.engine == AUTO and _chosen_otherwise(EngineChoice.from_json(engine)):
+            raise BundleError(f"{bundle} serves on an engine that its own timings no longer choose")
     except BundleError:
         save_bundle(prepare(source, config), bundle)
         return bundle
@@ -42,6 +44,12 @@ def zoo_bundle(model: str, small: bool = False, config: PrepareConfig = PrepareC
         # a bundle that older ones serve from must not be replaced under them (they read the upgraded one as before)
         write_signature(bundle, signature_from_workload(load_bundle(bundle)))
     return bundle
+
+
+def _chosen_otherwise(choice: EngineChoice) -> bool:
+    """Whether a timed choice differs from what `choose_engine` makes of its table today (the rule changed)."""
+    return choice.chosen_by == CHOSEN_BY_TIMING and bool(choice.timings) and \
+        choice.engine != choose_engine(choice.timings)
 
 
 def _other_ramps(manifest: dict, source: ModelSource, config: PrepareConfig) -> bool:

@@ -55,6 +55,19 @@ class LagTracker:
                 "lag_samples_over_5ms": self.slow}
 
 
+@dataclass(frozen=True)
+class ModelSeries:
+    """One model's series of the metrics updated on every batch or request, bound to its label once: each
+    `labels` call takes a lock and hashes its labels, several times a batch on the requests' path otherwise."""
+
+    queue: Histogram
+    compute: Histogram
+    answer: Histogram
+    batch_size: Histogram
+    batch_limit: Gauge
+    queued: Gauge
+
+
 class ServerMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
@@ -129,6 +142,10 @@ class ServerMetrics:
             ["app", "model", "outcome"], registry=r)
         self.app_model_latency = Histogram("rampserve_app_model_seconds", "Time a model of an application took "
                                            "to answer", ["app", "model"], buckets=LATENCY_BUCKETS, registry=r)
+
+    def model_series(self, model: str) -> ModelSeries:
+        """The series of `model` that its executor updates on every batch, bound once."""
+        return ModelSeries(*(getattr(self, name).labels(model=model) for name in ModelSeries.__dataclass_fields__))
 
     def set_readings(self, labels: dict[str, str], readings: dict[str, float]) -> None:
         """The controller's gauges (`Controller.readings`) for one model."""

@@ -132,6 +132,8 @@ def _specs(tensors: tuple[TensorSignature, ...]) -> tuple[TensorSpec, ...]:
 def stack_inputs(specs: tuple[TensorSpec, ...], requests: list[Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
     """One batch from several requests' inputs; variable dimensions are zero-padded to the longest (a zero
     attention mask makes padding invisible to a transformer)."""
+    if len(requests) == 1:  # the batch of one request alone: its inputs as they are
+        return {spec.name: requests[0][spec.name] for spec in specs}
     batch = {}
     for spec in specs:
         arrays = [r[spec.name] for r in requests]

@@ -60,6 +60,7 @@ class RequestQueue:
         self._stopping = False
         self._cond = threading.Condition()
         self._labels = {"model": name}
+        self._queued = metrics.queued.labels(**self._labels)
 
     @property
     def rows_queued(self) -> int:
@@ -97,7 +98,7 @@ class RequestQueue:
             pending = Pending(inputs, rows, arrival, deadline, needs_final, reply, on_final)
             heapq.heappush(self._heap, (-priority, next(self._order), pending))
             self._rows_queued += rows
-            self.metrics.queued.labels(**self._labels).set(self._rows_queued)
+            self._queued.set(self._rows_queued)
             self._cond.notify()
 
     def _shed(self, reason: str) -> None:
@@ -134,7 +135,7 @@ class RequestQueue:
                 batch.append(pending)
                 rows += pending.rows
             self._running = bool(batch)
-            self.metrics.queued.labels(**self._labels).set(self._rows_queued)
+            self._queued.set(self._rows_queued)
         return batch
 
     def batch_done(self) -> None:

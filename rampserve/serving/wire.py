@@ -9,6 +9,7 @@ confidences and logits after the header.
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import struct
@@ -97,12 +98,8 @@ def pack_into(buffer: memoryview, inputs: Mapping[str, np.ndarray], layout: Layo
 
 def unpack(buffer: memoryview | mmap.mmap, layout: Layout, base: int = 0) -> dict[str, np.ndarray]:
     """The inputs, copied out of `buffer` (a slot is reused once the request is answered)."""
-    arrays = {}
-    for name, dtype, shape, offset in layout:
-        dtype = np.dtype(dtype)
-        count = int(np.prod(shape, dtype=np.int64))
-        arrays[name] = np.frombuffer(buffer, dtype, count, base + offset).reshape(shape).copy()
-    return arrays
+    return {name: np.frombuffer(buffer, dtype, math.prod(shape), base + offset).reshape(shape).copy()
+            for name, dtype, shape, offset in layout}
 
 
 class SlotArena:

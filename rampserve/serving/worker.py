@@ -103,6 +103,7 @@ class ModelWorker:
         self.served = served
         self.settings = settings
         self.metrics = metrics
+        self._series = metrics.model_series(served.name)
         profile = served.model.profile
         if profile is None:
             raise ValueError(f"model {served.name} has no latency profile; run `rampserve profile` on its bundle")
@@ -252,12 +253,12 @@ class ModelWorker:
             config, compiled = shadow
         model = self.served.model
         feeds = stack_inputs(self.served.inputs, [p.inputs for p in batch])
-        state = BatchState(config, batch, self.batches, self.metrics.answer.labels(**self._labels))
+        state = BatchState(config, batch, self.batches, self._series.answer)
         self.batches += 1
         strategy = self._stop if compiled is not None and compiled.stops else RELEASE
         started = time.monotonic()
         for pending in batch:
-            self.metrics.queue.labels(**self._labels).observe(started - pending.arrival)
+            self._series.queue.observe(started - pending.arrival)
         try:
             if compiled is None:
                 if self._mode == "stop" and config.sites and not self._told_eager:
@@ -368,9 +369,10 @@ class ModelWorker:
         m, labels_ = self.metrics, self._labels
         if stopped:
             m.stopped_rows.labels(**labels_).inc(stopped)
-        m.compute.labels(**labels_).observe(compute_ms / 1000.0)
-        m.batch_size.labels(**labels_).observe(n)
-        m.batch_limit.labels(**labels_).set(self.batch_size.size)
+        series = self._series
+        series.compute.observe(compute_ms / 1000.0)
+        series.batch_size.observe(n)
+        series.batch_limit.set(self.batch_size.size)
         sites, counts = np.unique(exits, return_counts=True)
         for j, count in zip(sites, counts):
             site = "final" if j == NO_EXIT else config.sites[j]
