@@ -768,14 +768,16 @@ def bench_executor(
     json_out: Annotated[Optional[Path], typer.Option("--json", help="write the results here")] = None,
 ) -> None:
     """The executor in the server's process or in one of its own: overhead, throughput and batch size, over HTTP
-    (binary tensors, JSON) and over gRPC."""
-    from rampserve.bench.executor import ExecutorBenchSettings, executor_table, run_executor_bench
+    (binary tensors, JSON) and over gRPC; and the bare HTTP cores a front end could run on."""
+    from rampserve.bench.executor import ExecutorBenchSettings, executor_table, http_cores_table, run_executor_bench
 
     try:
         settings = ExecutorBenchSettings(model=model, rounds=rounds, max_batch=max_batch, clients=clients)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
-    console.print(executor_table(run_executor_bench(settings, json_out)))
+    report = run_executor_bench(settings, json_out)
+    console.print(executor_table(report))
+    console.print(http_cores_table(report))
 
 
 @bench_app.command("startup")

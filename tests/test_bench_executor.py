@@ -1,17 +1,22 @@
-"""`bench executor`'s pure parts: ratios paired within rounds (process/thread, gRPC/HTTP), the table, its settings,
-the transports' order rotating by round."""
+"""`bench executor`'s pure parts: ratios paired within rounds (process/thread, gRPC/HTTP), the tables, its settings,
+the transports' order rotating by round; and the bare HTTP cores it times, each serving the lean client."""
 
 from __future__ import annotations
 
 from dataclasses import asdict
 
+import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from rampserve.bench.executor import (
-    ENCODINGS, EXECUTORS, ExecutorBenchSettings, executor_table, grpc_over_binary, paired_ratios, rotated,
+    ENCODINGS, EXECUTORS, ExecutorBenchSettings, executor_table, grpc_over_binary, http_cores_table, paired_ratios,
+    rotated,
 )
+from rampserve.bench.harness import ServerProcess, run_loadgen
+from rampserve.bench.http_cores import CORES, INFER_PATH
+from rampserve.bench.loadgen import Job
 
 FIGURES = ("overhead_binary_ms", "overhead_json_ms", "overhead_grpc_ms", "overhead_lean_ms", "closed_rps",
            "closed_p50_ms", "closed_p99_ms", "closed_mean_batch", "closed_grpc_rps", "closed_grpc_p50_ms",
@@ -74,3 +79,22 @@ def test_the_table_shows_medians_spans_and_ratios() -> None:
 def test_settings_refuse_a_closed_loop_shorter_than_its_settling() -> None:
     with pytest.raises(ValueError, match="outlast"):
         ExecutorBenchSettings(closed_s=1.0, closed_settle_s=2.0)
+
+
+@pytest.mark.parametrize("core", list(CORES))
+def test_every_bare_http_core_answers_the_lean_client_as_a_v2_server(core, tmp_path) -> None:
+    """Each core the bench times serves the echo model on loopback: the lean client reads its label on every
+    request of a kept-alive connection."""
+    feeds = [{"x": np.zeros((1, 4), dtype=np.float32)}] * 3
+    with ServerProcess(lambda port, _: CORES[core](port), tmp_path / f"{core}.log", 60.0) as server:
+        job = Job(server.url(INFER_PATH), (("x", "FP32"),), "label", None, clients=1, requests=12, lean=True)
+        result = run_loadgen(job, feeds, tmp_path, core, 1.0, False)
+    assert result.ok.all() and len(result.label) == 12, result.errors
+    assert (result.label == 0).all()
+
+
+def test_the_cores_table_shows_each_cores_median_and_span() -> None:
+    cores = {"median_ms": dict.fromkeys(CORES, 0.15), "min_max": dict.fromkeys(CORES, [0.1, 0.2]), "rounds": []}
+    table = http_cores_table({"http_cores": cores, "settings": asdict(ExecutorBenchSettings(rounds=3))})
+    assert list(table.columns[0].cells) == list(CORES)
+    assert list(table.columns[1].cells) == ["0.150 (0.100–0.200)"] * len(CORES)

@@ -22,6 +22,7 @@ from rampserve.bench.harness import (
     ServerProcess, add_paired_rows, closed_loop_throughput, encode_items, mean_batch_size, median_ratio, percentiles,
     rampserve_serve, ratio_cell, require_answers, round_ratios, run_loadgen, v2_inputs, write_json,
 )
+from rampserve.bench.http_cores import CORES, INFER_PATH
 from rampserve.bench.live import batch1_inprocess_ms
 from rampserve.bench.loadgen import Job, fetch_status
 from rampserve.bench.peers import over_rounds, round_orders
@@ -89,10 +90,12 @@ def run_executor_bench(settings: ExecutorBenchSettings, json_out: Path | None, p
     feeds = encode_items(model, stream.task, stream.items(start, start + 500))
     batch1 = batch1_inprocess_ms(model, feeds, settings.inprocess_rounds)
     rounds: dict[str, list[dict]] = {kind: [] for kind in EXECUTORS}
+    cores: list[dict[str, float]] = []  # per round, each bare HTTP core's one-at-a-time p50
     orders = round_orders(EXECUTORS, settings.rounds)
     warm = settings.sequential_requests // 6
     with tempfile.TemporaryDirectory(prefix="rampserve-executor-") as tmp, \
-            tqdm(total=settings.rounds * len(EXECUTORS), desc="executor", unit="run", disable=not progress) as bar:
+            tqdm(total=settings.rounds * (len(EXECUTORS) + len(CORES)), desc="executor", unit="run",
+                 disable=not progress) as bar:
         workdir = Path(tmp)
         for order in orders:
             for kind in order:
@@ -112,15 +115,32 @@ def run_executor_bench(settings: ExecutorBenchSettings, json_out: Path | None, p
                         figures |= closed_loop(server, transport, feeds, settings, workdir, kind)
                 rounds[kind].append(figures)
                 bar.update()
+            cores.append({})
+            for core in rotated(tuple(CORES), len(cores)):
+                cores[-1][core] = bare_core_ms(core, feeds, settings, workdir)
+                bar.update()
     systems = {}
     for kind in EXECUTORS:
         medians, spans = over_rounds(rounds[kind])
         systems[kind] = medians | {"min_max": spans, "rounds": rounds[kind]}
     report = {"model": settings.model, "batch1_inprocess_ms": batch1, "orders": [list(o) for o in orders],
               "settings": asdict(settings), "systems": systems, "process_over_thread": paired_ratios(rounds),
-              "grpc_over_binary": {kind: grpc_over_binary(rounds[kind], batch1) for kind in EXECUTORS}}
+              "grpc_over_binary": {kind: grpc_over_binary(rounds[kind], batch1) for kind in EXECUTORS},
+              "http_cores": dict(zip(("median_ms", "min_max"), over_rounds(cores))) | {"rounds": cores}}
     write_json(report, json_out)
     return report
+
+
+def bare_core_ms(core: str, feeds: list[dict[str, np.ndarray]], settings: ExecutorBenchSettings,
+                 workdir: Path) -> float:
+    """One HTTP core serving the echo model (`http_cores`), started afresh: the lean client's p50 one request at a
+    time, the same requests and count as the servers' (the first sixth warms up)."""
+    with ServerProcess(lambda port, _: CORES[core](port), workdir / f"{core}.log", settings.start_timeout_s) as server:
+        job = Job(server.url(INFER_PATH), v2_inputs(feeds[0]), "label", None, clients=1,
+                  requests=settings.sequential_requests, lean=True)
+        one = require_answers(run_loadgen(job, feeds, workdir, f"{core} one at a time",
+                                          settings.sequential_requests * 0.001, False), core)
+    return float(np.median(one.latency_ms[one.ok][settings.sequential_requests // 6:]))
 
 
 def rotated(items: tuple[str, ...], by: int) -> tuple[str, ...]:
@@ -171,4 +191,17 @@ def executor_table(report: dict) -> Table:
                        (f"gRPC / binary: {clients} clients p50", "closed_p50_ms"),
                        (f"gRPC / binary: {clients} clients p99", "closed_p99_ms")):
         table.add_row(label, *(ratio_cell(report["grpc_over_binary"][kind].get(key)) for kind in EXECUTORS), "")
+    return table
+
+
+def http_cores_table(report: dict) -> Table:
+    """The bare HTTP cores' round trips beside the server's own overhead (both from the lean client)."""
+    cores = report["http_cores"]
+    table = Table(title=f"bare HTTP cores, an echo model, one request at a time from the lean client: medians "
+                        f"(min–max) over {report['settings']['rounds']} rounds")
+    table.add_column("core")
+    table.add_column("round trip (ms)", justify="right")
+    for core in CORES:
+        low, high = cores["min_max"][core]
+        table.add_row(core, f"{cores['median_ms'][core]:.3f} ({low:.3f}–{high:.3f})")
     return table
