@@ -8,7 +8,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
@@ -32,6 +32,7 @@ def timings(draw) -> list[EngineTiming]:
                          min_size=1, max_size=12))
 
 
+@settings(max_examples=500)
 @given(timings(), st.randoms(use_true_random=False))
 def test_the_choice_is_the_fastest_at_batch_1_within_the_spread_on_the_fewest_cores(table, rng) -> None:
     candidates = [t for t in table if t.batch_size == 1 and t.engine in ENGINES]  # other rows are references
@@ -40,8 +41,9 @@ def test_the_choice_is_the_fastest_at_batch_1_within_the_spread_on_the_fewest_co
             choose_engine(table)
         return
     chosen = choose_engine(table)
-    fastest = min(candidates, key=lambda t: t.median_ms)
-    within = [t for t in candidates if t.median_ms <= fastest.p75_ms]
+    fastest = min(t.median_ms for t in candidates)
+    bound = max(t.p75_ms for t in candidates if t.median_ms == fastest)
+    within = [t for t in candidates if t.median_ms <= bound]
     assert chosen in {t.engine for t in within}  # never slower than the fastest's upper quartile
     assert ENGINES[chosen].cores == min(ENGINES[t.engine].cores for t in within)
     shuffled = list(table)
