@@ -115,8 +115,8 @@ def choose_engine(timings: Sequence[EngineTiming], batch_size: int = 1) -> str:
     those whose median lies within the fastest's interquartile range, the one that takes the fewest cores, then
     the one listed first in `ENGINES`, then by name. Timed alone, a pool of a thread per core may edge out one
     thread; served, its threads compete with the front end and the executor's own Python for the cores at the
-    moment a run ends (resnet18-fmnist, one request at a time on 2 cores: 0.82 ms over the model's time on one
-    thread against 1.10 ms on two, timed alone 0.26 ms against 0.21 ms with overlapping quartiles)."""
+    moment a run ends (resnet18-fmnist, one request at a time on 2 cores: 0.72 ms over the model's time on one
+    thread against 1.02 ms on two, timed alone 0.26 ms against 0.21 ms with overlapping quartiles)."""
     timed = [t for t in timings if t.batch_size == batch_size and t.engine in ENGINES]
     if not timed:
         raise ValueError(f"no engine was timed at batch size {batch_size}")
