@@ -36,8 +36,8 @@ EXECUTORS = ("thread", "process")
 ENCODINGS = ("binary", "json", "grpc", "lean")
 CLOSED_LOOPS = {"binary": "closed", "grpc": "closed_grpc"}  # the closed loop's transports and their figures' prefix
 # Figures where lower is better (a ratio under 1 favours the process) and those where higher is better
-LOWER_IS_BETTER = ("overhead_binary_ms", "overhead_json_ms", "overhead_grpc_ms", "overhead_lean_ms", "closed_p50_ms", "closed_p99_ms",
-                   "closed_grpc_p50_ms", "closed_grpc_p99_ms")
+LOWER_IS_BETTER = ("overhead_binary_ms", "overhead_json_ms", "overhead_grpc_ms", "overhead_lean_ms", "closed_p50_ms",
+                   "closed_p99_ms", "closed_grpc_p50_ms", "closed_grpc_p99_ms")
 HIGHER_IS_BETTER = ("closed_rps", "closed_mean_batch", "closed_grpc_rps", "closed_grpc_mean_batch")
 
 
@@ -92,7 +92,6 @@ def run_executor_bench(settings: ExecutorBenchSettings, json_out: Path | None, p
     rounds: dict[str, list[dict]] = {kind: [] for kind in EXECUTORS}
     cores: list[dict[str, float]] = []  # per round, each bare HTTP core's one-at-a-time p50
     orders = round_orders(EXECUTORS, settings.rounds)
-    warm = settings.sequential_requests // 6
     with tempfile.TemporaryDirectory(prefix="rampserve-executor-") as tmp, \
             tqdm(total=settings.rounds * (len(EXECUTORS) + len(CORES)), desc="executor", unit="run",
                  disable=not progress) as bar:
@@ -104,13 +103,10 @@ def run_executor_bench(settings: ExecutorBenchSettings, json_out: Path | None, p
                 with ServerProcess(command, workdir / f"{kind}.log", settings.start_timeout_s) as server:
                     figures: dict[str, float | None] = {}
                     for encoding in rotated(ENCODINGS, len(rounds[kind])):
-                        job = Job(server.infer_url(settings.model, "grpc" if encoding == "grpc" else "http"),
-                                  v2_inputs(feeds[0]), "label", None, clients=1,
-                                  requests=settings.sequential_requests, json_bodies=encoding == "json",
-                                  lean=encoding == "lean")
-                        one = require_answers(run_loadgen(job, feeds, workdir, f"{kind} one at a time",
-                                                          settings.sequential_requests * 0.003, False), kind)
-                        figures[f"overhead_{encoding}_ms"] = float(np.median(one.latency_ms[one.ok][warm:])) - batch1
+                        url = server.infer_url(settings.model, "grpc" if encoding == "grpc" else "http")
+                        figures[f"overhead_{encoding}_ms"] = one_at_a_time_p50(
+                            url, feeds, settings, workdir, kind, json_bodies=encoding == "json",
+                            lean=encoding == "lean") - batch1
                     for transport in rotated(tuple(CLOSED_LOOPS), len(rounds[kind])):
                         figures |= closed_loop(server, transport, feeds, settings, workdir, kind)
                 rounds[kind].append(figures)
@@ -131,16 +127,23 @@ def run_executor_bench(settings: ExecutorBenchSettings, json_out: Path | None, p
     return report
 
 
+def one_at_a_time_p50(url: str, feeds: list[dict[str, np.ndarray]], settings: ExecutorBenchSettings, workdir: Path,
+                      name: str, **job_options: bool) -> float:
+    """One client sending `settings.sequential_requests` one after another to `url`: the p50 in ms of those after
+    the first sixth, which warms up (a request that failed fails the bench)."""
+    job = Job(url, v2_inputs(feeds[0]), "label", None, clients=1, requests=settings.sequential_requests,
+              **job_options)
+    one = require_answers(run_loadgen(job, feeds, workdir, f"{name} one at a time",
+                                      settings.sequential_requests * 0.003, False), name)
+    return float(np.median(one.latency_ms[one.ok][settings.sequential_requests // 6:]))
+
+
 def bare_core_ms(core: str, feeds: list[dict[str, np.ndarray]], settings: ExecutorBenchSettings,
                  workdir: Path) -> float:
     """One HTTP core serving the echo model (`http_cores`), started afresh: the lean client's p50 one request at a
-    time, the same requests and count as the servers' (the first sixth warms up)."""
+    time, the same requests and count as the servers'."""
     with ServerProcess(lambda port, _: CORES[core](port), workdir / f"{core}.log", settings.start_timeout_s) as server:
-        job = Job(server.url(INFER_PATH), v2_inputs(feeds[0]), "label", None, clients=1,
-                  requests=settings.sequential_requests, lean=True)
-        one = require_answers(run_loadgen(job, feeds, workdir, f"{core} one at a time",
-                                          settings.sequential_requests * 0.001, False), core)
-    return float(np.median(one.latency_ms[one.ok][settings.sequential_requests // 6:]))
+        return one_at_a_time_p50(server.url(INFER_PATH), feeds, settings, workdir, core, lean=True)
 
 
 def rotated(items: tuple[str, ...], by: int) -> tuple[str, ...]:

@@ -57,15 +57,15 @@ class LagTracker:
 
 @dataclass(frozen=True)
 class ModelSeries:
-    """One model's series of the metrics updated on every batch or request, bound to its label once: each
-    `labels` call takes a lock and hashes its labels, several times a batch on the requests' path otherwise."""
+    """One model's series of the metrics its executor updates on every batch, bound to its label once: each `labels`
+    call takes a lock and hashes its labels, several times a batch on the requests' path otherwise (the queue binds
+    its own gauge of queued inputs)."""
 
     queue: Histogram
     compute: Histogram
     answer: Histogram
     batch_size: Histogram
     batch_limit: Gauge
-    queued: Gauge
 
 
 class ServerMetrics:
