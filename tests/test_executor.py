@@ -7,6 +7,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -22,6 +23,7 @@ import tritonclient.grpc as triton_grpc
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
+from prometheus_client.parser import text_string_to_metric_families
 
 from test_shadow_batches import FixedControl, HeldCompiler
 from rampserve.bench.harness import free_port, http_status
@@ -29,6 +31,7 @@ from rampserve.control.records import Configuration
 from rampserve.serving import wire
 from rampserve.serving.compiler import likely_next_sets
 from rampserve.serving.contract import Answer, ModelSettings
+from rampserve.serving.executor import wait_readable
 from rampserve.serving.metrics import ServerMetrics
 from rampserve.serving.models import ServedModel, load_served
 from rampserve.serving.models import served as make_served
@@ -139,6 +142,41 @@ def test_slots_are_taken_once_and_come_back() -> None:
         arena.close()
 
 
+# ---- how the executor waits for frames ------------------------------------------------------------------------------
+
+
+def send_once_waiting(writer: socket.socket, reader: int, stage: str) -> threading.Thread:
+    """A thread that sends a byte once thread `reader` is inside `wait_readable` and has set `stage` (a local of
+    it), i.e. has looked once and found nothing."""
+    def send() -> None:
+        while True:
+            frame = sys._current_frames().get(reader)
+            if frame is not None and frame.f_code is wait_readable.__code__ and stage in frame.f_locals:
+                break
+            time.sleep(0.001)
+        writer.send(b"y")
+    thread = threading.Thread(target=send)
+    thread.start()
+    return thread
+
+
+def test_a_frame_is_found_by_polling_within_the_window_and_by_sleeping_after_it() -> None:
+    reader, writer = socket.socketpair()
+    with reader, writer:
+        now = time.monotonic()
+        assert wait_readable(reader, 0.01, now + 60) is None  # nothing came: the timeout ends the poll
+        assert wait_readable(reader, 0.0, now - 1) is None
+        writer.send(b"x")
+        assert wait_readable(reader, None, now + 60) == "ready"
+        reader.recv(1)
+        for poll_until, stage, how in ((time.monotonic() + 60, "stop_polling", "polled"),
+                                       (time.monotonic() - 1, "remaining", "slept")):
+            sender = send_once_waiting(writer, threading.get_ident(), stage)
+            assert wait_readable(reader, None, poll_until) == how
+            sender.join()
+            reader.recv(1)
+
+
 # ---- serving through the executor process ---------------------------------------------------------------------------
 
 
@@ -173,6 +211,22 @@ def test_a_bundle_is_served_by_an_executor_process_with_the_original_answers(ser
         pid = status["executor"]["pid"]
     assert not Path(f"/proc/{pid}").exists() or _is_zombie(pid)
     assert shared_memory_files() <= before
+
+
+@pytest.mark.parametrize("idle_poll_ms", [0.0, 60_000.0])
+def test_the_executor_polls_for_requests_only_within_its_window(served, fmnist_feeds, idle_poll_ms) -> None:
+    state = build_state([served], ModelSettings(idle_poll_ms=idle_poll_ms), ServerSettings(port=0))
+    with running_server(state) as url:
+        for i in range(5):
+            code, body = post(f"{url}/v2/models/{MODEL}/infer", infer_body(served, fmnist_feeds[i:i + 1]))
+            assert code == 200, body
+        found = {sample.labels["how"]: sample.value
+                 for family in text_string_to_metric_families(get_text(url + "/metrics"))
+                 for sample in family.samples if sample.name == "rampserve_executor_frames_found_total"}
+    # each request's frame was found one way (already there if it came while the last batch ended); a window of a
+    # minute holds the whole test
+    waited = "polled" if idle_poll_ms else "slept"
+    assert found[waited] + found["ready"] >= 5 and found["polled" if waited == "slept" else "slept"] == 0
 
 
 def _is_zombie(pid: int) -> bool:

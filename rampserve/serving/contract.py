@@ -70,11 +70,19 @@ class ModelSettings:
     # parsing and writing never holds the GIL the model's Python parts need; or "thread", in the server's process
     # (a model built in memory, with no bundle on disk to load, always runs there)
     executor: str = "process"
+    # How long an executor process polls for the front end's next frame after its last, before it sleeps in the
+    # kernel. A sleeping core wakes late, and to a colder model: on this 2-core VM, minilm-rt served one request at
+    # a time took 0.7-1.6 ms longer after 20-50 ms idle when the executor slept than when it polled, and polling
+    # cut a request's overhead by 0.13-0.37 ms (one wake-up fewer; DESIGN, the executor process). The price is the
+    # CPU of a core within the window of any frame, given to any other runnable thread first (0: never poll).
+    idle_poll_ms: float = 50.0
     controller: ControllerSettings = field(default_factory=ControllerSettings)
 
     def __post_init__(self) -> None:
         if self.executor not in EXECUTORS:
             raise ValueError(f"executor must be one of {EXECUTORS}, got {self.executor!r}")
+        if self.idle_poll_ms < 0:
+            raise ValueError(f"idle_poll_ms must be 0 or more, got {self.idle_poll_ms}")
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)

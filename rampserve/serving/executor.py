@@ -72,6 +72,24 @@ class StartLog:
         return {"phases": dict(self.phases), "sets": self.sets}
 
 
+def wait_readable(sock: socket.socket, timeout: float | None, poll_until: float) -> str | None:
+    """How `sock` became readable within `timeout` seconds (None: no limit): "ready" if it was already, "polled" if
+    it became so while the monotonic clock was before `poll_until` (looked at again and again, the core yielded to
+    any other runnable thread between looks), else "slept" (in select); None if it did not."""
+    if select.select([sock], [], [], 0)[0]:
+        return "ready"
+    now = time.monotonic()
+    deadline = None if timeout is None else now + timeout
+    stop_polling = poll_until if deadline is None else min(poll_until, deadline)
+    while now < stop_polling:
+        os.sched_yield()
+        if select.select([sock], [], [], 0)[0]:
+            return "polled"
+        now = time.monotonic()
+    remaining = None if deadline is None else max(0.0, deadline - now)
+    return "slept" if select.select([sock], [], [], remaining)[0] else None
+
+
 def metric_families(registry: CollectorRegistry, model: str) -> list[dict]:
     """The registry's samples of one model, as data (the front end merges them into its own /metrics)."""
     families = []
@@ -94,6 +112,7 @@ class Executor:
         from rampserve.serving.worker import ModelWorker  # imported by `main`, which times the imports
 
         self._sock, self._reader, self._sending = sock, reader, threading.Lock()
+        self._last_frame = time.monotonic()
         self._calls: dict[int, Future] = {}  # the front end's answers awaited, by call
         self._call_ids = itertools.count()
         self._calls_lock = threading.Lock()
@@ -105,6 +124,9 @@ class Executor:
         self.worker = ModelWorker(model, ModelSettings.from_json(hello["settings"]), self.metrics, control)
         self.worker.on_configuration = lambda config: self.send(wire.frame(wire.CONFIGURATION, config.to_json()))
         self.worker.queue.feed = self._read
+        self._poll_s = self.worker.settings.idle_poll_ms / 1000.0
+        self._found = {how: self.metrics.executor_frames_found.labels(model=model.name, how=how)
+                       for how in ("ready", "polled", "slept")}
 
     def send(self, data: bytes) -> None:
         with self._sending:  # the executor, releasing and control threads all answer
@@ -144,9 +166,13 @@ class Executor:
                 "compile worker first")
 
     def _read(self, timeout: float | None) -> None:
-        """Whatever the front end sent, waiting at most `timeout` seconds for it (on the executor thread)."""
-        if not select.select([self._sock], [], [], timeout)[0]:
+        """Whatever the front end sent, waiting at most `timeout` seconds for it (on the executor thread), polling
+        for it within `idle_poll_ms` of the last frame (`ModelSettings.idle_poll_ms` says why)."""
+        how = wait_readable(self._sock, timeout, self._last_frame + self._poll_s)
+        if how is None:
             return
+        self._found[how].inc()
+        self._last_frame = time.monotonic()
         data = self._sock.recv(1 << 20)
         if not data:  # the front end is gone: answer what was accepted, then end
             self._quit()

@@ -122,6 +122,10 @@ class ServerMetrics:
                                "its batch failed)", ["model", "path"], registry=r)
         self.executor_restarts = Counter("rampserve_executor_restarts", "Executor processes started again after "
                                          "theirs died", ["model"], registry=r)
+        self.executor_frames_found = Counter(
+            "rampserve_executor_frames_found", "Times an executor process found the front end's frames, by how: ready "
+            "(waiting when it looked), polled (within --idle-poll-ms of the last frame) or slept", ["model", "how"],
+            registry=r)
         self.config_changes = Counter("rampserve_configuration_changes", "Configurations adopted by the executor",
                                       ["model"], registry=r)
         self.loop_lag = LagTracker()

@@ -57,6 +57,9 @@ class ModelOptions(BaseModel):
     vanilla: bool = Field(False, description="serve the original model, no early exits")
     executor: str = Field("process", description="where each bundle's batches run: process (one of its own, with "
                                                  "its controller and compiler) or thread (in the server's process)")
+    idle_poll_ms: float = Field(50.0, ge=0, description="how long an executor process polls for requests after its "
+                                                       "last before it sleeps (a sleeping core wakes late; 0: never "
+                                                       "poll)")
     cache_updates: bool = Field(True, description="active cache ramps learn from served final answers")
     # The controller
     accuracy_constraint: float = Field(ControllerSettings.accuracy_constraint,
