@@ -37,5 +37,3 @@ fi
 
 # The ramp operator (C++, built with g++ and the pinned ninja against the pinned torch)
 .venv/bin/python -m rampserve.ramps.kernel
-# The executor's idle poll (C, built with the C compiler g++ brings, called through ctypes)
-.venv/bin/python -m rampserve.serving.idle_poll

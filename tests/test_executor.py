@@ -31,8 +31,7 @@ from rampserve.control.records import Configuration
 from rampserve.serving import wire
 from rampserve.serving.compiler import likely_next_sets
 from rampserve.serving.contract import Answer, ModelSettings
-from rampserve.serving.executor import poll_in_python, wait_readable
-from rampserve.serving.idle_poll import native_poll
+from rampserve.serving.executor import wait_readable
 from rampserve.serving.metrics import ServerMetrics
 from rampserve.serving.models import ServedModel, load_served
 from rampserve.serving.models import served as make_served
@@ -149,14 +148,11 @@ def test_slots_are_taken_once_and_come_back() -> None:
 def send_once_waiting(writer: socket.socket, reader: int, stage: str) -> threading.Thread:
     """A thread that sends a byte once thread `reader` is inside `wait_readable` and has set `stage` (a local of
     it), i.e. has looked once and found nothing."""
-    def waiting() -> bool:
-        frame = sys._current_frames().get(reader)
-        while frame is not None and frame.f_code is not wait_readable.__code__:
-            frame = frame.f_back  # the poll's own frames
-        return frame is not None and stage in frame.f_locals
-
     def send() -> None:
-        while not waiting():
+        while True:
+            frame = sys._current_frames().get(reader)
+            if frame is not None and frame.f_code is wait_readable.__code__ and stage in frame.f_locals:
+                break
             time.sleep(0.001)
         writer.send(b"y")
     thread = threading.Thread(target=send)
@@ -164,24 +160,19 @@ def send_once_waiting(writer: socket.socket, reader: int, stage: str) -> threadi
     return thread
 
 
-def test_the_setup_builds_the_poll_that_lets_go_of_the_gil() -> None:
-    assert native_poll() is not None
-
-
-@pytest.mark.parametrize("poll", [poll_in_python, native_poll()], ids=["python", "native"])
-def test_a_frame_is_found_by_polling_within_the_window_and_by_sleeping_after_it(poll) -> None:
+def test_a_frame_is_found_by_polling_within_the_window_and_by_sleeping_after_it() -> None:
     reader, writer = socket.socketpair()
     with reader, writer:
         now = time.monotonic()
-        assert wait_readable(reader, 0.01, now + 60, poll) is None  # nothing came: the timeout ends the poll
-        assert wait_readable(reader, 0.0, now - 1, poll) is None
+        assert wait_readable(reader, 0.01, now + 60) is None  # nothing came: the timeout ends the poll
+        assert wait_readable(reader, 0.0, now - 1) is None
         writer.send(b"x")
-        assert wait_readable(reader, None, now + 60, poll) == "ready"
+        assert wait_readable(reader, None, now + 60) == "ready"
         reader.recv(1)
         for poll_until, stage, how in ((time.monotonic() + 60, "stop_polling", "polled"),
                                        (time.monotonic() - 1, "remaining", "slept")):
             sender = send_once_waiting(writer, threading.get_ident(), stage)
-            assert wait_readable(reader, None, poll_until, poll) == how
+            assert wait_readable(reader, None, poll_until) == how
             sender.join()
             reader.recv(1)
 

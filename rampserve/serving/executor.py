@@ -33,7 +33,6 @@ from prometheus_client import CollectorRegistry
 
 from rampserve.control.records import BatchRecord, Configuration
 from rampserve.serving import wire
-from rampserve.serving.idle_poll import native_poll
 from rampserve.serving.contract import GIL_SWITCH_INTERVAL_S, Answer, ModelSettings, Shed, freeze_startup_objects
 from rampserve.serving.metrics import ServerMetrics
 from rampserve.serving.models import ServedModel, read_served
@@ -73,29 +72,18 @@ class StartLog:
         return {"phases": dict(self.phases), "sets": self.sets}
 
 
-def poll_in_python(fd: int, seconds: float) -> bool:
-    """Whether `fd` became readable within `seconds`, looked at again and again, the core yielded to any other
-    runnable thread between looks (the GIL is taken back between looks: `idle_poll.native_poll` is not)."""
-    end = time.monotonic() + seconds
-    while not select.select([fd], [], [], 0)[0]:
-        if time.monotonic() >= end:
-            return False
-        os.sched_yield()
-    return True
-
-
-def wait_readable(sock: socket.socket, timeout: float | None, poll_until: float,
-                  poll: Callable[[int, float], bool] = poll_in_python) -> str | None:
+def wait_readable(sock: socket.socket, timeout: float | None, poll_until: float) -> str | None:
     """How `sock` became readable within `timeout` seconds (None: no limit): "ready" if it was already, "polled" if
-    it became so by `poll` while the monotonic clock was before `poll_until`, else "slept" (in select); None if it
-    did not."""
+    it became so while the monotonic clock was before `poll_until` (looked at again and again, the core yielded to
+    any other runnable thread between looks), else "slept" (in select); None if it did not."""
     if select.select([sock], [], [], 0)[0]:
         return "ready"
     now = time.monotonic()
     deadline = None if timeout is None else now + timeout
     stop_polling = poll_until if deadline is None else min(poll_until, deadline)
-    if stop_polling > now:
-        if poll(sock.fileno(), stop_polling - now):
+    while now < stop_polling:
+        os.sched_yield()
+        if select.select([sock], [], [], 0)[0]:
             return "polled"
         now = time.monotonic()
     remaining = None if deadline is None else max(0.0, deadline - now)
@@ -137,7 +125,6 @@ class Executor:
         self.worker.on_configuration = lambda config: self.send(wire.frame(wire.CONFIGURATION, config.to_json()))
         self.worker.queue.feed = self._read
         self._poll_s = self.worker.settings.idle_poll_ms / 1000.0
-        self._poll = (native_poll() or poll_in_python) if self._poll_s else poll_in_python
         self._found = {how: self.metrics.executor_frames_found.labels(model=model.name, how=how)
                        for how in ("ready", "polled", "slept")}
 
@@ -181,7 +168,7 @@ class Executor:
     def _read(self, timeout: float | None) -> None:
         """Whatever the front end sent, waiting at most `timeout` seconds for it (on the executor thread), polling
         for it within `idle_poll_ms` of the last frame (`ModelSettings.idle_poll_ms` says why)."""
-        how = wait_readable(self._sock, timeout, self._last_frame + self._poll_s, self._poll)
+        how = wait_readable(self._sock, timeout, self._last_frame + self._poll_s)
         if how is None:
             return
         self._found[how].inc()
