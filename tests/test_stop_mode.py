@@ -10,7 +10,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from rampserve.control.controller import ControllerSettings
@@ -338,6 +338,9 @@ def test_a_final_answer_is_kept_before_the_response_that_carries_it(resnet_prepa
     @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
     @given(st.lists(st.tuples(st.integers(1, 3), st.booleans()), min_size=1, max_size=5),
            st.tuples(*(st.integers(0, 4) for _ in sites)), st.sampled_from(["release", "stop"]))
+    # both paths in every run, whatever is drawn: threshold 0 exits nothing, threshold 1 lets every input exit
+    @example([(1, False), (2, True)], (0,) * len(sites), "release")
+    @example([(1, False), (2, True)], (4,) * len(sites), "release")
     def check(requests: list[tuple[int, bool]], picks: tuple[int, ...], mode: str) -> None:
         worker = workers[mode]
         config = Configuration(1, sites, tuple(choices[j][k] for j, k in enumerate(picks)))
