@@ -217,6 +217,7 @@ def test_a_bundle_is_served_by_an_executor_process_with_the_original_answers(ser
 def test_the_executor_polls_for_requests_only_within_its_window(served, fmnist_feeds, idle_poll_ms) -> None:
     state = build_state([served], ModelSettings(idle_poll_ms=idle_poll_ms), ServerSettings(port=0))
     with running_server(state) as url:
+        assert get_json(url + "/status")["models"][MODEL]["executor"]["idle_poll_ms"] == idle_poll_ms
         for i in range(5):
             code, body = post(f"{url}/v2/models/{MODEL}/infer", infer_body(served, fmnist_feeds[i:i + 1]))
             assert code == 200, body
