@@ -78,6 +78,8 @@ def wait_readable(sock: socket.socket, timeout: float | None, poll_until: float)
     any other runnable thread between looks), else "slept" (in select); None if it did not."""
     if select.select([sock], [], [], 0)[0]:
         return "ready"
+    if timeout == 0:  # a look between batches, once per batch: no second look
+        return None
     now = time.monotonic()
     deadline = None if timeout is None else now + timeout
     stop_polling = poll_until if deadline is None else min(poll_until, deadline)
