@@ -12,6 +12,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 COMM_BYTES = 15  # the kernel keeps at most this much of a name
+_idle_native_threads = False  # set by `idle_native_threads`
 
 
 def _comm() -> Path:
@@ -35,11 +36,38 @@ def native_threads_named(name: str) -> Iterator[None]:
     except OSError:
         yield
         return
+    existing = thread_ids()
     set_os_thread_name(name)
     try:
         yield
     finally:
         set_os_thread_name(before)
+        if _idle_native_threads:
+            for thread in thread_ids() - existing:
+                if _comm_of(thread) == name:
+                    schedule_as_idle(thread)
+
+
+def idle_native_threads() -> None:
+    """From now on, threads that native code starts inside `native_threads_named` run under Linux's SCHED_IDLE (an
+    executor process's "idle-pools" policy, `ModelSettings.executor_policy`)."""
+    global _idle_native_threads
+    _idle_native_threads = True
+
+
+def thread_ids() -> set[int]:
+    """The ids of this process's threads (none where there is no /proc)."""
+    try:
+        return {int(task) for task in os.listdir("/proc/self/task")}
+    except OSError:
+        return set()
+
+
+def _comm_of(thread: int) -> str | None:
+    try:
+        return Path(f"/proc/self/task/{thread}/comm").read_text().rstrip("\n")
+    except OSError:  # it ended meanwhile
+        return None
 
 
 def lower_os_thread_priority(niceness: int) -> None:
@@ -48,6 +76,19 @@ def lower_os_thread_priority(niceness: int) -> None:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), niceness)
     except OSError:  # not allowed here: the thread runs at the process's priority
         pass
+
+
+def schedule_as_idle(thread: int = 0) -> bool:
+    """Put `thread` (0: the calling one), and every thread and process it starts from then on, under Linux's
+    SCHED_IDLE: a thread of any other policy that wakes takes its core at once. Whether it could (not on other
+    systems)."""
+    if not hasattr(os, "SCHED_IDLE"):
+        return False
+    try:
+        os.sched_setscheduler(thread, os.SCHED_IDLE, os.sched_param(0))
+    except OSError:
+        return False
+    return True
 
 
 class OsNamedThread(threading.Thread):

@@ -27,6 +27,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from test_shadow_batches import FixedControl, HeldCompiler
 from rampserve.bench.harness import free_port, http_status
+from rampserve.graph.onnx_graph import ORT_POOL_NAME
+from rampserve.runtime.bundle import save_bundle
 from rampserve.control.records import Configuration
 from rampserve.serving import wire
 from rampserve.serving.compiler import likely_next_sets
@@ -228,6 +230,40 @@ def test_the_executor_polls_for_requests_only_within_its_window(served, fmnist_f
     # minute holds the whole test
     waited = "polled" if idle_poll_ms else "slept"
     assert found[waited] + found["ready"] >= 5 and found["polled" if waited == "slept" else "slept"] == 0
+
+
+@pytest.mark.parametrize("policy", ["normal", "idle-pools", "idle"])
+def test_the_executor_process_runs_under_its_scheduling_policy(onnx_prepared, fmnist_feeds, tmp_path, policy) -> None:
+    """An ONNX model's executor: under "idle-pools" ONNX Runtime's pool threads are SCHED_IDLE and the others keep
+    the normal policy, under "idle" every thread is (those there when it was set and those started after, the
+    pools among them), under "normal" none; the front end's own threads keep theirs."""
+    served = load_served(str(save_bundle(onnx_prepared, tmp_path / MODEL)))
+    state = build_state([served], ModelSettings(executor_policy=policy), ServerSettings(port=0))
+    with running_server(state) as url:
+        code, body = post(f"{url}/v2/models/{MODEL}/infer", infer_body(served, fmnist_feeds[:1]))
+        assert code == 200, body
+        executor = get_json(url + "/status")["models"][MODEL]["executor"]
+        threads = thread_policies(executor["pid"])
+        front_end = thread_policies(os.getpid())
+    pools = {scheduled for name, scheduled in threads.values() if name == ORT_POOL_NAME}
+    others = {scheduled for name, scheduled in threads.values() if name != ORT_POOL_NAME}
+    idle, normal = os.SCHED_IDLE, os.SCHED_OTHER
+    assert executor["policy"] == policy
+    # ONNX Runtime at its default threads starts a pool on a machine of two cores or more
+    assert (pools, others) == {"normal": ({normal}, {normal}), "idle-pools": ({idle}, {normal}),
+                               "idle": ({idle}, {idle})}[policy]
+    assert {scheduled for _, scheduled in front_end.values()} == {normal}
+
+
+def thread_policies(pid: int) -> dict[int, tuple[str, int]]:
+    """The kernel's name and scheduling policy of each thread of process `pid` (those still there once read)."""
+    policies = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            policies[int(task.name)] = ((task / "comm").read_text().rstrip("\n"), os.sched_getscheduler(int(task.name)))
+        except (ProcessLookupError, FileNotFoundError):  # the thread ended meanwhile
+            pass
+    return policies
 
 
 def _is_zombie(pid: int) -> bool:

@@ -94,8 +94,9 @@ def test_a_flag_overrides_the_environment(served_with) -> None:
     ({"RAMPSERVE_EXIT_MODE": "halt"}, [], "RAMPSERVE_EXIT_MODE='halt'"),
     ({"RAMPSERVE_MAX_BATCH": "0"}, [], "RAMPSERVE_MAX_BATCH='0'"),
     ({"RAMPSERVE_EXECUTOR": "fork"}, [], "RAMPSERVE_EXECUTOR='fork'"),
+    ({"RAMPSERVE_EXECUTOR_POLICY": "realtime"}, [], "RAMPSERVE_EXECUTOR_POLICY='realtime'"),
     ({}, ["--accuracy-constraint", "1.5"], "--accuracy-constraint=1.5"),
-], ids=["type", "exit mode", "range", "executor", "flag"])
+], ids=["type", "exit mode", "range", "executor", "policy", "flag"])
 def test_a_bad_value_is_refused_at_start_naming_its_variable_or_flag(served_with, env, args, named) -> None:
     result = run_serve(args, env)
     assert result.exit_code == 2, result.output

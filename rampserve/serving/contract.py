@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from rampserve.serving.models import ServedModel
 
 EXECUTORS = ("process", "thread")
+EXECUTOR_POLICIES = ("normal", "idle-pools", "idle")
 # How long a thread holding the GIL runs before a waiting one may take it. Python's default (5 ms) would let the
 # executor, between two of the model's operators, keep the thread that sends an answer released early from it
 # for longer than the whole model takes; 0.2 ms bounds that wait at a tenth of a small model's batch.
@@ -76,11 +77,22 @@ class ModelSettings:
     # cut a request's overhead by 0.13-0.37 ms (one wake-up fewer; DESIGN, the executor process). The price is the
     # CPU of a core within the window of any frame, given to any other runnable thread first (0: never poll).
     idle_poll_ms: float = 50.0
+    # The Linux scheduling policy of an executor process's threads. An answer a ramp releases mid-run goes out
+    # through the front end while ONNX Runtime's threads run on every core, and under the normal policy the front end
+    # waits for one's slice to end: 1.9-3.5 ms on this 2-core VM (minilm-rt, one request at a time after 30-100 ms
+    # idle), 0.2-0.6 ms when those threads are SCHED_IDLE, which any other thread that wakes preempts at once (DESIGN,
+    # the executor yields). "idle-pools": ONNX Runtime's pool threads alone, so that the thread that runs the batch
+    # keeps its core; "idle": every thread of the process (the compile worker too); "normal": none. "idle" sent
+    # released answers out sooner still but cost a fifth of the saturation throughput of both vanilla and managed
+    # servers with a bench's clients on the same cores, which "idle-pools" did not (README, bench live).
+    executor_policy: str = "idle-pools"
     controller: ControllerSettings = field(default_factory=ControllerSettings)
 
     def __post_init__(self) -> None:
         if self.executor not in EXECUTORS:
             raise ValueError(f"executor must be one of {EXECUTORS}, got {self.executor!r}")
+        if self.executor_policy not in EXECUTOR_POLICIES:
+            raise ValueError(f"executor_policy must be one of {EXECUTOR_POLICIES}, got {self.executor_policy!r}")
         if self.idle_poll_ms < 0:
             raise ValueError(f"idle_poll_ms must be 0 or more, got {self.idle_poll_ms}")
 

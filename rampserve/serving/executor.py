@@ -36,6 +36,7 @@ from rampserve.serving import wire
 from rampserve.serving.contract import GIL_SWITCH_INTERVAL_S, Answer, ModelSettings, Shed, freeze_startup_objects
 from rampserve.serving.metrics import ServerMetrics
 from rampserve.serving.models import ServedModel, read_served
+from rampserve.threads import idle_native_threads, schedule_as_idle, thread_ids
 
 log = logging.getLogger("rampserve.serving")
 
@@ -55,8 +56,8 @@ class StartLog:
     until it is ready: an operator sees where that time went) and at INFO on a first start. `report` is what READY
     carries to the front end, which shows it in the model's status."""
 
-    def __init__(self, model: str, spawned: float, restart: bool) -> None:
-        self.model, self.spawned = model, spawned
+    def __init__(self, model: str, spawned: float, restart: bool, policy: str) -> None:
+        self.model, self.spawned, self.policy = model, spawned, policy
         self.what, self.level = ("restart", logging.WARNING) if restart else ("start", logging.INFO)
         self.phases: list[tuple[str, float]] = []  # (phase, seconds since the spawn at its end)
         self.sets: dict[str, int] = {}
@@ -69,7 +70,7 @@ class StartLog:
                 f"; {detail}" if detail else "")
 
     def report(self) -> dict:
-        return {"phases": dict(self.phases), "sets": self.sets}
+        return {"phases": dict(self.phases), "sets": self.sets, "policy": self.policy}
 
 
 def wait_readable(sock: socket.socket, timeout: float | None, poll_until: float) -> str | None:
@@ -268,6 +269,18 @@ class RelayedControl:
         return {}
 
 
+def scheduled(policy: str) -> str:
+    """Schedule this process's threads by `ModelSettings.executor_policy` (before the model's imports: the threads
+    started after, the model's pools among them, inherit it); the policy in effect ("normal" where Linux's SCHED_IDLE
+    is not to be had)."""
+    if policy == "idle":  # the threads there already too (numpy's BLAS pool, started by its import)
+        return policy if all([schedule_as_idle(thread) for thread in thread_ids() or {0}]) else "normal"
+    if policy == "idle-pools" and hasattr(os, "SCHED_IDLE"):
+        idle_native_threads()
+        return policy
+    return "normal"
+
+
 def main(argv: list[str]) -> None:
     """`python -m rampserve.serving.executor SOCKET_FD ARENA_FD`, started by a `ProcessWorker`."""
     sock_fd, arena_fd = int(argv[0]), int(argv[1])
@@ -285,8 +298,8 @@ def main(argv: list[str]) -> None:
     if first is None or first[0] != wire.HELLO:
         raise SystemExit("rampserve executor: the front end sent no HELLO")
     hello = first[1]
-    start = StartLog(hello["name"], hello["spawned"], hello["restart"])
-    start.phase("process started")
+    start = StartLog(hello["name"], hello["spawned"], hello["restart"], scheduled(hello["settings"]["executor_policy"]))
+    start.phase("process started", f"scheduling policy {start.policy}")
     model = read_served(Path(hello["bundle"]), hello["name"], hello["version"])
     for module in MODEL_MODULES[model.backend]:
         importlib.import_module(module)

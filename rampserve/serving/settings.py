@@ -60,6 +60,11 @@ class ModelOptions(BaseModel):
     idle_poll_ms: float = Field(50.0, ge=0, description="how long an executor process polls for requests after its "
                                                        "last before it sleeps (a sleeping core wakes late; 0: never "
                                                        "poll)")
+    executor_policy: str = Field("idle-pools", description="Linux scheduling policy of an executor process: "
+                                                           "idle-pools (ONNX Runtime's pool threads under "
+                                                           "SCHED_IDLE: any other thread takes their core at once, "
+                                                           "so released answers leave while the model runs on), "
+                                                           "idle (every thread of the executor) or normal")
     cache_updates: bool = Field(True, description="active cache ramps learn from served final answers")
     # The controller
     accuracy_constraint: float = Field(ControllerSettings.accuracy_constraint,

@@ -60,7 +60,8 @@ CONTROL_GATHER_S = 0.2
 # The control thread searches ramp sets and loads them (a minilm-rt set: 0.3 s of a core) while the model runs on
 # every core: ONNX Runtime's threads wait for each other between operators, so a core taken from one slows the whole
 # run several times, and at minilm-rt's first search under load the queue grew to 0.4 s. At this niceness the
-# model's threads take the cores first and the controller works in the time between batches.
+# model's threads take the cores first and the controller works in the time between batches. Under the "idle"
+# executor policy (`ModelSettings.executor_policy`) every thread is SCHED_IDLE, where niceness counts for nothing.
 CONTROL_NICENESS = 10
 # How long a starting server waits for its first configuration's set to compile (in the worker process) before
 # it serves that set eagerly
