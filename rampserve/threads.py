@@ -15,8 +15,9 @@ COMM_BYTES = 15  # the kernel keeps at most this much of a name
 _idle_native_threads = False  # set by `idle_native_threads`
 
 
-def _comm() -> Path:
-    return Path(f"/proc/self/task/{threading.get_native_id()}/comm")
+def _comm(thread: int | None = None) -> Path:
+    """Where the kernel keeps the name of `thread` of this process (None: the calling one)."""
+    return Path(f"/proc/self/task/{threading.get_native_id() if thread is None else thread}/comm")
 
 
 def set_os_thread_name(name: str) -> None:
@@ -36,7 +37,7 @@ def native_threads_named(name: str) -> Iterator[None]:
     except OSError:
         yield
         return
-    existing = thread_ids()
+    existing = thread_ids() if _idle_native_threads else set()  # a listing of /proc only where it is used
     set_os_thread_name(name)
     try:
         yield
@@ -48,11 +49,13 @@ def native_threads_named(name: str) -> Iterator[None]:
                     schedule_as_idle(thread)
 
 
-def idle_native_threads() -> None:
+def idle_native_threads() -> bool:
     """From now on, threads that native code starts inside `native_threads_named` run under Linux's SCHED_IDLE (an
-    executor process's "idle-pools" policy, `ModelSettings.executor_policy`)."""
+    executor process's "idle-pools" policy, `ModelSettings.executor_policy`). Whether they will (not on other
+    systems)."""
     global _idle_native_threads
-    _idle_native_threads = True
+    _idle_native_threads = hasattr(os, "SCHED_IDLE")
+    return _idle_native_threads
 
 
 def thread_ids() -> set[int]:
@@ -65,7 +68,7 @@ def thread_ids() -> set[int]:
 
 def _comm_of(thread: int) -> str | None:
     try:
-        return Path(f"/proc/self/task/{thread}/comm").read_text().rstrip("\n")
+        return _comm(thread).read_text().rstrip("\n")
     except OSError:  # it ended meanwhile
         return None
 

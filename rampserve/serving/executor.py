@@ -275,8 +275,7 @@ def scheduled(policy: str) -> str:
     is not to be had)."""
     if policy == "idle":  # the threads there already too (numpy's BLAS pool, started by its import)
         return policy if all([schedule_as_idle(thread) for thread in thread_ids() or {0}]) else "normal"
-    if policy == "idle-pools" and hasattr(os, "SCHED_IDLE"):
-        idle_native_threads()
+    if policy == "idle-pools" and idle_native_threads():
         return policy
     return "normal"
 
