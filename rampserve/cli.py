@@ -724,6 +724,8 @@ def bench_live(
     server_arg: Annotated[Optional[list[str]], typer.Option(help="more `rampserve serve` options for both servers")]
     = None,
     transport: Annotated[str, typer.Option(help="what the client speaks: http (binary tensors) or grpc")] = "http",
+    client: Annotated[str, typer.Option(help="who sends over HTTP: lean (one thread, blocking sockets: the least "
+                                             "client CPU beside the servers) or aiohttp")] = "lean",
     sim_json: Annotated[Optional[Path], typer.Option(help="a `bench sim --json` report of this model, workload and "
                                                           "trace at one of the loads: its p50 saving goes beside "
                                                           "the live one")] = None,
@@ -748,7 +750,7 @@ def bench_live(
                                 feedback_share=feedback_share, controller=controller_flags, saturation_s=saturation_s,
                                 saturation_rounds=saturation_rounds, warmup_requests=warmup_requests,
                                 server_args=("--ramp-budget", str(ramp_budget), *(server_arg or ())),
-                                transport=transport)
+                                transport=transport, client=client)
         simulator = None if sim_json is None else read_simulator_saving(sim_json, settings)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc

@@ -35,20 +35,23 @@ def test_the_load_generator_gets_the_same_answers_over_grpc_as_over_http(resnet_
         closed = {t: run_loadgen(job, feeds, tmp_path, f"closed {t}", 1.0, False) for t, job in over.items()}
         opened = {t: run_loadgen(replace(job, clients=0, requests=None), feeds, tmp_path, f"open {t}", 1.0, False,
                                  arrivals, warmup) for t, job in over.items()}
-        # The lean client (one blocking socket) reads the same answers, and a refusal as a refusal on a connection
-        # that goes on serving
-        lean = replace(http, clients=1, lean=True)
+        # The lean client (blocking sockets, one thread) reads the same answers in both loops, and a refusal as a
+        # refusal on a connection that goes on serving
+        lean = replace(http, lean=True)
         closed["lean"] = run_loadgen(lean, feeds, tmp_path, "closed lean", 1.0, False)
-        unknown = run_loadgen(replace(lean, url=f"{url}/v2/models/nothing/infer", requests=3), feeds, tmp_path,
-                              "closed lean, unknown model", 1.0, False)
+        opened["lean"] = run_loadgen(replace(lean, clients=0, requests=None), feeds, tmp_path, "open lean", 1.0,
+                                     False, arrivals, warmup)
+        unknown = run_loadgen(replace(lean, url=f"{url}/v2/models/nothing/infer", clients=1, requests=3), feeds,
+                              tmp_path, "closed lean, unknown model", 1.0, False)
     assert (unknown.status == 404).all() and len(unknown.status) == 3
     assert any("unknown model 'nothing'" in error for error in unknown.errors), unknown.errors
-    np.testing.assert_array_equal(closed["lean"].label, closed["http"].label)
     for runs in (closed, opened):
         for result in runs.values():
             assert result.ok.all() and result.early.all() and result.sites == (site,), result.errors
             assert (result.exit_site == 0).all() and isinstance(result.status_after, dict)
-        np.testing.assert_array_equal(runs["grpc"].label, runs["http"].label)
+        for other in ("grpc", "lean"):
+            np.testing.assert_array_equal(runs[other].label, runs["http"].label)
+    assert (opened["lean"].sent_ms >= opened["lean"].scheduled_ms).all()  # never sent before its arrival
     assert len(closed["grpc"].label) == 24 and len(opened["grpc"].label) == len(arrivals)
 
 
@@ -59,14 +62,13 @@ def test_the_benches_send_each_system_what_it_was_told_to(tmp_path) -> None:
     assert server.infer_url("m", "http") == f"http://127.0.0.1:{server.port}/v2/models/m/infer"
     assert Job(server.infer_url("m", "grpc"), (), "label", None).over_grpc
     assert not Job(server.infer_url("m", "http"), (), "label", None).over_grpc
-    for not_lean in ({"clients": 2}, {"clients": 0}, {"clients": 1, "url": server.infer_url("m", "grpc")}):
-        with pytest.raises(ValueError, match="lean client"):
-            Job(**({"url": server.infer_url("m", "http"), "inputs": (), "output": "label", "status_url": None,
-                    "lean": True} | not_lean))
+    with pytest.raises(ValueError, match="lean client speaks HTTP only"):
+        Job(server.infer_url("m", "grpc"), (), "label", None, clients=1, lean=True)
     assert [transport_of(name, "grpc") for name in (BASELINE, EXITS, "triton", "mlserver", "ray_serve")] == \
         [GRPC, GRPC, GRPC, GRPC, JSON]  # Ray Serve's peer has no gRPC
     assert transport_of("mlserver", "http") == JSON
     for refused in (lambda: server.infer_url("m", "smtp"), lambda: LiveSettings(transport="smtp"),
+                    lambda: LiveSettings(client="smtp"),
                     lambda: PeerSettings(transport="smtp")):
         with pytest.raises(ValueError, match="smtp"):
             refused()

@@ -22,16 +22,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import heapq
 import itertools
 import json
 import re
+import select
 import socket
 import sys
 import threading
 import time
 import urllib.request
-from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections import Counter, deque
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -56,6 +58,7 @@ NUMBER = re.compile(r"\d+(\.\d+)?")  # error messages are counted with their fig
 # aiohttp closes idle pooled connections after this long: sooner than servers do (uvicorn: 5 s), so a request is
 # never written to a connection the server is closing at that moment (a POST is not retried).
 CLIENT_KEEPALIVE_S = 3.0
+LEAN_CONNECTIONS = 512  # the lean client waits with select(), which takes descriptors below 1024
 GRPC_SCHEME = "grpc://"
 GRPC_INFER = "/inference.GRPCInferenceService/ModelInfer"
 # gRPC refusals as the HTTP statuses the results count: RESOURCE_EXHAUSTED is shed, as 429 is; UNAVAILABLE is the
@@ -87,13 +90,13 @@ class Job:
     json_bodies: bool = False
     # The server's process: its tree's CPU (`cpu.read_tree`) is read with each status. None: not read.
     cpu_pid: int | None = None
-    # One client over HTTP on one blocking socket (`LeanHttpSender`) instead of aiohttp on the event loop: the
+    # HTTP from one thread on blocking sockets (`LeanHttpClient`) instead of aiohttp on the event loop: the
     # server's time with as little of the client's own as Python allows, as a native client measures it
     lean: bool = False
 
     def __post_init__(self) -> None:
-        if self.lean and (self.clients != 1 or self.over_grpc):
-            raise ValueError("the lean client is one closed-loop client over HTTP")
+        if self.lean and self.over_grpc:
+            raise ValueError("the lean client speaks HTTP only")
 
     @property
     def over_grpc(self) -> bool:
@@ -267,7 +270,9 @@ def read_cpu(pid: int | None) -> dict | None:
 class _Recorder:
     """Collects request outcomes as requests end; `result` puts them back in the order they were issued."""
 
-    def __init__(self) -> None:
+    def __init__(self, job: Job) -> None:
+        self.job = job
+        self.read = read_grpc_answer if job.over_grpc else read_answer
         self.rows: list[tuple[int, float, float, float, int, int, bool, int]] = []
         self.sites: dict[str, int] = {}
         self.errors: Counter[str] = Counter()
@@ -276,6 +281,34 @@ class _Recorder:
             early: bool = False, site: str | None = None) -> None:
         site_index = -1 if site is None else self.sites.setdefault(site, len(self.sites))
         self.rows.append((index, scheduled_ms, sent_ms, done_ms, status, label, early, site_index))
+
+    def answered(self, index: int, scheduled_ms: float, sent_ms: float, done_ms: float, status: int, payload: bytes
+                 ) -> int:
+        """Record a request the server answered (a refusal too); returns its status."""
+        if status != 200:
+            transport = "gRPC" if self.job.over_grpc else "HTTP"
+            self.errors[f"{transport} {status}: {NUMBER.sub('#', payload[:200].decode(errors='replace'))}"] += 1
+            self.add(index, scheduled_ms, sent_ms, done_ms, status)
+            return status
+        try:
+            label, early, site = self.read(payload, self.job.output)
+        except (ValueError, KeyError, IndexError, TypeError, StopIteration) as exc:
+            self.errors[f"unreadable answer ({type(exc).__name__}: {exc}): {payload[:200]!r}"] += 1
+            self.add(index, scheduled_ms, sent_ms, done_ms, CLIENT_ERROR)
+            return CLIENT_ERROR
+        self.add(index, scheduled_ms, sent_ms, done_ms, status, label, early, site)
+        return status
+
+    def failed(self, index: int, scheduled_ms: float, sent_ms: float, done_ms: float, exc: BaseException) -> int:
+        """Record a request with no answer: timed out, or its connection failed; returns its status."""
+        if isinstance(exc, TimeoutError):
+            self.errors[f"no answer within {self.job.timeout_s} s"] += 1
+            status = TIMED_OUT
+        else:
+            self.errors[f"{type(exc).__name__}: {exc}"] += 1
+            status = CLIENT_ERROR
+        self.add(index, scheduled_ms, sent_ms, done_ms, status)
+        return status
 
     def result(self, status_before: dict | str | None, status_after: dict | str | None,
                cpu_before: dict | None = None, cpu_after: dict | None = None) -> LoadResult:
@@ -289,10 +322,11 @@ class _Recorder:
 
 
 class _Client:
+    """Requests as event-loop tasks through `send` (aiohttp over HTTP, grpc.aio over gRPC)."""
+
     def __init__(self, job: Job, send: Callable[[tuple[bytes, dict[str, str]]], Awaitable[tuple[int, bytes]]]
                  ) -> None:
         self.job, self.send = job, send
-        self.read = read_grpc_answer if job.over_grpc else read_answer
         self.origin = time.perf_counter()
 
     def now_ms(self) -> float:
@@ -304,33 +338,14 @@ class _Client:
         sent = self.now_ms()
         try:
             status, payload = await self.send(body)
-        except TimeoutError:
-            recorder.errors[f"no answer within {self.job.timeout_s} s"] += 1
-            recorder.add(index, scheduled_ms, sent, self.now_ms(), TIMED_OUT)
-            return TIMED_OUT
-        except (aiohttp.ClientError, OSError, grpc.aio.AioRpcError) as exc:
-            recorder.errors[f"{type(exc).__name__}: {exc}"] += 1
-            recorder.add(index, scheduled_ms, sent, self.now_ms(), CLIENT_ERROR)
-            return CLIENT_ERROR
-        done = self.now_ms()
-        if status != 200:
-            transport = "gRPC" if self.job.over_grpc else "HTTP"
-            recorder.errors[f"{transport} {status}: {NUMBER.sub('#', payload[:200].decode(errors='replace'))}"] += 1
-            recorder.add(index, scheduled_ms, sent, done, status)
-            return status
-        try:
-            label, early, site = self.read(payload, self.job.output)
-        except (ValueError, KeyError, IndexError, TypeError, StopIteration) as exc:
-            recorder.errors[f"unreadable answer ({type(exc).__name__}: {exc}): {payload[:200]!r}"] += 1
-            recorder.add(index, scheduled_ms, sent, done, CLIENT_ERROR)
-            return CLIENT_ERROR
-        recorder.add(index, scheduled_ms, sent, done, status, label, early, site)
-        return status
+        except (TimeoutError, aiohttp.ClientError, OSError, grpc.aio.AioRpcError) as exc:
+            return recorder.failed(index, scheduled_ms, sent, self.now_ms(), exc)
+        return recorder.answered(index, scheduled_ms, sent, self.now_ms(), status, payload)
 
     async def open_loop(self, bodies: list[tuple[bytes, dict[str, str]]], arrivals_ms: np.ndarray) -> _Recorder:
         """Request i at arrivals_ms[i] from now on, whatever has been answered; returns once all have ended."""
         loop = asyncio.get_running_loop()
-        recorder = _Recorder()
+        recorder = _Recorder(self.job)
         tasks: list[asyncio.Task] = []
         all_launched = asyncio.Event()
         self.origin = time.perf_counter()
@@ -352,7 +367,7 @@ class _Client:
         return recorder
 
     async def closed_loop(self, bodies: list[tuple[bytes, dict[str, str]]]) -> _Recorder:
-        recorder = _Recorder()
+        recorder = _Recorder(self.job)
         issued = itertools.count()
         self.origin = time.perf_counter()
         job = self.job
@@ -379,53 +394,142 @@ def http_sender(job: Job, session: aiohttp.ClientSession
     return send
 
 
-class LeanHttpSender:
-    """HTTP/1.1 on one kept-alive connection, written and read with blocking calls: no event-loop turn, task or
-    parser object per request. It blocks the loop while it waits, so it serves a single client alone. A request
-    that failed leaves the connection in an unknown state: the next one opens a new connection."""
+class _Connection:
+    """One kept-alive HTTP/1.1 connection of the lean client and the request it carries, if any."""
+
+    def __init__(self, address: tuple[str, int], timeout_s: float) -> None:
+        self.socket = socket.create_connection(address, timeout_s)
+        self.socket.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.received = bytearray()
+        self.request: tuple[int, float, float] | None = None  # (index, scheduled_ms, sent_ms) in flight
+        self.idle_since = 0.0  # perf_counter seconds
+
+    def answer(self) -> tuple[int, bytes] | None:
+        """(status, body) once the whole response is in; the bytes past it stay for the next."""
+        received = self.received
+        if (end := received.find(b"\r\n\r\n")) < 0:
+            return None
+        head = bytes(received[:end]).decode("latin-1").split("\r\n")
+        fields = {name.strip().lower(): value.strip() for name, value in (line.split(":", 1) for line in head[1:])}
+        stop = end + 4 + int(fields["content-length"])
+        if len(received) < stop:
+            return None
+        body = bytes(received[end + 4:stop])
+        del received[:stop]
+        return int(head[0].split(" ", 2)[1]), body
+
+
+class LeanHttpClient:
+    """Every request of a run from one thread on blocking sockets, one request in flight per kept-alive HTTP/1.1
+    connection: `select` waits for the next answer and the next request's time together (to the microsecond), and
+    no event loop, task or parser object stands between the server's answer and the clock. On the machine the
+    server runs on, the client's own CPU delays the answers it times: aiohttp's event loop read answers released
+    mid-run 1.5 ms later than this client did. A connection whose request failed is closed; one idle longer than
+    the server keeps it is never reused (a POST is not retried)."""
 
     def __init__(self, job: Job) -> None:
         url = urlsplit(job.url)
-        self.address, self.timeout_s = (url.hostname, url.port), job.timeout_s
+        self.job, self.address = job, (url.hostname, url.port)
         self.start = f"POST {url.path} HTTP/1.1\r\nHost: {url.netloc}\r\n".encode()
-        self.connection: socket.socket | None = None
-        self.pending = bytearray()  # bytes read past the response
+        self.idle: list[_Connection] = []  # the most recently used last: it is reused first
+        self.busy: dict[socket.socket, _Connection] = {}
+        self.origin = time.perf_counter()
 
-    async def __call__(self, body: tuple[bytes, dict[str, str]]) -> tuple[int, bytes]:
+    def now_ms(self) -> float:
+        return (time.perf_counter() - self.origin) * 1000.0
+
+    async def open_loop(self, bodies: list[tuple[bytes, dict[str, str]]], arrivals_ms: np.ndarray) -> _Recorder:
+        return self._run(bodies, [(float(at), i) for i, at in enumerate(arrivals_ms)], None)
+
+    async def closed_loop(self, bodies: list[tuple[bytes, dict[str, str]]]) -> _Recorder:
+        first = self.job.clients if self.job.requests is None else min(self.job.clients, self.job.requests)
+        return self._run(bodies, [(0.0, i) for i in range(first)], itertools.count(first))
+
+    def _run(self, bodies: list[tuple[bytes, dict[str, str]]], due: list[tuple[float, int]],
+             issued: Iterator[int] | None) -> _Recorder:
+        """Send each request when it is due (`due`, a heap of (ms, index)); in closed loop (`issued`) an ended
+        request's client takes the next index, at once or after the job's pause for a refusal."""
+        job, recorder, waiting = self.job, _Recorder(self.job), deque[tuple[int, float]]()
+        heapq.heapify(due)
+        self.origin = time.perf_counter()
+
+        def ended(status: int) -> None:
+            if issued is None:
+                return
+            now, index = self.now_ms(), next(issued)
+            if (job.requests is None or index < job.requests) and \
+                    (job.duration_s is None or now < job.duration_s * 1000.0):
+                heapq.heappush(due, (now + (0.0 if status == 200 else job.refused_pause_ms), index))
+
+        while due or waiting or self.busy:
+            now = self.now_ms()
+            while due and due[0][0] <= now:
+                at, index = heapq.heappop(due)
+                waiting.append((index, at if issued is None else now))
+            while waiting and len(self.busy) < min(job.max_connections, LEAN_CONNECTIONS):
+                index, scheduled = waiting.popleft()
+                if (status := self._send(recorder, index, scheduled, bodies[index % len(bodies)])) is not None:
+                    ended(status)
+            deadlines = [c.request[2] + job.timeout_s * 1000.0 for c in self.busy.values()]
+            wake = min(deadlines + ([due[0][0]] if due else []), default=now)
+            readable, _, _ = select.select(list(self.busy), [], [], max(0.0, wake - self.now_ms()) / 1000.0)
+            for sock in readable:
+                if (status := self._receive(recorder, self.busy[sock])) is not None:
+                    ended(status)
+            for connection in [c for c in self.busy.values() if self.now_ms() > c.request[2] + job.timeout_s * 1e3]:
+                ended(self._fail(recorder, connection, TimeoutError()))
+        return recorder
+
+    def _send(self, recorder: _Recorder, index: int, scheduled: float, body: tuple[bytes, dict[str, str]]
+              ) -> int | None:
+        """Write the request on a kept-alive connection; the status if it failed at once."""
+        now = time.perf_counter()
+        while self.idle and now - self.idle[-1].idle_since > CLIENT_KEEPALIVE_S:
+            self.idle.pop().socket.close()  # the next to be reused is the newest: past it, all are older
+        sent = self.now_ms()
         try:
-            return self._exchange(body)
-        except BaseException:
-            self.close()
-            raise
-
-    def _exchange(self, body: tuple[bytes, dict[str, str]]) -> tuple[int, bytes]:
-        if self.connection is None:
-            self.connection = socket.create_connection(self.address, self.timeout_s)
-            self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            connection = self.idle.pop() if self.idle else _Connection(self.address, self.job.timeout_s)
+        except OSError as exc:
+            return recorder.failed(index, scheduled, sent, self.now_ms(), exc)
+        connection.request = (index, scheduled, sent)
+        self.busy[connection.socket] = connection
         headers = "".join(f"{name}: {value}\r\n" for name, value in body[1].items())
-        self.connection.sendall(self.start + f"{headers}Content-Length: {len(body[0])}\r\n\r\n".encode() + body[0])
-        pending = self.pending
-        while (end := pending.find(b"\r\n\r\n")) < 0:
-            self._receive()
-        head = bytes(pending[:end]).decode("latin-1").split("\r\n")
-        fields = {name.strip().lower(): value.strip() for name, value in (line.split(":", 1) for line in head[1:])}
-        length = int(fields["content-length"])
-        while len(pending) < end + 4 + length:
-            self._receive()
-        payload = bytes(pending[end + 4:end + 4 + length])
-        del pending[:end + 4 + length]
-        return int(head[0].split(" ", 2)[1]), payload
+        try:
+            connection.socket.sendall(self.start + f"{headers}Content-Length: {len(body[0])}\r\n\r\n".encode()
+                                      + body[0])
+        except OSError as exc:
+            return self._fail(recorder, connection, exc)
+        return None
 
-    def _receive(self) -> None:
-        data = self.connection.recv(1 << 16)
-        if not data:
-            raise ConnectionError("the server closed the connection")
-        self.pending += data
+    def _receive(self, recorder: _Recorder, connection: _Connection) -> int | None:
+        """Read what arrived on a busy connection; the request's status once its answer is whole."""
+        try:
+            data = connection.socket.recv(1 << 16)
+            if not data:
+                raise ConnectionError("the server closed the connection")
+            connection.received += data
+            answer = connection.answer()
+        except (OSError, ValueError, KeyError, IndexError) as exc:
+            return self._fail(recorder, connection, exc)
+        if answer is None:
+            return None
+        done = self.now_ms()
+        index, scheduled, sent = connection.request
+        del self.busy[connection.socket]
+        connection.request, connection.idle_since = None, time.perf_counter()
+        self.idle.append(connection)
+        return recorder.answered(index, scheduled, sent, done, *answer)
+
+    def _fail(self, recorder: _Recorder, connection: _Connection, exc: BaseException) -> int:
+        index, scheduled, sent = connection.request
+        del self.busy[connection.socket]
+        connection.socket.close()
+        return recorder.failed(index, scheduled, sent, self.now_ms(), exc)
 
     def close(self) -> None:
-        if self.connection is not None:
-            self.connection.close()
-        self.connection, self.pending = None, bytearray()
+        for connection in [*self.idle, *self.busy.values()]:
+            connection.socket.close()
+        self.idle, self.busy = [], {}
 
 
 def grpc_sender(job: Job, channel: grpc.aio.Channel
@@ -459,9 +563,8 @@ async def run_job(job: Job, requests: list[dict[str, np.ndarray]], arrivals_ms: 
             channel = grpc.aio.insecure_channel(job.url.removeprefix(GRPC_SCHEME).rsplit("/", 1)[0])
             client = _Client(job, grpc_sender(job, await stack.enter_async_context(channel)))
         elif job.lean:
-            sender = LeanHttpSender(job)
-            stack.callback(sender.close)
-            client = _Client(job, sender)
+            client = LeanHttpClient(job)
+            stack.callback(client.close)
         else:
             connector = aiohttp.TCPConnector(limit=job.max_connections, keepalive_timeout=CLIENT_KEEPALIVE_S)
             session = aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=job.timeout_s))
