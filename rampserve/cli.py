@@ -363,7 +363,7 @@ def demo(
     try:  # before the model is prepared: refused settings should not wait for it
         settings = LiveSettings(model=model, workload=default_workload(ModelSource.parse(model, small=small)),
                                 loads=(load,), duration_s=duration, saturation_s=6.0, warmup_requests=warmup_requests,
-                                sequential_requests=200, inprocess_rounds=200,
+                                sequential_requests=200, inprocess_rounds=200, replay_rounds=1,
                                 server_args=("--ramp-budget", str(ramp_budget)))
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
@@ -726,6 +726,8 @@ def bench_live(
     transport: Annotated[str, typer.Option(help="what the client speaks: http (binary tensors) or grpc")] = "http",
     client: Annotated[str, typer.Option(help="who sends over HTTP: lean (one thread, blocking sockets: the least "
                                              "client CPU beside the servers) or aiohttp")] = "lean",
+    rounds: Annotated[int, typer.Option(help="replays of each load per system, alternating which goes first "
+                                             "(ratios are paired within rounds; the median is judged)")] = 3,
     sim_json: Annotated[Optional[Path], typer.Option(help="a `bench sim --json` report of this model, workload and "
                                                           "trace at one of the loads: its p50 saving goes beside "
                                                           "the live one")] = None,
@@ -750,7 +752,7 @@ def bench_live(
                                 feedback_share=feedback_share, controller=controller_flags, saturation_s=saturation_s,
                                 saturation_rounds=saturation_rounds, warmup_requests=warmup_requests,
                                 server_args=("--ramp-budget", str(ramp_budget), *(server_arg or ())),
-                                transport=transport, client=client)
+                                transport=transport, client=client, replay_rounds=rounds)
         simulator = None if sim_json is None else read_simulator_saving(sim_json, settings)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc

@@ -90,6 +90,8 @@ def said(output: str) -> str:
     (["--loads", "0.2,0.1,0.2"], "each load once, got (0.1, 0.2, 0.2)"),
     (["--load", "0.2", "--loads", "0.1,0.2"], "give --load or --loads, not both"),
     (["--rate", "100", "--loads", "0.1,0.2"], "not each of 2 loads'"),
+    (["--rounds", "0"], "a load is replayed at least once, got 0 rounds"),
+    (["--client", "curl"], "client is one of ('lean', 'aiohttp'), not 'curl'"),
 ])
 def test_bad_loads_are_refused_before_anything_runs(given, why):
     result = CliRunner().invoke(app, ["bench", "live", *given])
@@ -154,8 +156,9 @@ def _system(p50: float | None, p99: float | None, shed: int = 0) -> dict:
 
 
 def _entry(load: float, vanilla: dict, managed: dict) -> dict:
-    return {"load": load, "rate_rps": load * 500.0, "systems": {"vanilla": vanilla, "rampserve": managed},
-            "versus_vanilla": versus_vanilla(vanilla, managed, load)}
+    systems = {"vanilla": vanilla, "rampserve": managed}
+    return {"load": load, "rate_rps": load * 500.0, "systems": systems, "median_round": 0, "rounds": [systems],
+            "versus_vanilla": versus_vanilla([(vanilla, managed)], load)}
 
 
 def test_the_simulators_saving_stands_beside_the_live_one_at_its_load():
@@ -211,8 +214,8 @@ def test_each_loads_plots_land_in_its_own_folder_beside_latency_against_load(tmp
                           sites=(), errors={}, status_before=None, status_after=None)
 
     entries = [_entry(0.2, _system(2.0, 4.0), _system(1.5, 4.2)), _entry(0.5, _system(3.0, 8.0), _system(2.5, 9.0))]
-    runs = [{"vanilla": result([2.0, 3.0, 4.0]), "rampserve": result([1.0, 2.0, 5.0])},
-            {"vanilla": result([3.0, 3.0, 8.0]), "rampserve": result([2.0, 2.5, 9.0])}]
+    runs = [[{"vanilla": result([2.0, 3.0, 4.0]), "rampserve": result([1.0, 2.0, 5.0])}],
+            [{"vanilla": result([3.0, 3.0, 8.0]), "rampserve": result([2.0, 2.5, 9.0])}]]
     report = write_report(live_report(entries), runs, tmp_path / "live.json", tmp_path / "plots")
     assert report["plots"] == [str(tmp_path / "plots" / name) for name in (
         "load-0.2/live_latency_cdf.png", "load-0.2/live_over_time.png", "load-0.5/live_latency_cdf.png",

@@ -19,6 +19,7 @@ from rampserve.bench.live import (
     binned_percentile,
     live_arrivals,
     managed_exit_mode,
+    median_round,
     summarize_live,
     table_rows,
     versus_table,
@@ -154,7 +155,7 @@ def test_versus_vanilla_reports_issue_31s_figures_and_goals():
     vanilla = _live_system(4.0, 20.0, [700.0, 720.0, 710.0]) | {"cpu_ms_per_answer": 2.0}
     managed = _live_system(1.9, 19.0, [1000.0, 1100.0, 1050.0], accuracy=0.992, answered=99) | \
         {"exit_mode": "stop", "feedback_share": 0.1, "cpu_ms_per_answer": 1.5}
-    versus = versus_vanilla(vanilla, managed, load=0.2)
+    versus = versus_vanilla([(vanilla, managed)], load=0.2)
     assert (versus["exit_mode"], versus["feedback_share"]) == ("stop", 0.1)
     assert versus["load"] == 0.2
     saturation = versus["saturation_rps"]
@@ -162,12 +163,13 @@ def test_versus_vanilla_reports_issue_31s_figures_and_goals():
     assert saturation["ratio_range"] == pytest.approx([1000 / 720, 1100 / 700])
     assert saturation["vanilla_rounds"] == [700.0, 720.0, 710.0]
     # each latency figure says at which load it was measured
-    assert versus["p50_ms"] == {"vanilla": 4.0, "rampserve": 1.9, "ratio": pytest.approx(0.475), "load": 0.2}
+    assert versus["p50_ms"] == {"vanilla": 4.0, "rampserve": 1.9, "ratio": pytest.approx(0.475),
+                                "ratio_rounds": [pytest.approx(0.475)], "load": 0.2}
     assert versus["p99_ms"]["ratio"] == pytest.approx(0.95) and versus["p99_ms"]["load"] == 0.2
     assert versus["accuracy_over_all_requests"] == pytest.approx(0.992 * 0.99)
     assert versus["windows_below_share"] == 0.25
     assert versus["cpu_ms_per_answer"] == {"vanilla": 2.0, "rampserve": 1.5, "ratio": pytest.approx(0.75),
-                                           "load": 0.2}
+                                           "ratio_rounds": [pytest.approx(0.75)], "load": 0.2}
     # stop mode must raise saturation; what it skips leaves its CPU without a bar of its own
     assert versus["goals"] == {"saturation_at_least_1.3x": True, "p50_at_most_0.85x": True,
                                "p99_at_most_1.05x": True, "accuracy_at_least_0.99": True,
@@ -175,11 +177,11 @@ def test_versus_vanilla_reports_issue_31s_figures_and_goals():
     # judged at whatever load the run states; slower, higher latency, dearer and less accurate: missed
     slow = managed | {"saturation_rps": 680.0, "accuracy": 0.98, "p50_ms": 3.5, "p99_ms": 21.5,
                       "exit_mode": "release", "cpu_ms_per_answer": 2.2}
-    goals = versus_vanilla(vanilla, slow, load=0.3)["goals"]
+    goals = versus_vanilla([(vanilla, slow)], load=0.3)["goals"]
     assert goals == {"saturation_at_least_0.97x": False, "p50_at_most_0.85x": False, "p99_at_most_1.05x": False,
                      "accuracy_at_least_0.99": False, "cpu_per_answer_at_most_1.05x": False}
     # nothing answered, no saturation rounds: the figures are missing, not made up
-    empty = versus_vanilla(vanilla, _live_system(None, None, []) | {"accuracy": None, "saturation_rps": None},
+    empty = versus_vanilla([(vanilla, _live_system(None, None, []) | {"accuracy": None, "saturation_rps": None})],
                            load=0.5)
     assert empty["saturation_rps"]["ratio_range"] is None and set(empty["goals"].values()) == {None}
     console = Console(width=200, record=True, file=io.StringIO())
@@ -188,6 +190,41 @@ def test_versus_vanilla_reports_issue_31s_figures_and_goals():
     assert "saturation rps" in text and "1.48 (1.39-1.57)" in text and "stop 0.10" in text
     assert "CPU ms per answer" in text and "0.75" in text
     assert "replay at load 0.2 " in text and "simulator" not in text
+
+
+def test_over_rounds_ratios_are_paired_within_each_round_and_the_median_is_judged():
+    saturation = [700.0]
+    vanilla = [_live_system(p50, 20.0, saturation) | {"cpu_ms_per_answer": 2.0} for p50 in (4.0, 5.0, 6.0)]
+    # round 2's machine was slow for both: paired, its ratio is the best; the median ratio is round 1's
+    managed = [_live_system(p50, 21.0, saturation, accuracy=accuracy) | {"cpu_ms_per_answer": 2.0}
+               for p50, accuracy in ((3.6, 0.995), (4.0, 0.985), (5.7, 0.996))]
+    versus = versus_vanilla(list(zip(vanilla, managed)), load=0.2)
+    p50 = versus["p50_ms"]
+    assert p50["ratio_rounds"] == pytest.approx([0.9, 0.8, 0.95]) and p50["ratio"] == pytest.approx(0.9)
+    assert (p50["vanilla"], p50["rampserve"], versus["rounds"]) == (5.0, 4.0, 3)
+    assert median_round(p50["ratio_rounds"]) == 0
+    # accuracy is judged in the worst round: a bad round is not averaged away
+    assert versus["accuracy"] == 0.985 and versus["goals"]["accuracy_at_least_0.99"] is False
+    assert versus["goals"]["p50_at_most_0.85x"] is False and versus["goals"]["p99_at_most_1.05x"] is True
+    # a round with a figure missing leaves the median ratio missing rather than made up from the others
+    missing = versus_vanilla(list(zip(vanilla, [managed[0], managed[1] | {"p50_ms": None}, managed[2]])), load=0.2)
+    assert missing["p50_ms"]["ratio"] is None and missing["goals"]["p50_at_most_0.85x"] is None
+    console = Console(width=220, record=True, file=io.StringIO())
+    console.print(versus_table({"versus_vanilla": versus}))
+    text = console.export_text()
+    assert "0.90 (0.80-0.95)" in text and "3 round(s)" in text
+    with pytest.raises(ValueError, match="no replay round"):
+        versus_vanilla([], load=0.2)
+
+
+@given(st.lists(st.one_of(st.none(), st.floats(0.1, 10.0)), min_size=1, max_size=9))
+def test_the_median_round_holds_the_median_of_the_known_ratios(ratios):
+    chosen = median_round(ratios)
+    known = sorted(r for r in ratios if r is not None)
+    if known:
+        assert ratios[chosen] == known[(len(known) - 1) // 2]
+    else:
+        assert chosen == 0
 
 
 def test_the_managed_exit_mode_is_what_the_server_reports_else_what_it_was_told():

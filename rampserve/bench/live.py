@@ -3,8 +3,9 @@
 One run: start the vanilla server; measure its saturation throughput (closed loop) and its latency with one
 request at a time (against the model's own batch-1 time in this process: the server's overhead). Then, at each
 stated load (`LiveSettings.loads`, rising), each system in turn starts afresh and replays the stream open loop at
-that load's rate from a separate client process (`rampserve.bench.loadgen`): vanilla, then rampserve on the same
-requests at the same times. Released labels are scored against the original model's, computed here from the
+that load's rate from a separate client process (`rampserve.bench.loadgen`, its lean client by default): vanilla
+and rampserve on the same requests at the same times, one after the other, for `replay_rounds` rounds that
+alternate which goes first. Released labels are scored against the original model's, computed here from the
 bundle; the trace simulator's oracle on the same stream and arrivals gives the savings an exit policy could reach.
 
 A load is what `bench sim` calls one (`rate_at_load`): the replay's mean rate as a share of what vanilla sustains
@@ -25,7 +26,8 @@ they always did, and the probe meets a controller that has learnt the stream). `
 of 1,000-request windows (answered requests, in order) whose accuracy is below 1 − the accuracy constraint; the
 managed system also reports its `exit_mode` and `feedback_share`. `versus_vanilla` puts issue 17's figures for
 exits side by side at each load: saturation (closed loop, the same at every load), p50 and p99 of the replay at
-that load, accuracy, as ratios to vanilla from this one run; with a `bench sim` report at one of the loads
+that load and CPU per answer as ratios to vanilla paired within each round (the median over rounds, and every
+round's), accuracy in the worst round; with a `bench sim` report at one of the loads
 (`read_simulator_saving`), the live p50 saving beside the simulator's. `latency_by_load` gathers each system's p50
 and p99 at every load.
 """
@@ -47,6 +49,7 @@ from rampserve.bench.cpu import cpu_used
 from rampserve.bench.figures import ACCURACY_WINDOW, configuration_changes, exit_mode_figures, windows_below_share
 from rampserve.bench.harness import (
     QUANTILES, TRANSPORTS, ServerProcess, encode_items, fmt, get_json, mean_batch_size, measure_saturation,
+    median_ratio,
     most_frequent, percentiles, rampserve_serve, ratio, renamed, require_answers, run_loadgen, write_json,
 )
 from rampserve.bench.loadgen import Job, LoadResult
@@ -122,6 +125,9 @@ class LiveSettings:
     # adds to the answers it times: aiohttp's loop read answers released mid-run 1.5 ms later than a raw-socket
     # client on minilm-rt, while whole-model answers were timed alike.
     client: str = "lean"
+    # Replays of each load per system, alternating which goes first: ratios are paired within a round, and the
+    # median over rounds is what the goals judge
+    replay_rounds: int = 3
 
     def __post_init__(self) -> None:
         if self.saturation_s <= self.saturation_settle_s:
@@ -136,6 +142,8 @@ class LiveSettings:
             raise ValueError(f"each load once, got {self.loads}")
         if self.rate_rps is not None and len(self.loads) > 1:
             raise ValueError(f"a rate replaces one load's rate, not each of {len(self.loads)} loads'")
+        if self.replay_rounds < 1:
+            raise ValueError(f"a load is replayed at least once, got {self.replay_rounds} rounds")
         if self.saturation_rounds < 1:
             raise ValueError(f"saturation takes at least one round, got {self.saturation_rounds}")
         if self.transport not in TRANSPORTS:
@@ -329,50 +337,69 @@ def _at_least(value: float | None, bound: float) -> bool | None:
     return None if value is None else value >= bound
 
 
-def versus_vanilla(vanilla: dict, managed: dict, load: float | None) -> dict:
-    """Issue 17's figures for a managed server's exits against vanilla's, measured in one run: closed-loop saturation
-    (median of each one's rounds; `ratio_range` spans the lowest managed round over the highest vanilla one to the
-    reverse), p50 and p99 of the open-loop replay with their ratios, and accuracy over every answered request (and
-    over every request sent, an unanswered one counting as a disagreement). `load` is the replay's rate over
-    vanilla's saturation: the latency figures and accuracy were measured there, and each latency figure says so
-    (saturation is closed loop, the same at any load). Each goal is None where a figure is missing."""
-    def rounds(summary: dict) -> list[float]:
+def versus_vanilla(rounds: list[tuple[dict, dict]], load: float | None) -> dict:
+    """Issue 17's figures for a managed server's exits against vanilla's, from one run's replay rounds, each a
+    (vanilla, managed) pair of summaries taken back to back: closed-loop saturation (measured once per system: the
+    median of its probes; `ratio_range` spans the lowest managed probe over the highest vanilla one to the
+    reverse); p50, p99 and CPU per answer with their ratio paired within each round, the median over rounds
+    (`ratio_rounds`: every round's, so the spread shows); accuracy over every answered request (and over every
+    request sent, an unanswered one counting as a disagreement) in the worst round. `load` is the replay's rate
+    over vanilla's saturation: the latency figures and accuracy were measured there, and each latency figure says
+    so. Each goal is judged on the medians (accuracy on the worst round), None where a figure is missing."""
+    if not rounds:
+        raise ValueError("no replay round to compare")
+    vanilla, managed = rounds[0]  # saturation and exit mode are the same in every round
+
+    def saturation_rounds(summary: dict) -> list[float]:
         return list((summary.get("saturation") or {}).get("rounds_rps") or [])
 
+    def paired(key: str) -> dict:
+        values = [(m.get(key), v.get(key)) for v, m in rounds]
+        known = [value for pair in values for value in pair]
+        over_rounds = median_ratio(values)
+        return {"vanilla": _median_known([v for _, v in values]), "rampserve": _median_known([m for m, _ in values]),
+                "ratio": None if over_rounds is None or None in known else over_rounds["median"],
+                "ratio_rounds": [ratio(m, v) for m, v in values], "load": load}
+
+    def worst(key: str, pick=min) -> float | None:
+        known = [m.get(key) for _, m in rounds]
+        return None if None in known else pick(known)
+
     sat_vanilla, sat_managed = vanilla.get("saturation_rps"), managed.get("saturation_rps")
-    vanilla_rounds, managed_rounds = rounds(vanilla), rounds(managed)
+    vanilla_rounds, managed_rounds = saturation_rounds(vanilla), saturation_rounds(managed)
     ratio_range = [min(managed_rounds) / max(vanilla_rounds), max(managed_rounds) / min(vanilla_rounds)] \
         if vanilla_rounds and managed_rounds and min(vanilla_rounds) > 0 else None
     saturation_ratio = ratio(sat_managed, sat_vanilla)
     saturation_goal = SATURATION_GOALS[managed.get("exit_mode") or "release"]
-    p50_ratio, p99_ratio = (ratio(managed[key], vanilla[key]) for key in ("p50_ms", "p99_ms"))
-    cpu_ratio = ratio(managed.get("cpu_ms_per_answer"), vanilla.get("cpu_ms_per_answer"))
-    accuracy = managed["accuracy"]
-    over_all = accuracy * managed["answered"] / managed["requests"] if accuracy is not None and managed["requests"] \
-        else None
+    p50, p99, cpu = paired("p50_ms"), paired("p99_ms"), paired("cpu_ms_per_answer")
+    over_all = [m["accuracy"] * m["answered"] / m["requests"] if m["accuracy"] is not None and m["requests"]
+                else None for _, m in rounds]
+    accuracy = worst("accuracy")
     return {
         "exit_mode": managed.get("exit_mode"), "feedback_share": managed.get("feedback_share"),
-        "load": load,
+        "load": load, "rounds": len(rounds),
         "saturation_rps": {"vanilla": sat_vanilla, "rampserve": sat_managed, "ratio": saturation_ratio,
                            "ratio_range": ratio_range, "vanilla_rounds": vanilla_rounds,
                            "rampserve_rounds": managed_rounds},
-        **{key: {"vanilla": vanilla[key], "rampserve": managed[key], "ratio": ratio, "load": load}
-           for key, ratio in (("p50_ms", p50_ratio), ("p99_ms", p99_ratio))},
-        "accuracy": accuracy, "accuracy_over_all_requests": over_all,
-        "worst_window_accuracy": managed["worst_window_accuracy"],
-        "windows_below_share": managed.get("windows_below_share"),
-        "cpu_ms_per_answer": {"vanilla": vanilla.get("cpu_ms_per_answer"),
-                              "rampserve": managed.get("cpu_ms_per_answer"), "ratio": cpu_ratio, "load": load},
+        "p50_ms": p50, "p99_ms": p99,
+        "accuracy": accuracy, "accuracy_over_all_requests": None if None in over_all else min(over_all),
+        "worst_window_accuracy": worst("worst_window_accuracy"),
+        "windows_below_share": worst("windows_below_share", max),
+        "cpu_ms_per_answer": cpu,
         "goals": {
             f"saturation_at_least_{saturation_goal:g}x": _at_least(saturation_ratio, saturation_goal),
-            f"p50_at_most_{P50_GOAL:g}x": _at_most(p50_ratio, P50_GOAL),
-            f"p99_at_most_{P99_GOAL:g}x": _at_most(p99_ratio, P99_GOAL),
+            f"p50_at_most_{P50_GOAL:g}x": _at_most(p50["ratio"], P50_GOAL),
+            f"p99_at_most_{P99_GOAL:g}x": _at_most(p99["ratio"], P99_GOAL),
             f"accuracy_at_least_{ACCURACY_GOAL:g}": _at_least(accuracy, ACCURACY_GOAL),
             # stop mode skips work: its CPU per answer has no bar of its own beyond saturation
             f"cpu_per_answer_at_most_{CPU_GOAL:g}x":
-                _at_most(cpu_ratio, CPU_GOAL) if managed.get("exit_mode") != "stop" else None,
+                _at_most(cpu["ratio"], CPU_GOAL) if managed.get("exit_mode") != "stop" else None,
         },
     }
+
+
+def _median_known(values: list[float | None]) -> float | None:
+    return None if None in values or not values else float(np.median(values))
 
 
 @dataclass(frozen=True)
@@ -452,7 +479,8 @@ def versus_table(entry: dict) -> Table:
     saturation = versus["saturation_rps"]
     spread = saturation["ratio_range"]
     table = Table(title=f"rampserve ({_mode(versus)}) against vanilla, same run; replay at load "
-                        f"{fmt(versus['load'], 'g')} (of vanilla's saturation)")
+                        f"{fmt(versus['load'], 'g')} (of vanilla's saturation), {versus['rounds']} round(s): "
+                        "ratios paired within rounds, the median (min-max)")
     for column in ("figure", "vanilla", "rampserve", "ratio", "goal", "met"):
         table.add_column(column, justify="right")
     goals = list(versus["goals"].items())
@@ -470,13 +498,13 @@ def versus_table(entry: dict) -> Table:
     for index, key in ((1, "p50_ms"), (2, "p99_ms")):
         figure = versus[key]
         table.add_row(key.replace("_", " "), fmt(figure["vanilla"], ".2f"), fmt(figure["rampserve"], ".2f"),
-                      fmt(figure["ratio"], ".2f"), *verdict(index))
+                      _paired_cell(figure), *verdict(index))
     table.add_row("accuracy, answered (all sent)", "", f"{fmt(versus['accuracy'], '.4f')} "
                   f"({fmt(versus['accuracy_over_all_requests'], '.4f')})", "", *verdict(3))
     table.add_row("1k windows below target", "", fmt(versus["windows_below_share"], ".1%"), "", "", "")
     cpu = versus["cpu_ms_per_answer"]
     table.add_row("CPU ms per answer", fmt(cpu["vanilla"], ".3f"), fmt(cpu["rampserve"], ".3f"),
-                  fmt(cpu["ratio"], ".2f"), *verdict(4))
+                  _paired_cell(cpu), *verdict(4))
     if "p50_saving_ms" in versus:
         saving = versus["p50_saving_ms"]
         table.add_row("p50 saving ms (live / simulator)", "", f"{fmt(saving['live'], '.2f')} / "
@@ -484,10 +512,18 @@ def versus_table(entry: dict) -> Table:
     return table
 
 
+def _paired_cell(figure: dict) -> str:
+    """A ratio paired within rounds: the median, with the rounds' range where there are several."""
+    known = [r for r in figure["ratio_rounds"] if r is not None]
+    spread = f" ({min(known):.2f}-{max(known):.2f})" if len(known) > 1 else ""
+    return fmt(figure["ratio"], ".2f") + spread
+
+
 def live_table(report: dict, entry: dict) -> Table:
     """One load's figures (`entry`, one of the report's `loads`), with what the run measured once in the title."""
     table = Table(title=f"{report['model']} on {report['workload']}, {report['trace']} trace at load "
-                        f"{fmt(entry['load'], 'g')}: {entry['rate_rps']:.0f} rps (vanilla's saturation "
+                        f"{fmt(entry['load'], 'g')}, round {entry['median_round'] + 1} of {len(entry['rounds'])} (the "
+                        f"median p50 ratio): {entry['rate_rps']:.0f} rps (vanilla's saturation "
                         f"{fmt(report['saturation_rps'], '.0f')} rps), "
                         f"SLO {report['slo_ms']:.2f} ms, max batch {report['max_batch']}, max delay "
                         f"{report['max_delay_ms']:g} ms; server overhead {fmt(report['server_overhead_ms'], '.2f')} ms "
@@ -645,8 +681,8 @@ def run_live(settings: LiveSettings, json_out: Path | None, plots_dir: Path | No
         return ServerProcess(rampserve_serve(settings.model, slo, max_batch, settings.max_delay_ms, vanilla, extra),
                              workdir / f"{name}-{tag.replace(' ', '-')}-server.log", settings.start_timeout_s)
 
-    results: list[dict[str, LoadResult]] = []  # per schedule, per system
-    servers: list[dict[str, dict]] = []
+    results: list[list[dict[str, LoadResult]]] = []  # per schedule, per round, per system
+    servers: list[list[dict[str, dict]]] = []
     with tempfile.TemporaryDirectory(prefix="rampserve-live-") as tmp:
         workdir = Path(tmp)
         with server(True, workdir, "calibration") as vanilla:
@@ -701,36 +737,42 @@ def run_live(settings: LiveSettings, json_out: Path | None, plots_dir: Path | No
                            [name for name, _ in inputs])
         managed_saturation: dict = {}  # probed after the last load's replay
         for index, schedule in enumerate(schedules):
-            tag = f"load {fmt(schedule.load, 'g')}"
-            note(f"{tag}: replaying {schedule.requests} requests ({settings.trace}, {schedule.rate_rps:.0f} rps) "
-                 f"after {schedule.warmup_requests} warm-up requests to each system")
-            runs: dict[str, LoadResult] = {}
-            outcomes: dict[str, dict] = {}
-            # Each system starts afresh for each load: the managed controller learns from the stream, so each
-            # replay meets the server a run at that load alone would; vanilla too, so that both meet a fresh start
-            for is_vanilla in (True, False):
-                name = "vanilla" if is_vanilla else "rampserve"
-                with server(is_vanilla, workdir, tag) as srv:
-                    runs[name] = run_loadgen(job(srv), requests[:schedule.warmup_requests + schedule.requests],
-                                             workdir, f"{name} at {tag}", schedule.expected_s, progress,
-                                             schedule.arrivals_ms, schedule.warmup_arrivals_ms)
-                    # after its last replay: the replays meet the server as they always did, the probe a
-                    # controller that has learnt
-                    if not is_vanilla and index == len(schedules) - 1:
-                        try:
-                            managed_saturation = saturation_of(srv, "rampserve")
-                        except RuntimeError as exc:  # the replays' figures stand without it
-                            note(f"rampserve saturation: {exc}")
-                            managed_saturation = {"throughput_rps": None, "rounds_rps": [],
-                                                  "error": str(exc)[-2000:]}
-                outcomes[name] = srv.outcome()
-            results.append(runs)
-            servers.append(outcomes)
+            note(f"load {fmt(schedule.load, 'g')}: replaying {schedule.requests} requests ({settings.trace}, "
+                 f"{schedule.rate_rps:.0f} rps) after {schedule.warmup_requests} warm-up requests to each system, "
+                 f"{settings.replay_rounds} round(s)")
+            results.append([])
+            servers.append([])
+            for round_index in range(settings.replay_rounds):
+                tag = f"load {fmt(schedule.load, 'g')} round {round_index + 1}"
+                runs: dict[str, LoadResult] = {}
+                outcomes: dict[str, dict] = {}
+                # Each system starts afresh for each replay: the managed controller learns from the stream, so each
+                # replay meets the server a run at that load alone would; vanilla too, so that both meet a fresh
+                # start. Rounds alternate which system goes first, so that a drift of the machine lands on both.
+                for is_vanilla in (True, False) if round_index % 2 == 0 else (False, True):
+                    name = "vanilla" if is_vanilla else "rampserve"
+                    with server(is_vanilla, workdir, tag) as srv:
+                        runs[name] = run_loadgen(job(srv), requests[:schedule.warmup_requests + schedule.requests],
+                                                 workdir, f"{name} at {tag}", schedule.expected_s, progress,
+                                                 schedule.arrivals_ms, schedule.warmup_arrivals_ms)
+                        # after its last replay: the replays meet the server as they always did, the probe a
+                        # controller that has learnt
+                        last = index == len(schedules) - 1 and round_index == settings.replay_rounds - 1
+                        if not is_vanilla and last:
+                            try:
+                                managed_saturation = saturation_of(srv, "rampserve")
+                            except RuntimeError as exc:  # the replays' figures stand without it
+                                note(f"rampserve saturation: {exc}")
+                                managed_saturation = {"throughput_rps": None, "rounds_rps": [],
+                                                      "error": str(exc)[-2000:]}
+                    outcomes[name] = srv.outcome()
+                results[-1].append({name: runs[name] for name in ("vanilla", "rampserve")})
+                servers[-1].append(outcomes)
 
     note("scoring the answers against the original model's")
     saturations = {"vanilla": saturation, "rampserve": managed_saturation}
-    entries = [score_load(plan, settings, schedule, runs, outcomes, saturations, simulator)
-               for schedule, runs, outcomes in zip(schedules, results, servers, strict=True)]
+    entries = [score_load(plan, settings, schedule, rounds, outcomes, saturations, simulator)
+               for schedule, rounds, outcomes in zip(schedules, results, servers, strict=True)]
     report = {
         "model": settings.model, "workload": settings.workload, "trace": settings.trace,
         "saturation_rps": saturation["throughput_rps"], "saturation": saturation, "slo_ms": slo,
@@ -743,23 +785,42 @@ def run_live(settings: LiveSettings, json_out: Path | None, plots_dir: Path | No
     return write_report(report, results, json_out, plots_dir)
 
 
-def score_load(plan: LivePlan, settings: LiveSettings, schedule: ReplaySchedule, results: dict[str, LoadResult],
-               servers: dict[str, dict], saturations: dict[str, dict], simulator: SimulatorSaving | None) -> dict:
-    """One load's entry of the report: both systems' figures (each with its closed-loop saturation), the simulated
-    oracle on the same arrivals, `versus_vanilla`, and the simulator's saving beside the live one where
-    `simulator` is at this load."""
-    outputs, systems = score_systems(plan, settings, results, servers, schedule.warmup_requests, schedule.requests)
-    for name, measured in saturations.items():
-        systems[name] |= {"saturation_rps": measured["throughput_rps"], "saturation": measured}
-    systems["rampserve"] |= managed_exit_mode(settings, results["rampserve"].status_after)
+def score_load(plan: LivePlan, settings: LiveSettings, schedule: ReplaySchedule,
+               rounds: list[dict[str, LoadResult]], servers: list[dict[str, dict]], saturations: dict[str, dict],
+               simulator: SimulatorSaving | None) -> dict:
+    """One load's entry of the report: `versus_vanilla` over its replay rounds; both systems' figures (each with
+    its closed-loop saturation) from the round whose p50 ratio is the median (`median_round`; its runs are the
+    ones plotted), every round's in `rounds`; the simulated oracle on the same arrivals; and the simulator's saving
+    beside the live one where `simulator` is at this load."""
+    start = plan.first + schedule.warmup_requests
+    outputs = ramp_outputs(plan.model, plan.bundle, plan.stream, start, start + schedule.requests)
     oracle = simulated_oracle(outputs, plan.model.profile, schedule.arrivals_ms, plan.max_batch, settings.worst_window)
-    systems = with_oracle_share(systems, oracle["p50_savings"])
-    versus = versus_vanilla(systems["vanilla"], systems["rampserve"], schedule.load)
+    scored = []
+    for results, outcomes in zip(rounds, servers, strict=True):
+        systems = {name: score_run(settings, require_answers(result, name), outputs.final, outcomes[name])
+                   for name, result in results.items()}
+        for name, measured in saturations.items():
+            systems[name] |= {"saturation_rps": measured["throughput_rps"], "saturation": measured}
+        systems["rampserve"] |= managed_exit_mode(settings, results["rampserve"].status_after)
+        scored.append(with_oracle_share(systems, oracle["p50_savings"]))
+    versus = versus_vanilla([(systems["vanilla"], systems["rampserve"]) for systems in scored], schedule.load)
+    median = median_round(versus["p50_ms"]["ratio_rounds"])
+    systems = scored[median]
     if simulator is not None and simulator.load == schedule.load:
         versus["p50_saving_ms"] = beside_simulator(systems["vanilla"], systems["rampserve"], simulator)
     return {"load": schedule.load, "rate_rps": schedule.rate_rps, "requests": schedule.requests,
             "warmup_requests": schedule.warmup_requests, "oracle_sim": oracle, "systems": systems,
-            "versus_vanilla": versus}
+            "median_round": median, "versus_vanilla": versus,
+            "rounds": [{name: {k: v for k, v in summary.items() if k != "server"} for name, summary in r.items()}
+                       for r in scored]}
+
+
+def median_round(ratios: list[float | None]) -> int:
+    """The round whose ratio is the median (the lower of the middle two for an even count; rounds without a ratio
+    last), so that the figures shown beside the median ratio come from one real round."""
+    order = sorted(range(len(ratios)), key=lambda i: (ratios[i] is None, ratios[i] or 0.0))
+    known = sum(r is not None for r in ratios)
+    return order[(known - 1) // 2] if known else 0
 
 
 def managed_exit_mode(settings: LiveSettings, status: dict | str | None) -> dict:
@@ -779,28 +840,19 @@ def managed_exit_mode(settings: LiveSettings, status: dict | str | None) -> dict
                              float(figure("feedback_share", settings.feedback_share)))
 
 
-def write_report(report: dict, results: list[dict[str, LoadResult]], json_out: Path | None,
+def write_report(report: dict, results: list[list[dict[str, LoadResult]]], json_out: Path | None,
                  plots_dir: Path | None) -> dict:
-    """`results` holds each load's runs, in the order of the report's `loads`; each load's plots go in a folder of
-    their own, the latency against load beside them."""
+    """`results` holds each load's rounds of runs, in the order of the report's `loads`; each load's median round
+    is plotted in a folder of its own, the latency against load beside them."""
     if plots_dir is not None:
         from rampserve.bench.live_plots import write_live_plots, write_load_plot
 
         report["plots"] = [str(path) for entry, runs in zip(report["loads"], results, strict=True)
-                           for path in write_live_plots(report, entry, runs,
+                           for path in write_live_plots(report, entry, runs[entry["median_round"]],
                                                         plots_dir / f"load-{fmt(entry['load'], 'g')}")]
         report["plots"].append(str(write_load_plot(report, plots_dir)))
     write_json(report, json_out)
     return report
-
-
-def score_systems(plan: LivePlan, settings: LiveSettings, results: dict[str, LoadResult], servers: dict[str, dict],
-                  warmup: int, n: int) -> tuple[RampOutputs, dict[str, dict]]:
-    """Every system's answers to the `n` measured requests, scored against the original model's."""
-    start = plan.first + warmup
-    outputs = ramp_outputs(plan.model, plan.bundle, plan.stream, start, start + n)
-    return outputs, {name: score_run(settings, require_answers(result, name), outputs.final, servers[name])
-                     for name, result in results.items()}
 
 
 def score_run(settings: LiveSettings, result: LoadResult, reference: np.ndarray, server: dict) -> dict:
