@@ -32,7 +32,7 @@ from rampserve.workloads.streams import get_stream
 
 EXECUTORS = ("thread", "process")
 # One at a time: binary tensors and JSON over HTTP, KServe v2 over gRPC, and binary tensors from the lean client
-# (`loadgen.LeanHttpSender`: the server's time with little of the client's; the others use aiohttp and grpc.aio)
+# (`loadgen.LeanHttpClient`: the server's time with little of the client's; the others use aiohttp and grpc.aio)
 ENCODINGS = ("binary", "json", "grpc", "lean")
 CLOSED_LOOPS = {"binary": "closed", "grpc": "closed_grpc"}  # the closed loop's transports and their figures' prefix
 # Figures where lower is better (a ratio under 1 favours the process) and those where higher is better
