@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from rampserve.control.controller import Controller, ControllerSettings
 from rampserve.control.costs import CostModel
 from rampserve.control.monitor import AccuracyWindow, ExitHistory
+from rampserve.control.objective import serving_waits
 from rampserve.control.ramps import SetEstimate, evenly_spaced, fits_budget, initial_sites, search_sets
 from rampserve.control.records import NO_EXIT, NO_LABEL, BatchRecord, Configuration, merged
 from rampserve.control.risk import served_scale
@@ -368,12 +369,37 @@ def test_merged_records_keep_every_input_in_order_with_its_batch_size(batches) -
 
 
 def test_sets_are_judged_on_what_requests_wait_for_their_queueing_included():
-    """Each shadow input's estimated latency is its batch's queueing plus the model up to its exit."""
-    controller = Controller(profile(), ControllerSettings(warmup=64))
+    """Each shadow input's estimated latency is its batch's queueing plus the model up to its exit; the warm-up's
+    waits (every batch running every ramp) do not count: the first search judges service time alone, and later
+    ones give warm-up inputs the waits measured since."""
+    controller = Controller(profile(), ControllerSettings(warmup=64, search_every=64))
     shadow = controller.configuration()
     assert shadow.shadow_every == 1
-    for _ in range(64):
+
+    def observe(queue_ms: float) -> None:
         controller.observe(replace(record(shadow.shadowed(), np.zeros((1, 8), int), np.full((1, 8), 0.9),
-                                          np.zeros(1, dtype=int)), queue_ms=5.0))
+                                          np.zeros(1, dtype=int)), queue_ms=queue_ms))
+
+    for _ in range(64):
+        observe(50.0)
+    first_search = controller.last_search
+    no_ramp = next(e for e in first_search if e.sites == ())
+    assert no_ramp.objective_ms == pytest.approx(1.0) and no_ramp.mean_ms == pytest.approx(1.0)
+    for _ in range(64):
+        observe(5.0)
+    assert controller.last_search is not first_search  # a second search ran
     no_ramp = next(e for e in controller.last_search if e.sites == ())
     assert no_ramp.objective_ms == pytest.approx(5.0 + 1.0) and no_ramp.mean_ms == pytest.approx(6.0)
+
+
+@given(st.lists(st.one_of(st.none(), st.floats(0.0, 100.0)), min_size=1, max_size=40))
+def test_unknown_waits_take_the_measured_ones_distribution(values):
+    waits = np.array([np.nan if v is None else v for v in values])
+    filled = serving_waits(waits)
+    known = waits[~np.isnan(waits)]
+    assert not np.isnan(filled).any() and len(filled) == len(waits)
+    np.testing.assert_array_equal(filled[~np.isnan(waits)], known)  # measured waits stay as they were
+    if len(known):
+        assert known.min() <= filled.min() and filled.max() <= known.max()
+    else:
+        assert (filled == 0.0).all()  # nothing measured: service time alone

@@ -84,8 +84,10 @@ class ExitHistory:
         self._next = 0
         self.size = 0
 
-    def add(self, record: BatchRecord, first: int) -> None:
-        """The record's observed inputs, numbered from `first` in the record's order."""
+    def add(self, record: BatchRecord, first: int, wait_serves: bool = True) -> None:
+        """The record's observed inputs, numbered from `first` in the record's order. `wait_serves`: whether the
+        batch's queue wait is one the serving configuration would see (not where every batch ran every ramp);
+        a wait that does not is held as unknown (NaN)."""
         observed = record.observed()
         if not observed.any():
             return
@@ -102,7 +104,7 @@ class ExitHistory:
         self._strata[rows] = np.where(weights > 1.0, SAMPLED, FULLY_OBSERVED)
         self._weights[rows] = weights
         self._sequence[rows] = (first + np.flatnonzero(observed))[-len(rows):]
-        self._wait[rows] = record.queue_ms
+        self._wait[rows] = record.queue_ms if wait_serves else np.nan
         self._next = int((rows[-1] + 1) % self.capacity)
         self.size = min(self.capacity, self.size + len(rows))
 
@@ -124,7 +126,7 @@ class ExitHistory:
         return self._correct[rows][:, columns], self._errors[rows][:, columns]
 
     def waits(self, rows: np.ndarray) -> np.ndarray:
-        """(n,) ms each of `rows` waited in the queue (its batch's oldest input's wait)."""
+        """(n,) ms each of `rows` waited in the queue (its batch's oldest input's wait; NaN: not a serving wait)."""
         return self._wait[rows]
 
     def design(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:

@@ -37,3 +37,21 @@ def objective_ms(latency_ms: np.ndarray, weights: np.ndarray, objective: str) ->
         total = float(np.sum(weights))
         return float(np.dot(latency_ms, weights) / total) if total else 0.0
     raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
+
+
+def serving_waits(waits: np.ndarray) -> np.ndarray:
+    """Queue waits to judge sets with: each measured one (a number) as it is; each unknown one (NaN: measured in the
+    warm-up, when every batch runs every ramp and queues for it: median 4.6 ms on minilm-rt at 60 rps against
+    0.3 ms once one batch in ten does) drawn from the measured ones' distribution at evenly spaced quantiles in a
+    fixed shuffled order, since in release mode what an input waits does not depend on what it is; none measured:
+    no wait (service time alone)."""
+    waits = np.asarray(waits, dtype=np.float64)
+    unknown = np.isnan(waits)
+    if not unknown.any():
+        return waits
+    known = waits[~unknown]
+    filled = waits.copy()
+    count = int(unknown.sum())
+    quantiles = (np.random.default_rng(0).permutation(count) + 0.5) / count
+    filled[unknown] = np.quantile(known, quantiles) if len(known) else 0.0
+    return filled
