@@ -20,9 +20,10 @@ configurations it adopted during the run, of them those that changed the ramp se
 alone, and its event loop's lag (`server_figures`).
 
 Each system's `saturation_rps` is its own closed-loop saturation, measured as `bench peers` measures it
-(`measure_saturation`, the median of `saturation_rounds` probes, every round reported): vanilla's before its
-replays (it sets their rates), rampserve's after its replay at the highest load (so the replays meet the server as
-they always did, and the probe meets a controller that has learnt the stream). `windows_below_share` is the share
+(`measure_saturation`, the median of `saturation_rounds` probes, every round reported), after its last replay at
+the highest load: the replays meet the servers as they always did, the probe meets a controller that has learnt
+the stream, and the two systems' probes run back to back. Vanilla's probe before the replays (the report's
+`saturation`) sets their rates. `windows_below_share` is the share
 of 1,000-request windows (answered requests, in order) whose accuracy is below 1 − the accuracy constraint; the
 managed system also reports its `exit_mode` and `feedback_share`. `versus_vanilla` puts issue 17's figures for
 exits side by side at each load: saturation (closed loop, the same at every load), p50 and p99 of the replay at
@@ -735,7 +736,7 @@ def run_live(settings: LiveSettings, json_out: Path | None, plots_dir: Path | No
         longest = max(s.warmup_requests + s.requests for s in schedules)
         requests = renamed(encode_items(model, stream.task, stream.items(first, first + longest)),
                            [name for name, _ in inputs])
-        managed_saturation: dict = {}  # probed after the last load's replay
+        saturations: dict[str, dict] = {}  # each system's, probed after its last replay
         for index, schedule in enumerate(schedules):
             note(f"load {fmt(schedule.load, 'g')}: replaying {schedule.requests} requests ({settings.trace}, "
                  f"{schedule.rate_rps:.0f} rps) after {schedule.warmup_requests} warm-up requests to each system, "
@@ -755,22 +756,21 @@ def run_live(settings: LiveSettings, json_out: Path | None, plots_dir: Path | No
                         runs[name] = run_loadgen(job(srv), requests[:schedule.warmup_requests + schedule.requests],
                                                  workdir, f"{name} at {tag}", schedule.expected_s, progress,
                                                  schedule.arrivals_ms, schedule.warmup_arrivals_ms)
-                        # after its last replay: the replays meet the server as they always did, the probe a
-                        # controller that has learnt
-                        last = index == len(schedules) - 1 and round_index == settings.replay_rounds - 1
-                        if not is_vanilla and last:
+                        # after the last replay: the replays meet the servers as they always did, the probe a
+                        # controller that has learnt; both systems' probes back to back, so that a drift of the
+                        # machine over the run does not land on one of them only
+                        if index == len(schedules) - 1 and round_index == settings.replay_rounds - 1:
                             try:
-                                managed_saturation = saturation_of(srv, "rampserve")
+                                saturations[name] = saturation_of(srv, name)
                             except RuntimeError as exc:  # the replays' figures stand without it
-                                note(f"rampserve saturation: {exc}")
-                                managed_saturation = {"throughput_rps": None, "rounds_rps": [],
-                                                      "error": str(exc)[-2000:]}
+                                note(f"{name} saturation: {exc}")
+                                saturations[name] = {"throughput_rps": None, "rounds_rps": [],
+                                                     "error": str(exc)[-2000:]}
                     outcomes[name] = srv.outcome()
                 results[-1].append({name: runs[name] for name in ("vanilla", "rampserve")})
                 servers[-1].append(outcomes)
 
     note("scoring the answers against the original model's")
-    saturations = {"vanilla": saturation, "rampserve": managed_saturation}
     entries = [score_load(plan, settings, schedule, rounds, outcomes, saturations, simulator)
                for schedule, rounds, outcomes in zip(schedules, results, servers, strict=True)]
     report = {
