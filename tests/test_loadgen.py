@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from rampserve.bench.loadgen import CLIENT_ERROR, TIMED_OUT, Job, LeanHttpClient
 
-HANG_S = 1.0  # how long the peer holds a request it never answers: past the client's timeout
+HANG_S = 5.0  # how long the peer holds a request it never answers: past the client's timeout
 
 
 class _Peer(socketserver.StreamRequestHandler):
@@ -63,7 +63,7 @@ def _bodies(kinds: list[str]) -> list[tuple[bytes, dict[str, str]]]:
 
 def test_each_request_ends_once_and_a_failure_does_not_stop_the_ones_after_it(peer) -> None:
     kinds = ["label", "close", "label", "hang", "refuse", "label", "label"]
-    job = Job(peer, (), "label", None, timeout_s=0.3, lean=True)
+    job = Job(peer, (), "label", None, timeout_s=1.0, lean=True)
     client = LeanHttpClient(job)
     try:
         recorder = asyncio.run(client.open_loop(_bodies(kinds), np.arange(len(kinds)) * 20.0))
@@ -73,10 +73,10 @@ def test_each_request_ends_once_and_a_failure_does_not_stop_the_ones_after_it(pe
     expected = {"label": 200, "close": CLIENT_ERROR, "hang": TIMED_OUT, "refuse": 503}
     assert result.status.tolist() == [expected[kind] for kind in kinds]
     assert result.label.tolist() == [i if kind == "label" else -1 for i, kind in enumerate(kinds)]
-    assert result.errors == {"ConnectionError: the server closed the connection": 1, "no answer within 0.3 s": 1,
+    assert result.errors == {"ConnectionError: the server closed the connection": 1, "no answer within 1.0 s": 1,
                              "HTTP 503: overloaded": 1}
     hung = kinds.index("hang")
-    assert result.done_ms[hung] - result.sent_ms[hung] >= 300.0  # timed out by the job's timeout, not before it
+    assert result.done_ms[hung] - result.sent_ms[hung] >= 1000.0  # timed out by the job's timeout, not before it
     assert (result.sent_ms >= result.scheduled_ms).all()
 
 
