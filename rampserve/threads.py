@@ -32,9 +32,8 @@ def set_os_thread_name(name: str) -> None:
 def native_threads_named(name: str) -> Iterator[None]:
     """Threads that native code starts inside this block (ONNX Runtime's intra-op pool, at session creation) take
     `name` rather than the calling thread's."""
-    try:
-        before = _comm().read_bytes().rstrip(b"\n").decode()
-    except OSError:
+    before = _comm_of(threading.get_native_id())
+    if before is None:
         yield
         return
     existing = thread_ids() if _idle_native_threads else set()  # a listing of /proc only where it is used
@@ -44,8 +43,9 @@ def native_threads_named(name: str) -> Iterator[None]:
     finally:
         set_os_thread_name(before)
         if _idle_native_threads:
+            kept = name.encode()[:COMM_BYTES].decode(errors="ignore")  # the name as the kernel keeps it
             for thread in thread_ids() - existing:
-                if _comm_of(thread) == name:
+                if _comm_of(thread) == kept:
                     schedule_as_idle(thread)
 
 

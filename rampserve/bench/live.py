@@ -50,8 +50,7 @@ from rampserve.bench.cpu import cpu_used
 from rampserve.bench.figures import ACCURACY_WINDOW, configuration_changes, exit_mode_figures, windows_below_share
 from rampserve.bench.harness import (
     QUANTILES, TRANSPORTS, ServerProcess, encode_items, fmt, get_json, mean_batch_size, measure_saturation,
-    median_ratio,
-    most_frequent, percentiles, rampserve_serve, ratio, renamed, require_answers, run_loadgen, write_json,
+    median_ratio, most_frequent, percentiles, rampserve_serve, ratio, renamed, require_answers, run_loadgen, write_json,
 )
 from rampserve.bench.loadgen import Job, LoadResult
 from rampserve.bench.ramp_outputs import RampOutputs, ramp_outputs

@@ -425,7 +425,8 @@ class LeanHttpClient:
     no event loop, task or parser object stands between the server's answer and the clock. On the machine the
     server runs on, the client's own CPU delays the answers it times: aiohttp's event loop read answers released
     mid-run 1.5 ms later than this client did. A connection whose request failed is closed; one idle longer than
-    the server keeps it is never reused (a POST is not retried)."""
+    the server keeps it is never reused (a POST is not retried). Its loops are coroutines only to stand where the
+    event-loop clients' do: each blocks until every request has ended."""
 
     def __init__(self, job: Job) -> None:
         url = urlsplit(job.url)
