@@ -85,22 +85,20 @@ def schedule_as_idle(thread: int = 0) -> bool:
     """Put `thread` (0: the calling one), and every thread and process it starts from then on, under Linux's
     SCHED_IDLE: a thread of any other policy that wakes takes its core at once. Whether it could (not on other
     systems)."""
-    if not hasattr(os, "SCHED_IDLE"):
-        return False
-    try:
-        os.sched_setscheduler(thread, os.SCHED_IDLE, os.sched_param(0))
-    except OSError:
-        return False
-    return True
+    return _schedule(thread, "SCHED_IDLE")
 
 
 def schedule_as_normal(thread: int = 0) -> bool:
     """Put `thread` (0: the calling one) back under Linux's normal policy. Whether it could: leaving SCHED_IDLE
     takes CAP_SYS_NICE or an RLIMIT_NICE that allows the thread's nice value."""
-    if not hasattr(os, "SCHED_OTHER"):
+    return _schedule(thread, "SCHED_OTHER")
+
+
+def _schedule(thread: int, policy: str) -> bool:
+    if not hasattr(os, policy):
         return False
     try:
-        os.sched_setscheduler(thread, os.SCHED_OTHER, os.sched_param(0))
+        os.sched_setscheduler(thread, getattr(os, policy), os.sched_param(0))
     except OSError:
         return False
     return True
