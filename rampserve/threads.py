@@ -85,39 +85,13 @@ def schedule_as_idle(thread: int = 0) -> bool:
     """Put `thread` (0: the calling one), and every thread and process it starts from then on, under Linux's
     SCHED_IDLE: a thread of any other policy that wakes takes its core at once. Whether it could (not on other
     systems)."""
-    return _schedule(thread, "SCHED_IDLE")
-
-
-def schedule_as_normal(thread: int = 0) -> bool:
-    """Put `thread` (0: the calling one) back under Linux's normal policy. Whether it could: leaving SCHED_IDLE
-    takes CAP_SYS_NICE or an RLIMIT_NICE that allows the thread's nice value."""
-    return _schedule(thread, "SCHED_OTHER")
-
-
-def _schedule(thread: int, policy: str) -> bool:
-    if not hasattr(os, policy):
+    if not hasattr(os, "SCHED_IDLE"):
         return False
     try:
-        os.sched_setscheduler(thread, getattr(os, policy), os.sched_param(0))
+        os.sched_setscheduler(thread, os.SCHED_IDLE, os.sched_param(0))
     except OSError:
         return False
     return True
-
-
-def on_idle_policy() -> bool:
-    """Whether the calling thread runs under SCHED_IDLE."""
-    return hasattr(os, "SCHED_IDLE") and os.sched_getscheduler(0) == os.SCHED_IDLE
-
-
-def idle_and_back_allowed() -> bool:
-    """Whether a thread of this process may go under SCHED_IDLE and come back, tried on a thread of its own (which
-    ends under whichever policy it was left in)."""
-    allowed: list[bool] = []
-    trial = threading.Thread(target=lambda: allowed.append(schedule_as_idle() and schedule_as_normal()),
-                             name="idle-trial", daemon=True)
-    trial.start()
-    trial.join()
-    return bool(allowed and allowed[0])
 
 
 class OsNamedThread(threading.Thread):

@@ -6,9 +6,6 @@ contract (`exit_rule.exit_floor`), which `test_exit_rule` checks against the ope
 
 from __future__ import annotations
 
-import os
-import threading
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
@@ -27,7 +24,6 @@ from rampserve.serving.batch import BatchState
 from rampserve.serving.contract import Answer
 from rampserve.serving.exit_modes import RELEASE, StopStrategy
 from rampserve.serving.request_queue import Pending
-from rampserve.threads import idle_and_back_allowed
 
 
 @dataclass
@@ -38,35 +34,11 @@ class ScriptedSignals:
     write_fd: int = 0  # not -1: the ramps report
     columns: list[int] = field(default_factory=list)
 
-    def begin(self, on_column: Callable[[int], None]) -> None:
+    def begin(self, on_column: object) -> None:
         self.columns.clear()
-
-    def report(self, column: int) -> None:
-        self.columns.append(column)
 
     def end(self) -> bytes:
         return bytes(self.columns)
-
-
-@dataclass
-class HandedOnRunThread(ScriptedSignals):
-    """Columns handed to the batch on the run's own thread as its ramps report them, as ONNX Runtime's Python
-    operator hands them; after each, whether every request of the batch is answered and that thread's scheduling
-    policy."""
-
-    on_column: Callable[[int], None] | None = None
-    requests: list[Pending] = field(default_factory=list)
-    seen: list[tuple[bool, int]] = field(default_factory=list)
-
-    def begin(self, on_column: Callable[[int], None]) -> None:
-        self.on_column = on_column
-
-    def report(self, column: int) -> None:
-        self.on_column(column)
-        self.seen.append((all(p.settled for p in self.requests), os.sched_getscheduler(0)))
-
-    def end(self) -> bytes:
-        return b""
 
 
 @dataclass
@@ -111,7 +83,7 @@ class ScriptedModel:
             buffers.stashes[j] = rows
             confidence = 1.0 - top_label_and_error(self.ramp_logits[rows, j], self.error_score)[1]
             if not fused or np.any(confidence > exit_floor(thresholds[j], -EXIT_MARGIN)):
-                self.signals.report(j)
+                self.signals.columns.append(j)
             if keep is not None and fused:
                 buffers.left[rows[(confidence > exit_floor(thresholds[j], STOP_MARGIN)) & ~keep[rows]]] = j
 
@@ -131,21 +103,18 @@ def served_batches(draw: st.DrawFn) -> tuple:
     return logits, score, thresholds, final, fused, list(zip(sizes, wants))
 
 
-def serve(strategy, batch: tuple, stops: bool, shadow: bool, signals: ScriptedSignals | None = None,
-          idle_after_release: bool = False) -> tuple[list[Answer], BatchState]:
+def serve(strategy, batch: tuple, stops: bool, shadow: bool) -> tuple[list[Answer], BatchState]:
     """The batch through `strategy` as the executor runs a compiled set; every request's one answer."""
     logits, score, thresholds, final, fused, requests = batch
     rows, ramps, classes = logits.shape
     sites = tuple(f"s{j}" for j in range(ramps))
-    signals = signals or ScriptedSignals()
+    signals = ScriptedSignals()
     model = ScriptedModel(logits, final, score, signals)
     compiled = SimpleNamespace(sites=sites, fused=fused, stops=stops, classes=classes)
     answers: dict[int, list[Answer]] = {i: [] for i in range(len(requests))}
     pending = [Pending({}, size, 0.0, np.inf, wants, answers[i].append) for i, (size, wants) in enumerate(requests)]
-    if isinstance(signals, HandedOnRunThread):
-        signals.requests = pending
     state = BatchState(Configuration(1, sites, thresholds), pending, 0, SimpleNamespace(observe=lambda _: None))
-    finals, _ = strategy.execute(model, compiled, state, {}, signals, shadow, idle_after_release)
+    finals, _ = strategy.execute(model, compiled, state, {}, signals, shadow)
     state.finish(finals.labels, finals.errors, finals.logits)
     assert all(len(given) == 1 for given in answers.values()), "a request was answered other than once"
     return [given[0] for given in answers.values()], state
@@ -185,29 +154,3 @@ def test_release_and_stop_release_what_the_exit_rule_says(batch: tuple, share: f
         assert list(zip(stop.labels.tolist(), stop.exit_sites)) == expected
         if not np.any(left[rows] != NO_EXIT):  # nothing of it left: both modes give it the same answer
             assert release.labels.tolist() == stop.labels.tolist() and release.exit_sites == stop.exit_sites
-
-
-@settings(max_examples=150, deadline=None)
-@given(served_batches(), st.booleans())
-def test_the_rest_of_a_batch_answered_mid_run_runs_idle_and_its_thread_comes_back(batch: tuple, stops: bool
-                                                                                 ) -> None:
-    # Where this process may not take a thread back from SCHED_IDLE, the executor never sends one there
-    allowed = idle_and_back_allowed()
-    outcome: dict[str, object] = {}
-
-    def executor() -> None:  # a thread of its own, as the executor's: the test runner's keeps its policy
-        signals = HandedOnRunThread()
-        idle = serve(RELEASE if not stops else StopStrategy(0.5, np.random.default_rng(0)), batch, stops, False,
-                     signals, idle_after_release=allowed)
-        plain = serve(RELEASE if not stops else StopStrategy(0.5, np.random.default_rng(0)), batch, stops, False)
-        outcome.update(seen=signals.seen, after=os.sched_getscheduler(0), idle=idle, plain=plain)
-
-    thread = threading.Thread(target=executor)
-    thread.start()
-    thread.join()
-    # Idle from the column that answered the batch's last request to the end of the run, normal before it and after
-    for all_answered, policy in outcome["seen"]:
-        assert policy == (os.SCHED_IDLE if all_answered and allowed else os.SCHED_OTHER)
-    assert outcome["after"] == os.SCHED_OTHER
-    (idle, _), (plain, _) = outcome["idle"], outcome["plain"]
-    assert [(a.labels.tolist(), a.exit_sites) for a in idle] == [(a.labels.tolist(), a.exit_sites) for a in plain]

@@ -63,10 +63,6 @@ class BatchState:
             if decided[index] and not pending.settled and not pending.needs_final:
                 self._answer(pending, int(self.starts[index]), None, None, None)
 
-    def all_answered(self) -> bool:
-        """Whether every request of the batch has its answer."""
-        return all(pending.settled for pending in self.batch)
-
     def site_ramp(self, site: str, ramp_labels: np.ndarray, ramp_errors: np.ndarray) -> None:
         self.ramp(self.column[site], ramp_labels, ramp_errors)
 

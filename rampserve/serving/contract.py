@@ -86,12 +86,6 @@ class ModelSettings:
     # released answers out sooner still but cost a fifth of the saturation throughput of both vanilla and managed
     # servers with a bench's clients on the same cores, which "idle-pools" did not (README, bench live).
     executor_policy: str = "idle-pools"
-    # Once every request of a batch is answered at a ramp, the thread that runs it takes the rest (only the controller
-    # needs it) under SCHED_IDLE, and its normal policy back when the run ends: the answers just released then reach
-    # their clients without waiting for a core the run holds (DESIGN, the rest of a released batch runs in the
-    # background). Only where the thread may come back (CAP_SYS_NICE or an RLIMIT_NICE that allows it), and not under
-    # the "idle" policy, where it is idle throughout.
-    idle_after_release: bool = True
     controller: ControllerSettings = field(default_factory=ControllerSettings)
 
     def __post_init__(self) -> None:

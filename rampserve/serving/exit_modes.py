@@ -11,7 +11,6 @@ rule's (`BatchState.ramp`); the strategies differ in what the run computes and w
 
 from __future__ import annotations
 
-import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,7 +21,6 @@ import numpy as np
 from rampserve.control.records import NO_EXIT, NO_LABEL
 from rampserve.ramps.scores import top_label_and_error
 from rampserve.serving.batch import BatchState, RampSignals
-from rampserve.threads import schedule_as_idle, schedule_as_normal
 
 if TYPE_CHECKING:
     from rampserve.runtime.compiled import CompiledSet
@@ -49,28 +47,18 @@ class ExitStrategy(ABC):
     """What a compiled run does with the inputs released at its ramps."""
 
     def execute(self, model: PreparedModel, compiled: CompiledSet, state: BatchState, feeds: dict[str, np.ndarray],
-                signals: RampSignals | None, shadow: bool, idle_after_release: bool = False
-                ) -> tuple[Finals, RampOutputs]:
+                signals: RampSignals | None, shadow: bool) -> tuple[Finals, RampOutputs]:
         """Run the batch of `state` on `compiled`, releasing answers as its ramps report: the releasing thread
         (`signals`) scores each column a ramp reports (one where some input may exit) and releases what exits there
         while the model runs on; what it has not taken when the run ends, this thread handles. The other columns are
-        left in the returned outputs, scored for the record once every answer is out. `shadow`: a shadow batch.
-        `idle_after_release`: once every request of the batch is answered mid-run, this thread runs the rest under
-        SCHED_IDLE (`threads.schedule_as_idle`), back to its normal policy when the run ends: the rest only feeds
-        the controller, and the answers just released need the cores to reach their clients (DESIGN, the rest of a
-        released batch runs in the background); the caller makes sure this thread may come back."""
+        left in the returned outputs, scored for the record once every answer is out. `shadow`: a shadow batch."""
         config = state.config
         outputs = model.ramp_outputs(compiled, state.n)
         columns = [state.column[site] for site in compiled.sites]
         signals = signals if config.sites else None  # a vanilla set has no ramp to report
-        run_thread = threading.get_native_id()
-        running, idle = idle_after_release, False
 
         def ramp(j: int) -> None:
-            nonlocal idle
             state.ramp(columns[j], *outputs.scores(j))
-            if running and not idle and state.all_answered():
-                idle = schedule_as_idle(run_thread)
 
         if signals is not None:
             signals.begin(ramp)
@@ -81,9 +69,6 @@ class ExitStrategy(ABC):
                                -1 if signals is None else signals.write_fd, shadow)
         finally:
             left = b"" if signals is None else signals.end()
-            running = False
-            if idle:
-                schedule_as_normal(run_thread)
         for j in left:
             ramp(j)
         self._after_run(state, outputs, columns, ramp)

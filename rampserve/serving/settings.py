@@ -65,9 +65,6 @@ class ModelOptions(BaseModel):
                                                            "SCHED_IDLE: any other thread takes their core at once, "
                                                            "so released answers leave while the model runs on), "
                                                            "idle (every thread of the executor) or normal")
-    idle_after_release: bool = Field(True, description="once every request of a batch is answered at a ramp, run "
-                                                       "the rest of it (for the controller alone) under SCHED_IDLE, "
-                                                       "where the server may take its normal policy back")
     cache_updates: bool = Field(True, description="active cache ramps learn from served final answers")
     # The controller
     accuracy_constraint: float = Field(ControllerSettings.accuracy_constraint,

@@ -46,7 +46,7 @@ from rampserve.serving.exit_modes import RELEASE, Finals, StopStrategy
 from rampserve.serving.metrics import ServerMetrics
 from rampserve.serving.models import ServedModel, stack_inputs
 from rampserve.serving.request_queue import Pending, RequestQueue
-from rampserve.threads import OsNamedThread, idle_and_back_allowed, on_idle_policy
+from rampserve.threads import OsNamedThread
 
 log = logging.getLogger("rampserve.serving")
 
@@ -142,7 +142,6 @@ class ModelWorker:
             settings.torchscript and control is not None
             and (kernel.available() or not model.compiles_to_torchscript)) else None
         self.batches = 0  # run (each one's id is the count before it)
-        self._idle_after_release = False  # decided on the executor thread, whose policy it moves (`_serve_batches`)
         # The version whose batches the executor is counting, and how many it has run, for its shadow batches
         self._counted_version: int | None = None
         self._version_batches = 0
@@ -229,8 +228,6 @@ class ModelWorker:
         # and torch's intra-op threads contending with them made a batch of one 1.5-3x slower on two cores.
         if self.settings.torch_threads is not None:
             torch.set_num_threads(self.settings.torch_threads)
-        self._idle_after_release = self.settings.idle_after_release and self.control is not None \
-            and not on_idle_policy() and idle_and_back_allowed()
         # Inference mode for the thread's life rather than per batch: the runner's operators skip autograd, and
         # the batch's path takes one step fewer
         with torch.inference_mode():
@@ -271,8 +268,7 @@ class ModelWorker:
                              "as in release mode", self.served.name)
                 finals = Finals.of(model.run_eager(feeds, config.sites, state.site_ramp if config.sites else None))
             else:
-                finals, outputs = strategy.execute(model, compiled, state, feeds, self._signals, shadow is not None,
-                                                   self._idle_after_release)
+                finals, outputs = strategy.execute(model, compiled, state, feeds, self._signals, shadow is not None)
         except Exception:
             self._record_unverified(state, started)
             raise
