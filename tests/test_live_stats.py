@@ -27,6 +27,7 @@ from rampserve.bench.live import (
     with_oracle_share,
 )
 from rampserve.bench.loadgen import CLIENT_ERROR, TIMED_OUT, Job, LoadResult, encode_request, load_job, save_job
+from rampserve.control.controller import ControllerSettings
 from rampserve.workloads.traces import arrival_times
 
 
@@ -252,6 +253,17 @@ def test_live_settings_pass_the_exit_mode_and_controller_settings_to_the_managed
                 {"controller": {"guarantee": "hopeful"}}):
         with pytest.raises(ValueError):
             LiveSettings(**bad)
+
+
+def test_the_simulated_controller_takes_the_settings_the_managed_server_is_given():
+    # The simulation on the replay's own requests runs the controller the managed server runs: what the run passes
+    # it, the server's defaults for the rest
+    assert LiveSettings().controller_settings() == ControllerSettings(accuracy_constraint=0.01)
+    given = LiveSettings(exit_mode="stop", feedback_share=0.1, accuracy_constraint=0.02,
+                         controller={"guarantee": "long-run", "search_every": 1024})
+    assert given.controller_settings() == ControllerSettings(accuracy_constraint=0.02, exit_mode="stop",
+                                                             feedback_share=0.1, guarantee="long-run",
+                                                             search_every=1024)
 
 
 @pytest.mark.parametrize("trace", ["maf", "poisson", "bursty"])

@@ -7,7 +7,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rampserve.runtime.profile import in_place_factor
+from rampserve.runtime.profile import at_length, in_place_factor
 
 
 @settings(max_examples=60, deadline=None)
@@ -34,3 +34,17 @@ def test_ramps_lost_in_the_noise_are_charged_the_most_the_noise_allows_up_to_the
     charged = in_place_factor(without + differences[:, None], without, own) * own
     assert charged <= own + 1e-12
     assert abs(charged - min(own, max(share * 2 * error, 0.0) + 2 * error)) < 1e-9
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 40), st.integers(1, 130), st.integers(0, 2**31 - 1))
+def test_an_input_timed_at_a_length_is_its_own_positions_cut_or_repeated(positions: int, length: int, seed: int
+                                                                        ) -> None:
+    rng = np.random.default_rng(seed)
+    feeds = {"input_ids": rng.integers(0, 30000, (1, positions)), "attention_mask": np.ones((1, positions), int)}
+    at = at_length(feeds, length)
+    for name, array in feeds.items():
+        assert at[name].shape == (1, length) and at[name].dtype == array.dtype
+        kept = min(length, positions)
+        assert np.array_equal(at[name][:, :kept], array[:, :kept])
+        assert np.array_equal(at[name][:, positions:], at[name][:, :length - positions]) or length <= positions

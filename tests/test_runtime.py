@@ -18,6 +18,7 @@ from rampserve.graph.torch_graph import TorchSplitModel
 from rampserve.ramps.kinds import make_ramp, spec_for
 from rampserve.runtime.backends import TorchBackend
 from rampserve.runtime.prepared import PreparedModel, SiteInfo
+from rampserve.runtime.profile import PROFILED_LENGTHS
 from rampserve.zoo.registry import get_entry
 
 
@@ -288,6 +289,9 @@ def test_profile_covers_every_site_and_batch_size(resnet_prepared) -> None:
     assert set(profile.segment_ms) == {*profile.sites, "output"}
     reach = profile.reach(1)
     assert np.all(np.diff(reach) >= 0) and reach[-1] <= profile.full(1)
+    # Images come in one size: no time against length, and every batch priced as profiled
+    assert profile.lengths == profile.length_ms == profile.batch_lengths == ()
+    assert profile.length_scale(1, 999) == 1.0
 
 
 def _split(name: str) -> TorchSplitModel:
@@ -339,6 +343,13 @@ def test_minilm_prepares_with_masked_mean_ramps_and_stages_exactly(small_prepare
     config = replace(small_prepare_config, bootstrap_items=200, profile_batch_sizes=(1, 2), profile_repeats=1)
     model = prepare(ModelSource("zoo", "minilm-rt", small=True), config)
     assert all(s.ramp.reduce == "token_mean_masked" and s.activation_shape[-1] == 384 for s in model.sites)
+    # Texts come in any length: the profile times the model at each length its signature allows, and keeps the
+    # positions of the inputs each batch size was measured on, whose own time scales by 1
+    profile = model.profile
+    assert profile.lengths == tuple(n for n in PROFILED_LENGTHS if n <= model.signature.max_variable_dim)
+    assert len(profile.length_ms) == len(profile.lengths) and min(profile.length_ms) > 0
+    assert len(profile.batch_lengths) == 2 and profile.batch_lengths[0] <= profile.batch_lengths[1]
+    assert profile.length_scale(1, profile.batch_lengths[0]) == 1.0
     stream = get_stream("rt-drift")
     texts = stream.items(stream.evaluation.start, stream.evaluation.start + 6)
     feeds = dict(zip(model.backend.input_names, get_entry("minilm-rt", small=True).encode(texts).values()))

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from rampserve.bench.ramp_outputs import RampOutputs
 from rampserve.bench.sim import (
-    SEED_FIGURES, Scenario, SimSettings, hindsight_configuration, replay, replay_oracle, run_seeds,
+    SEED_FIGURES, Scenario, SimSettings, hindsight_configuration, measured_part, replay, replay_oracle, run_seeds,
     run_sim, seed_figures, seed_summary, sets_within,
 )
 from rampserve.control.controller import Controller, ControllerSettings
@@ -46,6 +46,55 @@ def test_vanilla_latency_matches_the_queueing_arithmetic():
     # [0] alone from 0 to 1; [0.5, 0.6] together from 1 to 3 (a batch of 2 costs 2 ms)
     np.testing.assert_allclose(run.queue.latency_ms, [1.0, 2.5, 2.4])
     assert run.correct.all() and not run.exited.any()
+
+
+def lengths_profile() -> LatencyProfile:
+    """`hand_profile` measured on inputs of 10 positions at batch 1 and 20 at batch 2, timed at batch 1 at 10, 20 and
+    40 positions (1, 1.5 and 2.5 ms)."""
+    return replace(hand_profile(), lengths=(10, 20, 40), length_ms=(1.0, 1.5, 2.5), batch_lengths=(10, 20))
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(1, 60), min_size=1, max_size=12), st.booleans())
+def test_an_input_takes_the_time_of_its_length_where_inputs_come_in_any_length(lengths: list[int], exits: bool):
+    # Far apart (no queue), each request a batch of one: it takes the profiled time scaled by its length's time
+    # over the profiled input's, whether it exits at a ramp or not; an oracle's exits the same
+    n = len(lengths)
+    errors = np.full((n, 3), 0.1 if exits else 0.9)
+    s = Scenario(RampOutputs(SITES, np.zeros((n, 3), int), errors, np.zeros(n, int)), CostModel(lengths_profile()),
+                 np.arange(n) * 100.0, 2, np.array(lengths))
+    scale = np.interp(lengths, (10, 20, 40), (1.0, 1.5, 2.5)) / 1.0
+    run = replay(s, Configuration(0, ("b",), (0.5,)))
+    np.testing.assert_allclose(run.queue.latency_ms, scale * ((0.5 + 0.01) if exits else (1.0 + 0.01)))
+    np.testing.assert_allclose(replay_oracle(s).queue.latency_ms, scale * 0.25)
+    # Inputs of one size are priced as the profile's
+    same = replace(s, lengths=None)
+    np.testing.assert_allclose(replay(same, Configuration(0, (), ())).queue.latency_ms, 1.0)
+
+
+def test_a_batch_takes_the_time_of_its_longest_input_against_the_profiled_batchs():
+    # Two requests at once form a batch of two: priced at the batch-2 figure (2 ms, measured on 20 positions)
+    # scaled to its longest input (40 positions: 2.5 ms against 1.5 at batch 1)
+    s = Scenario(RampOutputs(SITES, np.zeros((2, 3), int), np.ones((2, 3)), np.zeros(2, int)),
+                 CostModel(lengths_profile()), np.array([0.0, 0.0]), 2, np.array([5, 40]))
+    np.testing.assert_allclose(replay(s, Configuration(0, (), ())).queue.latency_ms, 2.0 * 2.5 / 1.5)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.floats(0.0, 3.0), min_size=2, max_size=30), st.data())
+def test_a_run_scored_on_part_of_its_requests_keeps_their_own_figures(gaps: list[float], data: st.DataObject):
+    # Requests served after a warm-up keep the latencies, answers and batches they had in the whole run
+    n = len(gaps)
+    errors = np.random.default_rng(n).random((n, 3))
+    s = scenario(list(np.cumsum(gaps)), errors, np.zeros((n, 3), int), np.zeros(n, int))
+    run = replay(s, Configuration(0, ("b",), (0.5,)))
+    first = data.draw(st.integers(0, n - 1))
+    rows = np.arange(first, n)
+    part = measured_part(run, rows)
+    np.testing.assert_array_equal(part.queue.latency_ms, run.queue.latency_ms[rows])
+    np.testing.assert_array_equal(part.exit_column, run.exit_column[rows])
+    assert part.queue.batch_sizes.sum() >= len(rows)
+    assert np.array_equal(part.queue.batch_sizes[part.queue.batch_of], run.queue.batch_sizes[run.queue.batch_of[rows]])
 
 
 def test_exits_release_at_their_ramp_and_every_batch_pays_its_ramps():

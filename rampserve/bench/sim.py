@@ -37,7 +37,9 @@ from rampserve.control.thresholds import ExitData, TuningResult, evaluate, tune_
 from rampserve.ramps.oracle import earliest_correct_exit
 from rampserve.runtime.bundle import load_bundle
 from rampserve.runtime.latency import LatencyProfile, max_batch_for_slo
-from rampserve.workloads.streams import get_stream
+from rampserve.runtime.prepare import prepared_encoder
+from rampserve.runtime.prepared import PreparedModel
+from rampserve.workloads.streams import Stream, get_stream
 from rampserve.workloads.traces import arrival_times
 
 # Rates the saturation search spans, as multiples of what the model serves back to back at batch 1
@@ -91,6 +93,15 @@ class Scenario:
     costs: CostModel
     arrivals_ms: np.ndarray
     max_batch: int
+    # Per request, the positions its input takes where inputs come in any length (text): a batch then takes its
+    # profiled time scaled to its longest input's (`LatencyProfile.length_scale`); None: every input one size
+    lengths: np.ndarray | None = None
+
+    def length_scale(self, requests: np.ndarray) -> float:
+        """How much longer than the profile's figures for their batch size these requests' batch runs."""
+        if self.lengths is None:
+            return 1.0
+        return self.costs.profile.length_scale(len(requests), int(self.lengths[requests].max()))
 
 
 def replay(scenario: Scenario, start: Configuration, controller: Controller | None = None, stop: bool = False,
@@ -140,7 +151,8 @@ def replay(scenario: Scenario, start: Configuration, controller: Controller | No
         else:
             times = costs.times(config.sites, len(requests))
             release_ms, duration_ms = times.release_ms, times.duration_ms
-        release = np.append(release_ms, duration_ms)[exit_index]
+        scale = scenario.length_scale(requests)
+        release, duration_ms = np.append(release_ms, duration_ms)[exit_index] * scale, duration_ms * scale
         if controller is not None:
             changed = controller.observe(record)
             if changed is not None:
@@ -168,9 +180,10 @@ def replay_oracle(scenario: Scenario) -> SystemRun:
 
     def serve(start_ms: float, requests: np.ndarray) -> BatchOutcome:
         b = len(requests)
+        scale = scenario.length_scale(requests)
         release = np.append(profile.reach(b), profile.full(b))[np.where(exits[requests] == NO_EXIT, -1,
                                                                          exits[requests])]
-        return BatchOutcome(profile.full(b), release)
+        return BatchOutcome(profile.full(b) * scale, release * scale)
 
     queue = run_queue(scenario.arrivals_ms, scenario.max_batch, serve)
     return SystemRun(queue, np.ones(len(exits), dtype=bool), exits)
@@ -254,10 +267,10 @@ def mean_rate_rps(arrivals_ms: np.ndarray) -> float:
     return len(arrivals_ms) / float(arrivals_ms[-1]) * 1000.0
 
 
-def scenario_rate(settings: SimSettings, profile: LatencyProfile) -> float:
+def scenario_rate(settings: SimSettings, profile: LatencyProfile, mean_scale: float = 1.0) -> float:
     """The simulated replay's rate: `settings.rate_rps` if given, else `settings.load` (`bench.load`) of the model's
-    batch-1 capacity."""
-    return settings.rate_rps or rate_at_load(settings.load, batch1_capacity_rps(profile))
+    batch-1 capacity on the stream's inputs, which take `mean_scale` times the profiled batch-1 time on average."""
+    return settings.rate_rps or rate_at_load(settings.load, batch1_capacity_rps(profile) / mean_scale)
 
 
 def trace_saturation(run_at: Callable[[np.ndarray], SystemRun], arrivals_ms: np.ndarray, slo_ms: float,
@@ -278,7 +291,8 @@ def trace_saturation(run_at: Callable[[np.ndarray], SystemRun], arrivals_ms: np.
 def _prefix(scenario: Scenario, requests: int) -> Scenario:
     outputs = scenario.outputs
     rows = np.arange(min(requests, len(scenario.arrivals_ms)))
-    return replace(scenario, outputs=outputs.subset(rows), arrivals_ms=scenario.arrivals_ms[rows])
+    return replace(scenario, outputs=outputs.subset(rows), arrivals_ms=scenario.arrivals_ms[rows],
+                   lengths=None if scenario.lengths is None else scenario.lengths[rows])
 
 
 def _rolling_min_mean(values: np.ndarray, window: int) -> float:
@@ -315,6 +329,16 @@ def summarize(run: SystemRun, worst_window: int) -> dict:
     return summary
 
 
+def measured_part(run: SystemRun, rows: np.ndarray) -> SystemRun:
+    """`run` scored on its requests `rows` alone (those before them served it, and are not counted); its
+    controller's books stay whole."""
+    queue = run.queue
+    batches, batch_of = np.unique(queue.batch_of[rows], return_inverse=True)
+    part = QueueResult(queue.arrival_ms[rows], queue.start_ms[rows], queue.release_ms[rows], batch_of,
+                       queue.batch_sizes[batches], queue.busy_ms)
+    return replace(run, queue=part, correct=run.correct[rows], exit_column=run.exit_column[rows])
+
+
 def measured_decision_times(controller: Controller) -> dict:
     """The controller's decision times as the clock measured them: they differ run to run (a decision's own
     `decision_ms`, which delays its configuration here, is modelled and does not)."""
@@ -348,6 +372,17 @@ class SimResult:
     scenario: Scenario
 
 
+def input_lengths(model: PreparedModel, stream: Stream, start: int, stop: int) -> np.ndarray:
+    """Per item of the stream from `start` to `stop`, the positions it takes as a request of its own (its inputs'
+    second dimension as the model's encoder makes them). A text stream revisits its sentences: each distinct one is
+    encoded once."""
+    encoder = prepared_encoder(model, stream.task)
+    distinct, first, inverse = np.unique(stream.base_ids(start, stop), return_index=True, return_inverse=True)
+    widths = np.array([next(iter(encoder(stream.items(start + p, start + p + 1)).values())).shape[1]
+                       for p in tqdm(first, desc="input lengths", unit="input", leave=False)], dtype=np.int64)
+    return widths[inverse]
+
+
 def load_scenario(settings: SimSettings) -> tuple[Scenario, dict]:
     from rampserve.runtime.zoo_bundles import zoo_bundle
 
@@ -359,14 +394,19 @@ def load_scenario(settings: SimSettings) -> tuple[Scenario, dict]:
     evaluation = stream.evaluation
     outputs = ramp_outputs(model, bundle, stream, evaluation.start, evaluation.stop)
     profile = model.profile
-    rate = scenario_rate(settings, profile)
+    lengths = input_lengths(model, stream, evaluation.start, evaluation.stop) if profile.lengths else None
+    distinct, counts = (np.array([]), np.array([])) if lengths is None else np.unique(lengths, return_counts=True)
+    mean_scale = float(np.average([profile.length_scale(1, n) for n in distinct], weights=counts)) \
+        if len(distinct) else 1.0
+    rate = scenario_rate(settings, profile, mean_scale)
     slo = settings.slo_ms or 2.0 * profile.full(1)
     arrivals = arrival_times(settings.trace, len(outputs.final), rate, seed=settings.seed)
     max_batch = max_batch_for_slo(profile.batch_sizes, profile.full_ms, slo)
-    scenario = Scenario(outputs, CostModel(profile), arrivals, max_batch)
+    scenario = Scenario(outputs, CostModel(profile), arrivals, max_batch, lengths)
     info = {"model": settings.model, "workload": settings.workload, "trace": settings.trace,
-            "rate_rps": rate, "load": rate / batch1_capacity_rps(profile), "slo_ms": slo, "max_batch": max_batch,
-            "requests": len(arrivals), "sites": list(profile.sites), "vanilla_batch1_ms": profile.full(1)}
+            "rate_rps": rate, "load": rate * mean_scale / batch1_capacity_rps(profile), "slo_ms": slo,
+            "max_batch": max_batch, "requests": len(arrivals), "sites": list(profile.sites),
+            "vanilla_batch1_ms": profile.full(1), "mean_length_scale": mean_scale}
     return scenario, info
 
 

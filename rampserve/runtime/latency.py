@@ -20,9 +20,15 @@ class LatencyProfile:
     segment_ms: dict[str, tuple[float, ...]]  # segment ending at each site, and "output" for the last one
     # Per batch size, what having the ramp at a site active costs an input that does not exit, which the
     # controller charges against its ramp budget: its share of the marginal time of the serving path with every
-    # ramp against the path with none, measured paired (see `measure_profile`), and never less than the ramp's
-    # own operators timed alone.
+    # ramp against the path with none, measured paired (see `measure_profile`).
     ramp_ms: dict[str, tuple[float, ...]]
+    # Where inputs come in any length (a text model's positions), each takes the time its length does: the whole
+    # model at batch 1 on one input cut or repeated to each of `lengths` positions (`length_ms`), and per batch size
+    # the positions of the batch its figures were measured on (padded to its longest input). Empty where every
+    # input has one size, or for a profile measured before.
+    lengths: tuple[int, ...] = ()
+    length_ms: tuple[float, ...] = ()
+    batch_lengths: tuple[int, ...] = ()
 
     def _column(self, batch_size: int) -> int:
         """The profiled batch size at or above `batch_size` (the largest when beyond)."""
@@ -42,6 +48,15 @@ class LatencyProfile:
         scale = self.full_ms[col] / segments.sum() if segments.sum() > 0 else 1.0
         return np.cumsum(segments)[:-1] * scale
 
+    def length_scale(self, batch_size: int, longest: int) -> float:
+        """How much longer than the profiled figures of `batch_size` a batch whose longest input has `longest`
+        positions takes (1 where the profile has no lengths)."""
+        if not self.lengths:
+            return 1.0
+        profiled = self.batch_lengths[self._column(batch_size)]
+        return float(np.interp(longest, self.lengths, self.length_ms) / np.interp(profiled, self.lengths,
+                                                                                   self.length_ms))
+
     def to_json(self) -> dict:
         return asdict(self)
 
@@ -53,6 +68,9 @@ class LatencyProfile:
             full_ms=tuple(float(v) for v in data["full_ms"]),
             segment_ms={k: tuple(float(x) for x in v) for k, v in data["segment_ms"].items()},
             ramp_ms={k: tuple(float(x) for x in v) for k, v in data["ramp_ms"].items()},
+            lengths=tuple(int(n) for n in data.get("lengths", ())),
+            length_ms=tuple(float(v) for v in data.get("length_ms", ())),
+            batch_lengths=tuple(int(n) for n in data.get("batch_lengths", ())),
         )
 
 
