@@ -392,6 +392,19 @@ def test_sets_are_judged_on_what_requests_wait_for_their_queueing_included():
     assert no_ramp.objective_ms == pytest.approx(5.0 + 1.0) and no_ramp.mean_ms == pytest.approx(6.0)
 
 
+def test_a_young_controller_searches_each_time_its_inputs_double_then_every_search_every():
+    """Its first rounds certify on twice the evidence each: after the warm-up, a round whenever the inputs observed
+    have doubled since the last, until `search_every` inputs lie between rounds."""
+    controller = Controller(profile(), ControllerSettings(warmup=64, search_every=256))
+    shadow = controller.configuration().shadowed()
+    rounds = []
+    for observed in range(1, 1101):
+        controller.observe(record(shadow, np.zeros((1, 8), int), np.full((1, 8), 0.9), np.zeros(1, dtype=int)))
+        if len(controller.times.adjust_ms) > len(rounds):
+            rounds.append(observed)
+    assert rounds == [64, 128, 256, 512, 768, 1024]
+
+
 @given(st.lists(st.one_of(st.none(), st.floats(0.0, 100.0)), min_size=1, max_size=40))
 def test_unknown_waits_take_the_measured_ones_distribution(values):
     waits = np.array([np.nan if v is None else v for v in values])

@@ -4,7 +4,8 @@ Deterministic given its records, and free of threads and I/O: the live server an
 it. What it does:
 - Warm-up: the first inputs are served as shadow batches (every site's ramp evaluated, none exiting), so the
   first ramp set is chosen from data, not guessed.
-- Search rounds, every `search_every` inputs: every ramp set within the budget is estimated on the same recent
+- Search rounds, each time the inputs observed have doubled since the last and then every `search_every` inputs:
+  every ramp set within the budget is estimated on the same recent
   shadow inputs (a share of batches keeps evaluating every ramp) for the objective the user asked to cut, each
   at thresholds tuned to the risk target; the best replaces the deployed set only when it gains more than the
   hysteresis and was not left recently. The kept or new set's thresholds are then certified on every recent
@@ -190,7 +191,10 @@ class Controller:
             if gathered < settings.warmup:
                 return None
             self._warm = True
-        elif self._since_round < settings.search_every:
+        elif self._since_round < min(settings.search_every, self._observed - self._since_round):
+            # A young server's history doubles between its first rounds: each certifies on twice the evidence, so
+            # its thresholds loosen as fast as that grows (minilm-rt on a replay's first 2,700 inputs, simulated:
+            # p50 0.89x with one round at 1,024 inputs, 0.81x with another at 2,048)
             return None
         self._since_round = 0
         if settings.searches:

@@ -20,7 +20,9 @@ class ControllerSettings:
     window: int = 16  # released answers whose accuracy `/status` reports as the window's
     # Recent observed inputs that tuning reads, and as many shadow inputs that the ramp-set search reads
     history: int = 4096
-    search_every: int = 2048  # inputs between ramp-set searches; each also recertifies the thresholds
+    # Inputs between ramp-set searches; each also recertifies the thresholds. Before that many have been observed,
+    # a search comes each time the inputs observed have doubled since the last (DESIGN §9, search rounds)
+    search_every: int = 2048
     warmup: int = 1024  # shadow inputs gathered before the first search (or, without search, the first tuning)
     shadow_share: float = 0.1  # after warm-up, the share of batches that evaluate every ramp (0: no search)
     search_rows: int = 2048  # newest shadow inputs the search judges sets on
