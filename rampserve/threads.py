@@ -95,14 +95,18 @@ def schedule_as_idle(thread: int = 0) -> bool:
 
 
 class OsNamedThread(threading.Thread):
-    """A thread the kernel knows by its Python name, at `niceness` (0: the process's priority)."""
+    """A thread the kernel knows by its Python name, at `niceness` (0: the process's priority). With
+    `below_pools`, where native pools run under SCHED_IDLE (`idle_native_threads`), it does too: a thread of any
+    niceness under the normal policy takes a SCHED_IDLE thread's core at once, so at niceness alone its bursts would
+    take the cores from the model's pools."""
 
-    def __init__(self, *args, niceness: int = 0, **kwargs) -> None:
+    def __init__(self, *args, niceness: int = 0, below_pools: bool = False, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.niceness = niceness
+        self.below_pools = below_pools
 
     def run(self) -> None:
         set_os_thread_name(self.name)
-        if self.niceness:
+        if not (self.below_pools and _idle_native_threads and schedule_as_idle()) and self.niceness:
             lower_os_thread_priority(self.niceness)
         super().run()

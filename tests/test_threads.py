@@ -68,3 +68,22 @@ def test_a_thread_given_a_niceness_runs_at_it_and_the_rest_of_the_process_keeps_
     thread.join()
     assert seen == [before + 7]
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before
+
+
+def test_a_thread_below_the_pools_runs_idle_where_they_do_and_at_its_niceness_elsewhere(monkeypatch):
+    # Where the model's native pools run under SCHED_IDLE, a thread at niceness alone would take their cores
+    import rampserve.threads as threads
+
+    def policy_and_niceness(idle_pools: bool) -> tuple[int, int]:
+        monkeypatch.setattr(threads, "_idle_native_threads", idle_pools)
+        seen: list[tuple[int, int]] = []
+        thread = OsNamedThread(target=lambda: seen.append((os.sched_getscheduler(0), os.getpriority(
+            os.PRIO_PROCESS, threading.get_native_id()))), name="controller-test", niceness=7, below_pools=True)
+        thread.start()
+        thread.join()
+        return seen[0]
+
+    before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    assert policy_and_niceness(False) == (os.SCHED_OTHER, before + 7)
+    assert policy_and_niceness(True)[0] == os.SCHED_IDLE
+    assert os.sched_getscheduler(0) == os.SCHED_OTHER  # the rest of the process keeps its own

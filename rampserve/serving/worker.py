@@ -60,8 +60,11 @@ CONTROL_GATHER_S = 0.2
 # The control thread searches ramp sets and loads them (a minilm-rt set: 0.3 s of a core) while the model runs on
 # every core: ONNX Runtime's threads wait for each other between operators, so a core taken from one slows the whole
 # run several times, and at minilm-rt's first search under load the queue grew to 0.4 s. At this niceness the
-# model's threads take the cores first and the controller works in the time between batches. Under the "idle"
-# executor policy (`ModelSettings.executor_policy`) every thread is SCHED_IDLE, where niceness counts for nothing.
+# model's threads take the cores first and the controller works in the time between batches. Under the executor
+# policies whose ONNX Runtime pool threads are SCHED_IDLE ("idle-pools", the default, and "idle") the control thread
+# is SCHED_IDLE too, where niceness counts for nothing: at niceness 10 its searches and set loads took the pool
+# threads' cores, and minilm-rt's p99 reached 11x vanilla's in replays where a search fell (DESIGN, the executor
+# yields).
 CONTROL_NICENESS = 10
 # How long a starting server waits for its first configuration's set to compile (in the worker process) before
 # it serves that set eagerly
@@ -170,7 +173,7 @@ class ModelWorker:
         # A vanilla model has no controller to feed
         self._control = None if control is None else OsNamedThread(
             target=self._control_loop, args=(control,), name=f"controller-{served.name}", daemon=True,
-            niceness=CONTROL_NICENESS)
+            niceness=CONTROL_NICENESS, below_pools=True)
 
     @property
     def configuration(self) -> Configuration:
