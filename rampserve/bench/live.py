@@ -53,7 +53,7 @@ from rampserve.bench.harness import (
     median_ratio, most_frequent, percentiles, rampserve_serve, ratio, renamed, require_answers, run_loadgen, write_json,
 )
 from rampserve.bench.loadgen import Job, LoadResult
-from rampserve.bench.ramp_outputs import ramp_outputs
+from rampserve.bench.ramp_outputs import RampOutputs, ramp_outputs
 from rampserve.bench.load import DEFAULT_LOAD, rate_at_load
 from rampserve.bench.sim import (
     Scenario, _rolling_min_mean, input_lengths, measured_part, replay, replay_oracle, summarize, with_savings,
@@ -449,10 +449,15 @@ def read_simulator_saving(path: Path, settings: LiveSettings) -> SimulatorSaving
     return SimulatorSaving(str(path), matching[0], float(np.median(savings_ms)), float(np.median(shares)), len(runs))
 
 
+def p50_saving_ms(vanilla: dict, managed: dict) -> float | None:
+    """Vanilla's p50 less rampserve's (ms), None where either is missing."""
+    return None if vanilla["p50_ms"] is None or managed["p50_ms"] is None else vanilla["p50_ms"] - managed["p50_ms"]
+
+
 def beside_simulator(vanilla: dict, managed: dict, simulator: SimulatorSaving) -> dict:
-    """The live p50 saving (vanilla's p50 less rampserve's, ms) beside the simulator's at the same load, and their
-    ratio (None where a figure is missing)."""
-    live = None if vanilla["p50_ms"] is None or managed["p50_ms"] is None else vanilla["p50_ms"] - managed["p50_ms"]
+    """The live p50 saving (`p50_saving_ms`) beside the simulator's at the same load, and their ratio (None where a
+    figure is missing)."""
+    live = p50_saving_ms(vanilla, managed)
     return {"live": live, "simulator": simulator.p50_saving_ms, "ratio": ratio(live, simulator.p50_saving_ms),
             "load": simulator.load}
 
@@ -591,15 +596,16 @@ def measure_overhead(jobs: dict[str, Job], probe: list[dict[str, np.ndarray]], m
             "low_load_requests": int(sequential.ok.sum()), "inprocess_torch_threads": torch.get_num_threads()}
 
 
-def simulated_replay(plan: LivePlan, settings: LiveSettings, schedule: ReplaySchedule) -> dict:
+def simulated_replay(plan: LivePlan, settings: LiveSettings, schedule: ReplaySchedule, outputs: RampOutputs
+                     ) -> dict:
     """The trace simulator on the replay's own requests and arrivals, warm-up included, scored on the measured
     requests: vanilla, the oracle (the savings no exit policy can beat) and rampserve's controller with the managed
     server's settings, from the same start. Its queue charges only the profiled model times (each input's by its
     length, where inputs come in any length), no HTTP: what the live server could save with nothing around the
-    model at the same point of its life, where `bench sim`'s figure is over a whole stream."""
+    model at the same point of its life, where `bench sim`'s figure is over a whole stream. `outputs`: the ramps'
+    on the replay's requests, warm-up included."""
     warmup, requests = schedule.warmup_requests, schedule.requests
     stop = plan.first + warmup + requests
-    outputs = ramp_outputs(plan.model, plan.bundle, plan.stream, plan.first, stop)
     lengths = input_lengths(plan.model, plan.stream, plan.first, stop) if plan.model.profile.lengths else None
     # The measured replay starts once every warm-up request is answered: a gap as long as the warm-up's mean
     warm = schedule.warmup_arrivals_ms
@@ -827,9 +833,10 @@ def score_load(plan: LivePlan, settings: LiveSettings, schedule: ReplaySchedule,
     its closed-loop saturation) from the round whose p50 ratio is the median (`median_round`; its runs are the
     ones plotted), every round's in `rounds`; the simulated oracle on the same arrivals; and the simulator's saving
     beside the live one where `simulator` is at this load."""
-    start = plan.first + schedule.warmup_requests
-    outputs = ramp_outputs(plan.model, plan.bundle, plan.stream, start, start + schedule.requests)
-    oracle = simulated_replay(plan, settings, schedule)
+    warmup = schedule.warmup_requests
+    replayed = ramp_outputs(plan.model, plan.bundle, plan.stream, plan.first, plan.first + warmup + schedule.requests)
+    oracle = simulated_replay(plan, settings, schedule, replayed)
+    outputs = replayed.subset(np.arange(warmup, warmup + schedule.requests))
     scored = []
     for results, outcomes in zip(rounds, servers, strict=True):
         systems = {name: score_run(settings, require_answers(result, name), outputs.final, outcomes[name])
@@ -843,8 +850,7 @@ def score_load(plan: LivePlan, settings: LiveSettings, schedule: ReplaySchedule,
     systems = scored[median]
     if simulator is not None and simulator.load == schedule.load:
         versus["p50_saving_ms"] = beside_simulator(systems["vanilla"], systems["rampserve"], simulator)
-    live_savings = [None if v["p50_ms"] is None or m["p50_ms"] is None else v["p50_ms"] - m["p50_ms"]
-                    for v, m in ((r["vanilla"], r["rampserve"]) for r in scored)]
+    live_savings = [p50_saving_ms(r["vanilla"], r["rampserve"]) for r in scored]
     simulated_ms = oracle["rampserve"]["p50_saving_ms"]
     live_ms = _median_known(live_savings)
     versus["p50_saving_ms_same_requests"] = {"live": live_ms, "live_rounds": live_savings,
