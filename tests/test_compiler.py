@@ -4,13 +4,22 @@ corrupt and refused entries, and a worker that adopts a configuration only once 
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from rampserve.control.records import Configuration
 from rampserve.runtime.bundle import load_bundle
-from rampserve.runtime.compiled import CompiledSet, has_compiled, set_key
+from rampserve.runtime.compiled import (
+    CompiledSet,
+    CorruptEntry,
+    has_compiled,
+    opened_entry,
+    save_compiled,
+    set_key,
+    write_entry,
+)
 from rampserve.serving.compiler import CompileOutcome, CompileService, likely_next_sets
 
 WAIT_S = 180.0
@@ -94,6 +103,26 @@ def test_a_corrupt_entry_is_never_loaded_and_is_compiled_again(bundle_copy, fmni
         assert isinstance(service.load(sites), CompiledSet)
     finally:
         service.close()
+
+
+def test_an_opened_entry_names_the_file_it_checked_while_it_is_written_again(tmp_path) -> None:
+    """A loader that reads a set's file itself gets a path to the very file whose digest was checked: the set written
+    again under its name meanwhile (a new file renamed over it) is not what it reads. A file that does not match its
+    index is never handed out, and a refused set has no file."""
+    first, second = b"graph one" * 1000, b"graph two" * 999
+    write_entry(tmp_path, "k", ".onnx", first, {"logits": ["a"]})
+    with opened_entry(tmp_path, "k", ".onnx") as (index, path):
+        write_entry(tmp_path, "k", ".onnx", second, {"logits": ["b"]})
+        assert index["logits"] == ["a"]
+        assert Path(path).read_bytes() == first
+    with opened_entry(tmp_path, "k", ".onnx") as (index, path):
+        assert index["logits"] == ["b"] and Path(path).read_bytes() == second
+    (tmp_path / "k.onnx").write_bytes(first)  # not the data k.json hashed
+    with pytest.raises(CorruptEntry, match="sha256"), opened_entry(tmp_path, "k", ".onnx"):
+        pass
+    save_compiled(tmp_path, "r", None, "not faithful")
+    with opened_entry(tmp_path, "r", ".onnx") as (index, path):
+        assert index["refused"] == "not faithful" and path is None
 
 
 def test_a_refused_set_is_remembered_and_served_eagerly(bundle_copy, fmnist_feeds) -> None:

@@ -337,9 +337,9 @@ class OnnxSplitModel:
         graph = with_signals(optimized, values, taps, op_type, SIGNAL_FLOORS).SerializeToString()
         return self.signalled_session(graph, [taps[cut].outputs[0].name for cut in cuts], library), graph
 
-    def signalled_session(self, graph: bytes, logits: Sequence[str], library: str) -> SignalledRunner:
-        """A `signalled` session from its graph (optimized already: ONNX Runtime's optimizations are off) and its
-        ramps' logits outputs, in site order."""
+    def signalled_session(self, graph: bytes | str, logits: Sequence[str], library: str) -> SignalledRunner:
+        """A `signalled` session from its graph (optimized already: ONNX Runtime's optimizations are off), as bytes
+        or a file's path, and its ramps' logits outputs, in site order."""
         options = session_options(*self._threads)
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
         options.register_custom_ops_library(library)

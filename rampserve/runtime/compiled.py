@@ -30,13 +30,14 @@ loaded. A corrupt entry is never loaded.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
 import os
 import tempfile
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
@@ -320,24 +321,56 @@ def write_entry(directory: Path, key: str, suffix: str, data: bytes, index: dict
     write_atomically(directory / f"{key}.json", json.dumps(index).encode())
 
 
-def read_entry(directory: Path, key: str, suffix: str) -> tuple[dict, bytes | None]:
-    """A compiled set's index and data (None where the index says why the set does not compile). Raises
-    FileNotFoundError where there is no index and CorruptEntry where the data does not match it (it is hashed from
-    the bytes returned, so what was checked is what loads)."""
+def _read_index(directory: Path, key: str) -> dict:
     index_path = directory / f"{key}.json"
     text = index_path.read_text()
     try:
         index = json.loads(text)
-        if not isinstance(index, dict) or index.get("format") != FORMAT:
-            raise CorruptEntry(f"{index_path}: not a compiled set of this rampserve")
-        if "refused" in index:
-            return index, None
-        data = (directory / f"{key}{suffix}").read_bytes()
-    except (OSError, ValueError) as exc:
+    except ValueError as exc:
         raise CorruptEntry(f"{directory}/{key}: {exc}") from exc
-    if hashlib.sha256(data).hexdigest() != index.get("sha256"):
-        raise CorruptEntry(f"{directory}/{key}{suffix}: its sha256 does not match {index_path.name}")
+    if not isinstance(index, dict) or index.get("format") != FORMAT:
+        raise CorruptEntry(f"{index_path}: not a compiled set of this rampserve")
+    return index
+
+
+def _check_digest(directory: Path, key: str, suffix: str, index: dict, digest: str) -> None:
+    if digest != index.get("sha256"):
+        raise CorruptEntry(f"{directory}/{key}{suffix}: its sha256 does not match {key}.json")
+
+
+def read_entry(directory: Path, key: str, suffix: str) -> tuple[dict, bytes | None]:
+    """A compiled set's index and data (None where the index says why the set does not compile). Raises
+    FileNotFoundError where there is no index and CorruptEntry where the data does not match it (it is hashed from
+    the bytes returned, so what was checked is what loads)."""
+    index = _read_index(directory, key)
+    if "refused" in index:
+        return index, None
+    try:
+        data = (directory / f"{key}{suffix}").read_bytes()
+    except OSError as exc:
+        raise CorruptEntry(f"{directory}/{key}: {exc}") from exc
+    _check_digest(directory, key, suffix, index, hashlib.sha256(data).hexdigest())
     return index, data
+
+
+@contextlib.contextmanager
+def opened_entry(directory: Path, key: str, suffix: str) -> Iterator[tuple[dict, str | None]]:
+    """As `read_entry`, for a loader that reads a file itself: the data as a path, `/proc/self/fd/N`, naming the very
+    file whose sha256 was checked (held open until the context ends, so that a set written again under its name
+    meanwhile is not what loads). Why not bytes: ONNX Runtime parses a graph handed as bytes holding the GIL
+    (minilm-rt's 91 MB: 33 ms in which the executor's thread cannot take it), one it reads from a file without it;
+    hashing from the file releases the GIL too."""
+    index = _read_index(directory, key)
+    if "refused" in index:
+        yield index, None
+        return
+    try:
+        data = open(directory / f"{key}{suffix}", "rb")  # noqa: SIM115 - open while the caller loads from it
+    except OSError as exc:
+        raise CorruptEntry(f"{directory}/{key}: {exc}") from exc
+    with data:
+        _check_digest(directory, key, suffix, index, hashlib.file_digest(data, "sha256").hexdigest())
+        yield index, f"/proc/self/fd/{data.fileno()}"
 
 
 def has_compiled(directory: Path, key: str) -> bool:

@@ -30,7 +30,7 @@ from rampserve.runtime.compiled import (
     SetRunner,
     StopSetRunner,
     compiled_dir,
-    read_entry,
+    opened_entry,
     remove_compiled,
     write_entry,
 )
@@ -235,15 +235,15 @@ class PreparedModel:
         if where is None:
             return None
         try:
-            index, graph = read_entry(*where, ".onnx")
+            with opened_entry(*where, ".onnx") as (index, graph):
+                session = self.backend.split.signalled_session(graph, index["logits"], library())
         except FileNotFoundError:
             return None
         except CorruptEntry as exc:
             log.warning("%s; building that set again", exc)
             remove_compiled(*where)
             return None
-        runner = OnnxSignalledRunner(self.backend.split.signalled_session(graph, index["logits"], library()), sites,
-                                     side)
+        runner = OnnxSignalledRunner(session, sites, side)
         return CompiledSet(sites, runner, runner.tapped, int(index["classes"]), ONNX_EXIT_MARGIN, from_disk=True)
 
     def _store_signalled(self, compiled: CompiledSet, graph: bytes) -> None:
