@@ -14,7 +14,14 @@ from rampserve.control.controller import Controller, ControllerSettings
 from rampserve.control.costs import CostModel
 from rampserve.control.monitor import AccuracyWindow, ExitHistory
 from rampserve.control.objective import serving_waits
-from rampserve.control.ramps import SetEstimate, evenly_spaced, fits_budget, initial_sites, search_sets
+from rampserve.control.ramps import (
+    SetEstimate,
+    affordable_sites,
+    evenly_spaced,
+    fits_budget,
+    initial_sites,
+    search_sets,
+)
 from rampserve.control.records import NO_EXIT, NO_LABEL, BatchRecord, Configuration, merged
 from rampserve.control.risk import served_scale
 from rampserve.runtime.latency import LatencyProfile
@@ -214,6 +221,30 @@ def test_ramp_adjustment_never_exceeds_the_budget(seed, ramp_ms, budget, batch):
     shadowed_drive(controller, random_batches(seed, count=150, size=batch))
     for decision in controller.decisions:
         assert fits_budget(controller.costs, decision.configuration.sites, budget, batch)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(0, 10_000), st.lists(st.floats(0.001, 0.05), min_size=len(SITES), max_size=len(SITES)),
+       st.floats(0.0, 0.04))
+def test_shadow_batches_evaluate_only_the_ramps_a_search_could_deploy(seed, ramp_ms, budget):
+    """A site whose ramp alone exceeds the budget at every batch size can be in no set that fits: shadow batches
+    leave it out, and where every site is so, nothing is shadowed or searched and every batch runs the
+    configuration in force (vanilla's, with no initial set)."""
+    segment = 1.0 / (len(SITES) + 1)
+    costly = LatencyProfile(batch_sizes=(1, 4), sites=SITES, full_ms=(1.0, 2.0),
+                            segment_ms={s: (segment, 2 * segment) for s in (*SITES, "output")},
+                            ramp_ms={s: (ms, 1.5 * ms) for s, ms in zip(SITES, ramp_ms)})
+    controller = Controller(costly, ControllerSettings(ramp_budget=budget, history=128, search_every=32, warmup=64,
+                                                       search_rows=128))
+    fitting = {s for s, ms in zip(SITES, ramp_ms) if min(ms, 1.5 * ms / 2) <= budget}
+    assert set(controller.shadow_sites) == fitting == set(affordable_sites(controller.costs, budget))
+    shadowed_drive(controller, random_batches(seed, count=150))
+    for decision in controller.decisions:
+        config = decision.configuration
+        assert set(config.sites) <= fitting
+        assert bool(config.shadow_every) == bool(fitting) and set(config.shadow_sites) == fitting
+    if not fitting:
+        assert len(controller.decisions) == 1 and controller.shadow.size == 0 and not controller.times.adjust_ms
 
 
 def certified_on_confident_right_answers() -> tuple[Controller, Configuration, tuple]:

@@ -286,13 +286,14 @@ def test_a_restarted_executor_loads_the_sets_on_disk_and_asks_for_no_other_befor
     names, name = tuple(model.site_names), model.backend.input_names[0]
     active = (names[1],)
     example = {name: fmnist_feeds[-2:]}
+    config = Configuration(1, active, (0.5,), names, 10)
     worker = ModelWorker(make_served("m", model), ModelSettings(preload_s=0.0, compile_ahead=compile_ahead),
-                         ServerMetrics(), FixedControl(Configuration(1, active, (0.5,))))
+                         ServerMetrics(), FixedControl(config))
     compiler = worker._compiler = HeldCompiler(model, example)
     on_disk = {names, likely_next_sets(active, names)[1]}
     compiler.released |= on_disk
     try:
-        worker._preload(active)
+        worker._preload(config)
     finally:
         if worker._signals is not None:
             worker._signals.close()

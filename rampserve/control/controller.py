@@ -25,7 +25,7 @@ from rampserve.control.costs import CostModel
 from rampserve.control.guarantee import DisagreementMonitor, RiskBound
 from rampserve.control.monitor import AccuracyWindow, ExitHistory
 from rampserve.control.objective import serving_waits
-from rampserve.control.ramps import SetEstimate, estimate, search_sets
+from rampserve.control.ramps import SetEstimate, affordable_sites, estimate, ordered, search_sets
 from rampserve.control.records import BatchRecord, Configuration
 from rampserve.control.settings import ControllerSettings
 from rampserve.control.risk import rolled_scale, served_scale
@@ -80,14 +80,19 @@ class Controller:
         if unknown:
             raise ValueError(f"{unknown} are not sites of this model; sites: {list(profile.sites)}")
         every = self.costs.sites
+        # Shadow batches evaluate the ramps a search could deploy (and the initial set's); with none, nothing is
+        # searched and the managed server runs no batch that vanilla would not
+        affordable = affordable_sites(self.costs, settings.ramp_budget, settings.budget_batch_size)
+        self.searches = settings.searches and bool(affordable)
+        self.shadow_sites = ordered(self.costs, (*affordable, *sites)) if self.searches else ()
         first = Configuration(0, sites, tuple(settings.start_thresholds.get(s, 0.0) for s in sites),
-                              every if settings.searches else (), 1 if settings.searches else 0)
+                              self.shadow_sites, int(self.searches))
         self.window = AccuracyWindow(settings.window)
         self.recent = ExitHistory(every, settings.history)
         self.shadow = ExitHistory(every, settings.history)
         self.delta = 1.0 - settings.confidence
         self.monitor = DisagreementMonitor(settings.accuracy_constraint, self.delta)
-        reason = "initial: shadow batches until the first search" if settings.searches else "initial"
+        reason = "initial: shadow batches until the first search" if self.searches else "initial"
         self.decisions: list[Decision] = [Decision(first, 0, reason, 0.0)]
         self.times = DecisionTimes()
         self.last_decision_ms = 0.0  # modelled time the latest observe() spent deciding
@@ -182,12 +187,12 @@ class Controller:
         first = self._observed
         self._observed += record.inputs
         self.recent.add(record, first)
-        if record.sites == self.costs.sites:  # a shadow batch's (its sites come in model order)
+        if self.searches and record.sites == self.shadow_sites:  # a shadow batch's (its sites come in model order)
             self.shadow.add(record, first, wait_serves=self._warm)
         self._since_round += record.inputs
         settings = self.settings
         if not self._warm:
-            gathered = self.shadow.size if settings.searches else len(self.recent.rows(self.configuration().sites))
+            gathered = self.shadow.size if self.searches else len(self.recent.rows(self.configuration().sites))
             if gathered < settings.warmup:
                 return None
             self._warm = True
@@ -197,7 +202,7 @@ class Controller:
             # p50 0.89x with one round at 1,024 inputs, 0.81x with another at 2,048)
             return None
         self._since_round = 0
-        if settings.searches:
+        if self.searches:
             return self._decide(self.times.adjust_ms, self._search, "search")
         if settings.threshold_tuning:
             return self._decide(self.times.tune_ms, self._recertify, "periodic retune")
@@ -221,7 +226,7 @@ class Controller:
         if self._certifying:
             self.monitor.reset()  # the thresholds it watched are replaced, or certified anew
         # every batch is a shadow batch until the warm-up is over, whatever decides before (risk control may)
-        shadow_every = self.settings.shadow_every if self._warm else current.shadow_every
+        shadow_every = self.settings.shadow_every if self._warm and self.searches else current.shadow_every
         if sites == current.sites and tuple(thresholds) == current.thresholds and \
                 shadow_every == current.shadow_every:
             return None
@@ -247,7 +252,7 @@ class Controller:
     def tuning_data(self, sites: tuple[str, ...]) -> ExitData:
         """Every recent input that saw each of `sites`' ramps: those of the history, and the shadow inputs older
         than it (a set judged by the search before it served has those alone)."""
-        if self.settings.stops and self.settings.searches:
+        if self.settings.stops and self.searches:
             # Stop mode's other batches see an exit only through the feedback sample, a stratified design whose
             # bound stays wide (30% exits at accuracy 0.9987 on resnet18-fmnist); shadow batches run every input
             # to the end, a uniform sample as large as the ring

@@ -193,7 +193,7 @@ class ModelWorker:
             self._pending = config  # the control thread adopts it compiled once it is
         self._adopt(config)
         if self._compiler is not None and self.control is not None:
-            self._preload(config.sites)
+            self._preload(config)
             self._load_shadow_set(config)  # preloaded now, if the compile was in time
         self._executor.start()
         if self._control is not None:
@@ -465,15 +465,17 @@ class ModelWorker:
         self.metrics.compile_time.labels(**self._labels).observe(outcome.seconds)
         self._record(outcome)
 
-    def _preload(self, active: tuple[str, ...]) -> None:
+    def _preload(self, config: Configuration) -> None:
         """Compile the sets the controller's next decisions may ask for and load them before serving starts: a
         load holds the GIL for 10-25 ms on the zoo's CNNs (measured), which would stall the event loop if it came
         with a configuration change under load. Waits at most `preload_s`; later sets go on compiling in the
-        background and load when they are needed."""
-        model = self.served.model
-        # The set of every site first: shadow batches run it, and a controller warming up asks for them at once
-        upcoming = list(dict.fromkeys([tuple(model.site_names), *likely_next_sets(active, model.site_names)]))
-        upcoming = upcoming[:COMPILED_SETS_KEPT - 1]
+        background and load when they are needed. A controller that searches no set (no shadow sites) asks for
+        none but the one in force."""
+        if not config.shadow_every:
+            return
+        # The set of every shadow site first: shadow batches run it, and a controller warming up asks for them at once
+        shadow = config.shadow_sites
+        upcoming = list(dict.fromkeys([shadow, *likely_next_sets(config.sites, shadow)]))[:COMPILED_SETS_KEPT - 1]
         if not self.settings.compile_ahead:  # the sets on disk load now, the others compile once asked for
             upcoming = [sites for sites in upcoming if self._compiler.ready(sites)]
         for sites in upcoming:
