@@ -25,9 +25,9 @@ def fits_budget(costs: CostModel, sites: Sequence[str], budget: float, batch_siz
 def affordable_sites(costs: CostModel, budget: float, batch_size: int | None = None) -> tuple[str, ...]:
     """The sites whose ramp alone fits the budget at `batch_size`, or at some batch size the profile holds where it
     is None (the budget is then judged at the median batch served, which may be any). A set holding any other site
-    never fits, so shadow batches need not evaluate it: on ONNX Runtime each of resnet18-fmnist's ramps costs 6-14%
-    of the model, and a shadow batch running them all made the managed server's every tenth batch half as long
-    again, for a search that could deploy nothing."""
+    never fits, so shadow batches need not evaluate it: on ONNX Runtime each of resnet18-fmnist's eight ramps costs
+    10-13% of the model at batch 1, and a shadow batch running them all made the managed server's every tenth batch
+    nearly twice as long, for a search that could deploy nothing."""
     sizes = costs.profile.batch_sizes if batch_size is None else (batch_size,)
     return tuple(s for s in costs.sites if any(fits_budget(costs, (s,), budget, b) for b in sizes))
 
