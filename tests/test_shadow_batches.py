@@ -161,8 +161,8 @@ def test_shadow_batches_report_every_sites_ramp_and_release_the_configurations_a
 def test_a_shadow_batch_runs_only_once_its_set_is_loaded_and_each_version_counts_its_own(resnet_prepared,
                                                                                          fmnist_feeds) -> None:
     """The set of every shadow site is asked for ahead, first of the sets preloaded (none where the configuration
-    has no shadow batches: its set never changes) and (not urgently) by a configuration with shadow batches, and never compiled on the serving path: until it is loaded, a shadow batch is served
-    plainly and counted as skipped. A new configuration version counts its batches from its own first, a shadow
+    has no shadow batches: its set never changes) and (not urgently) by a configuration with shadow batches, and
+    never compiled on the serving path: until it is loaded, a shadow batch is served plainly and counted as skipped. A new configuration version counts its batches from its own first, a shadow
     batch, on the set already loaded."""
     model = replace(resnet_prepared)
     names = tuple(model.site_names)

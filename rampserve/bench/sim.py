@@ -394,10 +394,11 @@ def load_scenario(settings: SimSettings) -> tuple[Scenario, dict]:
     evaluation = stream.evaluation
     outputs = ramp_outputs(model, bundle, stream, evaluation.start, evaluation.stop)
     profile = model.profile
-    lengths = input_lengths(model, stream, evaluation.start, evaluation.stop) if profile.lengths else None
-    distinct, counts = (np.array([]), np.array([])) if lengths is None else np.unique(lengths, return_counts=True)
-    mean_scale = float(np.average([profile.length_scale(1, n) for n in distinct], weights=counts)) \
-        if len(distinct) else 1.0
+    lengths, mean_scale = None, 1.0
+    if profile.lengths:
+        lengths = input_lengths(model, stream, evaluation.start, evaluation.stop)
+        distinct, counts = np.unique(lengths, return_counts=True)  # a scale per length, not per request
+        mean_scale = float(np.average([profile.length_scale(1, n) for n in distinct], weights=counts))
     rate = scenario_rate(settings, profile, mean_scale)
     slo = settings.slo_ms or 2.0 * profile.full(1)
     arrivals = arrival_times(settings.trace, len(outputs.final), rate, seed=settings.seed)
