@@ -121,7 +121,7 @@ def test_the_executor_releases_every_row_once_consistently_and_records_the_paths
             answers = [future.result() for future in futures]
         finally:
             loop.close()
-        record = worker._controller_record(worker._records.get_nowait())  # as the control thread makes it
+        record = worker._controller_records([worker._records.get_nowait()])[0]  # as the control thread makes it
         final = model.run({name: fmnist_feeds[:starts[-1]]}).argmax(axis=1)
         taken = []
         for answer, (a, (rows, wants)) in zip(answers, zip(starts, requests)):

@@ -22,7 +22,7 @@ from rampserve.control.ramps import (
     initial_sites,
     search_sets,
 )
-from rampserve.control.records import NO_EXIT, NO_LABEL, BatchRecord, Configuration, merged
+from rampserve.control.records import NO_EXIT, NO_LABEL, BatchRecord, Configuration, RecordJoiner
 from rampserve.control.risk import served_scale
 from rampserve.runtime.latency import LatencyProfile
 
@@ -377,26 +377,44 @@ def test_a_successor_catches_up_with_its_predecessors_counts_once():
 
 
 @settings(max_examples=50, deadline=None)
-@given(st.lists(st.tuples(st.integers(0, 2), st.integers(1, 4), st.booleans()), min_size=1, max_size=12))
-def test_merged_records_keep_every_input_in_order_with_its_batch_size(batches) -> None:
-    """Joining consecutive records of one configuration and kind loses no input, keeps their order, and each input
-    the size of the batch it was served in; records of another configuration or kind are never joined."""
+@given(st.lists(st.tuples(st.integers(0, 2), st.integers(1, 4), st.booleans(), st.booleans()), min_size=1,
+                max_size=12), st.integers(1, 12))
+def test_joined_records_keep_every_input_in_order_with_its_batch_size(batches, cut) -> None:
+    """Joining consecutive records of one configuration and kind loses no input, keeps their order, each input the
+    size of the batch it was served in and whether it was kept to the end; records of another configuration or kind
+    are never joined, and a record joined before joins again the same way."""
     rng = np.random.default_rng(0)
     configs = [Configuration(v, ("a", "b")[:v % 2 + 1], (0.1, 0.2)[:v % 2 + 1]) for v in range(3)]
     records = []
-    for version, size, unverified in batches:
+    for version, size, unverified, forced in batches:
         config = configs[version]
         errors = rng.random((size, len(config.sites)))
         records.append(BatchRecord(config.version, config.sites, rng.integers(0, 3, (size, len(config.sites))),
-                                   errors, rng.integers(0, 3, size), config.exits(errors), unverified=unverified))
-    joined = merged(records)
-    assert np.array_equal(np.concatenate([r.final for r in joined]), np.concatenate([r.final for r in records]))
-    assert np.array_equal(np.concatenate([r.batch_sizes() for r in joined]),
+                                   errors, rng.integers(0, 3, size), config.exits(errors), unverified=unverified,
+                                   forced=rng.random(size) < 0.5 if forced else None))
+
+    def joined(some: list[BatchRecord]) -> list[BatchRecord]:
+        joiner = RecordJoiner()
+        for record in some:
+            joiner.add_record(record)
+        return joiner.joined()
+
+    together = joined(records)
+    assert np.array_equal(np.concatenate([r.final for r in together]), np.concatenate([r.final for r in records]))
+    assert np.array_equal(np.concatenate([r.batch_sizes() for r in together]),
                           np.concatenate([np.full(r.inputs, r.inputs) for r in records]))
-    assert len(joined) == 1 + sum((a.version, a.unverified) != (b.version, b.unverified)
-                                  for a, b in zip(records, records[1:]))
-    for record in joined:
+    assert np.array_equal(np.concatenate([np.zeros(r.inputs, bool) if r.forced is None else r.forced
+                                          for r in together]),
+                          np.concatenate([np.zeros(r.inputs, bool) if r.forced is None else r.forced
+                                          for r in records]))
+    assert len(together) == 1 + sum((a.version, a.unverified) != (b.version, b.unverified)
+                                    for a, b in zip(records, records[1:]))
+    for record in together:
         assert record.labels.shape == (record.inputs, len(record.sites))
+    in_two_steps = joined(joined(records[:cut]) + joined(records[cut:]))
+    assert [r.inputs for r in in_two_steps] == [r.inputs for r in together]
+    assert np.array_equal(np.concatenate([r.batch_sizes() for r in in_two_steps]),
+                          np.concatenate([r.batch_sizes() for r in together]))
 
 
 def test_sets_are_judged_on_what_requests_wait_for_their_queueing_included():

@@ -176,7 +176,7 @@ def test_a_shadow_batch_runs_only_once_its_set_is_loaded_and_each_version_counts
 
     def run(i: int) -> BatchRecord:
         worker._run([Pending({name: fmnist_feeds[i:i + 1]}, 1, time.monotonic(), math.inf, False, lambda _: None)])
-        return worker._controller_record(worker._records.get_nowait())
+        return worker._controller_records([worker._records.get_nowait()])[0]
 
     try:
         worker._preload(replace(config, shadow_sites=(), shadow_every=0))  # a controller that searches nothing

@@ -69,7 +69,7 @@ def _serve(worker: ModelWorker, config: Configuration, mode: str, name: str, fee
     finally:
         loop.close()
     done = worker._records.get_nowait()
-    return batch, answers, worker._controller_record(done), done.state
+    return batch, answers, worker._controller_records([done])[0], done.state
 
 
 def _gaps(errors: np.ndarray) -> list[float]:

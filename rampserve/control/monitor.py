@@ -26,7 +26,7 @@ class AccuracyWindow:
     def add(self, wrong: np.ndarray) -> None:
         """Count answers by their estimated disagreement (`BatchRecord.wrong_estimate`; or a bool array: whether
         each one is wrong)."""
-        self._recent.extend(float(w) for w in wrong)
+        self._recent.extend(np.asarray(wrong, dtype=float).tolist())
         self.served += len(wrong)
         self.correct += len(wrong) - float(np.sum(wrong))
 

@@ -142,23 +142,58 @@ class BatchRecord:
         return np.where(self.observed(), (self.released() != self.final) * self.weights(), 0.0)
 
 
-def merged(records: list[BatchRecord]) -> list[BatchRecord]:
-    """Consecutive records of one configuration and kind joined into one, in order (each input keeps the size of
-    the batch it was served in): what the controller learns is the same, at one call for many batches, where a
-    server under load at batch 1 would otherwise call it for every request."""
-    groups: list[list[BatchRecord]] = []
-    for record in records:
-        last = groups[-1][-1] if groups else None
-        if last is not None and (last.version, last.sites, last.unverified, last.cached, last.feedback_share) == \
-                (record.version, record.sites, record.unverified, record.cached, record.feedback_share):
-            groups[-1].append(record)
+class RecordJoiner:
+    """Joins consecutive batches of one configuration and kind into one record, in order (each input keeps the size
+    of the batch it was served in): what the controller learns is the same, at one call for many batches, where a
+    server under load at batch 1 would otherwise build a record, and have the controller learn from it, for every
+    request. Takes each batch's arrays, so that a batch costs its arrays' references until `joined`."""
+
+    def __init__(self) -> None:
+        self._records: list[BatchRecord] = []
+        self._key: tuple | None = None
+        self._parts: list[tuple] = []
+
+    def add(self, version: int, sites: tuple[str, ...], labels: np.ndarray, errors: np.ndarray, final: np.ndarray,
+            exits: np.ndarray, queue_ms: float = 0.0, compute_ms: float = 0.0, *, unverified: bool = False,
+            cached: bool = False, served_in: np.ndarray | None = None, feedback_share: float = 1.0,
+            forced: np.ndarray | None = None) -> None:
+        """One batch's arrays, as `BatchRecord` holds them."""
+        key = (version, sites, unverified, cached, feedback_share)
+        if key != self._key:
+            self._flush()
+            self._key = key
+        self._parts.append((labels, errors, final, exits, queue_ms, compute_ms, served_in, forced))
+
+    def add_record(self, record: BatchRecord) -> None:
+        self.add(record.version, record.sites, record.labels, record.errors, record.final, record.exits,
+                 record.queue_ms, record.compute_ms, unverified=record.unverified, cached=record.cached,
+                 served_in=record.served_in, feedback_share=record.feedback_share, forced=record.forced)
+
+    def joined(self) -> list[BatchRecord]:
+        """The records of every batch added since the last call, in order."""
+        self._flush()
+        records, self._records = self._records, []
+        return records
+
+    def _flush(self) -> None:
+        if not self._parts:
+            return
+        version, sites, unverified, cached, feedback_share = self._key
+        labels, errors, final, exits, queue_ms, compute_ms, served_in, forced = zip(*self._parts)
+        if len(final) == 1:
+            served, kept_to_end = served_in[0], forced[0]
         else:
-            groups.append([record])
-    return [group[0] if len(group) == 1 else BatchRecord(
-        group[0].version, group[0].sites, np.concatenate([r.labels for r in group]),
-        np.concatenate([r.errors for r in group]), np.concatenate([r.final for r in group]),
-        np.concatenate([r.exits for r in group]), max(r.queue_ms for r in group), sum(r.compute_ms for r in group),
-        group[0].unverified, group[0].cached, np.concatenate([r.batch_sizes() for r in group]),
-        group[0].feedback_share, None if all(r.forced is None for r in group) else np.concatenate(
-            [np.zeros(r.inputs, dtype=bool) if r.forced is None else r.forced for r in group]))
-        for group in groups]
+            sizes = np.array([len(batch) for batch in final])
+            served = np.repeat(sizes, sizes) if all(s is None for s in served_in) else np.concatenate(
+                [np.full(n, n) if s is None else s for n, s in zip(sizes, served_in)])
+            kept_to_end = None if all(f is None for f in forced) else np.concatenate(
+                [np.zeros(n, dtype=bool) if f is None else f for n, f in zip(sizes, forced)])
+        self._records.append(BatchRecord(version, sites, _joined(labels), _joined(errors), _joined(final),
+                                         _joined(exits), max(queue_ms), sum(compute_ms), unverified, cached, served,
+                                         feedback_share, kept_to_end))
+        self._parts = []
+
+
+def _joined(arrays: tuple[np.ndarray, ...]) -> np.ndarray:
+    return arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
+

@@ -147,7 +147,10 @@ class Answered:
         """Whether some input left at a ramp with another answer than the final layer's (where that is known: in
         stop mode an input that left the batch has none)."""
         exits = self.state.exits
-        rows = np.flatnonzero((exits != NO_EXIT) & (self.final != NO_LABEL))
+        early = exits != NO_EXIT
+        if not early.any():  # a loaded server's usual batch: spared the rest
+            return False
+        rows = np.flatnonzero(early & (self.final != NO_LABEL))
         return bool(np.any(self.state.labels[rows, exits[rows]] != self.final[rows]))
 
 

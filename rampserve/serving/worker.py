@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from rampserve.control.controller import Controller
-from rampserve.control.records import NO_EXIT, NO_LABEL, BatchRecord, Configuration, merged
+from rampserve.control.records import NO_EXIT, NO_LABEL, BatchRecord, Configuration, RecordJoiner
 from rampserve.ramps import kernel
 from rampserve.ramps.scores import top_label_and_error
 from rampserve.runtime.compiled import CompiledSet
@@ -377,15 +377,35 @@ class ModelWorker:
         series.compute.observe(compute_ms / 1000.0)
         series.batch_size.observe(n)
         series.batch_limit.set(self.batch_size.size)
-        sites, counts = np.unique(exits, return_counts=True)
-        for j, count in zip(sites, counts):
-            site = "final" if j == NO_EXIT else config.sites[j]
-            self.exits[site] = self.exits.get(site, 0) + int(count)
-            m.exits.labels(site=site, **labels_).inc(int(count))
+        by_site = [("final", n - early)]
+        if early:  # most batches of a loaded server exit nowhere: spared a pass over their exits
+            by_site += [(config.sites[j], int(count)) for j, count in zip(*np.unique(exits[exits != NO_EXIT],
+                                                                                   return_counts=True))]
+        for site, count in by_site:
+            if count:
+                self.exits[site] = self.exits.get(site, 0) + count
+                m.exits.labels(site=site, **labels_).inc(count)
 
-    def _controller_record(self, done: Answered) -> BatchRecord:
-        """A counted batch's record for the controller, on the control thread: the ramps no input exited at are
-        scored first."""
+    def _controller_records(self, items: list) -> list[BatchRecord]:
+        """The controller's records of what the executor thread queued (counted batches, and the records it made of
+        cached and unverified answers), on the control thread: the ramps no input exited at are scored first, and
+        consecutive batches of one configuration and kind are joined into one record."""
+        joiner = RecordJoiner()
+        for item in items:
+            if isinstance(item, BatchRecord):
+                joiner.add_record(item)
+            elif isinstance(item, Answered):
+                self._score_late(item)
+                state = item.state
+                joiner.add(state.config.version, state.config.sites, state.labels, state.errors, item.final,
+                           state.exits, (item.started - item.oldest_arrival) * 1000.0,
+                           (item.finished - item.started) * 1000.0, feedback_share=item.feedback_share,
+                           forced=None if state.wants_final is None else
+                           state.wants_final | np.isin(state.exits, state.unstoppable))
+        return joiner.joined()
+
+    def _score_late(self, done: Answered) -> None:
+        """The top label and error score of the ramps no input exited at, from the copy of their logits."""
         state = done.state
         for k, column in enumerate(done.unscored):
             # The rows that left the batch before this ramp (stop mode) never reached it
@@ -394,12 +414,6 @@ class ModelWorker:
             if len(rows):
                 state.labels[rows, column], state.errors[rows, column] = top_label_and_error(
                     done.late[rows, k], self.served.model.error_score)
-        exits = state.exits
-        return BatchRecord(state.config.version, state.config.sites, state.labels, state.errors, done.final, exits,
-                           (done.started - done.oldest_arrival) * 1000.0, (done.finished - done.started) * 1000.0,
-                           feedback_share=done.feedback_share,
-                           forced=None if state.wants_final is None else
-                           state.wants_final | np.isin(exits, state.unstoppable))
 
     def count_answers(self, path: str, inputs: int) -> None:
         """Count answers given by `path` (early, final, cached, unverified), one per input; any thread."""
@@ -436,10 +450,9 @@ class ModelWorker:
                         items.append(self._records.get_nowait())
                     except queue.Empty:
                         break
-                records = [self._controller_record(item) if isinstance(item, Answered) else item for item in items]
-                records = [item for item in records if isinstance(item, BatchRecord)]
+                records = self._controller_records(items)
                 new = None
-                for record in merged(records):
+                for record in records:
                     new = control.observe(record) or new
                 if records:
                     self.metrics.set_readings(self._labels, control.readings())
