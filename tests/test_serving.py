@@ -236,6 +236,17 @@ def test_many_concurrent_clients_each_get_exactly_one_answer(served, fmnist_feed
         assert answer["outputs"][0]["data"] == [int(expected[index % 16])]
 
 
+@contextmanager
+def _every_input_exiting_in_process(served: ServedModel) -> Iterator[tuple[str, object, object, object]]:
+    """A server whose executor runs in this process, so that a test can reach into it, and whose every input exits
+    at the first ramp (threshold 1): its URL, its worker, and the configuration and compiled set in force."""
+    with server(served, fixed_exits(served, 0, 1.0, executor="thread")) as (url, state):
+        worker = state.catalogue.workers[MODEL]
+        config, compiled = worker._serving
+        assert compiled is not None
+        yield url, worker, config, compiled
+
+
 class _HeldAfterItsRun:
     """A compiled runner whose batch cannot finish until `answered` is set: it runs the model, then waits (at most
     30 s) before handing the run back. Whether it was set in time is kept in `answered_in_time`."""
@@ -254,16 +265,11 @@ def test_an_exited_answer_arrives_before_its_batch_finishes(served, fmnist_feeds
     """The client has its answer while the batch it exited from is held unfinished after the model's run: a server
     that sent answers only once the batch is over would keep it waiting until the hold gave up (asserting an
     order of events, not a race between the batch's remainder and the client being scheduled)."""
-    from dataclasses import replace as replaced
-
     x = fmnist_feeds[:4]
-    with server(served, fixed_exits(served, 0, 1.0, executor="thread")) as (url, state):  # threshold 1: all exit
-        worker = state.catalogue.workers[MODEL]
-        config, compiled = worker._serving
-        assert compiled is not None
+    with _every_input_exiting_in_process(served) as (url, worker, config, compiled):
         answered = threading.Event()
         held = _HeldAfterItsRun(compiled.runner, answered)
-        worker._serving = (config, replaced(compiled, runner=held))
+        worker._serving = (config, replace(compiled, runner=held))
         status, _, answer = post(f"{url}/v2/models/{MODEL}/infer", infer_body(served, x))
         answered.set()
         # The batch's books are kept by the control thread once its answers are out
@@ -491,14 +497,8 @@ class _FailsAfterItsRampsReleased:
 
 
 def test_answers_released_before_a_failure_reach_the_controller_unverified(served, fmnist_feeds) -> None:
-    from dataclasses import replace as replaced
-
     x = fmnist_feeds[:4]
-    # The failure is injected into the executor itself, so it runs in this process
-    with server(served, fixed_exits(served, 0, 1.0, executor="thread")) as (url, state):  # threshold 1: all exit
-        worker = state.catalogue.workers[MODEL]
-        config, compiled = worker._serving
-        assert compiled is not None
+    with _every_input_exiting_in_process(served) as (url, worker, config, compiled):  # a failure injected there
         released = threading.Event()
         begin = worker._signals.begin
 
@@ -509,7 +509,7 @@ def test_answers_released_before_a_failure_reach_the_controller_unverified(serve
             begin(handled)
 
         worker._signals.begin = begin_and_tell
-        worker._serving = (config, replaced(compiled, runner=_FailsAfterItsRampsReleased(compiled.runner, released)))
+        worker._serving = (config, replace(compiled, runner=_FailsAfterItsRampsReleased(compiled.runner, released)))
         early = post(f"{url}/v2/models/{MODEL}/infer", infer_body(served, x))
         deadline = time.monotonic() + 30
         while (model := get_json(url + "/status")["models"][MODEL])["unverified_answers"] < len(x):
