@@ -221,19 +221,70 @@ def test_the_feedback_sample_is_uniform_and_independent_of_exits(resnet_prepared
     assert worker.stopped_rows == int((exited & ~sampled).sum()) > 0
 
 
-def test_an_onnx_model_serves_stop_mode_as_release_mode(onnx_prepared, fmnist_feeds) -> None:
-    """Stop mode needs a torch model's compiled runner: an ONNX model's worker compiles its sets in release mode
-    and every input runs to the end (its record complete)."""
-    model = replace(onnx_prepared)
+def test_an_onnx_set_stops_its_run_once_every_input_of_the_batch_has_left(onnx_prepared, fmnist_feeds) -> None:
+    """An ONNX set whose ramps signal from one session, in stop mode (`OnnxStoppingRunner`): over batch compositions,
+    thresholds and feedback samples, every request gets exactly one answer, release mode's labels; an input leaves
+    where it certainly exits unless it is sampled or its request wants the logits; the run ends once every input of
+    the batch has left (the runner returns no row) and otherwise runs to the end, giving the original model's output
+    for the inputs that did not leave. The record has no final label exactly for those that left."""
+    model = replace(onnx_prepared)  # compiled sets of its own
     name = model.backend.input_names[0]
-    sites = (model.site_names[1],)
-    worker = _worker(model, sites, "stop")
-    assert worker._mode == "release" and worker.status()["stopping"] is False
-    assert model.compile(sites, {name: fmnist_feeds[-2:]})
-    _, answers, record, state = _serve(worker, Configuration(1, sites, (1.0,)), "release", name, fmnist_feeds,
-                                       [(1, False)] * 8)
-    assert all(a.early for a in answers)  # threshold 1: every input exits, and still runs to the end
-    assert state.left is None and record.feedback_share == 1.0 and np.all(record.final != NO_LABEL)
+    sites = (model.site_names[1], model.site_names[3])
+    two = {name: fmnist_feeds[-2:]}
+    for mode in ("release", "stop"):
+        assert model.compile(sites, two, mode)
+    stop_set = model.compiled_set(sites, "stop")
+    assert stop_set.stops and type(stop_set.runner).__name__ == "OnnxStoppingRunner"
+    eager: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    original = model.run({name: fmnist_feeds}, sites, lambda site, *seen: eager.setdefault(site, seen))
+    final = original.argmax(axis=1)
+    choices = [_gaps(eager[site][1]) for site in sites]
+    release, stop = _worker(model, sites, "release"), _worker(model, sites, "stop", share=0.25)
+    assert stop._mode == "stop"
+    stop._stop.feedback = np.random.default_rng(5)
+
+    @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+    @given(st.lists(st.tuples(st.integers(1, 3), st.booleans()), min_size=1, max_size=4),
+           st.tuples(*(st.integers(0, 4) for _ in sites)))
+    @example([(1, False)], (4, 4))  # threshold 1 everywhere: one input, sampled or not
+    def check(requests: list[tuple[int, bool]], picks: tuple[int, ...]) -> None:
+        thresholds = tuple(choices[j][k] for j, k in enumerate(picks))
+        config = Configuration(1, sites, thresholds)
+        n = sum(rows for rows, _ in requests)
+        _, before, record_before, _ = _serve(release, config, "release", name, fmnist_feeds, requests)
+        batch, answers, record, state = _serve(stop, config, "stop", name, fmnist_feeds, requests)
+        assert all(p.answers == 1 for p in batch) and all(len(a.labels) == p.rows for a, p in zip(answers, batch))
+        for (rows, _), a, b in zip(requests, before, answers):
+            if rows == 1 or all(s is not None for s in a.exit_sites):  # release mode answered it as it stands
+                assert np.array_equal(a.labels, b.labels) and a.exit_sites == b.exit_sites
+        # an input with several in its request that left keeps its ramp's answer: it has no final one
+        released = np.concatenate([a.labels for a in answers])
+        sites_at = np.concatenate([[sites.index(s) if s is not None else NO_EXIT for s in a.exit_sites]
+                                   for a in answers])
+        ramp_labels = record_before.labels[np.arange(n), np.maximum(sites_at, 0)]
+        assert np.array_equal(released, np.where(sites_at == NO_EXIT, final[:n], ramp_labels))
+        exits = first_exits(record_before.errors, np.array(thresholds))
+        wants = np.repeat([w for _, w in requests], [r for r, _ in requests])
+        kept = state.sample | wants
+        left = state.left
+        errors = np.where(exits >= 0, record_before.errors[np.arange(n), np.maximum(exits, 0)], np.inf)
+        certain = (exits >= 0) & (errors < np.array(thresholds)[np.maximum(exits, 0)] - STOP_MARGIN - 1e-5)
+        assert np.array_equal(left[certain & ~kept], exits[certain & ~kept])
+        gone = left != NO_EXIT
+        assert not np.any(gone & kept) and np.all(left[gone] == exits[gone]) and np.all(sites_at[gone] == left[gone])
+        assert np.array_equal(record.final == NO_LABEL, gone) and np.array_equal(record.final[~gone], final[:n][~gone])
+        outputs = model.ramp_outputs(stop_set, n)
+        with torch.inference_mode():
+            output, ran = model.run_stopping(stop_set, {name: fmnist_feeds[:n]}, outputs, thresholds, -1, kept)
+        assert np.array_equal(outputs.buffers.left, left) and np.array_equal(ran, np.flatnonzero(left == NO_EXIT))
+        logits = outputs.buffers.logits
+        if len(ran):  # it ran to the end: every ramp's logits are the run's
+            assert not np.isnan(logits).any()
+            np.testing.assert_allclose(output, original[ran], rtol=1e-5, atol=1e-5)
+        else:  # it ended at the ramp the last input left at: the ramps after it never ran
+            assert np.isnan(logits[:, left.max() + 1:]).all() and not np.isnan(logits[:, left.max()]).any()
+
+    check()
 
 
 def test_a_server_in_stop_mode_answers_every_request_exactly_once(resnet_bundle, fmnist_feeds) -> None:

@@ -241,10 +241,11 @@ class SignalledRunner:
     output_name: str
     logits_names: tuple[str, ...]
 
-    def __call__(self, x: np.ndarray, side: Mapping[str, np.ndarray], floors: np.ndarray) -> list[np.ndarray]:
+    def __call__(self, x: np.ndarray, side: Mapping[str, np.ndarray], floors: np.ndarray,
+                 options: ort.RunOptions | None = None) -> list[np.ndarray]:
         feeds = _feeds(self.input_name, self.side_names, x, side)
         feeds[SIGNAL_FLOORS] = floors
-        return self.session.run([self.output_name, *self.logits_names], feeds)
+        return self.session.run([self.output_name, *self.logits_names], feeds, options)
 
 
 class OnnxSplitModel:

@@ -246,6 +246,14 @@ class PreparedModel:
         runner = OnnxSignalledRunner(session, sites, side)
         return CompiledSet(sites, runner, runner.tapped, int(index["classes"]), ONNX_EXIT_MARGIN, from_disk=True)
 
+    def _stopping(self, compiled: CompiledSet, side: str | None) -> CompiledSet:
+        """A signalled set (checked, or kept on disk once it was) as a stop-mode set: the same session."""
+        from rampserve.runtime.onnx_signals import OnnxStoppingRunner
+
+        runner = OnnxStoppingRunner(compiled.runner.runner, compiled.sites, side, self.error_score)
+        return CompiledSet(compiled.sites, runner, runner.tapped, compiled.classes, ONNX_EXIT_MARGIN, mode="stop",
+                           from_disk=compiled.from_disk)
+
     def _store_signalled(self, compiled: CompiledSet, graph: bytes) -> None:
         where = self._signalled_key(compiled.sites)
         if where is not None:
@@ -317,16 +325,17 @@ class PreparedModel:
                        signals: bool = True) -> CompiledSet | None:
         """Compile the serving path for `active` with `example` as the example input: its stages traced, each
         stage that ends at an active site with that site's ramp fused in (the ramp operator, or a stash for a ramp
-        that runs in Python), run by one scripted `SetRunner` (a `StopSetRunner` in the "stop" exit mode: torch
-        only), frozen; on ONNX, its stages' sessions with each linear ramp in the session of the stage that ends at
-        its site (an `OnnxSetRunner`), or with `signals` where every active ramp fuses, the whole model in one
-        session whose ramps signal as the run goes on (an `OnnxSignalledRunner`). None where the model
+        that runs in Python), run by one scripted `SetRunner` (a `StopSetRunner` in the "stop" exit mode), frozen;
+        on ONNX, its stages' sessions with each linear ramp in the session of the stage that ends at its site (an
+        `OnnxSetRunner`, in either mode: it does not stop), or with `signals` where every active ramp fuses, the
+        whole model in one session whose ramps signal as the run goes on (an `OnnxSignalledRunner`; in the "stop"
+        mode an `OnnxStoppingRunner`, which ends a run whose every row has left). None where the model
         does not compile: a stage that does not trace faithfully (see `trace_stages`), a model with more than one
         side input, ramps where the ramp operators could not be built (or more than a pipe byte can number), or a
         runner whose output is not bit for bit the eager model's on the example, or whose fused ramps do not score
         the example as the eager ramps do (labels equal, error scores within `FUSED_SCORE_TOLERANCE`)."""
-        if mode not in EXIT_MODES or (mode != "release" and self.backend.kind != "torch"):
-            raise ValueError(f"exit mode {mode!r} does not compile for a {self.backend.kind} model")
+        if mode not in EXIT_MODES:
+            raise ValueError(f"unknown exit mode {mode!r}; known: {EXIT_MODES}")
         primary, *side_names = self.backend.input_names
         if len(side_names) > 1 or len(active) > 255:
             return None
@@ -337,9 +346,9 @@ class PreparedModel:
             whole = signals and sites and all(s in self.onnx_taps for s in sites)
             stored = self._stored_signalled(sites, side) if whole else None
             if stored is not None:
-                return stored
+                return self._stopping(stored, side) if mode == "stop" else stored
             signalled = self._signalled_runner(sites, side) if whole else None
-            if signalled is None:
+            if signalled is None:  # a staged set cannot stop: it serves stop mode as release mode
                 stages = self.backend.split.build_tapped(sites, {s: self.onnx_taps[s] for s in sites
                                                                  if s in self.onnx_taps})
                 runner = OnnxSetRunner(stages, side)
@@ -350,6 +359,9 @@ class PreparedModel:
                 return None
             if signalled is not None:
                 self._store_signalled(compiled, signalled[1])
+                if mode == "stop":
+                    stopping = self._stopping(compiled, side)
+                    return stopping if self._faithful(stopping, example) else compiled
             return compiled
         if active and not kernel.available():
             return None

@@ -3,8 +3,8 @@
 The executor takes each batch its `RequestQueue` forms and runs it through the prepared model with the
 configuration's active ramps; after each ramp it decides exits with that configuration and answers those requests
 at once, while the batch runs on to the final layer (a compiled set runs under its exit mode's strategy,
-`exit_modes`; ONNX models and the eager path, a set that does not compile or no ramp operator, serve stop mode as
-release mode). The batch's record then goes to the control thread, which hands it to the model's controller through
+`exit_modes`; the eager path, a set that does not compile or does not stop (an ONNX set cut into stages), or no ramp
+operator, serve stop mode as release mode). The batch's record then goes to the control thread, which hands it to the model's controller through
 a `ControlLink` (the controller in this process, or one that several replicas share) and may get a new configuration
 back; the executor picks it up between batches (one reference swap, so a batch never mixes two configurations).
 
@@ -126,14 +126,14 @@ class ModelWorker:
         # A configuration the controller chose whose set is still compiling; the executor keeps the one in force
         self._pending: Configuration | None = None
         model = served.model
-        # The exit mode, and the one compiled sets are made in: stop mode needs a torch model's compiled runner;
-        # an ONNX model (and a vanilla one, which has no ramps) serves it as release mode
+        # The exit mode, and the one compiled sets are made in: stop mode needs compiled sets (a set that does not
+        # stop, an ONNX set cut into stages, serves it as release mode; a vanilla model has no ramps)
         self.exit_mode, self.feedback_share = settings.controller.exit_mode, settings.controller.feedback_share
-        self._mode = "stop" if (self.exit_mode == "stop" and control is not None and settings.torchscript
-                                and model.compiles_to_torchscript) else "release"
+        self._mode = "stop" if (self.exit_mode == "stop" and control is not None and settings.torchscript) \
+            else "release"
         if self.exit_mode == "stop" and self._mode != "stop" and control is not None:
-            log.info("model %s: exit mode 'stop' needs a torch model's compiled path; every input runs to the end, "
-                     "as in release mode", served.name)
+            log.info("model %s: exit mode 'stop' needs compiled sets; every input runs to the end, as in release mode",
+                     served.name)
         self._told_eager = False  # whether stop mode on the eager path was logged
         self._stop = StopStrategy(self.feedback_share)  # what a compiled set that stops runs with
         self.stopped_rows = 0  # inputs that left their batch at a ramp (stop mode)
@@ -573,7 +573,7 @@ class ModelWorker:
             "compiled": self.compiled,
             "exit_mode": self.exit_mode,
             "feedback_share": self.feedback_share,
-            # whether the set in force takes exited inputs out of their batch (stop mode on a compiled torch set)
+            # whether the set in force takes exited inputs out of their batch (a compiled set in stop mode)
             "stopping": self._serving[1] is not None and self._serving[1].stops,
             "stopped_inputs": self.stopped_rows,
             "pending_configuration": None if self._pending is None else self._pending.to_json(),
