@@ -222,11 +222,12 @@ def test_the_feedback_sample_is_uniform_and_independent_of_exits(resnet_prepared
 
 
 def test_an_onnx_set_stops_its_run_once_every_input_of_the_batch_has_left(onnx_prepared, fmnist_feeds) -> None:
-    """An ONNX set whose ramps signal from one session, in stop mode (`OnnxStoppingRunner`): over batch compositions,
-    thresholds and feedback samples, every request gets exactly one answer, release mode's labels; an input leaves
-    where it certainly exits unless it is sampled or its request wants the logits; the run ends once every input of
-    the batch has left (the runner returns no row) and otherwise runs to the end, giving the original model's output
-    for the inputs that did not leave. The record has no final label exactly for those that left."""
+    """An ONNX set whose ramps signal from one session, in stop mode (`OnnxStoppingRunner`; one cut into stages does
+    not stop, and serves stop mode as release mode): over batch compositions, thresholds and feedback samples, every
+    request gets exactly one answer, release mode's labels; an input leaves where it certainly exits unless it is
+    sampled or its request wants the logits; the run ends once every input of the batch has left (the runner
+    returns no row) and otherwise runs to the end, giving the original model's output for the inputs that did not
+    leave. The record has no final label exactly for those that left."""
     model = replace(onnx_prepared)  # compiled sets of its own
     name = model.backend.input_names[0]
     sites = (model.site_names[1], model.site_names[3])
@@ -235,6 +236,8 @@ def test_an_onnx_set_stops_its_run_once_every_input_of_the_batch_has_left(onnx_p
         assert model.compile(sites, two, mode)
     stop_set = model.compiled_set(sites, "stop")
     assert stop_set.stops and type(stop_set.runner).__name__ == "OnnxStoppingRunner"
+    staged = model.build_compiled(sites, two, "stop", signals=False)  # cut into stages: it cannot stop a run
+    assert type(staged.runner).__name__ == "OnnxSetRunner" and not staged.stops
     eager: dict[str, tuple[np.ndarray, np.ndarray]] = {}
     original = model.run({name: fmnist_feeds}, sites, lambda site, *seen: eager.setdefault(site, seen))
     final = original.argmax(axis=1)
