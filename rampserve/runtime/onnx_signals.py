@@ -144,17 +144,23 @@ class OnnxSignalledRunner:
 
     def forward(self, activation: torch.Tensor, side: torch.Tensor, out: torch.Tensor, floors: list[float],
                 notify: int, stashes: list[torch.Tensor]) -> torch.Tensor:
+        return torch.from_numpy(self._run(activation, side, out.numpy(), self._silent if notify < 0 else
+                                          self._converted(floors), notify))
+
+    def _run(self, activation: torch.Tensor, side: torch.Tensor, logits: np.ndarray, floors: np.ndarray,
+             notify: int, stopping: _Stopping | None = None,
+             options: onnxruntime.RunOptions | None = None) -> np.ndarray:
+        """One session call with this batch's buffers on this thread (for `_signal`); the model's output, every
+        ramp's logits copied into `logits` after it."""
         sides = {} if self.side_name is None else {self.side_name: side.numpy()}
-        logits = out.numpy()
-        _batch.run = (logits, notify, column_handler(notify), None)
+        _batch.run = (logits, notify, column_handler(notify), stopping)
         try:
-            output, *ramps = self.runner(activation.numpy(), sides, self._silent if notify < 0 else
-                                         self._converted(floors))
+            output, *ramps = self.runner(activation.numpy(), sides, floors, options)
         finally:
             _batch.run = None
         for column, ramp_logits in enumerate(ramps):
             logits[:, column] = ramp_logits
-        return torch.from_numpy(output)
+        return output
 
     def _converted(self, floors: list[float]) -> np.ndarray:
         """`floors` (one per site, then the last stage's) as the session's float32 input; a compiled set hands
@@ -185,22 +191,16 @@ class OnnxStoppingRunner(OnnxSignalledRunner):
     def forward(self, activation: torch.Tensor, side: torch.Tensor, out: torch.Tensor, floors: list[float],
                 stop_floors: list[float], keep: torch.Tensor, left: torch.Tensor, notify: int,
                 stashes: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        sides = {} if self.side_name is None else {self.side_name: side.numpy()}
         logits, rows_left = out.numpy(), left.numpy()
         logits.fill(np.nan)
         options = onnxruntime.RunOptions()
         stopping = _Stopping(rows_left, keep.numpy(), np.asarray(stop_floors[:len(self.tapped)]), options, self.score)
-        _batch.run = (logits, notify, column_handler(notify), stopping)
         try:
-            output, *ramps = self.runner(activation.numpy(), sides, self._converted(floors), options)
+            output = self._run(activation, side, logits, self._converted(floors), notify, stopping, options)
         except onnxruntime.capi.onnxruntime_pybind11_state.Fail:
             if not options.terminate:
                 raise
             return torch.zeros((0, out.shape[-1])), torch.zeros(0, dtype=torch.int64)
-        finally:
-            _batch.run = None
-        for column, ramp_logits in enumerate(ramps):
-            logits[:, column] = ramp_logits
         ran = np.flatnonzero(rows_left < 0)
         return torch.from_numpy(output[ran]), torch.from_numpy(ran)
 

@@ -4,9 +4,10 @@ The executor takes each batch its `RequestQueue` forms and runs it through the p
 configuration's active ramps; after each ramp it decides exits with that configuration and answers those requests
 at once, while the batch runs on to the final layer (a compiled set runs under its exit mode's strategy,
 `exit_modes`; the eager path, a set that does not compile or does not stop (an ONNX set cut into stages), or no ramp
-operator, serve stop mode as release mode). The batch's record then goes to the control thread, which hands it to the model's controller through
-a `ControlLink` (the controller in this process, or one that several replicas share) and may get a new configuration
-back; the executor picks it up between batches (one reference swap, so a batch never mixes two configurations).
+operator, serve stop mode as release mode). The batch's record then goes to the control thread, which hands it to
+the model's controller through a `ControlLink` (the controller in this process, or one that several replicas share)
+and may get a new configuration back; the executor picks it up between batches (one reference swap, so a batch
+never mixes two configurations).
 
 Shadow batches (`Configuration.shadow_every`): the executor counts the batches it serves under each configuration
 version, and serves each shadow batch among them with `Configuration.shadowed()`: the ramp at every shadow site
