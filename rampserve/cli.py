@@ -553,8 +553,9 @@ def bench_sim(
     ramp_budget: Annotated[float, typer.Option(help="what ramps may add to a non-exiting input")] = 0.02,
     risk_step: Annotated[float, typer.Option(help="how far one disagreement scales the thresholds down")] = 0.05,
     length: Annotated[int, typer.Option(help="stream items, bootstrap included")] = 120_000,
-    exit_mode: Annotated[str, typer.Option(help="release: exited inputs run on to the end; stop: they leave")]
-    = "release",
+    exit_mode: Annotated[str, typer.Option(help="release: exited inputs run on to the end; stop: they leave; auto: "
+                                                "stop where the SLO allows batches of at most 2, as a server does")]
+    = "auto",
     feedback_share: Annotated[float, typer.Option(help="stop mode: share of inputs kept running to the end")] = 0.1,
     seeds: Annotated[int, typer.Option(help="run everything for seeds 0 to N - 1 (each its own stream order and "
                                             "trace) and sum each system up over them")] = 1,
@@ -640,8 +641,8 @@ def bench_freeze(
     workload: Annotated[str, typer.Option(help="stream")] = "fmnist-drift",
     requests: Annotated[int, typer.Option(help="evaluation requests replayed per system")] = 30_000,
     accuracy_constraint: Annotated[float, typer.Option(help="allowed share of answers that differ")] = 0.01,
-    exit_mode: Annotated[Optional[str], typer.Option(help="managed systems' exit mode: release or stop (default: "
-                                                          "the controller's)")] = None,
+    exit_mode: Annotated[Optional[str], typer.Option(help="managed systems' exit mode: release, stop or auto "
+                                                          "(default: the controller's, auto)")] = None,
     feedback_share: Annotated[Optional[float], typer.Option(help="stop mode: share of exited inputs that run to the "
                                                                  "end (default: the controller's)")] = None,
     json_out: Annotated[Optional[Path], typer.Option("--json", help="write the results here")] = None,
@@ -714,7 +715,8 @@ def bench_live(
     accuracy_constraint: Annotated[float, typer.Option(help="the managed server's allowed share of answers that "
                                                             "differ")] = 0.01,
     exit_mode: Annotated[Optional[str], typer.Option(help="the managed server's exit mode: release (every input "
-                                                          "runs to the end) or stop (default: the server's)")]
+                                                          "runs to the end) or stop (default: the server's, auto: "
+                                                          "stop where batches hold at most 2 inputs)")]
     = None,
     feedback_share: Annotated[Optional[float], typer.Option(help="stop mode: share of exited inputs that run to the "
                                                                  "end (default: the server's)")] = None,

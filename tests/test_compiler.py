@@ -173,7 +173,8 @@ def test_a_worker_adopts_a_configuration_only_once_its_set_is_compiled(bundle_co
 
         def watch(config: Configuration) -> None:
             if config is new:
-                compiled_before.append(model.has_compiled(config.sites) and worker._compiler.ready(config.sites))
+                compiled_before.append(model.has_compiled(config.sites, worker._mode)
+                                       and worker._compiler.ready(config.sites))
                 adopted.set()
             original(config)
 

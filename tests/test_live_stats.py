@@ -230,16 +230,18 @@ def test_the_median_round_holds_the_median_of_the_known_ratios(ratios):
 
 def test_the_managed_exit_mode_is_what_the_server_reports_else_what_it_was_told():
     settings = LiveSettings(model="m", exit_mode="stop", feedback_share=0.2)
-    assert managed_exit_mode(settings, None) == {"exit_mode": "stop", "feedback_share": 0.2}
+    assert managed_exit_mode(settings, 8, None) == {"exit_mode": "stop", "feedback_share": 0.2}
     # the server's model status carries its controller's figures (the controller may set the share itself)
     status = {"models": {"m": {"exit_mode": "stop", "feedback_share": 0.05}}}
-    assert managed_exit_mode(settings, status) == {"exit_mode": "stop", "feedback_share": 0.05}
+    assert managed_exit_mode(settings, 8, status) == {"exit_mode": "stop", "feedback_share": 0.05}
     status = {"models": {"m": {"controller": {"exit_mode": "stop", "feedback_share": 0.3}}}}
-    assert managed_exit_mode(settings, status) == {"exit_mode": "stop", "feedback_share": 0.3}
+    assert managed_exit_mode(settings, 8, status) == {"exit_mode": "stop", "feedback_share": 0.3}
     # release: every row runs to the end
-    assert managed_exit_mode(LiveSettings(model="m", exit_mode="release"), "GET /status: refused") == \
+    assert managed_exit_mode(LiveSettings(model="m", exit_mode="release"), 1, "GET /status: refused") == \
         {"exit_mode": "release", "feedback_share": 1.0}
-    assert managed_exit_mode(LiveSettings(model="m"), None) == {"exit_mode": "release", "feedback_share": 1.0}
+    # told nothing and heard nothing: the default, resolved for the model's batch limit as the server resolves it
+    assert managed_exit_mode(LiveSettings(model="m"), 8, None) == {"exit_mode": "release", "feedback_share": 1.0}
+    assert managed_exit_mode(LiveSettings(model="m"), 2, None) == {"exit_mode": "stop", "feedback_share": 0.1}
 
 
 def test_live_settings_pass_the_exit_mode_and_controller_settings_to_the_managed_server_only_when_given():

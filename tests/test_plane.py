@@ -119,8 +119,9 @@ def test_a_bundle_answers_through_the_plane_with_its_labels_and_logits(served, f
 
 def test_an_early_label_leaves_at_its_ramp_and_the_cache_keeps_the_final_answer(served, fmnist_feeds) -> None:
     site = served.model.site_names[0]
+    # Threshold 1: every input exits at the ramp; release mode: each still runs to the end, whose answer is cached
     controller = ControllerSettings(initial=(site,), start_thresholds={site: 1.0}, threshold_tuning=False,
-                                    ramp_adjustment=False)  # threshold 1: every input exits at the ramp
+                                    ramp_adjustment=False, exit_mode="release")
     settings = ModelSettings(controller=controller, executor="thread")
     x = fmnist_feeds[:4]
 

@@ -192,3 +192,15 @@ def test_a_repository_serves_each_model_with_its_settings_file_over_the_environm
     assert (slow["ramp_budget"], slow["bound"]["constraint"], slow["exit_mode"], slow["guarantee"],
             slow["max_batch"], slow["slo_ms"], slow["deadline_ms"]) == (0.07, 0.01, "release", "certified", 4, 40.0,
                                                                         500.0)
+
+
+@pytest.mark.parametrize("batch_limit", [1, 2, 3, 16])
+@pytest.mark.parametrize("compiled", [True, False])
+def test_auto_exit_mode_stops_only_small_compiled_batches_and_a_named_mode_stays(batch_limit, compiled) -> None:
+    auto = ControllerSettings()
+    assert auto.exit_mode == "auto" and not auto.stops  # unresolved, it is served as release mode
+    resolved = auto.resolved(batch_limit, compiled)
+    assert resolved.exit_mode == ("stop" if compiled and batch_limit <= 2 else "release")
+    assert replace(resolved, exit_mode="auto") == auto  # nothing else changed
+    for named in ("release", "stop"):
+        assert ControllerSettings(exit_mode=named).resolved(batch_limit, compiled).exit_mode == named

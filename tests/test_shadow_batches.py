@@ -61,10 +61,10 @@ class FixedControl:
 
 class HeldCompiler:
     """A compile service whose sets become ready only when the test says so (then compiled in this process, as
-    the worker process would), recording what was asked for and how urgently."""
+    the worker process would, in the worker's exit mode), recording what was asked for and how urgently."""
 
-    def __init__(self, model: PreparedModel, example: dict[str, np.ndarray]) -> None:
-        self.model, self.example = model, example
+    def __init__(self, model: PreparedModel, example: dict[str, np.ndarray], mode: str) -> None:
+        self.model, self.example, self.mode = model, example, mode
         self.requests: list[tuple[tuple[str, ...], bool]] = []
         self.released: set[tuple[str, ...]] = set()
         self.loads = 0
@@ -81,7 +81,7 @@ class HeldCompiler:
 
     def load(self, sites: tuple[str, ...]) -> CompiledSet | None:
         self.loads += 1
-        return self.model.build_compiled(sites, self.example)
+        return self.model.build_compiled(sites, self.example, self.mode)
 
 
 def _between(errors: np.ndarray) -> float:
@@ -169,10 +169,10 @@ def test_a_shadow_batch_runs_only_once_its_set_is_loaded_and_each_version_counts
     active = (names[1],)
     name = model.backend.input_names[0]
     example = {name: fmnist_feeds[-2:]}
-    assert model.compile(active, example)
     config = Configuration(1, active, (0.5,), names, 2)
     worker = ModelWorker(make_served("m", model), ModelSettings(preload_s=0.0), ServerMetrics(), FixedControl(config))
-    compiler = worker._compiler = HeldCompiler(model, example)
+    assert model.compile(active, example, worker._mode)
+    compiler = worker._compiler = HeldCompiler(model, example, worker._mode)
 
     def run(i: int) -> BatchRecord:
         worker._run([Pending({name: fmnist_feeds[i:i + 1]}, 1, time.monotonic(), math.inf, False, lambda _: None)])

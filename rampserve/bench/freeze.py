@@ -177,7 +177,8 @@ def freeze_model(name: str, settings: FreezeSettings, progress=lambda _: None) -
     # Managed like any ramp: thresholds tuned and caches (de)activated by utility, starting from every site with
     # a budget that lets every cache be active, as in Freeze; then the same thresholds-only, and the default
     # ramp budget.
-    managed = replace(settings.controller, initial=all_sites, ramp_budget=settings.cache_budget)
+    default = settings.controller.resolved(max_batch)  # the exit mode a server would serve this model in
+    managed = replace(default, initial=all_sites, ramp_budget=settings.cache_budget)
     memory = sum(model.memory_bytes().values())
     # Each system: its stream outputs (without or with online updates), start, and controller settings.
     plan = {
@@ -186,17 +187,17 @@ def freeze_model(name: str, settings: FreezeSettings, progress=lambda _: None) -
         "managed": (plain, None, managed),
         "managed_online": (learned, None, managed),
         "managed_thresholds_only": (plain, None, replace(managed, ramp_adjustment=False)),
-        "managed_default_budget": (learned, None, settings.controller),
+        "managed_default_budget": (learned, None, default),
     }
     plan["vanilla"] = (plain, Configuration(0, (), ()), None)
     capacity = 1000.0 * max_batch / profile.full(max_batch)  # vanilla's largest batch, back to back
-    min_accuracy = settings.controller.target_accuracy
+    min_accuracy = default.target_accuracy
 
     def serve(outputs: RampOutputs, config: Configuration | None, control: ControllerSettings | None,
               arrivals_ms: np.ndarray) -> SystemRun:
         controller = Controller(profile, control) if control is not None else None
         start_config = config if config is not None else controller.configuration()
-        mode = control or settings.controller  # static systems stop every exit in stop mode (no feedback)
+        mode = control or default  # static systems stop every exit in stop mode (no feedback)
         return replay(Scenario(outputs, costs, arrivals_ms, max_batch), start_config, controller, mode.stops,
                       mode.kept_share if control is not None else 0.0, settings.seed)
 

@@ -612,7 +612,7 @@ def simulated_replay(plan: LivePlan, settings: LiveSettings, schedule: ReplaySch
     offset = float(warm[-1]) + float(np.mean(np.diff(warm))) if len(warm) > 1 else 0.0
     arrivals = np.concatenate([warm, offset + schedule.arrivals_ms])
     scenario = Scenario(outputs, CostModel(plan.model.profile), arrivals, plan.max_batch, lengths)
-    controller_settings = settings.controller_settings()
+    controller_settings = settings.controller_settings().resolved(plan.max_batch)  # as the managed server resolves it
     controller = Controller(plan.model.profile, controller_settings)
     runs = {"vanilla": replay(scenario, Configuration(0, (), ())), "oracle": replay_oracle(scenario),
             "rampserve": replay(scenario, controller.configuration(), controller, controller_settings.stops,
@@ -843,7 +843,7 @@ def score_load(plan: LivePlan, settings: LiveSettings, schedule: ReplaySchedule,
                    for name, result in results.items()}
         for name, measured in saturations.items():
             systems[name] |= {"saturation_rps": measured["throughput_rps"], "saturation": measured}
-        systems["rampserve"] |= managed_exit_mode(settings, results["rampserve"].status_after)
+        systems["rampserve"] |= managed_exit_mode(settings, plan.max_batch, results["rampserve"].status_after)
         scored.append(with_oracle_share(systems, oracle["p50_savings"]))
     versus = versus_vanilla([(systems["vanilla"], systems["rampserve"]) for systems in scored], schedule.load)
     median = median_round(versus["p50_ms"]["ratio_rounds"])
@@ -873,10 +873,11 @@ def median_round(ratios: list[float | None]) -> int:
     return order[(known - 1) // 2] if known else 0
 
 
-def managed_exit_mode(settings: LiveSettings, status: dict | str | None) -> dict:
+def managed_exit_mode(settings: LiveSettings, batch_limit: int, status: dict | str | None) -> dict:
     """The managed server's `exit_mode` and `feedback_share`: as its status reports them for the model (its
-    controller may set the share itself), else as it was told (`settings`), else the controller's defaults."""
-    defaults = ControllerSettings()
+    controller may set the share itself), else as it was told (`settings`), else the controller's defaults for a
+    model served in batches of at most `batch_limit`."""
+    defaults = ControllerSettings().resolved(batch_limit)
     reported = _model_status(status, settings.model)
     reported = reported if isinstance(reported, dict) else {}
 

@@ -424,7 +424,7 @@ def run_sim(settings: SimSettings, progress: Callable[[str], None] = lambda _: N
     seconds: dict[str, float] = {}
     with _stage("scenario", seconds, progress):
         scenario, info = load_scenario(settings)
-    control = settings.controller
+    control = settings.controller.resolved(info["max_batch"])  # the exit mode a server would serve this model in
     target = control.target_accuracy
     runs: dict[str, SystemRun] = {}
 

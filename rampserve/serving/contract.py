@@ -20,8 +20,10 @@ import numpy as np
 
 from rampserve.control.settings import ControllerSettings
 from rampserve.control.records import BatchRecord, Configuration
+from rampserve.runtime.latency import max_batch_for_slo
 
 if TYPE_CHECKING:
+    from rampserve.runtime.latency import LatencyProfile
     from rampserve.serving.models import ServedModel
 
 EXECUTORS = ("process", "thread")
@@ -98,6 +100,16 @@ class ModelSettings:
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
+
+    def slo_for(self, profile: LatencyProfile) -> float:
+        return self.slo_ms or 2.0 * profile.full(1)
+
+    def batch_limit(self, profile: LatencyProfile) -> int:
+        return self.max_batch or max_batch_for_slo(profile.batch_sizes, profile.full_ms, self.slo_for(profile))
+
+    def controller_for(self, profile: LatencyProfile) -> ControllerSettings:
+        """The controller's settings for a model with this latency profile, its exit mode resolved."""
+        return self.controller.resolved(self.batch_limit(profile), self.torchscript)
 
     @classmethod
     def from_json(cls, data: dict) -> ModelSettings:

@@ -75,7 +75,9 @@ class ModelOptions(BaseModel):
     exit_mode: str = Field(ControllerSettings.exit_mode,
                            description="release: every input runs to the end of the model; stop: an input released "
                                        "at a ramp leaves its batch there (compiled sets; on ONNX Runtime a batch "
-                                       "stops once all its inputs have left; others serve it as release)")
+                                       "stops once all its inputs have left; others serve it as release); auto: "
+                                       "stop where the SLO allows batches of at most 2 inputs and sets compile, "
+                                       "release otherwise")
     feedback_share: float = Field(ControllerSettings.feedback_share,
                                   description="stop mode: share of the inputs, drawn at random, that run to the end "
                                               "whatever they exit at, to measure agreement")

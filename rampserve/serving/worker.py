@@ -37,7 +37,6 @@ from rampserve.control.records import NO_EXIT, NO_LABEL, BatchRecord, Configurat
 from rampserve.ramps import kernel
 from rampserve.ramps.scores import top_label_and_error
 from rampserve.runtime.compiled import CompiledSet
-from rampserve.runtime.latency import max_batch_for_slo
 from rampserve.runtime.prepared import COMPILED_SETS_KEPT
 from rampserve.serving.batch import Answered, BatchState, RampSignals
 from rampserve.serving.batching import AdaptiveBatchSize, BatchTimeEstimate
@@ -112,14 +111,15 @@ class ModelWorker:
         profile = served.model.profile
         if profile is None:
             raise ValueError(f"model {served.name} has no latency profile; run `rampserve profile` on its bundle")
-        self.slo_ms = settings.slo_ms or 2.0 * profile.full(1)
-        self.max_batch = settings.max_batch or max_batch_for_slo(profile.batch_sizes, profile.full_ms, self.slo_ms)
+        self.slo_ms = settings.slo_for(profile)
+        self.max_batch = settings.batch_limit(profile)
+        controller_settings = settings.controller_for(profile)
         self.batch_size = AdaptiveBatchSize(self.max_batch, self.slo_ms,
                                             limit=1.0 if settings.adaptive_batching else float(self.max_batch))
         self.batch_time = BatchTimeEstimate(profile.full(self.max_batch))
         self.queue = RequestQueue(served.name, settings, profile, self.batch_size, self.batch_time, metrics)
         if control is None and not settings.vanilla:
-            control = LocalControl(Controller(profile, settings.controller))
+            control = LocalControl(Controller(profile, controller_settings))
         self.control = control
         # The configuration in force and the compiled set it runs (None: eager), swapped as one reference
         initial = Configuration(0, (), ()) if control is None else control.configuration()
@@ -129,7 +129,7 @@ class ModelWorker:
         model = served.model
         # The exit mode, and the one compiled sets are made in: stop mode needs compiled sets (a set that does not
         # stop, an ONNX set cut into stages, serves it as release mode; a vanilla model has no ramps)
-        self.exit_mode, self.feedback_share = settings.controller.exit_mode, settings.controller.feedback_share
+        self.exit_mode, self.feedback_share = controller_settings.exit_mode, controller_settings.feedback_share
         self._mode = "stop" if (self.exit_mode == "stop" and control is not None and settings.torchscript) \
             else "release"
         if self.exit_mode == "stop" and self._mode != "stop" and control is not None:

@@ -37,7 +37,8 @@ class RayDeployment:
 
 def shared_controllers(settings: ModelSettings) -> Callable[[ServedModel], ControlLink | None]:
     def link(served: ServedModel) -> ControlLink | None:
-        return None if settings.vanilla else RayControl(served.name, served.profile, settings.controller)
+        return None if settings.vanilla else RayControl(served.name, served.profile,
+                                                             settings.controller_for(served.profile))
 
     return link
 
