@@ -34,6 +34,7 @@ import torch
 
 from rampserve.control.controller import Controller
 from rampserve.control.records import NO_EXIT, NO_LABEL, BatchRecord, Configuration, RecordJoiner
+from rampserve.control.settings import STOP_MODE_BATCH_LIMIT
 from rampserve.ramps import kernel
 from rampserve.ramps.scores import top_label_and_error
 from rampserve.runtime.compiled import CompiledSet
@@ -135,6 +136,10 @@ class ModelWorker:
         if self.exit_mode == "stop" and self._mode != "stop" and control is not None:
             log.info("model %s: exit mode 'stop' needs compiled sets; every input runs to the end, as in release mode",
                      served.name)
+        elif settings.controller.exit_mode == "auto" and control is not None:
+            log.info("model %s: exit mode %s (auto: stop where batches hold at most %d inputs and sets compile; "
+                     "this model's hold %d%s)", served.name, self.exit_mode, STOP_MODE_BATCH_LIMIT, self.max_batch,
+                     "" if settings.torchscript else ", and it is served eagerly")
         self._told_eager = False  # whether stop mode on the eager path was logged
         self._stop = StopStrategy(self.feedback_share)  # what a compiled set that stops runs with
         self.stopped_rows = 0  # inputs that left their batch at a ramp (stop mode)
