@@ -3,9 +3,11 @@ answers the test knows, with a change of look at a known point and repeats serve
 
 from __future__ import annotations
 
+import threading
 import time
 
 import numpy as np
+import pytest
 
 from rampserve.control.controller import ControllerSettings
 from rampserve.serving.models import load_served
@@ -134,3 +136,39 @@ def test_the_executor_releases_every_row_once_consistently_and_records_the_paths
         assert np.array_equal(np.concatenate([a.labels for a in answers]), record.released())
 
     check()
+
+
+@pytest.mark.parametrize("ramp_budget", [0.0, ControllerSettings.ramp_budget])
+def test_a_controller_that_can_change_nothing_hears_of_no_batch_while_the_books_count_every_answer(
+        resnet_prepared, fmnist_feeds, ramp_budget: float) -> None:
+    """With no ramp within the budget at any batch size (budget 0), the controller searches nothing and the worker
+    sends it no record, yet every answer is counted; at the default budget (the small test model's ramps fit it)
+    the same worker feeds its controller every input. Stopping the worker drains its records first, so the
+    controller's count is final when read."""
+    from dataclasses import replace
+
+    from rampserve.serving.metrics import ServerMetrics
+    from rampserve.serving.models import served as make_served
+    from rampserve.serving.worker import ModelWorker
+
+    model = replace(resnet_prepared)
+    settings = ModelSettings(controller=ControllerSettings(ramp_budget=ramp_budget))
+    worker = ModelWorker(make_served("m", model), settings, ServerMetrics())
+    name = worker.served.inputs[0].name
+    requests = 12
+    answered = threading.Semaphore(0)
+    worker.start()
+    try:
+        for i in range(requests):
+            worker.queue.admit({name: fmnist_feeds[i:i + 1]}, 1, False, lambda _: answered.release())
+        for _ in range(requests):
+            assert answered.acquire(timeout=60), "a request was never answered"
+    finally:
+        worker.stop()
+    status = worker.status()
+    idle = ramp_budget == 0.0
+    assert status["controller_idle"] is idle and status["vanilla"] is False
+    assert sum(status["answers"].values()) == requests
+    assert status["inputs_observed"] == (0 if idle else requests)
+    assert ("no ramp fits the ramp budget" in status["decisions"][0]["reason"]) is idle
+    assert (status["configuration"]["shadow_sites"] == []) is idle

@@ -30,6 +30,8 @@ SHARE = 0.1  # stop mode's feedback share: most exits leave their plain batch
 class FixedControl:
     """A control link that keeps one configuration and collects the records the worker sends."""
 
+    idle = False  # the worker sends it every record, which the test reads
+
     def __init__(self, config: Configuration) -> None:
         self.config = config
         self.records: list[BatchRecord] = []

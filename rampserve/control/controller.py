@@ -92,7 +92,9 @@ class Controller:
         self.shadow = ExitHistory(every, settings.history)
         self.delta = 1.0 - settings.confidence
         self.monitor = DisagreementMonitor(settings.accuracy_constraint, self.delta)
-        reason = "initial: shadow batches until the first search" if self.searches else "initial"
+        reason = ("initial: shadow batches until the first search" if self.searches
+                  else "initial: no ramp fits the ramp budget, so there is nothing to search"
+                  if settings.searches and not sites else "initial")
         self.decisions: list[Decision] = [Decision(first, 0, reason, 0.0)]
         self.times = DecisionTimes()
         self.last_decision_ms = 0.0  # modelled time the latest observe() spent deciding
@@ -114,6 +116,13 @@ class Controller:
 
     def configuration(self) -> Configuration:
         return self.decisions[-1].configuration
+
+    @property
+    def idle(self) -> bool:
+        """Whether this controller can never change the configuration: it searches nothing (no ramp fits the budget
+        at any batch size, or search is off) and started with no ramp to tune. Every answer is then the original
+        model's, and a worker need not feed it records."""
+        return not self.searches and not self.decisions[0].configuration.sites
 
     def status(self, latest_decisions: int | None = None) -> dict:
         """What a server reports of its controller: accuracy over the window and over every answer counted, the

@@ -122,6 +122,10 @@ class ModelSettings:
 class ControlLink(Protocol):
     """Where a worker's batch records go and its configurations come from."""
 
+    # The controller can never change the configuration (`Controller.idle`): the worker sends it no records and
+    # runs no control thread, so a managed model with nothing to manage costs what vanilla costs
+    idle: bool
+
     def configuration(self) -> Configuration: ...
 
     def observe(self, record: BatchRecord) -> Configuration | None: ...

@@ -234,6 +234,8 @@ class RelayedControl:
     the model shares): the control thread's records and questions go through the front end. Its status is the
     front end's to add (the executor answers status questions on the thread that reads these answers)."""
 
+    idle = False  # the controller may change the configuration (it lives elsewhere: it is not asked)
+
     def __init__(self, executor: Executor, start: Configuration) -> None:
         self._executor, self._current = executor, start
         self._readings = {"window_accuracy": 1.0, "disagreement_upper": 0.0, "risk_scale": 1.0}

@@ -77,6 +77,7 @@ class LocalControl:
 
     def __init__(self, controller: Controller) -> None:
         self.controller = controller
+        self.idle = controller.idle
         self._lock = threading.Lock()  # the control thread observes while the status endpoint reads
 
     def configuration(self) -> Configuration:
@@ -176,7 +177,9 @@ class ModelWorker:
         self._urgent = threading.Event()
         self._labels = {"model": served.name}
         self._executor = OsNamedThread(target=self._serve_batches, name=f"executor-{served.name}", daemon=True)
-        # A vanilla model has no controller to feed
+        # A vanilla model has no controller to feed, nor does one whose controller can never change anything (its
+        # control thread still adopts the first set once compiled, should that come late)
+        self._feeds_controller = control is not None and not control.idle
         self._control = None if control is None else OsNamedThread(
             target=self._control_loop, args=(control,), name=f"controller-{served.name}", daemon=True,
             niceness=CONTROL_NICENESS, below_pools=True)
@@ -305,7 +308,7 @@ class ModelWorker:
                         [strategy.reached(outputs, j) for _, j in unscored], late, started, finished,
                         min(p.arrival for p in batch), strategy.feedback_share(shadow is not None))
         self._count(done)
-        if self._control is not None:  # the controller's record, off this thread: the next batch is waiting
+        if self._feeds_controller:  # the controller's record, off this thread: the next batch is waiting
             self._record(done, urgent=done.released_a_disagreement())
 
     @staticmethod
@@ -348,7 +351,7 @@ class ModelWorker:
         rows = np.concatenate([np.arange(start, start + p.rows) for start, p in zip(state.starts, batch) if p.settled]
                               or [np.zeros(0, dtype=int)])
         self.count_answers("unverified", len(rows))  # before the controller can hear of them
-        if self.control is None or not len(rows):
+        if not self._feeds_controller or not len(rows):
             return
         self._record(BatchRecord(state.config.version, state.config.sites, state.labels[rows], state.errors[rows],
                                  np.full(len(rows), NO_LABEL), state.exits[rows],
@@ -432,7 +435,7 @@ class ModelWorker:
         """Answers the prediction cache gave (final labels): counted here and, through the control thread, by
         the controller, whose accuracy covers every answer released."""
         self.count_answers("cached", len(labels))
-        if self.control is not None:
+        if self._feeds_controller:
             config = self.configuration
             n = len(labels)
             self._record(BatchRecord(config.version, (), np.zeros((n, 0), dtype=np.int64), np.zeros((n, 0)),
@@ -572,6 +575,8 @@ class ModelWorker:
             "name": self.served.name,
             "version": self.served.version,
             "vanilla": self.control is None,
+            # managed, but its controller can never change anything: it hears of no batch (see its first decision)
+            "controller_idle": self.control is not None and not self._feeds_controller,
             "slo_ms": self.slo_ms,
             "max_batch": self.max_batch,
             "batch_limit": self.batch_size.size,

@@ -63,6 +63,8 @@ def controller_name(model: str) -> str:
 class RayControl:
     """A replica's link to its model's controller actor (a `ControlLink`)."""
 
+    idle = False  # the controller may change the configuration (it lives elsewhere: it is not asked)
+
     def __init__(self, model: str, profile: LatencyProfile, settings: ControllerSettings,
                  timeout_s: float = CONTROLLER_TIMEOUT_S) -> None:
         self.name = controller_name(model)
