@@ -204,3 +204,12 @@ def test_auto_exit_mode_stops_only_small_compiled_batches_and_a_named_mode_stays
     assert replace(resolved, exit_mode="auto") == auto  # nothing else changed
     for named in ("release", "stop"):
         assert ControllerSettings(exit_mode=named).resolved(batch_limit, compiled).exit_mode == named
+
+
+def test_a_served_model_resolves_auto_by_its_batch_limit_and_a_vanilla_one_runs_every_input_to_the_end(
+        resnet_prepared) -> None:
+    profile = resnet_prepared.profile
+    assert ModelSettings(max_batch=2).controller_for(profile).exit_mode == "stop"
+    assert ModelSettings(max_batch=8).controller_for(profile).exit_mode == "release"
+    assert ModelSettings(max_batch=2, torchscript=False).controller_for(profile).exit_mode == "release"
+    assert ModelSettings(max_batch=2, vanilla=True).controller_for(profile).exit_mode == "release"

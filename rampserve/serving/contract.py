@@ -108,8 +108,9 @@ class ModelSettings:
         return self.max_batch or max_batch_for_slo(profile.batch_sizes, profile.full_ms, self.slo_for(profile))
 
     def controller_for(self, profile: LatencyProfile) -> ControllerSettings:
-        """The controller's settings for a model with this latency profile, its exit mode resolved."""
-        return self.controller.resolved(self.batch_limit(profile), self.torchscript)
+        """The controller's settings for a model with this latency profile, its exit mode resolved (a vanilla model
+        has no ramp to stop at: every input runs to the end)."""
+        return self.controller.resolved(self.batch_limit(profile), self.torchscript and not self.vanilla)
 
     @classmethod
     def from_json(cls, data: dict) -> ModelSettings:
