@@ -715,7 +715,7 @@ def bench_live(
     accuracy_constraint: Annotated[float, typer.Option(help="the managed server's allowed share of answers that "
                                                             "differ")] = 0.01,
     exit_mode: Annotated[Optional[str], typer.Option(help="the managed server's exit mode: release (every input "
-                                                          "runs to the end) or stop (default: the server's, auto: "
+                                                          "runs to the end), stop, or auto (the server's default: "
                                                           "stop where batches hold at most 2 inputs)")]
     = None,
     feedback_share: Annotated[Optional[float], typer.Option(help="stop mode: share of exited inputs that run to the "

@@ -248,6 +248,7 @@ def test_live_settings_pass_the_exit_mode_and_controller_settings_to_the_managed
     assert LiveSettings().managed_args() == ("--accuracy-constraint", "0.01")
     assert LiveSettings(exit_mode="stop", feedback_share=0.1, accuracy_constraint=0.02).managed_args() == \
         ("--accuracy-constraint", "0.02", "--exit-mode", "stop", "--feedback-share", "0.1")
+    assert LiveSettings(exit_mode="auto").managed_args() == ("--accuracy-constraint", "0.01", "--exit-mode", "auto")
     assert LiveSettings(controller={"objective": "p95", "search_every": 1024, "shadow_share": 0.1}).managed_args() == \
         ("--accuracy-constraint", "0.01", "--objective", "p95", "--search-every", "1024", "--shadow-share", "0.1")
     for bad in ({"exit_mode": "halt"}, {"feedback_share": 1.5}, {"feedback_share": 0.0}, {"saturation_rounds": 0},

@@ -62,7 +62,7 @@ from rampserve.runtime.timing import interleaved_medians
 from rampserve.control.controller import Controller, ControllerSettings
 from rampserve.control.costs import CostModel
 from rampserve.control.records import Configuration
-from rampserve.ramps.exit_rule import EXIT_MODES
+from rampserve.control.settings import EXIT_MODE_CHOICES
 from rampserve.runtime.bundle import load_bundle
 from rampserve.runtime.latency import max_batch_for_slo
 from rampserve.runtime.prepared import PreparedModel
@@ -154,8 +154,8 @@ class LiveSettings:
             raise ValueError(f"transport is one of {TRANSPORTS}, not {self.transport!r}")
         if self.client not in CLIENTS:
             raise ValueError(f"client is one of {CLIENTS}, not {self.client!r}")
-        if self.exit_mode is not None and self.exit_mode not in EXIT_MODES:
-            raise ValueError(f"exit mode is one of {EXIT_MODES}, not {self.exit_mode!r}")
+        if self.exit_mode is not None and self.exit_mode not in EXIT_MODE_CHOICES:
+            raise ValueError(f"exit mode is one of {EXIT_MODE_CHOICES}, not {self.exit_mode!r}")
         if self.feedback_share is not None and not 0.0 < self.feedback_share <= 1.0:
             raise ValueError(f"feedback share must lie in (0, 1], got {self.feedback_share}")
         ControllerSettings(**self.controller)  # what the server would refuse to start with
