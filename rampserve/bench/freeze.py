@@ -35,7 +35,7 @@ from rampserve.ramps.cache import CacheSpec
 from rampserve.ramps.exit_rule import first_exits
 from rampserve.ramps.oracle import NO_EXIT
 from rampserve.runtime.bundle import load_bundle
-from rampserve.runtime.latency import max_batch_for_slo
+from rampserve.runtime.latency import serving_limits
 from rampserve.runtime.prepare import PrepareConfig
 from rampserve.runtime.prepared import PreparedModel
 from rampserve.runtime.zoo_bundles import zoo_bundle
@@ -167,8 +167,7 @@ def freeze_model(name: str, settings: FreezeSettings, progress=lambda _: None) -
     profile = model.profile
     costs = CostModel(profile)
     rate = settings.load * 1000.0 / profile.full(1)
-    slo = 2.0 * profile.full(1)
-    max_batch = max_batch_for_slo(profile.batch_sizes, profile.full_ms, slo)
+    slo, max_batch = serving_limits(profile)
     arrivals = arrival_times(settings.trace, stop - start, rate, seed=settings.seed)
     # Indexed by a run's exit column: NO_EXIT (-1) picks the final layer's 1.0.
     depth = np.append(profile.reach(1) / profile.full(1), 1.0)

@@ -64,7 +64,7 @@ from rampserve.control.costs import CostModel
 from rampserve.control.records import Configuration
 from rampserve.control.settings import EXIT_MODE_CHOICES
 from rampserve.runtime.bundle import load_bundle
-from rampserve.runtime.latency import max_batch_for_slo
+from rampserve.runtime.latency import serving_limits
 from rampserve.runtime.prepared import PreparedModel
 from rampserve.workloads.streams import DEFAULT_LENGTH, Stream, get_stream
 from rampserve.workloads.traces import MAF_MINUTE_S, arrival_times
@@ -649,8 +649,7 @@ def plan_live(settings: LiveSettings) -> LivePlan:
     profile = model.profile
     if profile is None:
         raise ValueError(f"{bundle} has no latency profile; run `rampserve profile {bundle}`")
-    slo = settings.slo_ms or 2.0 * profile.full(1)
-    max_batch = settings.max_batch or max_batch_for_slo(profile.batch_sizes, profile.full_ms, slo)
+    slo, max_batch = serving_limits(profile, settings.slo_ms, settings.max_batch)
     stream = get_stream(settings.workload, length=settings.stream_length, seed=settings.seed)
     first = stream.evaluation.start
     probe_feeds = encode_items(model, stream.task, stream.items(first, first + SATURATION_ITEMS))

@@ -393,12 +393,10 @@ def remote_server(ref: str, model: object, vanilla: bool, start_timeout_s: float
     """`rampserve serve` for one model in a process of its own, with the settings the first server gives its own
     models (SLO twice the profiled batch-1 latency, the largest batch within it, no queue delay)."""
     from rampserve.bench.harness import ServerProcess, rampserve_serve
-    from rampserve.runtime.latency import max_batch_for_slo
+    from rampserve.runtime.latency import serving_limits
 
-    profile = model.model.profile
-    slo_ms = 2.0 * profile.full(1)
+    slo_ms, max_batch = serving_limits(model.model.profile)
     workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="rampserve-race-")))
-    max_batch = max_batch_for_slo(profile.batch_sizes, profile.full_ms, slo_ms)
     return ServerProcess(rampserve_serve(ref, slo_ms, max_batch, 0.0, vanilla), workdir / "remote-server.log",
                          start_timeout_s)
 

@@ -36,7 +36,7 @@ from rampserve.control.records import NO_EXIT, NO_LABEL, BatchRecord, Configurat
 from rampserve.control.thresholds import ExitData, TuningResult, evaluate, tune_greedy
 from rampserve.ramps.oracle import earliest_correct_exit
 from rampserve.runtime.bundle import load_bundle
-from rampserve.runtime.latency import LatencyProfile, max_batch_for_slo
+from rampserve.runtime.latency import LatencyProfile, serving_limits
 from rampserve.runtime.prepare import prepared_encoder
 from rampserve.runtime.prepared import PreparedModel
 from rampserve.workloads.streams import Stream, get_stream
@@ -400,9 +400,8 @@ def load_scenario(settings: SimSettings) -> tuple[Scenario, dict]:
         distinct, counts = np.unique(lengths, return_counts=True)  # a scale per length, not per request
         mean_scale = float(np.average([profile.length_scale(1, n) for n in distinct], weights=counts))
     rate = scenario_rate(settings, profile, mean_scale)
-    slo = settings.slo_ms or 2.0 * profile.full(1)
+    slo, max_batch = serving_limits(profile, settings.slo_ms)
     arrivals = arrival_times(settings.trace, len(outputs.final), rate, seed=settings.seed)
-    max_batch = max_batch_for_slo(profile.batch_sizes, profile.full_ms, slo)
     scenario = Scenario(outputs, CostModel(profile), arrivals, max_batch, lengths)
     info = {"model": settings.model, "workload": settings.workload, "trace": settings.trace,
             "rate_rps": rate, "load": rate * mean_scale / batch1_capacity_rps(profile), "slo_ms": slo,

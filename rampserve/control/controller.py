@@ -92,9 +92,12 @@ class Controller:
         self.shadow = ExitHistory(every, settings.history)
         self.delta = 1.0 - settings.confidence
         self.monitor = DisagreementMonitor(settings.accuracy_constraint, self.delta)
-        reason = ("initial: shadow batches until the first search" if self.searches
-                  else "initial: no ramp fits the ramp budget, so there is nothing to search"
-                  if settings.searches and not sites else "initial")
+        if self.searches:
+            reason = "initial: shadow batches until the first search"
+        elif settings.searches and not sites:
+            reason = "initial: no ramp fits the ramp budget, so there is nothing to search"
+        else:
+            reason = "initial"
         self.decisions: list[Decision] = [Decision(first, 0, reason, 0.0)]
         self.times = DecisionTimes()
         self.last_decision_ms = 0.0  # modelled time the latest observe() spent deciding

@@ -78,3 +78,11 @@ def max_batch_for_slo(batch_sizes: Sequence[int], batch_ms: Sequence[float], slo
     """Clockwork's bound: the largest profiled batch size whose execution fits within the SLO (at least 1)."""
     fitting = [b for b, ms in zip(batch_sizes, batch_ms) if ms <= slo_ms]
     return max(fitting, default=1)
+
+
+def serving_limits(profile: LatencyProfile, slo_ms: float | None = None, max_batch: int | None = None
+                   ) -> tuple[float, int]:
+    """The SLO a model is served under and its batch limit: each as given, else twice the profiled batch-1 latency
+    and the largest profiled batch size that fits that SLO (`max_batch_for_slo`)."""
+    slo = slo_ms or 2.0 * profile.full(1)
+    return slo, max_batch or max_batch_for_slo(profile.batch_sizes, profile.full_ms, slo)

@@ -20,7 +20,7 @@ import numpy as np
 
 from rampserve.control.settings import ControllerSettings
 from rampserve.control.records import BatchRecord, Configuration
-from rampserve.runtime.latency import max_batch_for_slo
+from rampserve.runtime.latency import serving_limits
 
 if TYPE_CHECKING:
     from rampserve.runtime.latency import LatencyProfile
@@ -101,16 +101,14 @@ class ModelSettings:
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
 
-    def slo_for(self, profile: LatencyProfile) -> float:
-        return self.slo_ms or 2.0 * profile.full(1)
-
-    def batch_limit(self, profile: LatencyProfile) -> int:
-        return self.max_batch or max_batch_for_slo(profile.batch_sizes, profile.full_ms, self.slo_for(profile))
+    def serving_limits(self, profile: LatencyProfile) -> tuple[float, int]:
+        """The SLO and batch limit of a model with this latency profile (`latency.serving_limits`)."""
+        return serving_limits(profile, self.slo_ms, self.max_batch)
 
     def controller_for(self, profile: LatencyProfile) -> ControllerSettings:
         """The controller's settings for a model with this latency profile, its exit mode resolved (a vanilla model
         has no ramp to stop at: every input runs to the end)."""
-        return self.controller.resolved(self.batch_limit(profile), self.torchscript and not self.vanilla)
+        return self.controller.resolved(self.serving_limits(profile)[1], self.torchscript and not self.vanilla)
 
     @classmethod
     def from_json(cls, data: dict) -> ModelSettings:
@@ -123,8 +121,8 @@ class ModelSettings:
 class ControlLink(Protocol):
     """Where a worker's batch records go and its configurations come from."""
 
-    # The controller can never change the configuration (`Controller.idle`): the worker sends it no records and
-    # runs no control thread, so a managed model with nothing to manage costs what vanilla costs
+    # The controller can never change the configuration (`Controller.idle`): the worker sends it no records, so a
+    # managed model with nothing to manage costs what vanilla costs (its control thread only idles)
     idle: bool
 
     def configuration(self) -> Configuration: ...

@@ -113,8 +113,7 @@ class ModelWorker:
         profile = served.model.profile
         if profile is None:
             raise ValueError(f"model {served.name} has no latency profile; run `rampserve profile` on its bundle")
-        self.slo_ms = settings.slo_for(profile)
-        self.max_batch = settings.batch_limit(profile)
+        self.slo_ms, self.max_batch = settings.serving_limits(profile)
         controller_settings = settings.controller_for(profile)
         self.batch_size = AdaptiveBatchSize(self.max_batch, self.slo_ms,
                                             limit=1.0 if settings.adaptive_batching else float(self.max_batch))
