@@ -38,10 +38,10 @@ from rampserve.runtime.latency import LatencyProfile
 DECISION_NS_PER_CELL = 4000.0
 DECISION_BASE_MS = 0.05
 # The search's best sets (and the deployed one) are ranked again at the thresholds Learn-then-Test certifies for
-# them, averaged over this many splits of the inputs into halves. Tuned thresholds favour sets of many early ramps
-# that certification then serves at a fraction of them; one split ranks sets by where its test half happens to fail
-# first (the deployed set's estimate moved from 0.44 to 0.80 ms between rounds sharing 90% of their inputs).
-# Certifying every candidate so costs ~24 s of modelled decision time a round, which left configurations stale
+# them, averaged over this many splits of the inputs into Learn-then-Test's parts. Tuned thresholds favour sets of
+# many early ramps that certification then serves at a fraction of them; one split ranks sets by where its test part
+# happens to fail first (the deployed set's estimate moved from 0.44 to 0.80 ms between rounds sharing 90% of their
+# inputs). Certifying every candidate so costs ~24 s of modelled decision time a round, which left configurations stale
 RERANKED_SETS = 5
 RANKING_SPLITS = 4
 

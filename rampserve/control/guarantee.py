@@ -6,8 +6,8 @@ stratified sample: inputs that did not exit ran to the end and are all there, in
 when drawn for feedback (each with the same known probability, whatever its scores). The disagreement rate is then
 the strata's rates weighted by their shares, and each stratum is bounded at its share of the error probability.
 
-Thresholds are chosen by Learn-then-Test (`thresholds.certified_thresholds`): half the history chooses a path of
-candidates, the other half tests it in order against this bound.
+Thresholds are chosen by Learn-then-Test (`thresholds.certified_thresholds`): a third of the history chooses a
+path of candidates, the rest tests it in order against this bound.
 
 A stream is tested again and again. Each certification is Learn-then-Test at the full error probability delta on
 the history it is made from, and the controller makes one only on a trigger (a new ramp set, a search round every
