@@ -174,14 +174,21 @@ _register_cnn("vgg11-fmnist", cnn.vgg11, 16, TrainConfig(epochs=2, batch_size=12
 _register_cnn("vgg16-fmnist", cnn.vgg16, 16, TrainConfig(epochs=2, batch_size=128, lr=4e-3, weight_decay=0.05))
 
 
-# The vision flagship: EfficientNet-Lite0 pretrained on ImageNet at its own 224 x 224, with a Fashion-MNIST
-# classifier trained on its frozen features (computed once, as for mpnet-rt). Its batch-1 time on ONNX Runtime
-# here is milliseconds, where a ramp's fraction of a millisecond can pay; the 28 x 28 CNNs take a tenth of one.
-# The stream is fmnist-drift's own (real images, drifting light and classes), each image scaled up as a camera
-# frame would be. The small variant sees 64 x 64 images and 256 of them.
+# The vision flagship: EfficientNet-Lite0 pretrained on ImageNet at its own 224 x 224, fine-tuned whole on
+# Fashion-MNIST for one epoch. Its batch-1 time on ONNX Runtime here is milliseconds, where a ramp's fraction of a
+# millisecond can pay; the 28 x 28 CNNs take a tenth of one. The stream is fmnist-drift's own (real images, drifting
+# light and classes), each image scaled up as a camera frame would be. The small variant sees 64 x 64 images and
+# 256 of them.
+# Fine-tuned rather than a classifier on frozen ImageNet features: the model is as accurate (0.884 against 0.882 on
+# 2,000 held-out train images, after 4,000 images), and its middle layers learn the task, so ramps there agree with
+# it far more often: at 1% disagreement a ramp with 64 hidden ReLUs on 3,000 images answered 0.74 / 0.82 / 0.83 /
+# 0.85 / 0.93 of the held-out images after blocks 3 / 5 / 7 / 9 / 11, against 0.62 / 0.65 / 0.67 / 0.72 / 0.78 on
+# the frozen features. One epoch of 8,000 images takes about 10 minutes on 2 cores (2.5 s a batch of 32)
 LITE0_SIDE, LITE0_SMALL_SIDE = 224, 64
-LITE0_CONFIG = TrainConfig(epochs=20, batch_size=64, lr=3e-3, weight_decay=0.01, max_train=8000, max_test=2000)
-LITE0_SMALL_CONFIG = TrainConfig(epochs=2, batch_size=64, lr=3e-3, weight_decay=0.01, max_train=256, max_test=256)
+LITE0_CONFIG = TrainConfig(epochs=1, batch_size=32, lr=5e-4, weight_decay=0.01, warmup=0.1, max_train=8000,
+                           max_test=2000)
+LITE0_SMALL_CONFIG = TrainConfig(epochs=2, batch_size=32, lr=5e-4, weight_decay=0.01, warmup=0.1, max_train=256,
+                                 max_test=256)
 
 
 @register("lite0-fmnist")
@@ -194,12 +201,12 @@ def _lite0_fmnist(small: bool) -> ZooEntry:
         input_names=IMAGE_INPUTS,
         data=fashion_mnist_examples,
         config=config,
-        trainable=lambda model: model._fc,
     )
     # Its ramps have a hidden layer (ramps.kinds.MLP_HIDDEN) and learn on 16,000 images of the train split, 8,000 more
-    # than its classifier trained on. At 1% disagreement with the model they answered 0.40-0.81 of the stream after
-    # the stem and the 16 blocks (0.50-0.60 after blocks 3-9), against 0.32-0.80 for linear ones trained alike and
-    # 0.30-0.61 for the linear ones on 8,000 before; the whole split (52,000 more) added 0.01-0.05 after blocks 3-11
+    # than the model trained on. At 1% disagreement with the model (a classifier on frozen features then) they
+    # answered 0.40-0.81 of the stream after the stem and the 16 blocks (0.50-0.60 after blocks 3-9), against
+    # 0.32-0.80 for linear ones trained alike and 0.30-0.61 for the linear ones on 8,000 before; the whole split
+    # (52,000 more) added 0.01-0.05 after blocks 3-11
     return _entry("lite0-fmnist", "image", cnn.NUM_CLASSES,
                   seeded(partial(build_lite0_classifier, cnn.NUM_CLASSES, False)), recipe,
                   ramp_items=fmnist_ramp_items(config, small), ramp_kind="mlp")
