@@ -42,7 +42,7 @@ def _unit_rows(images: np.ndarray) -> np.ndarray:
 
 @pytest.mark.parametrize("name", [*FMNIST_CNNS, "lite0-fmnist"])
 def test_fmnist_ramps_learn_on_train_split_images_the_stream_never_shows(name: str, streamed_images) -> None:
-    """lite0-fmnist's classifier trained on 8,000 of the train split: its ramps learn on more of it all the same."""
+    """lite0-fmnist trained on 8,000 of the train split: its ramps learn on more of it all the same."""
     data = ramp_data(ModelSource("zoo", name), PrepareConfig())
     assert data.record() == {"bootstrap": {"workload": "fmnist-drift", "items": 8000},
                              "in_domain": {"source": "Fashion-MNIST train split under fmnist-drift's lighting",
