@@ -736,13 +736,17 @@ def bench_live(
     json_out: Annotated[Optional[Path], typer.Option("--json", help="write the results here")] = None,
     plots: Annotated[Optional[Path], typer.Option(help="write plots into this directory (a folder per load, and "
                                                        "latency against load)")] = None,
+    simulated_seeds: Annotated[Optional[int], typer.Option(help="start no server: simulate the replays of seeds 0 "
+                                                                "to N - 1 at --rate, warm-up included, with the "
+                                                                "managed server's controller")] = None,
     *,
     controller_flags: dict[str, object],
 ) -> None:
     """Real servers, real HTTP (or gRPC): vanilla and rampserve on the same model, stream and open-loop trace, at
     each load."""
     from rampserve.bench.live import (
-        LiveSettings, live_table, load_table, parse_loads, read_simulator_saving, run_live, versus_table,
+        LiveSettings, live_table, load_table, parse_loads, read_simulator_saving, run_live, simulate_replays,
+        simulated_replays_table, versus_table,
     )
 
     try:
@@ -756,6 +760,9 @@ def bench_live(
                                 server_args=("--ramp-budget", str(ramp_budget), *(server_arg or ())),
                                 transport=transport, client=client, replay_rounds=rounds)
         simulator = None if sim_json is None else read_simulator_saving(sim_json, settings)
+        if simulated_seeds is not None:
+            console.print(simulated_replays_table(simulate_replays(settings, simulated_seeds, json_out)))
+            return
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
     report = run_live(settings, json_out, plots, simulator=simulator)

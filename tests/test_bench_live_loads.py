@@ -92,6 +92,7 @@ def said(output: str) -> str:
     (["--rate", "100", "--loads", "0.1,0.2"], "not each of 2 loads'"),
     (["--rounds", "0"], "a load is replayed at least once, got 0 rounds"),
     (["--client", "curl"], "client is one of ('lean', 'aiohttp'), not 'curl'"),
+    (["--simulated-seeds", "3"], "a simulated replay has no server to measure saturation on: give --rate"),
 ])
 def test_bad_loads_are_refused_before_anything_runs(given, why):
     result = CliRunner().invoke(app, ["bench", "live", *given])

@@ -11,6 +11,8 @@ bundle; the trace simulator's oracle on the same stream and arrivals gives the s
 A load is what `bench sim` calls one (`rate_at_load`): the replay's mean rate as a share of what vanilla sustains
 back to back, here vanilla's measured closed-loop saturation (the simulator, with no server to measure, takes the
 model's batch-1 capacity). `--rate` replaces the load's rate; the run then reports the load that rate came to.
+With `--simulated-seeds` no server starts: the replays of several seeds go through the simulator alone
+(`simulate_replays`).
 
 Per-system figures carry `bench sim`'s keys. Latency percentiles, accuracy and exits are over answered requests;
 shed (429/503) and failed requests (other errors, timeouts) are counted apart. The server's CPU over the measured
@@ -622,10 +624,60 @@ def simulated_replay(plan: LivePlan, settings: LiveSettings, schedule: ReplaySch
                               for name, run in runs.items()})
     oracle, vanilla, managed = simulated["oracle"], simulated["vanilla"], simulated["rampserve"]
     return {"p50_savings": oracle["p50_savings"], "p50_ms": oracle["p50_ms"], "exit_share": oracle["exit_share"],
-            "vanilla_p50_ms": vanilla["p50_ms"],
+            "vanilla_p50_ms": vanilla["p50_ms"], "vanilla_p99_ms": vanilla["p99_ms"],
             "rampserve": {key: managed[key] for key in ("p50_ms", "p99_ms", "p50_savings", "accuracy", "exit_share",
                                                         "oracle_share", "ramp_set_changes", "threshold_changes")}
             | {"p50_saving_ms": vanilla["p50_ms"] - managed["p50_ms"]}}
+
+
+def simulate_replays(settings: LiveSettings, seeds: int, json_out: Path | None, progress: bool = True) -> dict:
+    """No server: the replays a run would serve at `settings.rate_rps` for seeds 0 to `seeds` - 1 (each its own stream
+    order and arrivals), warm-up included, through the trace simulator (`simulated_replay`), and each one's p50 and
+    p99 as ratios to vanilla's: what the controller saves at the point of a server's life the replay measures, over
+    more draws than servers could be run for. A rate is needed where no server measures saturation."""
+    if not settings.rate_rps:
+        raise ValueError("a simulated replay has no server to measure saturation on: give --rate")
+    runs = []
+    for seed in tqdm(range(seeds), desc="simulated replays", unit="seed", disable=not progress):
+        seeded = replace(settings, seed=seed)
+        plan = plan_live(seeded)
+        schedule = replay_schedule(seeded, seeded.loads[0], None, plan.stream)
+        replayed = ramp_outputs(plan.model, plan.bundle, plan.stream, plan.first,
+                                plan.first + schedule.warmup_requests + schedule.requests)
+        simulated = simulated_replay(plan, seeded, schedule, replayed)
+        managed = simulated["rampserve"]
+        runs.append({"seed": seed, "p50_ratio": managed["p50_ms"] / simulated["vanilla_p50_ms"],
+                     "p99_ratio": managed["p99_ms"] / simulated["vanilla_p99_ms"], **simulated})
+    summary = {key: {"median": float(np.median([run[key] for run in runs])),
+                     "min": float(min(run[key] for run in runs)), "max": float(max(run[key] for run in runs))}
+               for key in ("p50_ratio", "p99_ratio")}
+    for key in ("accuracy", "exit_share", "p50_saving_ms"):
+        values = [run["rampserve"][key] for run in runs]
+        summary[key] = {"median": float(np.median(values)), "min": float(min(values)), "max": float(max(values))}
+    report = {"model": settings.model, "workload": settings.workload, "trace": settings.trace,
+              "rate_rps": settings.rate_rps, "duration_s": settings.duration_s,
+              "warmup_requests": settings.warmup_requests, "seeds": runs, "summary": summary,
+              "settings": asdict(settings)}
+    write_json(report, json_out)
+    return report
+
+
+def simulated_replays_table(report: dict) -> Table:
+    table = Table(title=f"{report['model']} on {report['workload']} ({report['trace']}), {report['rate_rps']:g} rps: "
+                        f"{report['warmup_requests']} warm-up requests, then {report['duration_s']:g} s, simulated")
+    for column in ("seed", "p50 ×vanilla", "p99 ×vanilla", "accuracy", "early", "p50 saving ms"):
+        table.add_column(column, justify="right")
+    for run in report["seeds"]:
+        managed = run["rampserve"]
+        table.add_row(str(run["seed"]), fmt(run["p50_ratio"], ".3f"), fmt(run["p99_ratio"], ".3f"),
+                      fmt(managed["accuracy"], ".4f"), fmt(managed["exit_share"], ".2f"),
+                      fmt(managed["p50_saving_ms"], ".2f"))
+    summary = report["summary"]
+    for name in ("median", "min", "max"):
+        table.add_row(name, *(fmt(summary[key][name], spec) for key, spec in (
+            ("p50_ratio", ".3f"), ("p99_ratio", ".3f"), ("accuracy", ".4f"), ("exit_share", ".2f"),
+            ("p50_saving_ms", ".2f"))))
+    return table
 
 
 @dataclass(frozen=True)
