@@ -206,6 +206,7 @@ def fit(recipe: Recipe) -> tuple[nn.Module, dict[str, Any]]:
         "seconds": round(time.perf_counter() - started, 1),
         "seed": config.seed,
         "hyperparameters": asdict(config),
+        "data": recipe.data.__name__,
         "num_train": len(train),
         "num_test": len(test),
         "parameters": sum(p.numel() for p in model.parameters()),
@@ -243,12 +244,15 @@ def read_metrics(artifact: str) -> dict[str, Any] | None:
 
 
 def _trained_with(metrics: dict[str, Any] | None, recipe: Recipe) -> bool:
-    return metrics is not None and metrics.get("hyperparameters") == asdict(recipe.config)
+    """Whether an artifact's metrics say it was trained as `recipe` trains: its hyper-parameters, and its data where
+    they name it (artifacts from before they did are taken as trained on the recipe's)."""
+    return metrics is not None and metrics.get("hyperparameters") == asdict(recipe.config) and \
+        metrics.get("data", recipe.data.__name__) == recipe.data.__name__
 
 
 def train_cached(recipe: Recipe) -> dict[str, Any]:
     """The artifact's metrics, training and saving it first unless the cache holds it, trained with this
-    recipe's hyper-parameters (an artifact from a different recipe is stale and is trained again)."""
+    recipe's hyper-parameters and data (an artifact from a different recipe is stale and is trained again)."""
     metrics = read_metrics(recipe.artifact)
     if _trained_with(metrics, recipe):
         return metrics
