@@ -17,9 +17,10 @@ from rampserve.workloads.rotten_tomatoes import load_rotten_tomatoes, rt_movie_s
 from rampserve.zoo import get_entry, load_trained, train_zoo, zoo_names
 from rampserve.zoo import train as train_module
 from rampserve.zoo.cnn import resnet18, resnet50, vgg11, vgg16
+from rampserve.zoo.registry import LITE0_SMALL_CONFIG, lit_fashion_mnist_examples
 from rampserve.zoo.hf_encoders import additive_mask
 from rampserve.zoo.minilm import MiniLMClassifier, build_minilm, encode_texts
-from rampserve.zoo.train import METRICS_FILE, WEIGHTS_FILE, artifact_dir
+from rampserve.zoo.train import METRICS_FILE, WEIGHTS_FILE, artifact_dir, fashion_mnist_examples
 
 CNNS = {"resnet18": resnet18, "resnet50": resnet50, "vgg11": vgg11, "vgg16": vgg16}
 
@@ -134,6 +135,12 @@ def test_artifact_from_another_recipe_is_trained_again(home: Path) -> None:
     retrained = train_zoo(["resnet18-fmnist"], small=True)["resnet18-fmnist"]
     assert retrained["hyperparameters"] == json.loads(metrics_path.read_text())["hyperparameters"]
     assert retrained["hyperparameters"]["epochs"] == metrics["hyperparameters"]["epochs"] - 1
+    assert retrained["data"] == "fashion_mnist_examples"
+    # the same hyper-parameters on other data: trained again too
+    metrics = json.loads(metrics_path.read_text())
+    metrics_path.write_text(json.dumps(metrics | {"data": "lit_fashion_mnist_examples"}))
+    assert train_zoo(["resnet18-fmnist"], small=True)["resnet18-fmnist"]["data"] == "fashion_mnist_examples"
+    assert json.loads(metrics_path.read_text())["data"] == "fashion_mnist_examples"
 
 
 def test_interrupted_training_leaves_no_artifact(home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -243,3 +250,9 @@ def test_the_vision_flagship_fine_tunes_the_pretrained_lite0() -> None:
     assert convolutions and all(torch.linalg.norm(trained[k] - pretrained[k]) < torch.linalg.norm(pretrained[k])
                                 for k in convolutions)
     assert trained["_fc.weight"].shape == (10, 1280) and metrics["test_accuracy"] > 0.3
+    # it trains on the train split as the stream's camera shows it; it is scored on the untouched test split
+    assert metrics["data"] == "lit_fashion_mnist_examples"
+    lit, untouched = lit_fashion_mnist_examples(LITE0_SMALL_CONFIG), fashion_mnist_examples(LITE0_SMALL_CONFIG)
+    np.testing.assert_array_equal(lit[0].labels, untouched[0].labels)
+    assert lit[0].items.shape == untouched[0].items.shape and not np.array_equal(lit[0].items, untouched[0].items)
+    np.testing.assert_array_equal(lit[1].items, untouched[1].items)

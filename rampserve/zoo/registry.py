@@ -188,7 +188,7 @@ _register_cnn("vgg16-fmnist", cnn.vgg16, 16, TrainConfig(epochs=2, batch_size=12
 LITE0_SIDE, LITE0_SMALL_SIDE = 224, 64
 LITE0_CONFIG = TrainConfig(epochs=1, batch_size=32, lr=5e-4, weight_decay=0.01, warmup=0.1, max_train=8000,
                            max_test=2000)
-LITE0_SMALL_CONFIG = TrainConfig(epochs=2, batch_size=32, lr=5e-4, weight_decay=0.01, warmup=0.1, max_train=256,
+LITE0_SMALL_CONFIG = TrainConfig(epochs=4, batch_size=32, lr=1e-3, weight_decay=0.01, warmup=0.1, max_train=256,
                                  max_test=256)
 # Its training images are shown as fmnist-drift's camera shows the stream's (each at its own time of day, with
 # sensor noise; a draw of their own, not the ramps'): fine-tuned on untouched images alone, the model's answers

@@ -244,10 +244,10 @@ def read_metrics(artifact: str) -> dict[str, Any] | None:
 
 
 def _trained_with(metrics: dict[str, Any] | None, recipe: Recipe) -> bool:
-    """Whether an artifact's metrics say it was trained as `recipe` trains: its hyper-parameters, and its data where
-    they name it (artifacts from before they did are taken as trained on the recipe's)."""
+    """Whether an artifact's metrics say it was trained as `recipe` trains: its hyper-parameters and its data (an
+    artifact from before they named it is trained again)."""
     return metrics is not None and metrics.get("hyperparameters") == asdict(recipe.config) and \
-        metrics.get("data", recipe.data.__name__) == recipe.data.__name__
+        metrics.get("data") == recipe.data.__name__
 
 
 def train_cached(recipe: Recipe) -> dict[str, Any]:
