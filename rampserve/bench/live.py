@@ -630,6 +630,12 @@ def simulated_replay(plan: LivePlan, settings: LiveSettings, schedule: ReplaySch
             | {"p50_saving_ms": vanilla["p50_ms"] - managed["p50_ms"]}}
 
 
+# What `simulate_replays` reports per seed and sums up over them: (column heading, key in a run's `rampserve`, format)
+SIMULATED_FIGURES = (("p50 ×vanilla", "p50_ratio", ".3f"), ("p99 ×vanilla", "p99_ratio", ".3f"),
+                     ("accuracy", "accuracy", ".4f"), ("early", "exit_share", ".2f"),
+                     ("p50 saving ms", "p50_saving_ms", ".2f"))
+
+
 def simulate_replays(settings: LiveSettings, seeds: int, json_out: Path | None, progress: bool = True) -> dict:
     """No server: the replays a run would serve at `settings.rate_rps` for seeds 0 to `seeds` - 1 (each its own stream
     order and arrivals), warm-up included, through the trace simulator (`simulated_replay`), and each one's p50 and
@@ -646,12 +652,11 @@ def simulate_replays(settings: LiveSettings, seeds: int, json_out: Path | None, 
                                 plan.first + schedule.warmup_requests + schedule.requests)
         simulated = simulated_replay(plan, seeded, schedule, replayed)
         managed = simulated["rampserve"]
-        runs.append({"seed": seed, "p50_ratio": managed["p50_ms"] / simulated["vanilla_p50_ms"],
-                     "p99_ratio": managed["p99_ms"] / simulated["vanilla_p99_ms"], **simulated})
-    summary = {key: {"median": float(np.median([run[key] for run in runs])),
-                     "min": float(min(run[key] for run in runs)), "max": float(max(run[key] for run in runs))}
-               for key in ("p50_ratio", "p99_ratio")}
-    for key in ("accuracy", "exit_share", "p50_saving_ms"):
+        runs.append({"seed": seed, **simulated,
+                     "rampserve": managed | {"p50_ratio": managed["p50_ms"] / simulated["vanilla_p50_ms"],
+                                             "p99_ratio": managed["p99_ms"] / simulated["vanilla_p99_ms"]}})
+    summary = {}
+    for _, key, _ in SIMULATED_FIGURES:
         values = [run["rampserve"][key] for run in runs]
         summary[key] = {"median": float(np.median(values)), "min": float(min(values)), "max": float(max(values))}
     report = {"model": settings.model, "workload": settings.workload, "trace": settings.trace,
@@ -665,18 +670,14 @@ def simulate_replays(settings: LiveSettings, seeds: int, json_out: Path | None, 
 def simulated_replays_table(report: dict) -> Table:
     table = Table(title=f"{report['model']} on {report['workload']} ({report['trace']}), {report['rate_rps']:g} rps: "
                         f"{report['warmup_requests']} warm-up requests, then {report['duration_s']:g} s, simulated")
-    for column in ("seed", "p50 ×vanilla", "p99 ×vanilla", "accuracy", "early", "p50 saving ms"):
-        table.add_column(column, justify="right")
-    for run in report["seeds"]:
-        managed = run["rampserve"]
-        table.add_row(str(run["seed"]), fmt(run["p50_ratio"], ".3f"), fmt(run["p99_ratio"], ".3f"),
-                      fmt(managed["accuracy"], ".4f"), fmt(managed["exit_share"], ".2f"),
-                      fmt(managed["p50_saving_ms"], ".2f"))
-    summary = report["summary"]
-    for name in ("median", "min", "max"):
-        table.add_row(name, *(fmt(summary[key][name], spec) for key, spec in (
-            ("p50_ratio", ".3f"), ("p99_ratio", ".3f"), ("accuracy", ".4f"), ("exit_share", ".2f"),
-            ("p50_saving_ms", ".2f"))))
+    table.add_column("seed", justify="right")
+    for heading, _, _ in SIMULATED_FIGURES:
+        table.add_column(heading, justify="right")
+    rows = [(str(run["seed"]), run["rampserve"]) for run in report["seeds"]]
+    rows += [(name, {key: figures[name] for key, figures in report["summary"].items()})
+             for name in ("median", "min", "max")]
+    for name, figures in rows:
+        table.add_row(name, *(fmt(figures[key], spec) for _, key, spec in SIMULATED_FIGURES))
     return table
 
 
