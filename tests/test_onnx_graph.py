@@ -17,7 +17,7 @@ from torch.nn import functional as F
 
 from rampserve.graph.onnx_graph import OnnxSplitModel, export_onnx, onnx_dataflow, scope_from_node_name
 from rampserve.graph.sites import block_of, cut_values, data_path_values
-from rampserve.zoo.efficientnet_lite import SameConv2d, build_efficientnet_lite0, lite0_blocks
+from rampserve.zoo.efficientnet_lite import SameConv2d, build_efficientnet_lite0, build_lite0_classifier, lite0_blocks
 
 # Export at batch 2 and run at batches 1 and 3, so a batch size baked in anywhere would show.
 EXPORT_BATCH = 2
@@ -307,6 +307,27 @@ def test_lite0_sites_are_the_stem_and_block_outputs(split: Callable[[str], OnnxS
     assert [site.value for site in lite0.sites] == expected
     for site in lite0.sites:
         assert block_of(site.scope) != block_of(ops[site.index + 1].scope)
+
+
+def test_lite0_on_grey_images_makes_the_photo_in_its_graph_and_keeps_its_sites(
+        split: Callable[[str], OnnxSplitModel], tmp_path: Path) -> None:
+    """The vision flagship takes uint8 grey images and scales them up in its first operators: those add no site
+    (no layer precedes them), the sites are the photo model's, and ONNX Runtime, whole or cut at every site, gives
+    what torch gives."""
+    torch.manual_seed(0)
+    model = build_lite0_classifier(10, pretrained=False, grey_side=64)
+    images = torch.randint(0, 256, (EXPORT_BATCH, 28, 28), dtype=torch.uint8)
+    grey = OnnxSplitModel(export_onnx(model, (images,), ["image"], tmp_path / "grey.onnx"))
+    assert grey.input_names == ["image"]
+    assert [site.scope for site in grey.sites] == [site.scope for site in split("lite0").sites]
+    pixels = np.random.default_rng(1).integers(0, 256, (5, 28, 28), dtype=np.uint8)
+    with torch.no_grad():
+        expected = model(torch.from_numpy(pixels)).numpy()
+    np.testing.assert_allclose(grey.full({"image": pixels}), expected, rtol=1e-4, atol=1e-4)
+    x: np.ndarray = pixels
+    for stage in grey.build([site.value for site in grey.sites]):
+        x = stage(x, {})
+    np.testing.assert_allclose(x, expected, rtol=1e-4, atol=1e-4)
 
 
 def test_lite0_drops_the_internal_cuts_of_blocks_without_skip(split: Callable[[str], OnnxSplitModel]) -> None:

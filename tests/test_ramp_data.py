@@ -194,3 +194,27 @@ def test_the_zoo_prepares_a_cached_bundle_again_when_its_engine_table_now_choose
     cached_choosing(other)  # the engine named by the user is kept whatever the table says
     zoo_bundles.zoo_bundle("resnet18-fmnist", small=True, config=replace(small_prepare_config, engine=other))
     assert prepared == [timed]
+
+
+def test_the_zoo_prepares_a_cached_bundle_again_when_its_entry_serves_otherwise_now(
+        resnet_prepared, resnet_bundle, small_prepare_config, tmp_path, monkeypatch) -> None:
+    """A bundle records the revision of its zoo entry (what the model takes, the graph before its first layer); when
+    the entry's revision is raised, its cached bundles are prepared again, and a bundle from before bundles recorded
+    one counts as revision 0."""
+    import rampserve.runtime.zoo_bundles as zoo_bundles
+
+    monkeypatch.setenv("RAMPSERVE_HOME", str(tmp_path))
+    cached = Path(shutil.copytree(resnet_bundle, tmp_path / "bundles" / "resnet18-fmnist-small"))
+    prepared: list[PrepareConfig] = []
+    monkeypatch.setattr(zoo_bundles, "prepare", lambda source, config: prepared.append(config) or resnet_prepared)
+    assert read_manifest(cached)["meta"]["zoo_revision"] == get_entry("resnet18-fmnist", small=True).revision == 0
+    manifest = read_manifest(cached)
+    del manifest["meta"]["zoo_revision"]
+    (cached / "manifest.json").write_text(json.dumps(manifest))
+    zoo_bundles.zoo_bundle("resnet18-fmnist", small=True, config=small_prepare_config)
+    assert prepared == []
+    monkeypatch.setattr(zoo_bundles, "zoo_revision", lambda source: 1)
+    zoo_bundles.zoo_bundle("resnet18-fmnist", small=True, config=small_prepare_config)
+    assert prepared == [small_prepare_config]
+    # the flagship's bundles from before it took grey images are among those prepared again
+    assert get_entry("lite0-fmnist", small=True).revision == 1

