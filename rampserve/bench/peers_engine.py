@@ -17,8 +17,9 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 ONNX_SUFFIX = ".onnx"
-# The datatypes the benchmark's requests carry: images as FP32, token ids and masks as INT64
-V2_NUMPY = {"FP32": np.float32, "INT64": np.int64}
+# The datatypes the benchmark's requests carry: images as FP32 (the CNNs) or UINT8 (lite0-fmnist's grey images), token
+# ids and masks as INT64
+V2_NUMPY = {"FP32": np.float32, "UINT8": np.uint8, "INT64": np.int64}
 
 Labels = Callable[[Mapping[str, np.ndarray]], np.ndarray]
 
