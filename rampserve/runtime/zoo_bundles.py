@@ -18,17 +18,16 @@ from rampserve.runtime.sources import ModelSource
 
 def zoo_bundle(model: str, small: bool = False, config: PrepareConfig = PrepareConfig(), variant: str = "") -> Path:
     """The bundle of zoo model `model` prepared with `config` (kept under the name `model[-small][-variant]`),
-    preparing it (and training the model, if needed) when missing, broken, made from an earlier revision of the zoo
-    entry, made with other ramps, with ramps
-    trained on other data, or on an engine other than the one `config` names or served otherwise on ONNX Runtime (a
-    bundle from before bundles recorded these counts as such), and giving it its signature
-    when it was prepared before bundles carried one."""
+    preparing it (and training the model, if needed) when missing, broken, made from another revision of the zoo
+    entry, made with other ramps, with ramps trained on other data, or on an engine other than the one `config`
+    names or served otherwise on ONNX Runtime (a bundle from before bundles recorded these counts as such), and
+    giving it its signature when it was prepared before bundles carried one."""
     bundle = bundles_dir() / (model + ("-small" if small else "") + (f"-{variant}" if variant else ""))
     source = ModelSource.parse(model, small=small)
     try:
         manifest = read_manifest(bundle)
         if manifest["meta"].get("zoo_revision", 0) != zoo_revision(source):
-            raise BundleError(f"{bundle} was prepared from an earlier revision of {model}")
+            raise BundleError(f"{bundle} was prepared from another revision of {model}")
         if _other_ramps(manifest, source, config):
             raise BundleError(f"{bundle} was prepared with other ramps")
         if manifest["meta"].get("ramp_data") != ramp_data(source, config).record():
