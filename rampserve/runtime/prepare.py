@@ -22,7 +22,7 @@ from rampserve.runtime.manifest import BundleError
 from rampserve.runtime.prepared import PreparedModel, SiteInfo
 from rampserve.runtime.profile import DEFAULT_BATCH_SIZES, PROFILE_BUDGET_S, measure_profile
 from rampserve.runtime.signature import ModelSignature
-from rampserve.runtime.sources import ModelSource, load_trained
+from rampserve.runtime.sources import ModelSource, load_trained, zoo_entry
 from rampserve.workloads.streams import get_stream
 
 Encoder = Callable[[object], dict[str, np.ndarray]]
@@ -82,10 +82,8 @@ def model_encoder(source: ModelSource | None, task: str, files_dir: Path | None 
         from rampserve.zoo.hf_encoders import text_encoder
 
         return text_encoder(files_dir or Path(source.ref))
-    if source is not None and source.kind == "zoo":
-        from rampserve.zoo.registry import get_entry
-
-        entry = get_entry(source.ref, small=source.small)
+    entry = zoo_entry(source)
+    if entry is not None:
         if entry.task != task:
             raise ValueError(f"{source.ref} takes {entry.task} inputs: give it a {entry.task} workload, not a "
                              f"{task} one")
@@ -107,10 +105,9 @@ def prepared_encoder(model: PreparedModel, task: str) -> Encoder:
 def default_workload(source: ModelSource) -> str:
     if source.kind == "hf":
         return "rt-drift"  # a sequence classifier of text; the Rotten Tomatoes stream is the text workload here
-    if source.kind == "zoo":
-        from rampserve.zoo.registry import get_entry
-
-        return "rt-drift" if get_entry(source.ref, small=source.small).task == "text" else "fmnist-drift"
+    entry = zoo_entry(source)
+    if entry is not None:
+        return "rt-drift" if entry.task == "text" else "fmnist-drift"
     raise ValueError(f"a {source.kind} model needs a workload to train its ramps on (e.g. fmnist-drift)")
 
 
@@ -119,30 +116,21 @@ def ramp_kind(source: ModelSource, config: PrepareConfig) -> str:
     linear (Apparate's)."""
     if config.ramp_kind is not None:
         return config.ramp_kind
-    if source.kind == "zoo":
-        from rampserve.zoo.registry import get_entry
-
-        return get_entry(source.ref, small=source.small).ramp_kind
-    return "linear"
+    entry = zoo_entry(source)
+    return "linear" if entry is None else entry.ramp_kind
 
 
 def token_reduction(source: ModelSource) -> str:
     """How linear ramps reduce a (tokens, hidden) site of the model: its zoo entry's choice, else the first token
     (a model whose layers do not zero padded positions would see the padding in a mean over tokens)."""
-    if source.kind == "zoo":
-        from rampserve.zoo.registry import get_entry
-
-        return get_entry(source.ref, small=source.small).token_reduce
-    return "first_token"
+    entry = zoo_entry(source)
+    return "first_token" if entry is None else entry.token_reduce
 
 
 def zoo_revision(source: ModelSource) -> int:
     """The zoo entry's revision of what it serves (`ZooEntry.revision`); 0 for a model from outside the zoo."""
-    if source.kind == "zoo":
-        from rampserve.zoo.registry import get_entry
-
-        return get_entry(source.ref, small=source.small).revision
-    return 0
+    entry = zoo_entry(source)
+    return 0 if entry is None else entry.revision
 
 
 def in_domain_inputs(source: ModelSource, bootstrap: list | np.ndarray, limit: int
@@ -150,11 +138,8 @@ def in_domain_inputs(source: ModelSource, bootstrap: list | np.ndarray, limit: i
     """The zoo entry's own in-domain inputs (`ZooEntry.ramp_items`) that the ramps learn on besides the bootstrap:
     its first `limit`, less texts the bootstrap holds too (an entry's images come from a split no stream draws
     on), and where they come from (None when the model has none)."""
-    if source.kind != "zoo" or limit <= 0:
-        return bootstrap[:0], None
-    from rampserve.zoo.registry import get_entry
-
-    extra = get_entry(source.ref, small=source.small).ramp_items
+    entry = zoo_entry(source)
+    extra = None if entry is None or limit <= 0 else entry.ramp_items
     if extra is None:
         return bootstrap[:0], None
     items = extra.load(limit)

@@ -6,8 +6,12 @@ from __future__ import annotations
 import importlib
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from torch import nn
+
+if TYPE_CHECKING:
+    from rampserve.zoo.registry import ZooEntry
 
 
 HF_PREFIX = "hf:"
@@ -60,16 +64,25 @@ def import_object(ref: str):
         raise ValueError(f"cannot import {ref!r}: {exc}") from exc
 
 
+def zoo_entry(source: ModelSource | None) -> ZooEntry | None:
+    """The zoo entry of a zoo model's source; None for any other model. The registry is imported here, not at the
+    top: it imports the zoo's architectures, which a model from outside the zoo never needs."""
+    if source is None or source.kind != "zoo":
+        return None
+    from rampserve.zoo.registry import get_entry
+
+    return get_entry(source.ref, small=source.small)
+
+
 def build_architecture(source: ModelSource, bundle_dir: Path) -> nn.Module:
     """The model's architecture, to receive weights from the bundle at `bundle_dir`."""
     if source.kind == "hf":
         from rampserve.zoo.hf_encoders import chain_from_config
 
         return chain_from_config(bundle_dir)
-    if source.kind == "zoo":
-        from rampserve.zoo.registry import get_entry
-
-        return get_entry(source.ref, small=source.small).build()
+    entry = zoo_entry(source)
+    if entry is not None:
+        return entry.build()
     if source.kind == "factory":
         return import_object(source.ref)()
     raise ValueError(f"a {source.kind} source has no torch architecture")
