@@ -27,7 +27,7 @@ from rampserve.runtime.bundle import load_bundle, save_bundle
 from rampserve.runtime.prepared import PreparedModel
 from rampserve.ramps.kinds import RampSpec, make_ramp
 from rampserve.ramps.onnx_fused import ramp_tap
-from rampserve.ramps.pooling import LINEAR_CNN_GRID, POOLING_REDUCTIONS
+from rampserve.ramps.pooling import LINEAR_CNN_GRID, POOLING_REDUCTIONS, SAMPLED_SIDE
 
 OPSET = 17
 
@@ -53,14 +53,15 @@ def _blocked(activation: np.ndarray, block: int) -> np.ndarray:
 
 
 @settings(max_examples=40, deadline=None)
-@given(channels=st.integers(1, 40), side=st.integers(3, 9), block=st.sampled_from([4, 8, 16]),
+@given(channels=st.integers(1, 40), side=st.integers(3, 9) | st.integers(2 * SAMPLED_SIDE, 5 * SAMPLED_SIDE),
+       block=st.sampled_from([4, 8, 16]),
        reduce=st.sampled_from(POOLING_REDUCTIONS), rows=st.integers(1, 3), seed=st.integers(0, 2**16),
        score=st.sampled_from(["max_prob", "entropy"]), hidden=st.sampled_from([None, 3, 16]))
 def test_a_ramp_reads_a_blocked_value_as_it_reads_the_model_layout(channels, side, block, reduce, rows, seed,
                                                                    score, hidden) -> None:
     """A linear ramp (`hidden` None) or an MLP one: both computing the eager ramp's logits in either layout."""
     torch.manual_seed(seed)
-    features = channels * (LINEAR_CNN_GRID**2 if reduce == "grid_mean" else 1)
+    features = channels * (1 if reduce == "spatial_mean" else LINEAR_CNN_GRID**2)
     ramp = make_ramp(RampSpec("mlp" if hidden else "linear", reduce, (features,), 5, hidden=hidden)).eval()
     ramp.center.normal_()
     shape = (channels, side, side)

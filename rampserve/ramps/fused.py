@@ -26,7 +26,7 @@ from torch import nn
 from rampserve.ramps import kernel
 from rampserve.ramps.cache import CacheRamp
 from rampserve.ramps.kinds import Ramp
-from rampserve.ramps.pooling import POOLING_REDUCTIONS, pooling_matrix
+from rampserve.ramps.pooling import POOLING_REDUCTIONS, pooling_matrix, sampled, sampling_stride
 from rampserve.ramps.scores import ERROR_SCORES
 
 
@@ -36,12 +36,13 @@ class FusedRamp(nn.Module):
     writes `column` to the pipe `notify`. A pooling ramp's pooling runs in the operator as a (positions, cells)
     matrix of one channel's weights, its cells padded to whole vectors with zeros."""
 
-    __constants__ = ["reduce", "column", "score"]
+    __constants__ = ["reduce", "column", "score", "stride"]
 
     def __init__(self, ramp: Ramp, activation_shape: tuple[int, ...], column: int, score: int) -> None:
         super().__init__()
         pools = ramp.spec.reduce in POOLING_REDUCTIONS
-        pool = pooling_matrix(activation_shape, ramp.spec.reduce) if pools else np.zeros((0, 0))
+        self.stride = sampling_stride(activation_shape, ramp.spec.reduce)  # the operator pools the sampled map
+        pool = pooling_matrix(*sampled(activation_shape, ramp.spec.reduce)) if pools else np.zeros((0, 0))
         lanes = kernel.LANES * -(-pool.shape[1] // kernel.LANES)  # cells, rounded up to whole vectors
         padded = np.zeros((pool.shape[0], lanes), dtype=np.float32)
         padded[:, :pool.shape[1]] = pool
@@ -53,7 +54,7 @@ class FusedRamp(nn.Module):
 
     def forward(self, activation: torch.Tensor, out: torch.Tensor, floor: float, notify: int,
                 stashes: list[torch.Tensor]) -> bool:
-        return torch.ops.rampserve.ramp_exit(activation, self.pool, self.weight, self.bias, self.center, self.reduce,
+        return torch.ops.rampserve.ramp_exit(self._sampled(activation), self.pool, self.weight, self.bias, self.center, self.reduce,
                                              out, self.column, floor, self.score, notify)
 
     def stop(self, activation: torch.Tensor, out: torch.Tensor, rows: torch.Tensor, keep: torch.Tensor,
@@ -62,9 +63,14 @@ class FusedRamp(nn.Module):
         """The ramp of a run whose rows leave where they exit: the logits of the running rows (batch rows `rows`)
         go to `out[rows, column]`; a row whose confidence exceeds `stop_floor` stops unless `keep` holds it
         (`left` then records this column for it); returns the indices of the activation's rows that go on."""
-        return torch.ops.rampserve.ramp_stop(activation, self.pool, self.weight, self.bias, self.center, self.reduce,
+        return torch.ops.rampserve.ramp_stop(self._sampled(activation), self.pool, self.weight, self.bias, self.center, self.reduce,
                                              out, rows, keep, left, self.column, floor, stop_floor, self.score,
                                              notify)
+
+    def _sampled(self, activation: torch.Tensor) -> torch.Tensor:
+        if self.stride == 1:
+            return activation
+        return activation[:, :, ::self.stride, ::self.stride].contiguous()
 
 
 class StashedRamp(nn.Module):

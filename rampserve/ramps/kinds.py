@@ -14,13 +14,14 @@ from torch import nn
 from torch.nn import functional as F
 
 from rampserve.ramps.cache import CacheRamp, CacheSpec
-from rampserve.ramps.pooling import DEEP_CNN_GRID, LINEAR_CNN_GRID, POOLING_REDUCTIONS, PooledLinear, reduce_activation
+from rampserve.ramps.pooling import (DEEP_CNN_GRID, LINEAR_CNN_GRID, POOLING_REDUCTIONS, PooledLinear, grid_reduction,
+                                     reduce_activation)
 from rampserve.ramps.scores import top_label_and_error
 
 @dataclass(frozen=True)
 class RampSpec:
     kind: str  # "linear" (Apparate's default), "mlp" (one hidden layer), "deep" or "cache" (Freeze Inference)
-    reduce: str  # "spatial_mean", "grid_mean", "spatial_grid", "first_token", "token_mean",
+    reduce: str  # "spatial_mean", "grid_mean", "sampled_grid_mean", "spatial_grid", "first_token", "token_mean",
     # "token_mean_masked", "identity"
     feature_shape: tuple[int, ...]  # per-sample shape after `reduce`
     num_classes: int
@@ -67,7 +68,8 @@ def spec_for(kind: str, activation_shape: tuple[int, ...], num_classes: int, tok
         channels = activation_shape[0]
         if kind == "deep":
             return RampSpec(kind, "spatial_grid", (channels, DEEP_CNN_GRID, DEEP_CNN_GRID), num_classes)
-        return RampSpec(kind, "grid_mean", (channels * LINEAR_CNN_GRID**2,), num_classes, **extra)
+        return RampSpec(kind, grid_reduction(activation_shape), (channels * LINEAR_CNN_GRID**2,), num_classes,
+                        **extra)
     if rank == 2:  # (tokens, hidden)
         return RampSpec(kind, token_reduce, (activation_shape[1],), num_classes, **extra)
     return RampSpec(kind, "identity", (_numel(activation_shape),), num_classes, **extra)

@@ -22,7 +22,8 @@ from onnx import TensorProto, helper, numpy_helper
 
 from rampserve.graph.onnx_graph import Tap
 from rampserve.ramps.kinds import DENSE_KINDS, Ramp
-from rampserve.ramps.pooling import POOLING_REDUCTIONS, TOKEN_REDUCTIONS, pooling_matrix, separable_pooling
+from rampserve.ramps.pooling import (POOLING_REDUCTIONS, TOKEN_REDUCTIONS, pooling_matrix, sampled, sampling_stride,
+                                     separable_pooling)
 from rampserve.ramps.scores import ERROR_SCORES
 
 # The reductions a tap computes; a ramp with another (a deep head's grid) is evaluated in Python
@@ -69,6 +70,17 @@ def ramp_tap(ramp: Ramp, site: str, activation_shape: tuple[int, ...], opset: in
         return node(op, [value], axes=[axis], keepdims=keepdims)
 
     reduce = ramp.spec.reduce
+    stride = sampling_stride(activation_shape, reduce)
+    if stride > 1:  # the rows and columns pooled, taken first (`pooling.sampled`): the pooling reads no other
+        height, width = activation_shape[1:]
+        axes = [1, 2] if block else [2, 3]
+        if block:  # (n * blocks, height, width, block) in memory
+            site = node("Reshape", [site, constant("cells_shape", np.array([-1, height, width, block], np.int64))])
+        site = node("Slice", [site, constant("starts", np.zeros(2, np.int64)),
+                              constant("ends", np.array([height, width], np.int64)),
+                              constant("axes", np.array(axes, np.int64)),
+                              constant("steps", np.full(2, stride, np.int64))])
+    activation_shape, reduce = sampled(activation_shape, reduce)
     layers = ramp.dense_layers()
     center = ramp.center.detach().numpy().astype(np.float32)
     weight_t = layers[0].weight.detach().numpy().T.astype(np.float32)

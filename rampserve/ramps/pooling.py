@@ -20,9 +20,19 @@ DEEP_CNN_GRID = 4
 # under drift, a 3x3 grid lets the ramps after layers 2 and 3 answer 47-64% of inputs at 99% agreement with
 # the model, against 6-42% for the global mean, at nearly the same cost (one pooling, one small matmul).
 LINEAR_CNN_GRID = 3
+# Side of the map a sampled grid pooling ("sampled_grid_mean") averages: the map is read at every k-th row and
+# column first (k = side // SAMPLED_SIDE). Pooling reads the whole site value, so a ramp on a large early map costs
+# what the map weighs: on lite0-fmnist's stem (32x112x112 at batch 1) the 3x3 grid cost 2.7% of the 3.1 ms model,
+# where a ramp on a 28x28 map costs under 1%. Averaged over a 3x3 grid, 28 samples a side still leave 9x9 per cell.
+SAMPLED_SIDE = 28
+# A linear ramp samples a map only where it reads at most every fourth row and column of it: ONNX Runtime's strided
+# Slice costs about what pooling a whole 56x56 map does. The tap alone at batch 1 on one thread, in ONNX Runtime's
+# blocked layout (medians of 15 interleaved rounds): 32x112x112 66 -> 24 us, 16x112x112 41 -> 16 us sampled 4x4;
+# 24x56x56 17 -> 19 us sampled 2x2 (a ramp on a 28x28 map: 12 us)
+MIN_SAMPLING_STRIDE = 4
 # Reductions that average every channel's map with the same fixed weights: a linear ramp on one is evaluated
 # in NumPy as two small matmuls, pooling as a matrix then the head (see `Ramp.evaluate`).
-POOLING_REDUCTIONS = ("spatial_mean", "grid_mean")
+POOLING_REDUCTIONS = ("spatial_mean", "grid_mean", "sampled_grid_mean")
 # Reductions of a (tokens, hidden) activation, one of which a text model's linear ramps take (`ZooEntry.token_reduce`)
 TOKEN_REDUCTIONS = ("first_token", "token_mean", "token_mean_masked")
 
@@ -34,6 +44,9 @@ def reduce_activation(activation: torch.Tensor, how: str) -> torch.Tensor:
         return F.adaptive_avg_pool2d(activation, DEEP_CNN_GRID)
     if how == "grid_mean":
         return F.adaptive_avg_pool2d(activation, LINEAR_CNN_GRID).flatten(1)
+    if how == "sampled_grid_mean":
+        stride = sampling_stride(tuple(activation.shape[1:]), how)
+        return F.adaptive_avg_pool2d(activation[:, :, ::stride, ::stride], LINEAR_CNN_GRID).flatten(1)
     if how == "first_token":
         return activation[:, 0]
     if how == "token_mean":
@@ -43,6 +56,27 @@ def reduce_activation(activation: torch.Tensor, how: str) -> torch.Tensor:
     if how == "identity":
         return activation.flatten(1)
     raise ValueError(f"unknown reduction {how!r}")
+
+
+def grid_reduction(activation_shape: tuple[int, ...]) -> str:
+    """How a linear ramp on a (C, H, W) map pools it: one `MIN_SAMPLING_STRIDE` times `SAMPLED_SIDE` a side or more
+    is sampled first."""
+    return "sampled_grid_mean" if min(activation_shape[1:]) >= MIN_SAMPLING_STRIDE * SAMPLED_SIDE else "grid_mean"
+
+
+def sampling_stride(activation_shape: tuple[int, ...], reduce: str) -> int:
+    """Every how many rows and columns of a (C, H, W) map `reduce` reads (1: all of them)."""
+    return max(1, min(activation_shape[1:]) // SAMPLED_SIDE) if reduce == "sampled_grid_mean" else 1
+
+
+def sampled(activation_shape: tuple[int, ...], reduce: str) -> tuple[tuple[int, ...], str]:
+    """The (C, H, W) map a pooling reduction pools once sampled (`sampling_stride`), and the pooling it applies to it:
+    sampling then "grid_mean" is "sampled_grid_mean"."""
+    stride = sampling_stride(activation_shape, reduce)
+    if stride == 1:
+        return activation_shape, "grid_mean" if reduce == "sampled_grid_mean" else reduce
+    channels, height, width = activation_shape
+    return (channels, -(-height // stride), -(-width // stride)), "grid_mean"
 
 
 def masked_token_mean(activation: torch.Tensor) -> torch.Tensor:
@@ -72,7 +106,7 @@ def separable_pooling(activation_shape: tuple[int, ...], reduce: str) -> tuple[n
     passes over it instead of gh * gw (checked against `pooling_matrix`)."""
     if reduce not in POOLING_REDUCTIONS or len(activation_shape) != 3:
         raise ValueError(f"{reduce} over a {activation_shape} activation is no pooling of maps")
-    grid = LINEAR_CNN_GRID if reduce == "grid_mean" else 1
+    grid = 1 if reduce == "spatial_mean" else LINEAR_CNN_GRID
     height, width = activation_shape[1:]
 
     def adaptive(length: int) -> np.ndarray:  # torch's adaptive average pooling bins along one axis
@@ -91,15 +125,17 @@ def separable_pooling(activation_shape: tuple[int, ...], reduce: str) -> tuple[n
 
 @dataclass(frozen=True, eq=False)  # holds arrays, which do not compare to a bool
 class PooledLinear:
-    """A pooling linear ramp as arrays for one activation shape: reduce(x) == (x.reshape(n * channels,
-    positions) @ pool_t).reshape(n, -1), and views of the head's parameters, through which in-place updates
-    (optimiser steps, load_state_dict) show: the map is (reduce(x) - center) @ weight_t + bias, without a center
-    for a map that has none, then for an MLP head max(0, that) @ out_weight_t + out_bias. `key` holds the shape and
-    the parameters' storage addresses: a parameter replaced or moved to new storage makes it stale (the views keep
-    the old storage alive, so its address cannot come back)."""
+    """A pooling linear ramp as arrays for one activation shape: reduce(x) == (s.reshape(n * channels,
+    positions) @ pool_t).reshape(n, -1) for the sampled map s (x itself unless `stride` > 1), and views of the
+    head's parameters, through which in-place updates (optimiser steps, load_state_dict) show: the map is
+    (reduce(x) - center) @ weight_t + bias, without a center for a map that has none, then for an MLP head
+    max(0, that) @ out_weight_t + out_bias. `key` holds the shape and the parameters' storage addresses: a parameter
+    replaced or moved to new storage makes it stale (the views keep the old storage alive, so its address cannot
+    come back)."""
 
     key: tuple
-    positions: int
+    stride: int  # every how many rows and columns are pooled (`sampling_stride`)
+    positions: int  # of the sampled map
     pool_t: np.ndarray  # (positions, pooled positions)
     weight_t: np.ndarray  # (features, outputs)
     bias: np.ndarray
@@ -109,9 +145,9 @@ class PooledLinear:
 
     @classmethod
     def build(cls, key: tuple, reduce: str, params: dict[str, torch.Tensor]) -> PooledLinear:
-        pool_t = pooling_matrix(key[0], reduce).astype(np.float32)
+        pool_t = pooling_matrix(*sampled(key[0], reduce)).astype(np.float32)
         center, out_weight = params.get("center"), params.get("out_weight")
-        return cls(key, len(pool_t), pool_t, params["weight"].detach().numpy().T, params["bias"].detach().numpy(),
+        return cls(key, sampling_stride(key[0], reduce), len(pool_t), pool_t, params["weight"].detach().numpy().T, params["bias"].detach().numpy(),
                    None if center is None else center.detach().numpy(),
                    None if out_weight is None else out_weight.detach().numpy().T,
                    None if out_weight is None else params["out_bias"].detach().numpy())
@@ -130,6 +166,8 @@ class PooledLinear:
     def __call__(self, activation: torch.Tensor) -> np.ndarray:
         """(n, outputs): the linear map of the pooled activation (and an MLP head's output layer after it)."""
         flat = activation.numpy(force=True)
+        if self.stride > 1:
+            flat = flat[:, :, ::self.stride, ::self.stride]
         pooled = (flat.reshape(-1, self.positions) @ self.pool_t).reshape(len(flat), -1)
         if self.center is not None:
             pooled -= self.center

@@ -60,8 +60,8 @@ class ZooEntry:
     token_reduce: str = "first_token"  # how a linear ramp reduces a (tokens, hidden) site (ramps.kinds.spec_for)
     ramp_items: RampItems | None = None  # in-domain inputs the ramps also learn on; none by default
     ramp_kind: str = "linear"  # the ramps `prepare` trains unless told (ramps.kinds.RAMP_KINDS)
-    # Raised when what the entry serves changes (the inputs it takes, the graph before its first layer), so that its
-    # bundles prepared before are prepared again; its trained weights are kept
+    # Raised when what the entry's bundles hold changes (the inputs it takes, the graph before its first layer, the
+    # ramps prepare gives it), so that its bundles prepared before are prepared again; its trained weights are kept
     revision: int = 0
 
 
@@ -234,8 +234,9 @@ def _lite0_fmnist(small: bool) -> ZooEntry:
     # (52,000 more) added 0.01-0.05 after blocks 3-11
     return _entry("lite0-fmnist", "image", cnn.NUM_CLASSES,
                   seeded(partial(build_lite0_classifier, cnn.NUM_CLASSES, False, side)), recipe,
-                  # 1: takes the grey image and makes the photo in its graph (it took the photo itself)
-                  ramp_items=fmnist_ramp_items(config, small), ramp_kind="mlp", revision=1)
+                  # 1: takes the grey image and makes the photo in its graph (it took the photo itself); 2: its
+                  # ramps on the 112x112 maps pool a sample of them (ramps.pooling.SAMPLED_SIDE)
+                  ramp_items=fmnist_ramp_items(config, small), ramp_kind="mlp", revision=2)
 
 
 # MiniLM on Rotten Tomatoes. One epoch reached 0.823 test accuracy against 0.842 for two, at half the cost,
