@@ -30,6 +30,10 @@ from rampserve.ramps.scores import ERROR_SCORES
 TAPPED_REDUCTIONS = (*POOLING_REDUCTIONS, "identity", *TOKEN_REDUCTIONS)
 # The operator set from which each reduction takes its axes as an input rather than as an attribute
 AXES_AS_INPUT_SINCE = {"ReduceSum": 13, "ReduceMean": 18, "ReduceMax": 18}
+# A blocked map of at most this many positions is pooled by one MatMul over all of them rather than by rows then by
+# columns (two MatMuls and a Reshape between): on a 3 ms model each node a ramp adds costs about 2 us, more than the
+# arithmetic the separable pooling saves on a 14x14 map or smaller
+JOINT_POOLING_POSITIONS = 14 * 14
 
 
 def can_tap(ramp: object) -> bool:
@@ -84,15 +88,22 @@ def ramp_tap(ramp: Ramp, site: str, activation_shape: tuple[int, ...], opset: in
     layers = ramp.dense_layers()
     center = ramp.center.detach().numpy().astype(np.float32)
     weight_t = layers[0].weight.detach().numpy().T.astype(np.float32)
-    if block:  # maps pooled by rows, then by columns, in blocks: (n * blocks, cells, block), features by block
+    if block:  # maps pooled in blocks: (n * blocks, cells, block), features by block
         channels, (height, width) = activation_shape[0], activation_shape[1:]
-        rows, columns = (np.ascontiguousarray(f.T.astype(np.float32)) for f in separable_pooling(activation_shape,
-                                                                                                  reduce))
-        blocks, cells = -(-channels // block), rows.shape[0] * columns.shape[0]
-        maps = node("Reshape", [site, constant("maps_shape", np.array([-1, height, width * block], dtype=np.int64))])
-        by_rows = node("Reshape", [node("MatMul", [constant("rows_t", rows), maps]),
-                                   constant("by_rows_shape", np.array([-1, width, block], dtype=np.int64))])
-        pooled = node("MatMul", [constant("columns_t", columns), by_rows])
+        blocks = -(-channels // block)
+        if height * width <= JOINT_POOLING_POSITIONS:  # every cell at once: (cells, positions) @ (positions, block)
+            pool_t = np.ascontiguousarray(pooling_matrix(activation_shape, reduce).T.astype(np.float32))
+            cells = pool_t.shape[0]
+            maps = node("Reshape", [site, constant("maps_shape", np.array([-1, height * width, block], np.int64))])
+            pooled = node("MatMul", [constant("pool_t", pool_t), maps])
+        else:  # by rows, then by columns
+            rows, columns = (np.ascontiguousarray(f.T.astype(np.float32))
+                             for f in separable_pooling(activation_shape, reduce))
+            cells = rows.shape[0] * columns.shape[0]
+            maps = node("Reshape", [site, constant("maps_shape", np.array([-1, height, width * block], np.int64))])
+            by_rows = node("Reshape", [node("MatMul", [constant("rows_t", rows), maps]),
+                                       constant("by_rows_shape", np.array([-1, width, block], dtype=np.int64))])
+            pooled = node("MatMul", [constant("columns_t", columns), by_rows])
         features = node("Reshape", [pooled, constant("features_shape",
                                                       np.array([-1, blocks * cells * block], dtype=np.int64))])
         # feature (channel c, cell k) is c * cells + k for the ramp; here (c // block, k, c % block), padding zero
@@ -129,8 +140,8 @@ def ramp_tap(ramp: Ramp, site: str, activation_shape: tuple[int, ...], opset: in
         if index:
             value = node("Relu", [value])
         weight = weight_t if index == 0 else layer.weight.detach().numpy().T.astype(np.float32)
-        product = node("MatMul", [value, constant(f"weight_t{suffix}", weight)])
-        value = node("Add", [product, constant(f"bias{suffix}", layer.bias.detach().numpy().astype(np.float32))],
+        value = node("Gemm", [value, constant(f"weight_t{suffix}", weight),
+                              constant(f"bias{suffix}", layer.bias.detach().numpy().astype(np.float32))],
                      output=f"{prefix}/logits" if index == len(layers) - 1 else "")
     logits = value
     probabilities = node("Softmax", [logits], axis=1)
