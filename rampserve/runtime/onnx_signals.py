@@ -9,8 +9,8 @@ batch), the ramp hands its logits to a Python operator (onnxruntime-extensions' 
 batch reads them and hands the ramp's column to the batch in progress (`runtime.column_handlers`), which releases
 the inputs that exit there before the run goes on; with no batch to take it, the column goes to the notify pipe,
 as a torch set's operator writes it. Elsewhere no Python runs (calling it costs
-about 50 us with the caches cold from the model's layers, 1% of that 5.5 ms run): every ramp's logits are outputs
-of the run, copied after it. ONNX Runtime runs a session's nodes on the thread that called it, so the operator
+about 50 us with the caches cold from the model's layers, 1% of that 5.5 ms run): every ramp's logits are one output
+of the run (`graph.onnx_graph.RAMP_LOGITS`), copied after it. ONNX Runtime runs a session's nodes on the thread that called it, so the operator
 finds that batch's buffers in a thread-local.
 
 Such a set's graph (optimized for this machine, with its ramps and signals) is kept on disk once built and checked
@@ -155,11 +155,11 @@ class OnnxSignalledRunner:
         sides = {} if self.side_name is None else {self.side_name: side.numpy()}
         _batch.run = (logits, notify, column_handler(notify), stopping)
         try:
-            output, *ramps = self.runner(activation.numpy(), sides, floors, options)
+            output, ramps = self.runner(activation.numpy(), sides, floors, options)
         finally:
             _batch.run = None
-        for column, ramp_logits in enumerate(ramps):
-            logits[:, column] = ramp_logits
+        sites = len(self.tapped)
+        logits[:, :sites] = ramps.reshape(len(ramps), sites, -1)
         return output
 
     def _converted(self, floors: list[float]) -> np.ndarray:

@@ -236,7 +236,7 @@ class PreparedModel:
             return None
         try:
             with opened_entry(*where, ".onnx") as (index, graph):
-                session = self.backend.split.signalled_session(graph, index["logits"], library())
+                session = self.backend.split.signalled_session(graph, library())
         except FileNotFoundError:
             return None
         except CorruptEntry as exc:
@@ -257,8 +257,7 @@ class PreparedModel:
     def _store_signalled(self, compiled: CompiledSet, graph: bytes) -> None:
         where = self._signalled_key(compiled.sites)
         if where is not None:
-            write_entry(*where, ".onnx", graph, {"sites": list(compiled.sites), "classes": compiled.classes,
-                                                  "logits": list(compiled.runner.runner.logits_names)})
+            write_entry(*where, ".onnx", graph, {"sites": list(compiled.sites), "classes": compiled.classes})
 
     def _signalled_tap(self, site: str, value) -> object:
         """The ramp at `site` as a tap on `value` (a `graph.onnx_graph.SiteValue`), in the value's layout."""
