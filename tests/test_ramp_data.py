@@ -198,9 +198,9 @@ def test_the_zoo_prepares_a_cached_bundle_again_when_its_engine_table_now_choose
 
 def test_the_zoo_prepares_a_cached_bundle_again_when_its_entry_serves_otherwise_now(
         resnet_prepared, resnet_bundle, small_prepare_config, tmp_path, monkeypatch) -> None:
-    """A bundle records the revision of its zoo entry (what the model takes, the graph before its first layer); when
-    the entry's revision is raised, its cached bundles are prepared again, and a bundle from before bundles recorded
-    one counts as revision 0."""
+    """A bundle records the revision of its zoo entry (what the model takes, the graph before its first layer, its
+    ramps); when the entry's revision is raised, its cached bundles are prepared again, and a bundle from before
+    bundles recorded one counts as revision 0."""
     import rampserve.runtime.zoo_bundles as zoo_bundles
 
     monkeypatch.setenv("RAMPSERVE_HOME", str(tmp_path))
@@ -216,5 +216,5 @@ def test_the_zoo_prepares_a_cached_bundle_again_when_its_entry_serves_otherwise_
     monkeypatch.setattr(zoo_bundles, "zoo_revision", lambda source: 1)
     zoo_bundles.zoo_bundle("resnet18-fmnist", small=True, config=small_prepare_config)
     assert prepared == [small_prepare_config]
-    # the flagship's bundles from before it took grey images are among those prepared again
-    assert get_entry("lite0-fmnist", small=True).revision == 1
+    # the flagship's bundles from before it took grey images (revision 1) are among those prepared again
+    assert get_entry("lite0-fmnist", small=True).revision >= 1
