@@ -54,8 +54,8 @@ class FusedRamp(nn.Module):
 
     def forward(self, activation: torch.Tensor, out: torch.Tensor, floor: float, notify: int,
                 stashes: list[torch.Tensor]) -> bool:
-        return torch.ops.rampserve.ramp_exit(self._sampled(activation), self.pool, self.weight, self.bias, self.center, self.reduce,
-                                             out, self.column, floor, self.score, notify)
+        return torch.ops.rampserve.ramp_exit(self._sampled(activation), self.pool, self.weight, self.bias, self.center,
+                                             self.reduce, out, self.column, floor, self.score, notify)
 
     def stop(self, activation: torch.Tensor, out: torch.Tensor, rows: torch.Tensor, keep: torch.Tensor,
              left: torch.Tensor, floor: float, stop_floor: float, notify: int,
@@ -63,9 +63,9 @@ class FusedRamp(nn.Module):
         """The ramp of a run whose rows leave where they exit: the logits of the running rows (batch rows `rows`)
         go to `out[rows, column]`; a row whose confidence exceeds `stop_floor` stops unless `keep` holds it
         (`left` then records this column for it); returns the indices of the activation's rows that go on."""
-        return torch.ops.rampserve.ramp_stop(self._sampled(activation), self.pool, self.weight, self.bias, self.center, self.reduce,
-                                             out, rows, keep, left, self.column, floor, stop_floor, self.score,
-                                             notify)
+        return torch.ops.rampserve.ramp_stop(self._sampled(activation), self.pool, self.weight, self.bias, self.center,
+                                             self.reduce, out, rows, keep, left, self.column, floor, stop_floor,
+                                             self.score, notify)
 
     def _sampled(self, activation: torch.Tensor) -> torch.Tensor:
         if self.stride == 1:

@@ -72,11 +72,12 @@ def sampling_stride(activation_shape: tuple[int, ...], reduce: str) -> int:
 def sampled(activation_shape: tuple[int, ...], reduce: str) -> tuple[tuple[int, ...], str]:
     """The (C, H, W) map a pooling reduction pools once sampled (`sampling_stride`), and the pooling it applies to it:
     sampling then "grid_mean" is "sampled_grid_mean"."""
+    pooling = "grid_mean" if reduce == "sampled_grid_mean" else reduce
     stride = sampling_stride(activation_shape, reduce)
     if stride == 1:
-        return activation_shape, "grid_mean" if reduce == "sampled_grid_mean" else reduce
+        return activation_shape, pooling
     channels, height, width = activation_shape
-    return (channels, -(-height // stride), -(-width // stride)), "grid_mean"
+    return (channels, -(-height // stride), -(-width // stride)), pooling
 
 
 def masked_token_mean(activation: torch.Tensor) -> torch.Tensor:
@@ -147,8 +148,8 @@ class PooledLinear:
     def build(cls, key: tuple, reduce: str, params: dict[str, torch.Tensor]) -> PooledLinear:
         pool_t = pooling_matrix(*sampled(key[0], reduce)).astype(np.float32)
         center, out_weight = params.get("center"), params.get("out_weight")
-        return cls(key, sampling_stride(key[0], reduce), len(pool_t), pool_t, params["weight"].detach().numpy().T, params["bias"].detach().numpy(),
-                   None if center is None else center.detach().numpy(),
+        return cls(key, sampling_stride(key[0], reduce), len(pool_t), pool_t, params["weight"].detach().numpy().T,
+                   params["bias"].detach().numpy(), None if center is None else center.detach().numpy(),
                    None if out_weight is None else out_weight.detach().numpy().T,
                    None if out_weight is None else params["out_bias"].detach().numpy())
 

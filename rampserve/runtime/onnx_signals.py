@@ -9,9 +9,9 @@ batch), the ramp hands its logits to a Python operator (onnxruntime-extensions' 
 batch reads them and hands the ramp's column to the batch in progress (`runtime.column_handlers`), which releases
 the inputs that exit there before the run goes on; with no batch to take it, the column goes to the notify pipe,
 as a torch set's operator writes it. Elsewhere no Python runs (calling it costs
-about 50 us with the caches cold from the model's layers, 1% of that 5.5 ms run): every ramp's logits are one output
-of the run (`graph.onnx_graph.RAMP_LOGITS`), copied after it. ONNX Runtime runs a session's nodes on the thread that called it, so the operator
-finds that batch's buffers in a thread-local.
+about 50 us with the caches cold from the model's layers, 1% of that 5.5 ms run): every ramp's logits are one
+output of the run (`graph.onnx_graph.RAMP_LOGITS`), copied after it. ONNX Runtime runs a session's nodes on the
+thread that called it, so the operator finds that batch's buffers in a thread-local.
 
 Such a set's graph (optimized for this machine, with its ramps and signals) is kept on disk once built and checked
 against the model (`signalled_key`), and a later start makes its session from it with ONNX Runtime's optimizations
