@@ -155,7 +155,7 @@ def test_each_text_alone_then_padded_gives_what_the_tokenizer_pads_as_a_batch(ba
                                   np.array([e.attention_mask for e in encodings]).reshape(len(batch), -1))
 
 
-def test_every_text_model_of_the_zoo_and_any_other_prepares_with_a_tokenizer_its_bundle_can_keep() -> None:
+def test_minilm_and_a_text_model_outside_the_zoo_prepare_with_a_tokenizer_a_bundle_can_keep() -> None:
     for source in (ModelSource("zoo", "minilm-rt"), ModelSource("zoo", "minilm-rt", small=True), None):
         encoder = model_encoder(source, "text")
         assert isinstance(encoder, TextEncoder) and encoder.max_length == hf_encoders.MAX_LENGTH
