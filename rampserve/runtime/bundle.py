@@ -1,6 +1,7 @@
 """Prepared-model bundles on disk: a JSON manifest (with the model's v2 signature), the model's weights
-(safetensors) or graph (ONNX), the ramps' weights, two example inputs (safetensors) and what rebuilds the
-architecture without the model's source (a Hugging Face checkpoint's config.json and tokenizer.json). Loading never
+(safetensors) or graph (ONNX), the ramps' weights, two example inputs (safetensors), a text model's tokenizer as it
+made the token inputs, and what rebuilds the architecture without the model's source (a Hugging Face checkpoint's
+config.json and tokenizer.json). Loading never
 unpickles anything, and checks every file's digest. Reading a bundle's manifest and signature alone, without torch, is
 `runtime.manifest`'s."""
 
@@ -28,6 +29,7 @@ from rampserve.runtime.manifest import (
     MANIFEST,
     ONNX_FILE,
     RAMPS_FILE,
+    TEXT_TOKENIZER_FILE,
     TORCH_WEIGHTS,
     BundleError,
     file_digest,
@@ -60,7 +62,9 @@ def save_bundle(model: PreparedModel, out_dir: Path) -> Path:
         ramp_state = {f"{site}/{k}": v.contiguous() for site, ramp in model.ramps.items()
                       for k, v in ramp.state_dict().items()}
         safetensors.torch.save_file(ramp_state, tmp / RAMPS_FILE)
-        safetensors.numpy.save_file(dict(model.signature.example), tmp / EXAMPLE_FILE)
+        signature_files = _signature_files(model.signature)
+        for name, data in signature_files.items():
+            (tmp / name).write_bytes(data)
         carried = [] if "source" not in model.meta else architecture_files(ModelSource.from_json(model.meta["source"]))
         for file in carried:
             shutil.copyfile(file, tmp / file.name)
@@ -76,7 +80,7 @@ def save_bundle(model: PreparedModel, out_dir: Path) -> Path:
             "error_score": model.error_score,
             "meta": model.meta,
             "files": {name: file_digest(tmp / name)
-                      for name in (model_file, RAMPS_FILE, EXAMPLE_FILE, *(file.name for file in carried))},
+                      for name in (model_file, RAMPS_FILE, *signature_files, *(file.name for file in carried))},
         }
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
         if out_dir.exists():
@@ -95,15 +99,24 @@ def write_profile(bundle_dir: Path, profile: LatencyProfile) -> None:
     _rewrite_manifest(bundle_dir, manifest)
 
 
+def _signature_files(signature: ModelSignature) -> dict[str, bytes]:
+    """The files a bundle keeps its signature's example inputs and a text model's tokenizer in."""
+    files = {EXAMPLE_FILE: safetensors.numpy.save(dict(signature.example))}
+    if signature.text is not None:
+        files[TEXT_TOKENIZER_FILE] = signature.text.tokenizer.to_str().encode()
+    return files
+
+
 def write_signature(bundle_dir: Path, signature: ModelSignature) -> None:
-    """Give a bundle prepared before bundles carried their signature one (weights untouched). The example file is
-    written before the manifest that names it, each atomically, so a reader meanwhile sees the old bundle or the
-    new one; writers racing to do the same write the same bytes."""
+    """Give a bundle prepared before bundles carried their signature (or a text model's tokenizer) one (weights
+    untouched). The files it names are written before the manifest, each atomically, so a reader meanwhile sees the
+    old bundle or the new one; writers racing to do the same write the same bytes."""
     bundle_dir = Path(bundle_dir)
     manifest = read_manifest(bundle_dir)
-    write_atomically(bundle_dir / EXAMPLE_FILE, safetensors.numpy.save(dict(signature.example)))
+    for name, data in _signature_files(signature).items():
+        write_atomically(bundle_dir / name, data)
+        manifest["files"][name] = file_digest(bundle_dir / name)
     manifest["signature"] = signature.to_json()
-    manifest["files"][EXAMPLE_FILE] = file_digest(bundle_dir / EXAMPLE_FILE)
     _rewrite_manifest(bundle_dir, manifest)
 
 

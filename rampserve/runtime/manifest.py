@@ -23,6 +23,9 @@ RAMPS_FILE = "ramps.safetensors"
 TORCH_WEIGHTS = "model.safetensors"
 ONNX_FILE = "model.onnx"
 EXAMPLE_FILE = "example.safetensors"
+# A text model's tokenizer as its token inputs were made (`runtime.text`); an hf checkpoint's own tokenizer.json, which
+# its bundle carries too, is the file as the user saved it
+TEXT_TOKENIZER_FILE = "text-tokenizer.json"
 
 
 class BundleError(ValueError):
@@ -64,13 +67,16 @@ def read_manifest(bundle_dir: Path, digests: Collection[str] | None = None) -> d
 
 
 def read_signature(bundle_dir: Path, manifest: dict) -> ModelSignature | None:
-    """The bundle's signature with its example inputs; None for a bundle prepared before bundles carried them."""
+    """The bundle's signature with its example inputs (and a text model's tokenizer); None for a bundle prepared
+    before bundles carried them."""
     if "signature" not in manifest:
         return None
     if EXAMPLE_FILE not in manifest["files"]:
         raise BundleError(f"{bundle_dir}/{MANIFEST} has a signature but lists no {EXAMPLE_FILE}")
+    tokenizer = (bundle_dir / TEXT_TOKENIZER_FILE).read_text() if TEXT_TOKENIZER_FILE in manifest["files"] else None
     try:
-        return ModelSignature.from_json(manifest["signature"], safetensors.numpy.load_file(bundle_dir / EXAMPLE_FILE))
+        return ModelSignature.from_json(manifest["signature"], safetensors.numpy.load_file(bundle_dir / EXAMPLE_FILE),
+                                        tokenizer)
     except (KeyError, TypeError, ValueError) as exc:
         raise BundleError(f"{bundle_dir}: its signature is incomplete or does not fit its example inputs: {exc!r}"
                           ) from exc

@@ -23,6 +23,7 @@ from rampserve.runtime.prepared import PreparedModel, SiteInfo
 from rampserve.runtime.profile import DEFAULT_BATCH_SIZES, PROFILE_BUDGET_S, measure_profile
 from rampserve.runtime.signature import ModelSignature
 from rampserve.runtime.sources import ModelSource, load_trained, zoo_entry
+from rampserve.runtime.text import TextEncoder
 from rampserve.workloads.streams import get_stream
 
 Encoder = Callable[[object], dict[str, np.ndarray]]
@@ -64,9 +65,9 @@ def encoder_for(task: str) -> Encoder:
 
         return lambda pixels: {"image": to_model_input(pixels)}
     if task == "text":
-        from rampserve.zoo.minilm import encode_texts
+        from rampserve.zoo.minilm import text_encoder
 
-        return encode_texts
+        return text_encoder()
     raise ValueError(f"no input encoder for task {task!r} (known: image, text)")
 
 
@@ -87,7 +88,7 @@ def model_encoder(source: ModelSource | None, task: str, files_dir: Path | None 
         if entry.task != task:
             raise ValueError(f"{source.ref} takes {entry.task} inputs: give it a {entry.task} workload, not a "
                              f"{task} one")
-        return entry.encode
+        return entry.encode if entry.text_encoder is None else entry.text_encoder()
     return encoder_for(task)
 
 
@@ -216,6 +217,11 @@ def ramp_data(source: ModelSource, config: PrepareConfig) -> RampData:
     return RampData(workload, bootstrap, *in_domain_inputs(source, bootstrap.items, config.in_domain_items))
 
 
+def text_encoder_of(inputs: BootstrapInputs) -> TextEncoder | None:
+    """The tokenizer that encodes the inputs' texts, which the model's bundle keeps (None: not a text model's)."""
+    return inputs.encoder if isinstance(inputs.encoder, TextEncoder) else None
+
+
 def sample_feeds(backend: Backend, inputs: BootstrapInputs) -> Callable[[int], dict[str, np.ndarray]]:
     """Real inputs of any batch size for profiling, cycling through the bootstrap items."""
     items = inputs.items
@@ -242,7 +248,8 @@ def signature_from_workload(model: PreparedModel) -> ModelSignature:
                           f"inputs, and its workload {workload!r} is not on this machine to derive them from "
                           f"({exc}): prepare the model again with this rampserve") from exc
     example = sample_feeds(model.backend, bootstrap)(EXAMPLE_ROWS)
-    return ModelSignature.of_example(example, int(model.meta["num_classes"]), bootstrap.task)
+    return ModelSignature.of_example(example, int(model.meta["num_classes"]), bootstrap.task,
+                                     text_encoder_of(bootstrap))
 
 
 def reprofile(model: PreparedModel, config: PrepareConfig = PrepareConfig()) -> LatencyProfile:
@@ -346,7 +353,8 @@ def prepare(source: ModelSource, config: PrepareConfig = PrepareConfig(),
         for s in backend.sites
     ]
     model = PreparedModel(backend=backend, sites=sites, ramps=ramps, error_score=config.error_score,
-                          signature=ModelSignature.of_example(sample, num_classes, bootstrap.task))
+                          signature=ModelSignature.of_example(sample, num_classes, bootstrap.task,
+                                                              text_encoder_of(bootstrap)))
 
     model.profile = measure_profile(model, sample_feeds(backend, bootstrap), config.profile_batch_sizes,
                                     config.profile_repeats, progress=config.progress,

@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from rampserve.paths import bundles_dir
 from rampserve.ramps.pooling import TOKEN_REDUCTIONS
 from rampserve.runtime.bundle import load_bundle, save_bundle, write_signature
 from rampserve.runtime.engines import AUTO, CHOSEN_BY_TIMING, ONNX_SERVING, EngineChoice, choose_engine
-from rampserve.runtime.manifest import BundleError, read_manifest
+from rampserve.runtime.manifest import BundleError, read_manifest, read_signature
 from rampserve.runtime.prepare import (
-    PrepareConfig, prepare, ramp_data, ramp_kind, signature_from_workload, token_reduction, zoo_revision,
+    PrepareConfig, model_encoder, prepare, ramp_data, ramp_kind, signature_from_workload, token_reduction,
+    zoo_revision,
 )
 from rampserve.runtime.sources import ModelSource
 
@@ -21,7 +23,7 @@ def zoo_bundle(model: str, small: bool = False, config: PrepareConfig = PrepareC
     preparing it (and training the model, if needed) when missing, broken, made from another revision of the zoo
     entry, made with other ramps, with ramps trained on other data, or on an engine other than the one `config`
     names or served otherwise on ONNX Runtime (a bundle from before bundles recorded these counts as such), and
-    giving it its signature when it was prepared before bundles carried one."""
+    giving it its signature (a text model's, its tokenizer) when it was prepared before bundles carried one."""
     bundle = bundles_dir() / (model + ("-small" if small else "") + (f"-{variant}" if variant else ""))
     source = ModelSource.parse(model, small=small)
     try:
@@ -41,10 +43,13 @@ def zoo_bundle(model: str, small: bool = False, config: PrepareConfig = PrepareC
     except BundleError:
         save_bundle(prepare(source, config), bundle)
         return bundle
+    # Upgraded in place rather than prepared again: the cache is shared by every rampserve on the machine, and a
+    # bundle that older ones serve from must not be replaced under them (they read the upgraded one as before)
     if "signature" not in manifest:
-        # Upgraded in place rather than prepared again: the cache is shared by every rampserve on the machine, and
-        # a bundle that older ones serve from must not be replaced under them (they read the upgraded one as before)
         write_signature(bundle, signature_from_workload(load_bundle(bundle)))
+    elif manifest["meta"].get("task") == "text" and "text" not in manifest["signature"]:
+        signature = replace(read_signature(bundle, manifest), text=model_encoder(source, "text"))
+        write_signature(bundle, signature)
     return bundle
 
 

@@ -84,9 +84,10 @@ def _request_object(message: pb.ModelInferRequest) -> dict:
     }
 
 
-def infer_request(message: pb.ModelInferRequest, inputs: Sequence[TensorSpec],
-                  allow_nonfinite: bool = False) -> InferRequest:
-    """Decode and validate a gRPC infer request against the model's inputs; any fault is a ProtocolError."""
+def infer_request(message: pb.ModelInferRequest, inputs: Sequence[TensorSpec], allow_nonfinite: bool = False,
+                  alternative: Sequence[TensorSpec] = ()) -> InferRequest:
+    """Decode and validate a gRPC infer request against the model's inputs (or `alternative`, the inputs it takes in
+    their place); any fault is a ProtocolError."""
     raw = message.raw_input_contents
     if raw and len(raw) != len(message.inputs):
         raise ProtocolError(f"raw_input_contents holds {len(raw)} tensors for {len(message.inputs)} inputs: give one "
@@ -103,7 +104,7 @@ def infer_request(message: pb.ModelInferRequest, inputs: Sequence[TensorSpec],
                                       f"raw_input_contents[{position}] holds")
         return _typed_values(contents, typed, spec, shape)
 
-    return infer_request_from(_request_object(message), read, inputs, allow_nonfinite)
+    return infer_request_from(_request_object(message), read, inputs, allow_nonfinite, alternative)
 
 
 def _typed_values(contents: pb.InferTensorContents, typed: list[str], spec: TensorSpec,

@@ -122,7 +122,7 @@ def handlers(plane: DataPlane, ready: Callable[[], bool]) -> dict[str, grpc.RpcM
             await abort(context, plane.refuse("", ProtocolError(f"the request is not a ModelInferRequest: {exc}"),
                                               GRPC))
         result = await plane.answer(message.model_name, message.model_version or None,
-                                    lambda inputs: infer_request(message, inputs),
+                                    lambda inputs, texts: infer_request(message, inputs, alternative=texts),
                                     lambda answer: infer_response(answer, typed=not message.raw_input_contents),
                                     GRPC, arrived)
         if isinstance(result, Refusal):

@@ -15,18 +15,49 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from rampserve.runtime.latency import LatencyProfile
-from rampserve.runtime.manifest import EXAMPLE_FILE, MANIFEST, BundleError, read_manifest, read_signature
+from rampserve.runtime.manifest import (
+    EXAMPLE_FILE, MANIFEST, TEXT_TOKENIZER_FILE, BundleError, read_manifest, read_signature,
+)
 # Re-exported: the server names its answers (app) and other predictors' tensors (predictors) as served models do
 from rampserve.runtime.signature import LABEL_OUTPUT as LABEL_OUTPUT
 from rampserve.runtime.signature import LOGITS_OUTPUT as LOGITS_OUTPUT
 from rampserve.runtime.signature import V2_DATATYPES as V2_DATATYPES
-from rampserve.runtime.signature import ModelSignature, TensorSignature
-from rampserve.serving.protocol import TensorSpec
+from rampserve.runtime.signature import ANY_SIZE, ModelSignature, TensorSignature
+from rampserve.runtime.text import TEXT_INPUT, TextEncoder
+from rampserve.serving.protocol import ProtocolError, TensorSpec
 
 if TYPE_CHECKING:
     from rampserve.runtime.prepared import PreparedModel
 
 VERSION = "1"
+
+
+@dataclass(frozen=True)
+class TextInput:
+    """A text model's texts in place of its token inputs: one BYTES tensor `text` of UTF-8 strings, one per row
+    (shape [n], or [n, 1]), each tokenized by the tokenizer its bundle was prepared with (`runtime.text`). The front
+    end tokenizes a request as it reads it: the prediction cache, the queue, the executor and the controller's books
+    then see the token inputs, the same whichever form the client sent."""
+
+    encoder: TextEncoder
+    token_names: tuple[str, ...]  # the model's token inputs, in the order the tokenizer gives them
+    spec: TensorSpec = TensorSpec(TEXT_INPUT, "BYTES", (ANY_SIZE,), column=True)
+
+    def token_inputs(self, texts: np.ndarray) -> dict[str, np.ndarray]:
+        """The model's token inputs for a request's texts; ProtocolError for a text that is not UTF-8."""
+        strings = []
+        for row, text in enumerate(texts.ravel()):
+            try:
+                strings.append(text.decode("utf-8"))
+            except UnicodeDecodeError as error:
+                raise ProtocolError(f"input '{self.spec.name}': text {row} is not UTF-8 ({error.reason} at byte "
+                                    f"{error.start})") from None
+        return dict(zip(self.token_names, self.encoder(strings).values()))
+
+    def metadata(self) -> dict:
+        """Its tensor as the model's metadata lists it, among the inputs a request may give in place of the model's:
+        content_type "str" says its bytes are text (MLServer's convention); max_tokens, where a text is cut."""
+        return {**self.spec.to_json(), "parameters": {"content_type": "str", "max_tokens": self.encoder.max_length}}
 
 
 @dataclass(frozen=True)
@@ -43,6 +74,7 @@ class ServedModel:
     # Real inputs of the model's workload (two rows): the example its serving path is compiled with
     example: Mapping[str, np.ndarray] = field(default_factory=dict)
     given: PreparedModel | None = field(default=None, compare=False, repr=False)  # a model built in memory
+    text: TextInput | None = field(default=None, compare=False, repr=False)  # a text model's texts
 
     @property
     def platform(self) -> str:
@@ -93,7 +125,8 @@ def read_served(bundle_dir: Path, name: str, version: str = VERSION) -> ServedMo
     """A bundle as a server serves it, from its manifest and signature: its model is loaded only where it runs. A
     bundle prepared before bundles carried their signature is loaded here, to derive it (see `served`)."""
     bundle_dir = Path(bundle_dir)
-    manifest = read_manifest(bundle_dir, digests=(EXAMPLE_FILE,))  # the executor checks the files it loads
+    # the executor checks the files it loads; the front end those it reads
+    manifest = read_manifest(bundle_dir, digests=(EXAMPLE_FILE, TEXT_TOKENIZER_FILE))
     signature = read_signature(bundle_dir, manifest)
     if signature is None:
         from rampserve.runtime.bundle import load_bundle
@@ -121,8 +154,10 @@ def served(name: str, model: PreparedModel, version: str = VERSION) -> ServedMod
 
 def _served(name: str, signature: ModelSignature, backend: str, profile: LatencyProfile | None,
             bundle_dir: Path | None, version: str, given: PreparedModel | None = None) -> ServedModel:
-    return ServedModel(name, _specs(signature.inputs), _specs(signature.outputs), backend, profile, bundle_dir,
-                       signature.max_variable_dim, version, signature.example, given)
+    inputs = _specs(signature.inputs)
+    text = None if signature.text is None else TextInput(signature.text, tuple(spec.name for spec in inputs))
+    return ServedModel(name, inputs, _specs(signature.outputs), backend, profile, bundle_dir,
+                       signature.max_variable_dim, version, signature.example, given, text)
 
 
 def _specs(tensors: tuple[TensorSignature, ...]) -> tuple[TensorSpec, ...]:

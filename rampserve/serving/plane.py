@@ -74,6 +74,9 @@ class Refusal:
 
 # What a transport makes of an answer (an HTTP body, a gRPC message)
 Encoded = TypeVar("Encoded")
+# How a transport reads a request against the model's inputs and the inputs it takes in their place (a text model's
+# texts, `models.TextInput`)
+Decoder = Callable[[Sequence[TensorSpec], Sequence[TensorSpec]], InferRequest]
 
 
 def error_body(message: str) -> bytes:
@@ -131,16 +134,17 @@ class DataPlane:
         """The v2 model metadata; an application whose models are all unloaded has none (ProtocolError 503)."""
         predictor = self.find(name, version)
         return model_metadata(name, [predictor.version], predictor.platform, predictor.inputs or (),
-                              predictor.outputs)
+                              predictor.outputs, () if predictor.text is None else (predictor.text.metadata(),))
 
     # ---- inference ----------------------------------------------------------------------------------------
 
     async def answer(self, model: str, version: str | None,
-                     decode: Callable[[Sequence[TensorSpec]], InferRequest], encode: Callable[[Answer], Encoded],
+                     decode: Decoder, encode: Callable[[Answer], Encoded],
                      transport: str, arrived: float | None = None) -> Encoded | Refusal:
         """Answer one request, whatever its transport (HTTP or GRPC, as it is counted): `decode` reads it against
-        the model's inputs, `encode` turns the answer into what the transport sends (a ProtocolError from either
-        refuses the request).
+        the model's inputs (or a text model's texts in their place, which are tokenized here, so that the prediction
+        cache, the queue and the controller see the token inputs whichever a client sent), `encode` turns the answer
+        into what the transport sends (a ProtocolError from either refuses the request).
         `arrived` (time.perf_counter()) starts the latency the metrics observe, at the request's arrival rather
         than once its body was read; default now."""
         arrived = time.perf_counter() if arrived is None else arrived
@@ -168,8 +172,9 @@ class DataPlane:
                     arrived: float | None = None) -> InferResult:
         """Answer one HTTP request: `body` as sent, `header_length` the length of its JSON part when binary tensors
         follow it (None: JSON only)."""
-        result = await self.answer(model, version, lambda inputs: parse_infer_request(body, header_length, inputs),
-                                   http_answer, HTTP, arrived)
+        result = await self.answer(
+            model, version, lambda inputs, texts: parse_infer_request(body, header_length, inputs, alternative=texts),
+            http_answer, HTTP, arrived)
         return http_refusal(result) if isinstance(result, Refusal) else result
 
     def refuse(self, model: str, error: ProtocolError, transport: str) -> Refusal:
@@ -183,11 +188,13 @@ class DataPlane:
         """`refuse` for HTTP."""
         return http_refusal(self.refuse(model, error, HTTP))
 
-    async def _answer(self, predictor: Predictor, decode: Callable[[Sequence[TensorSpec]], InferRequest]) -> Answer:
-        inputs = predictor.inputs
+    async def _answer(self, predictor: Predictor, decode: Decoder) -> Answer:
+        inputs, text = predictor.inputs, predictor.text
         if inputs is None:
             raise ProtocolError(f"model '{predictor.name}' has no known input signature", 503)
-        parsed = decode(inputs)
+        parsed = decode(inputs, () if text is None else (text.spec,))
+        if text is not None and text.spec.name in parsed.inputs:
+            parsed = replace(parsed, inputs=text.token_inputs(parsed.inputs[text.spec.name]))
         problem = predictor.problem_with(parsed.inputs, parsed.batch_size)
         if problem:
             raise ProtocolError(problem)

@@ -56,10 +56,18 @@ class TensorSpec:
     name: str
     datatype: str  # v2 datatype name
     shape: tuple[int, ...]  # full shape including the leading batch dimension; -1 means any size
+    # Also takes the shape with a last dimension of 1: a column of the values, as Triton's clients shape a batch of
+    # strings (one per row)
+    column: bool = False
 
     def __post_init__(self) -> None:
         if self.datatype not in DATATYPES or not self.shape:
             raise ValueError(f"tensor '{self.name}': need a v2 datatype and a shape with a batch dimension")
+
+    @property
+    def shapes(self) -> tuple[tuple[int, ...], ...]:
+        """The shapes it takes."""
+        return (self.shape, (*self.shape, 1)) if self.column else (self.shape,)
 
     def to_json(self) -> dict:
         return {"name": self.name, "datatype": self.datatype, "shape": list(self.shape)}
@@ -95,9 +103,11 @@ class InferRequest:
 
 
 def parse_infer_request(
-    body: bytes, header_length: int | str | None, inputs: Sequence[TensorSpec], allow_nonfinite: bool = False
+    body: bytes, header_length: int | str | None, inputs: Sequence[TensorSpec], allow_nonfinite: bool = False,
+    alternative: Sequence[TensorSpec] = (),
 ) -> InferRequest:
-    """Decode and validate an infer request against the model's inputs; any fault is a ProtocolError (400).
+    """Decode and validate an infer request against the model's inputs (or `alternative`, the inputs it takes in
+    their place: a text model's texts); any fault is a ProtocolError (400).
 
     `header_length` is the `Inference-Header-Content-Length` header as sent (a str is parsed here), or None when
     the request has no such header and the body is JSON only.
@@ -128,7 +138,7 @@ def parse_infer_request(
         offset += size
         return array
 
-    parsed = infer_request_from(request, read, inputs, allow_nonfinite)
+    parsed = infer_request_from(request, read, inputs, allow_nonfinite, alternative)
     if offset != len(binary):
         raise ProtocolError(f"{len(binary) - offset} bytes after the JSON belong to no input "
                             f"(the inputs' binary_data_size add up to {offset})")
@@ -142,15 +152,16 @@ TensorReader = Callable[[int, dict, dict, TensorSpec, tuple[int, ...]], np.ndarr
 
 
 def infer_request_from(request: dict, read: TensorReader, inputs: Sequence[TensorSpec],
-                       allow_nonfinite: bool = False) -> InferRequest:
-    """Validate a v2 request object (the JSON form: id, parameters, inputs, outputs) against the model's inputs,
-    reading each tensor's values with `read`: every transport's requests pass the same checks."""
+                       allow_nonfinite: bool = False, alternative: Sequence[TensorSpec] = ()) -> InferRequest:
+    """Validate a v2 request object (the JSON form: id, parameters, inputs, outputs) against the model's inputs or
+    their `alternative`, reading each tensor's values with `read`: every transport's requests pass the same
+    checks."""
     request_id = request.get("id")
     if request_id is not None and not isinstance(request_id, str):
         raise ProtocolError(f"request 'id' must be a string, got {request_id!r}")
     parameters = _optional_dict(request, "parameters", "request")
     binary_outputs = _optional_bool(parameters, "binary_data_output", "request parameters")
-    decoded = _decode_inputs(request.get("inputs"), read, inputs, allow_nonfinite)
+    decoded = _decode_inputs(request.get("inputs"), read, inputs, allow_nonfinite, alternative)
     parsed = InferRequest(request_id, parameters, decoded, _parse_outputs(request.get("outputs"), binary_outputs),
                           binary_outputs)
     _batch_size(decoded)  # refuses inputs whose rows do not line up
@@ -205,10 +216,15 @@ def encode_infer_response(
 
 
 def model_metadata(name: str, versions: Sequence[str], platform: str, inputs: Sequence[TensorSpec],
-                   outputs: Sequence[TensorSpec]) -> dict:
-    """The v2 model metadata object (`GET /v2/models/{m}`)."""
-    return {"name": name, "versions": list(versions), "platform": platform,
-            "inputs": [spec.to_json() for spec in inputs], "outputs": [spec.to_json() for spec in outputs]}
+                   outputs: Sequence[TensorSpec], alternative: Sequence[dict] = ()) -> dict:
+    """The v2 model metadata object (`GET /v2/models/{m}`). Inputs a request may give in place of `inputs` (a text
+    model's texts, each tensor's metadata with its own parameters) are listed in its parameters as
+    `alternative_inputs`, where a client that sends every input listed in `inputs` does not trip on them."""
+    metadata = {"name": name, "versions": list(versions), "platform": platform,
+                "inputs": [spec.to_json() for spec in inputs], "outputs": [spec.to_json() for spec in outputs]}
+    if alternative:
+        metadata["parameters"] = {"alternative_inputs": list(alternative)}
+    return metadata
 
 
 def server_metadata(name: str, version: str, extensions: Sequence[str]) -> dict:
@@ -239,17 +255,19 @@ def _json_length(body: bytes, header_length: int | str | None) -> int:
 
 
 def _decode_inputs(raw_inputs: object, read: TensorReader, specs: Sequence[TensorSpec],
-                   allow_nonfinite: bool) -> dict[str, np.ndarray]:
+                   allow_nonfinite: bool, alternative: Sequence[TensorSpec] = ()) -> dict[str, np.ndarray]:
     if not isinstance(raw_inputs, list) or not raw_inputs:
         raise ProtocolError("'inputs' must be a non-empty list of tensors")
-    spec_by_name = {spec.name: spec for spec in specs}
+    names, alternative_names = [spec.name for spec in specs], [spec.name for spec in alternative]
+    expected = f"{names}" + (f", or {alternative_names} in their place" if alternative else "")
+    spec_by_name = {spec.name: spec for spec in (*specs, *alternative)}
     decoded: dict[str, np.ndarray] = {}
     for position, tensor in enumerate(raw_inputs):
         if not isinstance(tensor, dict) or not isinstance(tensor.get("name"), str):
             raise ProtocolError(f"inputs[{position}] must be an object with a string 'name'")
         name = tensor["name"]
         if name not in spec_by_name:
-            raise ProtocolError(f"unknown input '{name}'; the model's inputs are {list(spec_by_name)}")
+            raise ProtocolError(f"unknown input '{name}'; the model's inputs are {expected}")
         if name in decoded:
             raise ProtocolError(f"input '{name}' appears more than once")
         spec = spec_by_name[name]
@@ -258,8 +276,12 @@ def _decode_inputs(raw_inputs: object, read: TensorReader, specs: Sequence[Tenso
         if array.dtype.kind == "f" and not allow_nonfinite and not np.isfinite(array).all():
             raise ProtocolError(f"input '{name}': {spec.datatype} data holds NaN or infinity, which this model refuses")
         decoded[name] = array
-    if missing := [name for name in spec_by_name if name not in decoded]:
-        raise ProtocolError(f"missing inputs {missing}; the model's inputs are {list(spec_by_name)}")
+    given = [name for name in alternative_names if name in decoded]
+    if given and (mixed := [name for name in names if name in decoded]):
+        raise ProtocolError(f"inputs {given} take the place of {names}: give one or the other, not both "
+                            f"(got {given + mixed})")
+    if missing := [name for name in (alternative_names if given else names) if name not in decoded]:
+        raise ProtocolError(f"missing inputs {missing}; the model's inputs are {expected}")
     return decoded
 
 
@@ -274,8 +296,10 @@ def _checked_shape(tensor: dict, spec: TensorSpec) -> tuple[int, ...]:
         raise ProtocolError(f"input '{name}': expected datatype {spec.datatype}, got {datatype}")
     if not isinstance(shape, list) or not all(type(dim) is int and dim >= 0 for dim in shape):
         raise ProtocolError(f"input '{name}': shape must be a list of non-negative integers, got {shape!r}")
-    if len(shape) != len(spec.shape) or any(want not in (-1, got) for want, got in zip(spec.shape, shape)):
-        raise ProtocolError(f"input '{name}': expected shape {list(spec.shape)} (-1: any size), got {shape}")
+    if not any(len(shape) == len(want) and all(dim in (-1, got) for dim, got in zip(want, shape))
+               for want in spec.shapes):
+        raise ProtocolError(f"input '{name}': expected shape {' or '.join(str(list(want)) for want in spec.shapes)} "
+                            f"(-1: any size), got {shape}")
     if shape[0] == 0:
         raise ProtocolError(f"input '{name}': the batch dimension is 0; send at least one row")
     return tuple(shape)

@@ -20,12 +20,12 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-import numpy as np
 import torch
-from tokenizers import Tokenizer
 from torch import nn
 from transformers import AutoConfig, AutoModel, AutoModelForSequenceClassification, PretrainedConfig, PreTrainedModel
 from transformers.models.mpnet.modeling_mpnet import MPNetEncoder
+
+from rampserve.runtime.text import TextEncoder
 
 CONFIG_FILE = "config.json"
 TOKENIZER_FILE = "tokenizer.json"
@@ -304,38 +304,22 @@ def from_pretrained_dir(directory: Path) -> EncoderChain:
     return chain_of(model.eval())
 
 
-def tokenize(tokenizer: Tokenizer, texts: Iterable[str]) -> dict[str, np.ndarray]:
-    """Token ids and attention mask, int64 (N, L), as `tokenizer` pads and truncates them."""
-    encodings = tokenizer.encode_batch(list(texts))
-    width = len(encodings[0].ids) if encodings else 0
-    return {
-        "input_ids": np.array([e.ids for e in encodings], dtype=np.int64).reshape(len(encodings), width),
-        "attention_mask": np.array([e.attention_mask for e in encodings], dtype=np.int64).reshape(
-            len(encodings), width),
-    }
-
-
 @lru_cache(maxsize=8)
-def _tokenizer(directory: Path, max_length: int, modified_ns: int) -> Tokenizer:
+def _text_encoder(directory: Path, max_length: int, modified_ns: int) -> TextEncoder:
     """`modified_ns` (tokenizer.json's) keys the cache, so a bundle rewritten in place gets its new tokenizer."""
     file = directory / TOKENIZER_FILE
-    tokenizer = Tokenizer.from_file(str(file))
     pad_id = json.loads((directory / CONFIG_FILE).read_text()).get("pad_token_id")
-    pad_token = tokenizer.id_to_token(pad_id) if pad_id is not None else None
-    if pad_token is None:
+    encoder = None if pad_id is None else TextEncoder.from_file(file, pad_id, max_length)
+    if encoder is None or encoder.tokenizer.id_to_token(pad_id) is None:
         raise HFModelError(f"{directory}: config.json's pad_token_id {pad_id!r} is not in {TOKENIZER_FILE}")
-    # Pad to the batch's longest text, whatever fixed padding the file was saved with.
-    tokenizer.enable_padding(pad_id=pad_id, pad_token=pad_token)
-    tokenizer.enable_truncation(max_length=max_length)
-    return tokenizer
+    return encoder
 
 
-def text_encoder(directory: Path, max_length: int = MAX_LENGTH) -> Callable[[Iterable[str]], dict[str, np.ndarray]]:
+def text_encoder(directory: Path, max_length: int = MAX_LENGTH) -> TextEncoder:
     """Texts -> `input_ids`, `attention_mask` with the tokenizer saved in `directory` (padding with its config's
     pad_token_id), padded to the batch's longest text, at most `max_length` tokens."""
     directory = Path(directory).resolve()
     file = directory / TOKENIZER_FILE
     if not file.is_file():
         raise HFModelError(f"{directory} has no {TOKENIZER_FILE} (a fast tokenizer saved with the model)")
-    tokenizer = _tokenizer(directory, max_length, file.stat().st_mtime_ns)
-    return lambda texts: tokenize(tokenizer, texts)
+    return _text_encoder(directory, max_length, file.stat().st_mtime_ns)

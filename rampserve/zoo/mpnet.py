@@ -15,7 +15,9 @@ from safetensors.torch import load_file
 from torch import nn
 from transformers import MPNetConfig
 
-from rampserve.zoo.hf_encoders import EncoderChain, build_encoder, packaged_config, text_encoder
+from rampserve.runtime.text import TextEncoder
+from rampserve.zoo.hf_encoders import EncoderChain, build_encoder, packaged_config
+from rampserve.zoo.hf_encoders import text_encoder as checkpoint_text_encoder
 from rampserve.zoo.mpnet_weights import WEIGHTS_FILE, model_dir
 
 NUM_CLASSES = 2
@@ -50,7 +52,11 @@ def build_mpnet(num_layers: int | None = None, pretrained: bool = False) -> Enco
     return build_encoder(config, state).chain(MeanPoolingHead(config.hidden_size))
 
 
-def encode_texts(texts) -> dict:
+def text_encoder() -> TextEncoder:
     """Texts -> `input_ids`, `attention_mask` (int64, padded to the longest, at most 64 tokens), with MPNet's
     tokenizer."""
-    return text_encoder(model_dir())(texts)
+    return checkpoint_text_encoder(model_dir())
+
+
+def encode_texts(texts) -> dict:
+    return text_encoder()(texts)

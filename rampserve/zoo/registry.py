@@ -15,6 +15,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from rampserve.runtime.text import TOKEN_INPUTS, TextEncoder
 from rampserve.workloads.fashion_mnist import to_model_input
 from rampserve.workloads.streams import fmnist_drift_lighting
 from rampserve.zoo import cnn
@@ -36,7 +37,7 @@ if TYPE_CHECKING:
 # Seed of every fresh architecture, so `build()` is the same model each call.
 BUILD_SEED = 0
 IMAGE_INPUTS = ("image",)
-TEXT_INPUTS = ("input_ids", "attention_mask")
+TEXT_INPUTS = TOKEN_INPUTS
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,9 @@ class ZooEntry:
     # Raised when what the entry's bundles hold changes (the inputs it takes, the graph before its first layer, the
     # ramps prepare gives it), so that its bundles prepared before are prepared again; its trained weights are kept
     revision: int = 0
+    # A text model's tokenizer, loaded when called (`encode` is the same on texts): what its bundles carry, so that it
+    # takes text as well as token ids (`runtime.text`)
+    text_encoder: Callable[[], TextEncoder] | None = None
 
 
 EntryFactory = Callable[[bool], ZooEntry]
@@ -145,7 +149,7 @@ def fmnist_ramp_items(config: TrainConfig, small: bool) -> RampItems:
 
 def _entry(name: str, task: str, num_classes: int, build: Callable[[], nn.Module], recipe: Recipe,
            token_reduce: str = "first_token", ramp_items: RampItems | None = None, ramp_kind: str = "linear",
-           revision: int = 0) -> ZooEntry:
+           revision: int = 0, text_encoder: Callable[[], TextEncoder] | None = None) -> ZooEntry:
     return ZooEntry(
         name=name,
         task=task,
@@ -158,6 +162,7 @@ def _entry(name: str, task: str, num_classes: int, build: Callable[[], nn.Module
         ramp_items=ramp_items,
         ramp_kind=ramp_kind,
         revision=revision,
+        text_encoder=text_encoder,
     )
 
 
@@ -287,7 +292,7 @@ def _minilm_rt(small: bool) -> ZooEntry:
     # after layers 1-4 answered 0.51, 0.68, 0.89 and 0.96 of the stream with at most 1% of it wrong, against 0.32,
     # 0.42, 0.72 and 0.95 on the first token ([CLS], which only the model's last layers learn to summarise into)
     return _entry("minilm-rt", "text", minilm.NUM_CLASSES, build, recipe, token_reduce="token_mean_masked",
-                  ramp_items=rt_training_snippets(config))
+                  ramp_items=rt_training_snippets(config), text_encoder=minilm.text_encoder)
 
 
 # MPNet-base (all-mpnet-base-v2) on Rotten Tomatoes: only the mean-pooling head trains, on the frozen encoder's
@@ -317,4 +322,5 @@ def _mpnet_rt(small: bool) -> ZooEntry:
     # The bootstrap holds 853 distinct snippets: ramps after layer 11 of 12 agreed only 0.91 with the head on them.
     # The training movies' 7,686 snippets (never streamed) give the ramps nine times as many of the model's answers.
     return _entry("mpnet-rt", "text", mpnet.NUM_CLASSES, seeded(partial(mpnet.build_mpnet, layers)), recipe,
-                  token_reduce="token_mean_masked", ramp_items=rt_training_snippets(config))
+                  token_reduce="token_mean_masked", ramp_items=rt_training_snippets(config),
+                  text_encoder=mpnet.text_encoder)

@@ -29,7 +29,7 @@ import orjson
 
 from rampserve.ramps.scores import top_label_and_error
 from rampserve.serving.contract import Answer, Worker
-from rampserve.serving.models import LABEL_OUTPUT, LOGITS_OUTPUT, V2_DATATYPES, ServedModel
+from rampserve.serving.models import LABEL_OUTPUT, LOGITS_OUTPUT, V2_DATATYPES, ServedModel, TextInput
 from rampserve.serving.protocol import TensorSpec
 
 if TYPE_CHECKING:
@@ -123,6 +123,8 @@ class Predictor:
     # A prepared bundle's batching executor, which answers v2 inference itself and keeps its own status and
     # metrics; None for every other kind
     worker: Worker | None = None
+    # Texts the model takes in place of its token inputs (a text model's bundle); None: its inputs alone
+    text: TextInput | None = None
 
     @property
     def platform(self) -> str:
@@ -190,6 +192,7 @@ class WorkerPredictor(Predictor):
     def __init__(self, worker: Worker) -> None:
         self.worker = worker
         self.name, self.version, self.inputs = worker.served.name, worker.served.version, worker.served.inputs
+        self.text = worker.served.text
 
     @property
     def served(self) -> ServedModel:
