@@ -98,7 +98,20 @@ def prepare(
         help="zoo name, a .onnx file, module:factory for a torch module, or hf:DIR for a Hugging Face sequence "
              "classifier saved by save_pretrained (BERT, RoBERTa, MPNet, DistilBERT)")],
     out: Annotated[Path, typer.Option(help="bundle directory to write")],
-    workload: Annotated[Optional[str], typer.Option(help="stream whose bootstrap part trains the ramps")] = None,
+    data: Annotated[Optional[Path], typer.Option(
+        help="your model's own inputs, unlabeled: .npy, .npz, .safetensors, texts (.txt, .jsonl, .csv), a JSONL log "
+             "of v2 infer requests, or a folder of PNG/JPEG images (docs/own-data.md)")] = None,
+    workload: Annotated[Optional[str], typer.Option(
+        help="a benchmark stream whose bootstrap part trains the ramps (fmnist-drift, rt-drift) instead of --data")]
+    = None,
+    data_field: Annotated[Optional[str], typer.Option(help="--data texts: the JSONL field or CSV column (text)")] \
+    = None,
+    image_size: Annotated[Optional[str], typer.Option(help="--data images: HxW to resize to")] = None,
+    image_mean: Annotated[Optional[str], typer.Option(help="--data images: per-channel mean, e.g. 0.5,0.5,0.5")] \
+    = None,
+    image_std: Annotated[Optional[str], typer.Option(help="--data images: per-channel std")] = None,
+    image_layout: Annotated[Optional[str], typer.Option(help="--data images: nchw or nhwc")] = None,
+    image_channels: Annotated[Optional[int], typer.Option(help="--data images: 1 (grey) or 3 (RGB)")] = None,
     ramp_kind: Annotated[Optional[str], typer.Option(
         help="linear, mlp (a hidden layer), deep, cache (Freeze Inference), or mixed (per site, linear or cache); "
              "default: the zoo model's own (mlp for lite0-fmnist), else linear")] = None,
@@ -130,20 +143,48 @@ def prepare(
 
     try:
         source = ModelSource.parse(model, small=small)
+        if source.kind != "zoo" and (data is None) == (workload is None):
+            raise ValueError(f"{model} is your own model: give the inputs its ramps learn from, either your own "
+                             "(--data FILE) or a benchmark stream (--workload)")
         policy = import_object(site_policy) if site_policy else None
         cache = CacheSpec(reduction=cache_reduction, dim=cache_dim, lookup=cache_lookup, points=cache_points,
                           neighbours=cache_neighbours)
         given = {key: value for key, value in (("profile_budget_s", profile_budget), ("ramp_hidden", ramp_hidden))
                  if value is not None}
-        prepared = run_prepare(source, PrepareConfig(workload=workload, ramp_kind=ramp_kind, bootstrap_items=bootstrap,
+        options = data_options(data_field, image_size, image_mean, image_std, image_layout, image_channels)
+        prepared = run_prepare(source, PrepareConfig(workload=workload, data=data, data_options=options,
+                                                     ramp_kind=ramp_kind, bootstrap_items=bootstrap,
                                                      in_domain_items=in_domain, cache=cache, engine=engine, **given),
                                policy)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
     save_bundle(prepared, out)
     print_engines(prepared.meta["engine"])
+    own = prepared.meta.get("data")
     console.print(f"prepared {model} on {prepared.meta['engine']['engine']}: {len(prepared.sites)} sites, "
-                  f"bundle at {out}")
+                  f"bundle at {out}" + ("" if own is None else
+                                        f"; ramps learnt from the first {own['bootstrap_inputs']} distinct inputs of "
+                                        f"{own['path']} (its first {own['bootstrap_rows']} of {own['rows']} rows), "
+                                        f"the last {own['validation_inputs']} of them held back to validate"))
+
+
+def data_options(data_field: str | None = None, image_size: str | None = None, image_mean: str | None = None,
+                 image_std: str | None = None, image_layout: str | None = None, image_channels: int | None = None):
+    """`--data`'s options as `DataOptions`."""
+    from rampserve.runtime.user_data import DataOptions, ImageOptions
+
+    def numbers(text: str | None, what: str) -> tuple[float, ...] | None:
+        try:
+            return None if text is None else tuple(float(v) for v in text.split(","))
+        except ValueError:
+            raise ValueError(f"{what} {text!r}: give numbers separated by commas, e.g. 0.5,0.5,0.5") from None
+
+    size = numbers(image_size and image_size.lower().replace("x", ","), "--image-size")
+    if size is not None and (len(size) not in (1, 2) or any(v < 1 or v != int(v) for v in size)):
+        raise ValueError(f"--image-size {image_size!r}: give HxW (e.g. 224x224) or one size for both")
+    return DataOptions(text_field=data_field, image=ImageOptions(
+        size=None if size is None else (int(size[0]), int(size[-1])), mean=numbers(image_mean, "--image-mean"),
+        std=numbers(image_std, "--image-std"), layout=image_layout and image_layout.lower(), channels=image_channels))
 
 
 def inspect_bundle(bundle: Path) -> dict:
@@ -178,6 +219,7 @@ def inspect_bundle(bundle: Path) -> dict:
         "source": meta["source"],
         "backend": manifest["backend"],
         "workload": meta["workload"],
+        "data": meta.get("data"),  # the user's own inputs it was prepared on (`prepare --data`)
         "sites": sites,
         "final_stage_ms": {str(b): at(profile["segment_ms"]["output"], b) for b in (1, 16)} if profile else None,
         "whole_model_ms": {str(b): at(profile["full_ms"], b) for b in (1, 16)} if profile else None,
@@ -246,7 +288,11 @@ def print_inspection(report: dict) -> None:
         f"Oracle on {oracle['inputs']} validation inputs: mean latency savings {oracle['mean_savings']:.1%}, "
         f"median {oracle['median_savings']:.1%} (batch 1)."
     )
-    if data := report["ramp_data"]:
+    if own := report["data"]:
+        console.print(f"Ramps trained on the first {own['bootstrap_inputs']} distinct inputs of {own['path']} "
+                      f"(rows 1-{own['bootstrap_rows']} of {own['rows']}, {own['format']}); the last "
+                      f"{own['validation_inputs']} of them validated.")
+    elif data := report["ramp_data"]:
         extra = data["in_domain"]
         console.print(f"Ramps trained on {data['bootstrap']['items']} bootstrap inputs of {data['bootstrap']['workload']}"
                       + (f" and {extra['items']} from the {extra['source']}." if extra["items"] else "."))
