@@ -25,7 +25,7 @@ from typer.testing import CliRunner
 from rampserve.cli import app
 from rampserve.ramps.train import TrainConfig, split_indices
 from rampserve.runtime.bundle import load_bundle, save_bundle
-from rampserve.runtime.prepare import PrepareConfig, min_own_inputs, prepare, prepared_encoder
+from rampserve.runtime.prepare import PrepareConfig, min_own_inputs, prepare, prepared_encoder, reprofile
 from rampserve.runtime.sources import ModelSource
 from rampserve.runtime.user_data import (
     DataError, DataOptions, ExpectedInput, ImageOptions, ModelInputs, TensorRows, UserData, read_request_log,
@@ -86,10 +86,12 @@ def digits(tmp_path_factory) -> tuple[Path, np.ndarray]:
 def docstring_sentences() -> tuple[list[str], np.ndarray]:
     """Distinct sentences of the standard library's docstrings, labelled by what their module is about (text, files
     and processes, or numbers and collections)."""
-    groups = (("re", "string", "textwrap", "difflib", "csv", "json", "codecs", "unicodedata", "html"),
-              ("os", "shutil", "pathlib", "tempfile", "glob", "zipfile", "tarfile", "subprocess", "io", "stat"),
+    groups = (("re", "string", "textwrap", "difflib", "csv", "json", "codecs", "unicodedata", "html", "email.message",
+               "argparse", "gettext"),
+              ("os", "shutil", "pathlib", "tempfile", "glob", "zipfile", "tarfile", "subprocess", "io", "stat",
+               "socket", "threading", "logging", "sqlite3"),
               ("collections", "itertools", "functools", "heapq", "bisect", "statistics", "random", "math",
-               "decimal", "fractions"))
+               "decimal", "fractions", "datetime", "operator", "array", "enum"))
     found: dict[str, int] = {}
     for label, names in enumerate(groups):
         for name in names:
@@ -106,7 +108,7 @@ def docstring_sentences() -> tuple[list[str], np.ndarray]:
 @pytest.fixture(scope="module")
 def sentences() -> list[str]:
     texts, _ = docstring_sentences()
-    assert len(texts) > 1500
+    assert len(texts) > 2000
     return texts
 
 
@@ -207,6 +209,12 @@ def test_tensor_files_prepare_a_bundle_that_answers_as_the_onnx_model(digits, ow
     assert meta["training"]["num_val"] == 110 == meta["data"]["validation_inputs"]
     one = images[-1:]  # an input the ramps never saw
     assert bundle_labels(bundle, {"image": one}) == onnx_labels(path, one)
+    if suffix == ".npz":  # `rampserve profile` measures again on the rows it learnt from; `inspect` names them
+        profile = reprofile(load_bundle(bundle), own_config)
+        assert profile.sites == tuple(meta["oracle_val"]["exit_counts"])[:-1]
+        shown = CliRunner().invoke(app, ["inspect", str(bundle)])
+        assert shown.exit_code == 0 and "Ramps trained on the 1100 distinct inputs of rows 1-1100 of 1797" in \
+            " ".join(shown.output.split())
 
 
 def test_texts_in_each_format_prepare_a_bundle_that_answers_as_the_classifier(text_model, sentences, own_config,
@@ -396,11 +404,12 @@ def test_bad_tensor_files_are_refused_by_name_and_leave_nothing_behind(digits, t
     np.save(few, images[:999])
     message = refused(onnx, few, tmp_path)
     assert min_own_inputs(PrepareConfig()) == 1000
-    assert "ramps need at least 1000 distinct inputs, it holds 999 distinct inputs" in message
+    assert "ramps need at least 1000 distinct inputs to learn from, and its 999 rows hold 999" in message
 
     repeated = tmp_path / "repeated.npy"
     np.save(repeated, np.concatenate([images[:600]] * 3))
-    assert "it holds 600 distinct inputs (1800 in all)" in refused(onnx, repeated, tmp_path)
+    assert "and its 1800 rows hold 600" in refused(onnx, repeated, tmp_path)
+    assert "and its first 1200 rows (--bootstrap) hold 600" in refused(onnx, repeated, tmp_path, "--bootstrap", "1200")
 
     nan = tmp_path / "nan.npy"
     broken = images.copy()
@@ -437,7 +446,7 @@ def test_bad_texts_and_request_logs_are_refused_by_line_and_leave_nothing_behind
     csv = tmp_path / "texts.csv"
     csv.write_text("id,review\n1,fine\n")
     assert "no column 'text' (its columns: ['id', 'review'])" in refused(model, csv, tmp_path)
-    assert "ramps need at least 1000 distinct inputs, it holds 1 distinct inputs" in \
+    assert "ramps need at least 1000 distinct inputs to learn from, and its 1 rows hold 1" in \
         refused(model, csv, tmp_path, "--data-field", "review")
 
     encode = text_encoder(text_model)
@@ -492,3 +501,59 @@ def test_images_need_a_size_and_a_layout_they_can_be_given(tmp_path) -> None:
     given = read_user_data(folder, free, DataOptions(image=ImageOptions(size=(8, 12), mean=(0.5,), std=(0.25,))))
     assert given.items.arrays["image"].shape == (1, 3, 8, 12)  # RGB, channels first, as the input's shape says
     assert given.preprocessing["mean"] == [0.5] and given.preprocessing["std"] == [0.25]
+
+
+# --- the benches on one's own inputs ------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def digits_twice(digits, tmp_path_factory) -> Path:
+    """3,594 distinct inputs in a file: the digits, then each moved a pixel to the right."""
+    _, images = digits
+    data = tmp_path_factory.mktemp("digits-data") / "digits-twice.npy"
+    np.save(data, np.concatenate([images, np.roll(images, 1, axis=3)]))
+    return data
+
+
+def test_bench_sim_replays_the_rows_after_those_the_ramps_learnt_from(digits, digits_twice, own_config) -> None:
+    from rampserve.bench.sim import SimSettings, run_sim
+    from rampserve.control.controller import ControllerSettings
+
+    path, _ = digits
+    rows = np.load(digits_twice)
+    config = replace(own_config, engine="onnxruntime", bootstrap_items=8000)
+    result = run_sim(SimSettings(model=str(path), data=digits_twice, prepare=config, trace="poisson",
+                                 saturation=False, risk_step_sweep=(), controller=ControllerSettings(ramp_budget=0.1)))
+    report = result.report
+    own = report["data"]
+    # at most half the file's rows train the ramps, as `prepare --data F --bootstrap 1797` trains them
+    assert own["bootstrap_inputs"] == len(rows) // 2 == own["bootstrap_rows"]
+    assert report["workload"] == "data:digits-twice.npy" and own["replayed_seen_in_bootstrap"] == 0
+    meta = load_bundle(Path(report["bundle"])).meta
+    assert meta["data"]["bootstrap_rows"] == own["bootstrap_rows"] and meta["data"]["sha256"] == own["sha256"]
+    assert meta["training"]["num_train"] + meta["training"]["num_val"] == own["bootstrap_inputs"]
+    # the replay is every row after them, in the file's order, scored against the model's own answers
+    assert report["requests"] == own["replayed_rows"] == len(rows) - own["bootstrap_rows"]
+    np.testing.assert_array_equal(result.scenario.outputs.final, onnx_labels(path, rows[own["bootstrap_rows"]:]))
+    systems = report["systems"]
+    assert systems["vanilla"]["accuracy"] == 1.0 and systems["oracle"]["exit_share"] > 0.5
+    assert systems["rampserve"]["accuracy"] >= 0.98
+
+
+def test_bench_live_plans_its_replay_on_the_file_and_serves_the_bundle_prepared_on_it(text_model, sentences,
+                                                                                      own_config, tmp_path) -> None:
+    """What `bench live --data` serves and replays, without starting servers: the replays simulated."""
+    from rampserve.bench.live import LiveSettings, plan_live, simulate_replays
+
+    texts = tmp_path / "texts.jsonl"
+    repeated = sentences + sentences[:300]  # traffic repeats itself
+    texts.write_text("\n".join(json.dumps({"text": s}) for s in repeated))
+    settings = LiveSettings(model=f"hf:{text_model}", data=texts, prepare=replace(own_config, bootstrap_items=1000),
+                            rate_rps=50.0, duration_s=4.0, warmup_requests=20)
+    plan = plan_live(settings)
+    assert plan.served == str(plan.bundle) and plan.name == plan.bundle.name
+    assert plan.first == plan.data["bootstrap_rows"] == 1000 and plan.stream.task == "text"
+    assert plan.data["replayed_rows"] == len(repeated) - 1000
+    assert plan.data["replayed_seen_in_bootstrap"] == 300  # the repeats at the end learnt from, counted
+    assert plan.stream.items(plan.first, plan.first + 2) == repeated[1000:1002]
+    report = simulate_replays(settings, 1, tmp_path / "replays.json", progress=False)
+    assert report["workload"] == "data:texts.jsonl" and report["seeds"][0]["rampserve"]["accuracy"] >= 0.9

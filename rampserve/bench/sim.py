@@ -27,6 +27,7 @@ from tqdm.auto import tqdm
 from rampserve.bench.figures import configuration_changes, controller_exit_mode, windows_below_share
 from rampserve.bench.harness import ratio
 from rampserve.bench.load import DEFAULT_LOAD, batch1_capacity_rps, rate_at_load
+from rampserve.bench.own_data import OwnStream, own_stream, own_stream_of_bundle, workload_label
 from rampserve.bench.queueing import BatchOutcome, QueueResult, max_rate_within_slo, run_queue
 from rampserve.bench.ramp_outputs import RampOutputs, ramp_outputs
 from rampserve.control.controller import Controller, ControllerSettings
@@ -37,8 +38,9 @@ from rampserve.control.thresholds import ExitData, TuningResult, evaluate, tune_
 from rampserve.ramps.oracle import earliest_correct_exit
 from rampserve.runtime.bundle import load_bundle
 from rampserve.runtime.latency import LatencyProfile, serving_limits
-from rampserve.runtime.prepare import prepared_encoder
+from rampserve.runtime.prepare import PrepareConfig, prepared_encoder
 from rampserve.runtime.prepared import PreparedModel
+from rampserve.runtime.user_data import DataOptions
 from rampserve.workloads.streams import Stream, get_stream
 from rampserve.workloads.traces import arrival_times
 
@@ -71,6 +73,21 @@ class SimSettings:
     hindsight_beam: int = HINDSIGHT_BEAM
     small: bool = False
     bundle: Path | None = None  # a prepared bundle to use instead of the zoo model's
+    # The user's own inputs as the stream instead of `workload` (`bench.own_data`): `model` (any source) prepared on
+    # their first `prepare.bootstrap_items` distinct ones (at most half the file's), or `bundle` where it was prepared with --data
+    data: Path | None = None
+    data_options: DataOptions = field(default_factory=DataOptions)
+    prepare: PrepareConfig = field(default_factory=PrepareConfig)  # how the model is prepared on `data`
+
+    @property
+    def workload_label(self) -> str:
+        return self.workload if self.data is None else workload_label(self.data)
+
+    def own_stream(self) -> OwnStream:
+        if self.bundle is not None:
+            return own_stream_of_bundle(self.bundle, self.data)
+        return own_stream(self.model, self.data, self.data_options, self.prepare,
+                          self.small)
 
 
 @dataclass
@@ -386,11 +403,12 @@ def input_lengths(model: PreparedModel, stream: Stream, start: int, stop: int) -
 def load_scenario(settings: SimSettings) -> tuple[Scenario, dict]:
     from rampserve.runtime.zoo_bundles import zoo_bundle
 
-    bundle = settings.bundle or zoo_bundle(settings.model, settings.small)
+    own = None if settings.data is None else settings.own_stream()
+    bundle = own.bundle if own else settings.bundle or zoo_bundle(settings.model, settings.small)
     model = load_bundle(bundle)
     if model.profile is None:
         raise ValueError(f"{bundle} has no latency profile; run `rampserve profile {bundle}`")
-    stream = get_stream(settings.workload, length=settings.length, seed=settings.seed)
+    stream = own.stream if own else get_stream(settings.workload, length=settings.length, seed=settings.seed)
     evaluation = stream.evaluation
     outputs = ramp_outputs(model, bundle, stream, evaluation.start, evaluation.stop)
     profile = model.profile
@@ -403,7 +421,8 @@ def load_scenario(settings: SimSettings) -> tuple[Scenario, dict]:
     slo, max_batch = serving_limits(profile, settings.slo_ms)
     arrivals = arrival_times(settings.trace, len(outputs.final), rate, seed=settings.seed)
     scenario = Scenario(outputs, CostModel(profile), arrivals, max_batch, lengths)
-    info = {"model": settings.model, "workload": settings.workload, "trace": settings.trace,
+    info = {"model": settings.model, "workload": settings.workload_label, "trace": settings.trace,
+            **({"data": own.record, "bundle": str(own.bundle)} if own else {}),
             "rate_rps": rate, "load": rate * mean_scale / batch1_capacity_rps(profile), "slo_ms": slo,
             "max_batch": max_batch, "requests": len(arrivals), "sites": list(profile.sites),
             "vanilla_batch1_ms": profile.full(1), "mean_length_scale": mean_scale}

@@ -42,8 +42,9 @@ MIN_VALIDATION_INPUTS = 100
 @dataclass(frozen=True)
 class PrepareConfig:
     workload: str | None = None  # stream whose bootstrap part trains the ramps; default from the zoo entry
-    # The user's own inputs (`runtime.user_data`) instead of a workload: their first `bootstrap_items` distinct ones
-    # in the file's order train the ramps, and the last `train.val_fraction` of those validates them
+    # The user's own inputs (`runtime.user_data`) instead of a workload: the file's first `bootstrap_items` rows
+    # train the ramps (each distinct input once, in the file's order), and the last `train.val_fraction` of those
+    # inputs validates them
     data: Path | None = None
     data_options: DataOptions = field(default_factory=DataOptions)
     # "linear", "mlp", "deep", "cache", or "mixed" (per site, a linear or a cache ramp); None: the zoo entry's
@@ -286,26 +287,27 @@ def min_own_inputs(config: PrepareConfig) -> int:
     return math.ceil(MIN_VALIDATION_INPUTS / config.train.val_fraction)
 
 
-def own_bootstrap(data: UserData, limit: int, config: PrepareConfig) -> np.ndarray:
-    """The positions in the file of the inputs ramps learn on: the first `limit` distinct ones, in the file's
-    order; refused when they are fewer than `min_own_inputs`."""
+def own_bootstrap(data: UserData, rows: int, config: PrepareConfig) -> np.ndarray:
+    """The positions in the file of the inputs ramps learn from: each distinct input of its first `rows` rows once,
+    in the file's order; refused when they are fewer than `min_own_inputs`."""
+    rows = min(rows, len(data))
     distinct = data.distinct_positions()
+    positions = distinct[distinct < rows]
     needed = min_own_inputs(config)
-    if min(limit, len(distinct)) < needed:
-        got = f"{len(distinct)} distinct inputs" + (f" ({len(data)} in all)" if len(distinct) < len(data) else "")
-        raise DataError(f"{data.path}: ramps need at least {needed} distinct inputs, "
-                        + (f"and --bootstrap allows {limit}" if limit < len(distinct) else f"it holds {got}")
-                        + f": the last {config.train.val_fraction:.0%} of them validates the ramps, and fewer than "
-                        f"{MIN_VALIDATION_INPUTS} validation inputs cannot show the 1% disagreement the default accuracy "
-                        "constraint allows")
-    return distinct[:limit]
+    if len(positions) < needed:
+        span = f"its {rows} rows" if rows == len(data) else f"its first {rows} rows (--bootstrap)"
+        raise DataError(f"{data.path}: ramps need at least {needed} distinct inputs to learn from, and {span} hold "
+                        f"{len(positions)}: the last {config.train.val_fraction:.0%} of them validates the ramps, and "
+                        f"fewer than {MIN_VALIDATION_INPUTS} validation inputs cannot show the 1% disagreement the "
+                        "default accuracy constraint allows")
+    return positions
 
 
-def own_data_record(data: UserData, positions: np.ndarray, config: PrepareConfig) -> dict:
-    """What a bundle keeps of the user's data: the file, and the rows the ramps learnt on (the bench replays those
+def own_data_record(data: UserData, positions: np.ndarray, rows: int, config: PrepareConfig) -> dict:
+    """What a bundle keeps of the user's data: the file, and the rows the ramps learnt from (a bench replays those
     after them)."""
     validation = max(1, int(round(len(positions) * config.train.val_fraction)))
-    return data.record() | {"bootstrap_rows": int(positions[-1]) + 1, "bootstrap_inputs": len(positions),
+    return data.record() | {"bootstrap_rows": min(rows, len(data)), "bootstrap_inputs": len(positions),
                             "validation_inputs": validation}
 
 
@@ -331,7 +333,8 @@ def own_ramp_data(source: ModelSource, config: PrepareConfig, torch_backend: Tor
     task = model_task(source) or ("image" if data.format == "images" else TENSORS)
     encoder = model_encoder(source, "text") if data.kind == "text" else rows_encoder
     bootstrap = BootstrapInputs(task, encoder, data.take(positions))
-    return RampData(None, bootstrap, bootstrap.items[:0], None, own_data_record(data, positions, config))
+    return RampData(None, bootstrap, bootstrap.items[:0], None,
+                    own_data_record(data, positions, config.bootstrap_items, config))
 
 
 def sample_feeds(backend: Backend, inputs: BootstrapInputs) -> Callable[[int], dict[str, np.ndarray]]:
@@ -394,7 +397,7 @@ def reprofile(model: PreparedModel, config: PrepareConfig = PrepareConfig()) -> 
     user's own it was prepared on)."""
     if model.meta.get("data"):
         data = reread_own_data(model)
-        items = data.take(data.distinct_positions()[:config.bootstrap_items])
+        items = data.take(own_bootstrap(data, model.meta["data"]["bootstrap_rows"], config))
         inputs = BootstrapInputs(model.meta["task"], prepared_encoder(model, data.kind), items)
     else:
         inputs = bootstrap_inputs(model.meta["workload"], config.bootstrap_items, *_source_and_files(model))
