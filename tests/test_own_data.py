@@ -10,6 +10,7 @@ import importlib
 import inspect
 import json
 import re
+import urllib.request
 from dataclasses import replace
 from pathlib import Path
 
@@ -278,8 +279,6 @@ def test_a_request_log_of_token_ids_and_texts_prepares_a_text_model_that_serves(
     """The log a server records: each line a v2 body as the HTTP route accepts it (checked with the server's own
     parser), some with token ids of their own length (nested or flat data, batches of one to three), some with
     the texts themselves."""
-    import tritonclient.http as triton
-
     from rampserve.serving.contract import ModelSettings
     from rampserve.serving.models import load_served
     from rampserve.serving.protocol import parse_infer_request
@@ -309,15 +308,12 @@ def test_a_request_log_of_token_ids_and_texts_prepares_a_text_model_that_serves(
     encoded = prepared_encoder(model, "text")(probe)
     expected = transformers_labels(text_model, probe)
     state = build_state([served], ModelSettings(), ServerSettings(port=0))
-    with running_server(state, ServerSettings(port=0)) as url:
-        client = triton.InferenceServerClient(url.removeprefix("http://"))
-        inputs = []
-        for name, array in encoded.items():
-            tensor = triton.InferInput(name, list(array.shape), "INT64")
-            tensor.set_data_from_numpy(array, binary_data=True)
-            inputs.append(tensor)
-        answer = client.infer(bundle.name, inputs, outputs=[triton.InferRequestedOutput("label")])
-    np.testing.assert_array_equal(answer.as_numpy("label"), expected)
+    with running_server(state, ServerSettings(port=0)) as url:  # a request as the log's lines were sent
+        request = urllib.request.Request(f"{url}/v2/models/{bundle.name}/infer", v2_request(encoded, True).encode(),
+                                         {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=60) as response:
+            answer = {o["name"]: o["data"] for o in json.loads(response.read())["outputs"]}
+    assert answer["label"] == expected.tolist()
 
 
 @settings(max_examples=30, deadline=None)
@@ -401,15 +397,15 @@ def test_bad_tensor_files_are_refused_by_name_and_leave_nothing_behind(digits, t
     assert "input 'image': expected shape [-1, 1, 16, 16]" in message and "got [1797, 256]" in message
 
     few = tmp_path / "few.npy"
-    np.save(few, images[:999])
+    np.save(few, images[:499])
     message = refused(onnx, few, tmp_path)
-    assert min_own_inputs(PrepareConfig()) == 1000
-    assert "ramps need at least 1000 distinct inputs to learn from, and its 999 rows hold 999" in message
+    assert min_own_inputs(PrepareConfig()) == 500
+    assert "ramps need at least 500 distinct inputs to learn from, and its 499 rows hold 499" in message
 
     repeated = tmp_path / "repeated.npy"
-    np.save(repeated, np.concatenate([images[:600]] * 3))
-    assert "and its 1800 rows hold 600" in refused(onnx, repeated, tmp_path)
-    assert "and its first 1200 rows (--bootstrap) hold 600" in refused(onnx, repeated, tmp_path, "--bootstrap", "1200")
+    np.save(repeated, np.concatenate([images[:400]] * 4))
+    assert "and its 1600 rows hold 400" in refused(onnx, repeated, tmp_path)
+    assert "and its first 1200 rows (--bootstrap) hold 400" in refused(onnx, repeated, tmp_path, "--bootstrap", "1200")
 
     nan = tmp_path / "nan.npy"
     broken = images.copy()
@@ -446,7 +442,7 @@ def test_bad_texts_and_request_logs_are_refused_by_line_and_leave_nothing_behind
     csv = tmp_path / "texts.csv"
     csv.write_text("id,review\n1,fine\n")
     assert "no column 'text' (its columns: ['id', 'review'])" in refused(model, csv, tmp_path)
-    assert "ramps need at least 1000 distinct inputs to learn from, and its 1 rows hold 1" in \
+    assert "ramps need at least 500 distinct inputs to learn from, and its 1 rows hold 1" in \
         refused(model, csv, tmp_path, "--data-field", "review")
 
     encode = text_encoder(text_model)

@@ -55,7 +55,7 @@ from rampserve.bench.harness import (
     median_ratio, most_frequent, percentiles, rampserve_serve, ratio, renamed, require_answers, run_loadgen, write_json,
 )
 from rampserve.bench.loadgen import Job, LoadResult
-from rampserve.bench.own_data import own_stream, workload_label
+from rampserve.bench.own_data import OwnDataSettings
 from rampserve.bench.ramp_outputs import RampOutputs, ramp_outputs
 from rampserve.bench.load import DEFAULT_LOAD, rate_at_load
 from rampserve.bench.sim import (
@@ -68,9 +68,7 @@ from rampserve.control.records import Configuration
 from rampserve.control.settings import EXIT_MODE_CHOICES
 from rampserve.runtime.bundle import load_bundle
 from rampserve.runtime.latency import serving_limits
-from rampserve.runtime.prepare import PrepareConfig
 from rampserve.runtime.prepared import PreparedModel
-from rampserve.runtime.user_data import DataOptions
 from rampserve.workloads.streams import DEFAULT_LENGTH, Stream, get_stream
 from rampserve.workloads.traces import MAF_MINUTE_S, arrival_times
 
@@ -88,7 +86,7 @@ CLIENTS = ("lean", "aiohttp")
 
 
 @dataclass(frozen=True)
-class LiveSettings:
+class LiveSettings(OwnDataSettings):
     model: str = "resnet18-fmnist"  # a zoo model; with `data`, any source
     workload: str = "fmnist-drift"
     trace: str = "maf"
@@ -137,15 +135,6 @@ class LiveSettings:
     # Replays of each load per system, alternating which goes first: ratios are paired within a round, and the
     # median over rounds is what the goals judge
     replay_rounds: int = 3
-    # The user's own inputs as the stream instead of `workload` (`bench.own_data`): `model` prepared on their first
-    # `prepare.bootstrap_items` distinct ones (at most half the file's), and served from that bundle
-    data: Path | None = None
-    data_options: DataOptions = field(default_factory=DataOptions)
-    prepare: PrepareConfig = field(default_factory=PrepareConfig)  # how the model is prepared on `data`
-
-    @property
-    def workload_label(self) -> str:
-        return self.workload if self.data is None else workload_label(self.data)
 
     def __post_init__(self) -> None:
         if self.saturation_s <= self.saturation_settle_s:
@@ -713,8 +702,7 @@ class LivePlan:
 def plan_live(settings: LiveSettings) -> LivePlan:
     from rampserve.runtime.zoo_bundles import zoo_bundle
 
-    own = None if settings.data is None else own_stream(
-        settings.model, settings.data, settings.data_options, settings.prepare)
+    own = None if settings.data is None else settings.own_stream(settings.model)
     bundle = own.bundle if own else zoo_bundle(settings.model)
     model = load_bundle(bundle)
     profile = model.profile

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -46,6 +46,24 @@ class OwnStream:
 def workload_label(data: Path) -> str:
     """What a report names a run on the user's file as its workload."""
     return f"data:{Path(data).name}"
+
+
+@dataclass(frozen=True)
+class OwnDataSettings:
+    """What `bench sim` and `bench live` settings hold for the user's own inputs as the stream (`--data`) instead of
+    their `workload`: the file, how it is read, and how the model is prepared on it (`own_stream`)."""
+
+    data: Path | None = None
+    data_options: DataOptions = field(default_factory=DataOptions)
+    prepare: PrepareConfig = field(default_factory=PrepareConfig)
+
+    @property
+    def workload_label(self) -> str:
+        """The report's name of the stream: the workload's, or the file's (`workload_label`)."""
+        return self.workload if self.data is None else workload_label(self.data)  # each bench names a workload
+
+    def own_stream(self, model: str, small: bool = False) -> OwnStream:
+        return own_stream(model, self.data, self.data_options, self.prepare, small)
 
 
 def bench_bootstrap(rows: int, limit: int) -> int:

@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 from rampserve.bench.figures import configuration_changes, controller_exit_mode, windows_below_share
 from rampserve.bench.harness import ratio
 from rampserve.bench.load import DEFAULT_LOAD, batch1_capacity_rps, rate_at_load
-from rampserve.bench.own_data import OwnStream, own_stream, own_stream_of_bundle, workload_label
+from rampserve.bench.own_data import OwnDataSettings, own_stream_of_bundle
 from rampserve.bench.queueing import BatchOutcome, QueueResult, max_rate_within_slo, run_queue
 from rampserve.bench.ramp_outputs import RampOutputs, ramp_outputs
 from rampserve.control.controller import Controller, ControllerSettings
@@ -38,9 +38,8 @@ from rampserve.control.thresholds import ExitData, TuningResult, evaluate, tune_
 from rampserve.ramps.oracle import earliest_correct_exit
 from rampserve.runtime.bundle import load_bundle
 from rampserve.runtime.latency import LatencyProfile, serving_limits
-from rampserve.runtime.prepare import PrepareConfig, prepared_encoder
+from rampserve.runtime.prepare import prepared_encoder
 from rampserve.runtime.prepared import PreparedModel
-from rampserve.runtime.user_data import DataOptions
 from rampserve.workloads.streams import Stream, get_stream
 from rampserve.workloads.traces import arrival_times
 
@@ -55,7 +54,7 @@ HINDSIGHT_BEAM = 8
 
 
 @dataclass(frozen=True)
-class SimSettings:
+class SimSettings(OwnDataSettings):
     model: str = "resnet18-fmnist"
     workload: str = "fmnist-drift"
     trace: str = "maf"
@@ -72,22 +71,8 @@ class SimSettings:
     hindsight_exhaustive_sets: int = HINDSIGHT_EXHAUSTIVE_SETS
     hindsight_beam: int = HINDSIGHT_BEAM
     small: bool = False
-    bundle: Path | None = None  # a prepared bundle to use instead of the zoo model's
-    # The user's own inputs as the stream instead of `workload` (`bench.own_data`): `model` (any source) prepared on
-    # their first `prepare.bootstrap_items` distinct ones (at most half the file's), or `bundle` where it was prepared with --data
-    data: Path | None = None
-    data_options: DataOptions = field(default_factory=DataOptions)
-    prepare: PrepareConfig = field(default_factory=PrepareConfig)  # how the model is prepared on `data`
-
-    @property
-    def workload_label(self) -> str:
-        return self.workload if self.data is None else workload_label(self.data)
-
-    def own_stream(self) -> OwnStream:
-        if self.bundle is not None:
-            return own_stream_of_bundle(self.bundle, self.data)
-        return own_stream(self.model, self.data, self.data_options, self.prepare,
-                          self.small)
+    # A prepared bundle to use instead of the zoo model's; with `data`, one prepared on it (`prepare --data`)
+    bundle: Path | None = None
 
 
 @dataclass
@@ -403,7 +388,8 @@ def input_lengths(model: PreparedModel, stream: Stream, start: int, stop: int) -
 def load_scenario(settings: SimSettings) -> tuple[Scenario, dict]:
     from rampserve.runtime.zoo_bundles import zoo_bundle
 
-    own = None if settings.data is None else settings.own_stream()
+    own = None if settings.data is None else own_stream_of_bundle(settings.bundle, settings.data) \
+        if settings.bundle else settings.own_stream(settings.model, settings.small)
     bundle = own.bundle if own else settings.bundle or zoo_bundle(settings.model, settings.small)
     model = load_bundle(bundle)
     if model.profile is None:
