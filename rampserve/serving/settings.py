@@ -24,6 +24,9 @@ if TYPE_CHECKING:
 
 ENV_PREFIX = "RAMPSERVE_"
 MODEL_SETTINGS_FILE = "model-settings.json"
+# Distinct requests a model served before it was prepared records to train its ramps on (`serve --record`; see
+# `serving.learning` and docs/serve-your-model.md)
+DEFAULT_RECORD = 2000
 CONTROLLER_KEYS = frozenset(f.name for f in fields(ControllerSettings))
 
 
