@@ -421,8 +421,12 @@ class Learner:
         self._enter(CERTIFYING, "the controller certifies thresholds on live inputs before it serves an exit")
         while True:
             predictor = catalogue.models.get(self.name)
-            if predictor is not None and predictor.worker is not None and certified(await predictor.status(1)):
-                self._enter(MANAGED)
+            status = None if predictor is None or predictor.worker is None else await predictor.status(1)
+            if status is not None and certified(status):
+                self._enter(MANAGED, "exits at " + ", ".join(status["configuration"]["sites"]))
+                return
+            if status is not None and status.get("controller_idle"):  # it will never change its configuration
+                self._enter(MANAGED, f"no exit: {status['decisions'][-1]['reason']}")
                 return
             await asyncio.sleep(CERTIFICATION_POLL_S)
 
