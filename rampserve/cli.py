@@ -92,13 +92,37 @@ def _write_json(data: dict, path: Path | None) -> None:
         console.print(f"wrote {path}")
 
 
+# How `--data` is read, for `prepare`, `bench sim` and `bench live` alike (`data_options`); each command gets those
+# given in `data_flags`
+DATA_OPTIONS: dict[str, object] = {
+    "data_field": Annotated[Optional[str], typer.Option(help="--data texts: the JSONL field or CSV column (default: "
+                                                             "text)")],
+    "image_size": Annotated[Optional[str], typer.Option(help="--data images: HxW to resize to (default: the model's "
+                                                             "preprocessor_config.json, else its input's shape)")],
+    "image_mean": Annotated[Optional[str], typer.Option(help="--data images: per-channel mean of pixels in [0, 1], "
+                                                             "e.g. 0.485,0.456,0.406 (default: 0)")],
+    "image_std": Annotated[Optional[str], typer.Option(help="--data images: per-channel std (default: 1)")],
+    "image_layout": Annotated[Optional[str], typer.Option(help="--data images: nchw or nhwc (default: as the input's "
+                                                               "shape says, else nchw)")],
+    "image_channels": Annotated[Optional[int], typer.Option(help="--data images: 1 (grey) or 3 (RGB) (default: as the "
+                                                                 "input's shape says, else 3)")],
+}
+data_options_flags = with_options(DATA_OPTIONS, "data_flags")
+
+
 @app.command()
+@data_options_flags
 def prepare(
     model: Annotated[str, typer.Argument(
         help="zoo name, a .onnx file, module:factory for a torch module, or hf:DIR for a Hugging Face sequence "
              "classifier saved by save_pretrained (BERT, RoBERTa, MPNet, DistilBERT)")],
     out: Annotated[Path, typer.Option(help="bundle directory to write")],
-    workload: Annotated[Optional[str], typer.Option(help="stream whose bootstrap part trains the ramps")] = None,
+    data: Annotated[Optional[Path], typer.Option(
+        help="your model's own inputs, unlabeled: .npy, .npz, .safetensors, texts (.txt, .jsonl, .csv), a JSONL log "
+             "of v2 infer requests, or a folder of PNG/JPEG images (docs/own-data.md)")] = None,
+    workload: Annotated[Optional[str], typer.Option(
+        help="a benchmark stream whose bootstrap part trains the ramps (fmnist-drift, rt-drift) instead of --data")]
+    = None,
     ramp_kind: Annotated[Optional[str], typer.Option(
         help="linear, mlp (a hidden layer), deep, cache (Freeze Inference), or mixed (per site, linear or cache); "
              "default: the zoo model's own (mlp for lite0-fmnist), else linear")] = None,
@@ -109,7 +133,8 @@ def prepare(
     cache_lookup: Annotated[str, typer.Option(help="cache ramps: kmeans (default) or knn")] = "kmeans",
     cache_points: Annotated[int, typer.Option(help="cache ramps: centroids (kmeans) or stored inputs (knn)")] = 128,
     cache_neighbours: Annotated[int, typer.Option(help="cache ramps: neighbours looked up (knn)")] = 1,
-    bootstrap: Annotated[int, typer.Option(help="bootstrap inputs to train ramps on, at most")] = 8000,
+    bootstrap: Annotated[int, typer.Option(help="bootstrap inputs to train ramps on, at most (--data: the file's "
+                                                "first rows, each distinct input once)")] = 8000,
     in_domain: Annotated[int, typer.Option(
         help="a zoo model's own in-domain inputs (never streamed) to train ramps on besides, at most")] = 16000,
     profile_budget: Annotated[Optional[float], typer.Option(
@@ -120,8 +145,11 @@ def prepare(
         help="auto (time every engine the model runs on here, serve on the fastest at batch 1), onnxruntime, "
              "onnxruntime-1thread or torch")] = "auto",
     small: Annotated[bool, typer.Option(help="the zoo's tiny test variant")] = False,
+    *,
+    data_flags: dict[str, object],
 ) -> None:
-    """Find the model's sites, train a ramp at each, profile it, and write a bundle."""
+    """Find the model's sites, train a ramp at each (on your own inputs, --data, or a benchmark stream), profile it,
+    and write a bundle: whole, or not at all."""
     from rampserve.ramps.cache import CacheSpec
     from rampserve.runtime.bundle import save_bundle
     from rampserve.runtime.prepare import PrepareConfig
@@ -130,20 +158,48 @@ def prepare(
 
     try:
         source = ModelSource.parse(model, small=small)
+        if source.kind != "zoo" and (data is None) == (workload is None):
+            raise ValueError(f"{model} is your own model: give the inputs its ramps learn from, either your own "
+                             "(--data FILE) or a benchmark stream (--workload)")
         policy = import_object(site_policy) if site_policy else None
         cache = CacheSpec(reduction=cache_reduction, dim=cache_dim, lookup=cache_lookup, points=cache_points,
                           neighbours=cache_neighbours)
         given = {key: value for key, value in (("profile_budget_s", profile_budget), ("ramp_hidden", ramp_hidden))
                  if value is not None}
-        prepared = run_prepare(source, PrepareConfig(workload=workload, ramp_kind=ramp_kind, bootstrap_items=bootstrap,
+        options = data_options(**data_flags)
+        prepared = run_prepare(source, PrepareConfig(workload=workload, data=data, data_options=options,
+                                                     ramp_kind=ramp_kind, bootstrap_items=bootstrap,
                                                      in_domain_items=in_domain, cache=cache, engine=engine, **given),
                                policy)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
     save_bundle(prepared, out)
     print_engines(prepared.meta["engine"])
+    own = prepared.meta.get("data")
     console.print(f"prepared {model} on {prepared.meta['engine']['engine']}: {len(prepared.sites)} sites, "
-                  f"bundle at {out}")
+                  f"bundle at {out}" + ("" if own is None else
+                                        f"; ramps learnt from the {own['bootstrap_inputs']} distinct inputs of the "
+                                        f"first {own['bootstrap_rows']} of {own['rows']} rows of {own['path']}, the "
+                                        f"last {own['validation_inputs']} of them held back to validate"))
+
+
+def data_options(data_field: str | None = None, image_size: str | None = None, image_mean: str | None = None,
+                 image_std: str | None = None, image_layout: str | None = None, image_channels: int | None = None):
+    """`--data`'s options as `DataOptions`."""
+    from rampserve.runtime.user_data import DataOptions, ImageOptions
+
+    def numbers(text: str | None, what: str) -> tuple[float, ...] | None:
+        try:
+            return None if text is None else tuple(float(v) for v in text.split(","))
+        except ValueError:
+            raise ValueError(f"{what} {text!r}: give numbers separated by commas, e.g. 0.5,0.5,0.5") from None
+
+    size = numbers(image_size and image_size.lower().replace("x", ","), "--image-size")
+    if size is not None and (len(size) not in (1, 2) or any(v < 1 or v != int(v) for v in size)):
+        raise ValueError(f"--image-size {image_size!r}: give HxW (e.g. 224x224) or one size for both")
+    return DataOptions(text_field=data_field, image=ImageOptions(
+        size=None if size is None else (int(size[0]), int(size[-1])), mean=numbers(image_mean, "--image-mean"),
+        std=numbers(image_std, "--image-std"), layout=image_layout and image_layout.lower(), channels=image_channels))
 
 
 def inspect_bundle(bundle: Path) -> dict:
@@ -178,6 +234,7 @@ def inspect_bundle(bundle: Path) -> dict:
         "source": meta["source"],
         "backend": manifest["backend"],
         "workload": meta["workload"],
+        "data": meta.get("data"),  # the user's own inputs it was prepared on (`prepare --data`)
         "sites": sites,
         "final_stage_ms": {str(b): at(profile["segment_ms"]["output"], b) for b in (1, 16)} if profile else None,
         "whole_model_ms": {str(b): at(profile["full_ms"], b) for b in (1, 16)} if profile else None,
@@ -246,7 +303,11 @@ def print_inspection(report: dict) -> None:
         f"Oracle on {oracle['inputs']} validation inputs: mean latency savings {oracle['mean_savings']:.1%}, "
         f"median {oracle['median_savings']:.1%} (batch 1)."
     )
-    if data := report["ramp_data"]:
+    if own := report["data"]:
+        console.print(f"Ramps trained on the {own['bootstrap_inputs']} distinct inputs of rows 1-"
+                      f"{own['bootstrap_rows']} of {own['rows']} of {own['path']} ({own['format']}); the last "
+                      f"{own['validation_inputs']} of them validated.")
+    elif data := report["ramp_data"]:
         extra = data["in_domain"]
         console.print(f"Ramps trained on {data['bootstrap']['items']} bootstrap inputs of {data['bootstrap']['workload']}"
                       + (f" and {extra['items']} from the {extra['source']}." if extra["items"] else "."))
@@ -551,11 +612,20 @@ def _print_sim_run(report: dict) -> None:
         console.print(sweep)
 
 
+MODEL_OR_OWN_HELP = "zoo model; with --data, any: a .onnx file, hf:DIR or module:factory too"
+OWN_DATA_HELP = ("your own inputs as the stream instead of --workload (formats as `prepare --data`): the model is "
+                 "prepared on its first --bootstrap rows (at most half), the rows after them are replayed")
+BOOTSTRAP_HELP = "--data: the file's first rows the ramps learn from, at most (and at most half the file's)"
+
+
 @bench_app.command("sim")
 @controller_options
+@data_options_flags
 def bench_sim(
-    model: Annotated[str, typer.Option(help="zoo model")] = DEFAULT_MODEL,
+    model: Annotated[str, typer.Option(help=MODEL_OR_OWN_HELP)] = DEFAULT_MODEL,
     workload: Annotated[str, typer.Option(help="stream: fmnist-drift or rt-drift")] = "fmnist-drift",
+    data: Annotated[Optional[Path], typer.Option(help=OWN_DATA_HELP)] = None,
+    bootstrap: Annotated[int, typer.Option(help=BOOTSTRAP_HELP)] = 8000,
     trace: Annotated[str, typer.Option(help="arrivals: poisson, bursty or maf")] = "maf",
     rate: Annotated[Optional[float], typer.Option(help="mean requests per second (default: 20% load at batch 1)")]
     = None,
@@ -583,11 +653,13 @@ def bench_sim(
     small: Annotated[bool, typer.Option(help="the zoo's tiny variant")] = False,
     *,
     controller_flags: dict[str, object],
+    data_flags: dict[str, object],
 ) -> None:
-    """Replay a drifting stream through the trace simulator: vanilla, oracle, static baselines and rampserve;
-    then each one's saturation, and vanilla and rampserve at half of vanilla's."""
+    """Replay a drifting stream (or your own inputs, --data) through the trace simulator: vanilla, oracle, static
+    baselines and rampserve; then each one's saturation, and vanilla and rampserve at half of vanilla's."""
     from rampserve.bench.sim import SimSettings, run_seeds
     from rampserve.control.controller import ControllerSettings
+    from rampserve.runtime.prepare import PrepareConfig
 
     single = seeds == 1
     try:
@@ -596,7 +668,8 @@ def bench_sim(
                                    accuracy_constraint=accuracy_constraint, ramp_budget=ramp_budget,
                                    risk_step=risk_step, exit_mode=exit_mode, feedback_share=feedback_share,
                                    **controller_flags),
-                               saturation=saturation)
+                               saturation=saturation, data=data, data_options=data_options(**data_flags),
+                               prepare=PrepareConfig(bootstrap_items=bootstrap))
         if not (single if risk_sweep is None else risk_sweep):
             settings = replace(settings, risk_step_sweep=())
         result = run_seeds(settings, seeds, progress=lambda stage: console.print(f"[dim]simulating {stage}[/dim]"))
@@ -714,9 +787,12 @@ def bench_freeze(
 
 @bench_app.command("live")
 @controller_options
+@data_options_flags
 def bench_live(
-    model: Annotated[str, typer.Option(help="zoo model")] = DEFAULT_MODEL,
+    model: Annotated[str, typer.Option(help=MODEL_OR_OWN_HELP)] = DEFAULT_MODEL,
     workload: Annotated[str, typer.Option(help="stream: fmnist-drift or rt-drift")] = "fmnist-drift",
+    data: Annotated[Optional[Path], typer.Option(help=OWN_DATA_HELP)] = None,
+    bootstrap: Annotated[int, typer.Option(help=BOOTSTRAP_HELP)] = 8000,
     trace: Annotated[str, typer.Option(help="arrivals: poisson, bursty or maf")] = "maf",
     load: Annotated[Optional[float], typer.Option(help=f"{LOAD_HELP} [default: {DEFAULT_LOAD:g}]")] = None,
     loads: Annotated[Optional[str], typer.Option(help="several loads, as 0.1,0.2,0.3,0.5: one vanilla saturation "
@@ -753,13 +829,15 @@ def bench_live(
                                                                 "managed server's controller")] = None,
     *,
     controller_flags: dict[str, object],
+    data_flags: dict[str, object],
 ) -> None:
-    """Real servers, real HTTP (or gRPC): vanilla and rampserve on the same model, stream and open-loop trace, at
-    each load."""
+    """Real servers, real HTTP (or gRPC): vanilla and rampserve on the same model, stream (or your own inputs,
+    --data) and open-loop trace, at each load."""
     from rampserve.bench.live import (
         LiveSettings, live_table, load_table, parse_loads, read_simulator_saving, run_live, simulate_replays,
         simulated_replays_table, versus_table,
     )
+    from rampserve.runtime.prepare import PrepareConfig
 
     try:
         if load is not None and loads is not None:
@@ -770,7 +848,8 @@ def bench_live(
                                 feedback_share=feedback_share, controller=controller_flags, saturation_s=saturation_s,
                                 saturation_rounds=saturation_rounds, warmup_requests=warmup_requests,
                                 server_args=("--ramp-budget", str(ramp_budget), *(server_arg or ())),
-                                transport=transport, client=client, replay_rounds=rounds)
+                                transport=transport, client=client, replay_rounds=rounds, data=data,
+                                data_options=data_options(**data_flags), prepare=PrepareConfig(bootstrap_items=bootstrap))
         simulator = None if sim_json is None else read_simulator_saving(sim_json, settings)
         if simulated_seeds is not None:
             console.print(simulated_replays_table(simulate_replays(settings, simulated_seeds, json_out)))

@@ -55,6 +55,7 @@ from rampserve.bench.harness import (
     median_ratio, most_frequent, percentiles, rampserve_serve, ratio, renamed, require_answers, run_loadgen, write_json,
 )
 from rampserve.bench.loadgen import Job, LoadResult
+from rampserve.bench.own_data import OwnDataSettings
 from rampserve.bench.ramp_outputs import RampOutputs, ramp_outputs
 from rampserve.bench.load import DEFAULT_LOAD, rate_at_load
 from rampserve.bench.sim import (
@@ -85,8 +86,8 @@ CLIENTS = ("lean", "aiohttp")
 
 
 @dataclass(frozen=True)
-class LiveSettings:
-    model: str = "resnet18-fmnist"  # a zoo model
+class LiveSettings(OwnDataSettings):
+    model: str = "resnet18-fmnist"  # a zoo model; with `data`, any source
     workload: str = "fmnist-drift"
     trace: str = "maf"
     # The replays' loads (`rate_at_load`): shares of vanilla's measured closed-loop saturation, each replayed once
@@ -440,9 +441,10 @@ def read_simulator_saving(path: Path, settings: LiveSettings) -> SimulatorSaving
         shares = [run["systems"]["rampserve"]["p50_savings"] for run in runs]
     except (OSError, ValueError, TypeError, KeyError) as exc:
         raise ValueError(f"{path} is not a `bench sim --json` report: {type(exc).__name__}: {exc}") from None
-    for key in ("model", "workload", "trace"):
-        if simulated[key] != {getattr(settings, key)}:
-            raise ValueError(f"{path} simulated {key} {sorted(simulated[key])}, this run {getattr(settings, key)!r}")
+    ran = {"model": settings.model, "workload": settings.workload_label, "trace": settings.trace}
+    for key, value in ran.items():
+        if simulated[key] != {value}:
+            raise ValueError(f"{path} simulated {key} {sorted(simulated[key])}, this run {value!r}")
     load, *other_loads = sorted(simulated["load"])
     matching = [] if other_loads else [stated for stated in settings.loads if math.isclose(stated, load, rel_tol=1e-6)]
     if not matching:
@@ -659,7 +661,7 @@ def simulate_replays(settings: LiveSettings, seeds: int, json_out: Path | None, 
     for _, key, _ in SIMULATED_FIGURES:
         values = [run["rampserve"][key] for run in runs]
         summary[key] = {"median": float(np.median(values)), "min": float(min(values)), "max": float(max(values))}
-    report = {"model": settings.model, "workload": settings.workload, "trace": settings.trace,
+    report = {"model": settings.model, "workload": settings.workload_label, "trace": settings.trace,
               "rate_rps": settings.rate_rps, "duration_s": settings.duration_s,
               "warmup_requests": settings.warmup_requests, "seeds": runs, "summary": summary,
               "settings": asdict(settings)}
@@ -692,21 +694,27 @@ class LivePlan:
     stream: Stream
     first: int  # the stream's first evaluation item
     probe_feeds: list[dict[str, np.ndarray]]  # the saturation probe's requests
+    served: str  # what `rampserve serve` is given: the zoo model's name, or the bundle prepared on the user's data
+    name: str  # the model's name on the server
+    data: dict | None = None  # the user's data and its split (`bench.own_data`), where it is the stream
 
 
 def plan_live(settings: LiveSettings) -> LivePlan:
     from rampserve.runtime.zoo_bundles import zoo_bundle
 
-    bundle = zoo_bundle(settings.model)
+    own = None if settings.data is None else settings.own_stream(settings.model)
+    bundle = own.bundle if own else zoo_bundle(settings.model)
     model = load_bundle(bundle)
     profile = model.profile
     if profile is None:
         raise ValueError(f"{bundle} has no latency profile; run `rampserve profile {bundle}`")
     slo, max_batch = serving_limits(profile, settings.slo_ms, settings.max_batch)
-    stream = get_stream(settings.workload, length=settings.stream_length, seed=settings.seed)
+    stream = own.stream if own else get_stream(settings.workload, length=settings.stream_length, seed=settings.seed)
     first = stream.evaluation.start
     probe_feeds = encode_items(model, stream.task, stream.items(first, first + SATURATION_ITEMS))
-    return LivePlan(bundle, model, slo, max_batch, stream, first, probe_feeds)
+    served, name = (str(bundle), bundle.name) if own else (settings.model, settings.model)
+    return LivePlan(bundle, model, slo, max_batch, stream, first, probe_feeds, served, name,
+                    own.record if own else None)
 
 
 @dataclass(frozen=True)
@@ -766,41 +774,41 @@ def run_live(settings: LiveSettings, json_out: Path | None, plots_dir: Path | No
     note = tqdm.write if progress else (lambda _message: None)
     plan = plan_live(settings)
     model, slo, max_batch = plan.model, plan.slo_ms, plan.max_batch
-    stream, first, probe_feeds = plan.stream, plan.first, plan.probe_feeds
+    stream, first, probe_feeds, served_name = plan.stream, plan.first, plan.probe_feeds, plan.name
 
     def server(vanilla: bool, workdir: Path, tag: str) -> ServerProcess:
-        name = "vanilla" if vanilla else "rampserve"
-        note(f"starting the {name} server ({tag})")
+        system = "vanilla" if vanilla else "rampserve"
+        note(f"starting the {system} server ({tag})")
         extra = settings.server_args if vanilla else (*settings.managed_args(), *settings.server_args)
-        return ServerProcess(rampserve_serve(settings.model, slo, max_batch, settings.max_delay_ms, vanilla, extra),
-                             workdir / f"{name}-{tag.replace(' ', '-')}-server.log", settings.start_timeout_s)
+        return ServerProcess(rampserve_serve(plan.served, slo, max_batch, settings.max_delay_ms, vanilla, extra),
+                             workdir / f"{system}-{tag.replace(' ', '-')}-server.log", settings.start_timeout_s)
 
     results: list[list[dict[str, LoadResult]]] = []  # per schedule, per round, per system
     servers: list[list[dict[str, dict]]] = []
     with tempfile.TemporaryDirectory(prefix="rampserve-live-") as tmp:
         workdir = Path(tmp)
         with server(True, workdir, "calibration") as vanilla:
-            metadata = get_json(vanilla.url(f"/v2/models/{settings.model}"))
+            metadata = get_json(vanilla.url(f"/v2/models/{served_name}"))
             inputs = tuple((i["name"], i["datatype"]) for i in metadata["inputs"])
             if len(inputs) != len(model.backend.input_names):
                 raise RuntimeError(f"the server's model takes {inputs}, the bundle's {model.backend.input_names}")
             probe = renamed(probe_feeds, [name for name, _ in inputs])
 
             def job(srv: ServerProcess, transport: str = settings.transport, **kwargs: object) -> Job:
-                return Job(srv.infer_url(settings.model, transport), inputs, "label", srv.url("/status"),
+                return Job(srv.infer_url(served_name, transport), inputs, "label", srv.url("/status"),
                            settings.timeout_s, cpu_pid=srv.pid, lean=settings.client == "lean" and transport == "http",
                            **kwargs)
 
             clients = settings.saturation_clients or 2 * max_batch + 2
 
-            def saturation_of(srv: ServerProcess, name: str) -> dict:
-                note(f"{name} saturation: {clients} closed-loop clients for {settings.saturation_s:g} s, "
+            def saturation_of(srv: ServerProcess, system: str) -> dict:
+                note(f"{system} saturation: {clients} closed-loop clients for {settings.saturation_s:g} s, "
                      f"{settings.saturation_rounds} rounds")
                 measured = measure_saturation(job(srv, clients=clients, duration_s=settings.saturation_s,
-                                                  refused_pause_ms=slo), probe, settings.model,
+                                                  refused_pause_ms=slo), probe, served_name,
                                               settings.saturation_rounds, settings.saturation_settle_s, workdir,
                                               progress)
-                note(f"{name} saturation: {measured['throughput_rps']:.0f} rps (rounds "
+                note(f"{system} saturation: {measured['throughput_rps']:.0f} rps (rounds "
                      f"{'/'.join(f'{r:.0f}' for r in measured['rounds_rps'])}), "
                      f"mean batch {fmt(measured['mean_batch_size'], '.2f')}")
                 return measured
@@ -817,7 +825,7 @@ def run_live(settings: LiveSettings, json_out: Path | None, plots_dir: Path | No
             # small however many clients wait
             note(f"{FEEDING_CLIENTS} closed-loop clients for {settings.saturation_s:g} s")
             feeding = measure_saturation(job(vanilla, clients=FEEDING_CLIENTS, duration_s=settings.saturation_s,
-                                             refused_pause_ms=slo), probe, settings.model, 1,
+                                             refused_pause_ms=slo), probe, served_name, 1,
                                          settings.saturation_settle_s, workdir, progress)
             note(f"{FEEDING_CLIENTS} clients: {feeding['throughput_rps']:.0f} rps, "
                  f"mean batch {fmt(feeding['mean_batch_size'], '.2f')}")
@@ -867,7 +875,8 @@ def run_live(settings: LiveSettings, json_out: Path | None, plots_dir: Path | No
     entries = [score_load(plan, settings, schedule, rounds, outcomes, saturations, simulator)
                for schedule, rounds, outcomes in zip(schedules, results, servers, strict=True)]
     report = {
-        "model": settings.model, "workload": settings.workload, "trace": settings.trace,
+        "model": settings.model, "workload": settings.workload_label, "trace": settings.trace,
+        **({"data": plan.data, "bundle": str(plan.bundle)} if plan.data else {}),
         "saturation_rps": saturation["throughput_rps"], "saturation": saturation, "slo_ms": slo,
         "max_batch": max_batch, "max_delay_ms": settings.max_delay_ms, "duration_s": settings.duration_s,
         **overhead, "feeding": feeding, "calibration_server": calibration_server,
@@ -891,11 +900,12 @@ def score_load(plan: LivePlan, settings: LiveSettings, schedule: ReplaySchedule,
     outputs = replayed.subset(np.arange(warmup, warmup + schedule.requests))
     scored = []
     for results, outcomes in zip(rounds, servers, strict=True):
-        systems = {name: score_run(settings, require_answers(result, name), outputs.final, outcomes[name])
+        systems = {name: score_run(settings, require_answers(result, name), outputs.final, outcomes[name], plan.name)
                    for name, result in results.items()}
         for name, measured in saturations.items():
             systems[name] |= {"saturation_rps": measured["throughput_rps"], "saturation": measured}
-        systems["rampserve"] |= managed_exit_mode(settings, plan.max_batch, results["rampserve"].status_after)
+        systems["rampserve"] |= managed_exit_mode(settings, plan.max_batch, results["rampserve"].status_after,
+                                                  plan.name)
         scored.append(with_oracle_share(systems, oracle["p50_savings"]))
     versus = versus_vanilla([(systems["vanilla"], systems["rampserve"]) for systems in scored], schedule.load)
     median = median_round(versus["p50_ms"]["ratio_rounds"])
@@ -925,12 +935,13 @@ def median_round(ratios: list[float | None]) -> int:
     return order[(known - 1) // 2] if known else 0
 
 
-def managed_exit_mode(settings: LiveSettings, batch_limit: int, status: dict | str | None) -> dict:
+def managed_exit_mode(settings: LiveSettings, batch_limit: int, status: dict | str | None,
+                      name: str | None = None) -> dict:
     """The managed server's `exit_mode` and `feedback_share`: as its status reports them for the model (its
     controller may set the share itself), else as it was told (`settings`), else the controller's defaults for a
     model served in batches of at most `batch_limit`."""
     defaults = ControllerSettings().resolved(batch_limit)
-    reported = _model_status(status, settings.model)
+    reported = _model_status(status, name or settings.model)
     reported = reported if isinstance(reported, dict) else {}
 
     def figure(key: str, told: object) -> object:
@@ -958,16 +969,18 @@ def write_report(report: dict, results: list[list[dict[str, LoadResult]]], json_
     return report
 
 
-def score_run(settings: LiveSettings, result: LoadResult, reference: np.ndarray, server: dict) -> dict:
+def score_run(settings: LiveSettings, result: LoadResult, reference: np.ndarray, server: dict,
+              name: str | None = None) -> dict:
     """One replay's figures (`summarize_live`, what the server says of itself, how it stopped), its released labels
-    scored against `reference`, the original model's."""
+    scored against `reference`, the original model's; `name`: the model's on the server, if not `settings.model`."""
+    name = name or settings.model
     status_before, status_after = result.status_before, result.status_after
     summary = summarize_live(result, reference, settings.worst_window,
-                             mean_batch_size(status_before, status_after, settings.model),
+                             mean_batch_size(status_before, status_after, name),
                              1.0 - settings.accuracy_constraint)
     return (summary | cpu_figures(result, summary["answered"])
-            | server_figures(status_before, status_after, settings.model)
-            | {"server": server | {"status": _model_status(status_after, settings.model)}})
+            | server_figures(status_before, status_after, name)
+            | {"server": server | {"status": _model_status(status_after, name)}})
 
 
 def cpu_figures(result: LoadResult, answered: int) -> dict:

@@ -27,6 +27,7 @@ from tqdm.auto import tqdm
 from rampserve.bench.figures import configuration_changes, controller_exit_mode, windows_below_share
 from rampserve.bench.harness import ratio
 from rampserve.bench.load import DEFAULT_LOAD, batch1_capacity_rps, rate_at_load
+from rampserve.bench.own_data import OwnDataSettings, own_stream_of_bundle
 from rampserve.bench.queueing import BatchOutcome, QueueResult, max_rate_within_slo, run_queue
 from rampserve.bench.ramp_outputs import RampOutputs, ramp_outputs
 from rampserve.control.controller import Controller, ControllerSettings
@@ -53,7 +54,7 @@ HINDSIGHT_BEAM = 8
 
 
 @dataclass(frozen=True)
-class SimSettings:
+class SimSettings(OwnDataSettings):
     model: str = "resnet18-fmnist"
     workload: str = "fmnist-drift"
     trace: str = "maf"
@@ -70,7 +71,8 @@ class SimSettings:
     hindsight_exhaustive_sets: int = HINDSIGHT_EXHAUSTIVE_SETS
     hindsight_beam: int = HINDSIGHT_BEAM
     small: bool = False
-    bundle: Path | None = None  # a prepared bundle to use instead of the zoo model's
+    # A prepared bundle to use instead of the zoo model's; with `data`, one prepared on it (`prepare --data`)
+    bundle: Path | None = None
 
 
 @dataclass
@@ -386,11 +388,13 @@ def input_lengths(model: PreparedModel, stream: Stream, start: int, stop: int) -
 def load_scenario(settings: SimSettings) -> tuple[Scenario, dict]:
     from rampserve.runtime.zoo_bundles import zoo_bundle
 
-    bundle = settings.bundle or zoo_bundle(settings.model, settings.small)
+    own = None if settings.data is None else own_stream_of_bundle(settings.bundle, settings.data) \
+        if settings.bundle else settings.own_stream(settings.model, settings.small)
+    bundle = own.bundle if own else settings.bundle or zoo_bundle(settings.model, settings.small)
     model = load_bundle(bundle)
     if model.profile is None:
         raise ValueError(f"{bundle} has no latency profile; run `rampserve profile {bundle}`")
-    stream = get_stream(settings.workload, length=settings.length, seed=settings.seed)
+    stream = own.stream if own else get_stream(settings.workload, length=settings.length, seed=settings.seed)
     evaluation = stream.evaluation
     outputs = ramp_outputs(model, bundle, stream, evaluation.start, evaluation.stop)
     profile = model.profile
@@ -403,7 +407,8 @@ def load_scenario(settings: SimSettings) -> tuple[Scenario, dict]:
     slo, max_batch = serving_limits(profile, settings.slo_ms)
     arrivals = arrival_times(settings.trace, len(outputs.final), rate, seed=settings.seed)
     scenario = Scenario(outputs, CostModel(profile), arrivals, max_batch, lengths)
-    info = {"model": settings.model, "workload": settings.workload, "trace": settings.trace,
+    info = {"model": settings.model, "workload": settings.workload_label, "trace": settings.trace,
+            **({"data": own.record, "bundle": str(own.bundle)} if own else {}),
             "rate_rps": rate, "load": rate * mean_scale / batch1_capacity_rps(profile), "slo_ms": slo,
             "max_batch": max_batch, "requests": len(arrivals), "sites": list(profile.sites),
             "vanilla_batch1_ms": profile.full(1), "mean_length_scale": mean_scale}

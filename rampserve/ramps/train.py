@@ -34,6 +34,9 @@ MIN_SCALE_SHARE = 1e-2
 class TrainConfig:
     seed: int = 0
     val_fraction: float = 0.1
+    # Which inputs validate: "random" (a seeded draw: a stream's bootstrap), or "tail" (the last ones: a user's own
+    # inputs in their order, so ramps are judged on traffic that came after what they learnt from, as when served)
+    validation: str = "random"
     batch_size: int = 128
     lr: float = 1e-2  # the first learning rate
     weight_decay: float = 1e-4
@@ -115,10 +118,15 @@ def ramp_seed(seed: int, site: str) -> int:
 
 
 def split_indices(n: int, config: TrainConfig) -> tuple[np.ndarray, np.ndarray]:
-    order = np.random.default_rng(config.seed).permutation(n)
+    """(training, validation) indices of `n` inputs: a `val_fraction` validates, drawn or the last (`validation`)."""
     n_val = max(1, int(round(n * config.val_fraction)))
     if n - n_val < 1:
         raise ValueError(f"{n} bootstrap inputs are too few to split into training and validation")
+    if config.validation == "tail":
+        return np.arange(n - n_val), np.arange(n - n_val, n)
+    if config.validation != "random":
+        raise ValueError(f"validation {config.validation!r}: give random or tail")
+    order = np.random.default_rng(config.seed).permutation(n)
     return np.sort(order[n_val:]), np.sort(order[:n_val])
 
 

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
+import torch
 from tqdm.auto import tqdm
 
 from rampserve.graph.sites import SitePolicy
@@ -23,15 +25,30 @@ from rampserve.runtime.prepared import PreparedModel, SiteInfo
 from rampserve.runtime.profile import DEFAULT_BATCH_SIZES, PROFILE_BUDGET_S, measure_profile
 from rampserve.runtime.signature import ModelSignature
 from rampserve.runtime.sources import ModelSource, load_trained, zoo_entry
+from rampserve.runtime.user_data import (
+    TENSORS, DataError, DataOptions, ExpectedInput, ModelInputs, Preprocessing, UserData, example_inputs, onnx_inputs,
+    read_user_data, rows_encoder,
+)
 from rampserve.workloads.streams import get_stream
 
 Encoder = Callable[[object], dict[str, np.ndarray]]
 EXAMPLE_ROWS = 2  # rows of the example a serving path is compiled with: a batch, as served
+# The fewest of the user's own inputs that the held-back tail (`TrainConfig.val_fraction`, the last tenth) may hold:
+# it stops each ramp's training at its best validation loss and sets the static thresholds, and with fewer than 50
+# inputs one input moves the agreement it sees by more than 2 points. So prepare wants 500 distinct inputs at least.
+# Not more: rt-drift's whole bootstrap part (its first 12,000 rows, what a server would record of that traffic) holds
+# 853 distinct texts, and the minilm-rt ramps learnt from those alone are measured in docs/own-data.md.
+MIN_VALIDATION_INPUTS = 50
 
 
 @dataclass(frozen=True)
 class PrepareConfig:
     workload: str | None = None  # stream whose bootstrap part trains the ramps; default from the zoo entry
+    # The user's own inputs (`runtime.user_data`) instead of a workload: the file's first `bootstrap_items` rows
+    # train the ramps (each distinct input once, in the file's order), and the last `train.val_fraction` of those
+    # inputs validates them
+    data: Path | None = None
+    data_options: DataOptions = field(default_factory=DataOptions)
     # "linear", "mlp", "deep", "cache", or "mixed" (per site, a linear or a cache ramp); None: the zoo entry's
     # (`ZooEntry.ramp_kind`), else linear
     ramp_kind: str | None = None
@@ -75,6 +92,8 @@ def model_encoder(source: ModelSource | None, task: str, files_dir: Path | None 
     through its own tokenizer (the one in `files_dir`, a bundle carrying it, else the checkpoint's directory), a
     zoo model's through its entry's encoder (a text model's tokenizer, the image size it takes), anything else
     through the task's encoder."""
+    if task == TENSORS:  # the user's own tensors: the model's inputs already
+        return rows_encoder
     if source is not None and source.kind == "hf":
         if task != "text":
             raise ValueError(f"{source.ref} is a text classifier: give it a text workload (e.g. rt-drift), "
@@ -149,11 +168,17 @@ def in_domain_inputs(source: ModelSource, bootstrap: list | np.ndarray, limit: i
     return items, extra.source
 
 
+def torch_backend_of(source: ModelSource, policy: SitePolicy | None) -> TorchBackend | None:
+    """The model from `source` as a torch module split at its sites; None for an ONNX file."""
+    return None if source.kind == "onnx" else TorchBackend(load_trained(source), policy)
+
+
 def make_backend(source: ModelSource, policy: SitePolicy | None, config: PrepareConfig,
-                 bootstrap: BootstrapInputs) -> tuple[Backend, EngineChoice]:
-    """The model from `source` on the engine `config` names, or on the fastest here (see `serving_backend`)."""
+                 bootstrap: BootstrapInputs, torch_backend: TorchBackend | None = None) -> tuple[Backend, EngineChoice]:
+    """The model from `source` (its torch split `torch_backend` when already made) on the engine `config` names, or
+    on the fastest here (see `serving_backend`)."""
     check_engine(config.engine, source.kind)
-    torch_backend = None if source.kind == "onnx" else TorchBackend(load_trained(source), policy)
+    torch_backend = torch_backend or torch_backend_of(source, policy)
     return serving_backend(torch_backend, Path(source.ref) if source.kind == "onnx" else None, policy,
                            config.engine, lambda backend: sample_feeds(backend, bootstrap),
                            budget_s=config.engine_budget_s, progress=config.progress)
@@ -189,15 +214,19 @@ def bootstrap_inputs(workload: str, limit: int, source: ModelSource | None = Non
 
 @dataclass(frozen=True)
 class RampData:
-    """What the ramps learn the model's answers on: the workload's bootstrap, then the model's in-domain inputs."""
+    """What the ramps learn the model's answers on: the workload's bootstrap, then the model's in-domain inputs; or
+    the user's own inputs (`user_data`), with nothing after them."""
 
-    workload: str
+    workload: str | None  # None: the user's own inputs
     bootstrap: BootstrapInputs
     in_domain: list | np.ndarray
     in_domain_source: str | None
+    data: dict | None = None  # the user's file and the part of it the ramps learn on (`own_data_record`)
 
     @property
     def items(self) -> list | np.ndarray:
+        if not len(self.in_domain):
+            return self.bootstrap.items
         if isinstance(self.bootstrap.items, list):
             return [*self.bootstrap.items, *self.in_domain]
         return np.concatenate([self.bootstrap.items, self.in_domain])
@@ -205,15 +234,109 @@ class RampData:
     def record(self) -> dict:
         """What a bundle's meta keeps of it (`meta["ramp_data"]`): counts and sources, which the zoo's bundle cache
         compares."""
-        return {"bootstrap": {"workload": self.workload, "items": len(self.bootstrap.items)},
+        return {"bootstrap": {"workload": self.workload, "items": len(self.bootstrap.items),
+                              **({"data": self.data} if self.data else {})},
                 "in_domain": {"source": self.in_domain_source, "items": len(self.in_domain)}}
 
 
-def ramp_data(source: ModelSource, config: PrepareConfig) -> RampData:
-    """What `prepare` trains the ramps of the model from `source` on under `config`."""
+def ramp_data(source: ModelSource, config: PrepareConfig, torch_backend: TorchBackend | None = None) -> RampData:
+    """What `prepare` trains the ramps of the model from `source` (split as `torch_backend`, where made already) on
+    under `config`: the user's own inputs where it names them, else a workload stream's bootstrap."""
+    if config.data is not None:
+        if config.workload is not None:
+            raise ValueError("give the ramps' inputs once: your own (--data) or a workload stream (--workload)")
+        return own_ramp_data(source, config, torch_backend or torch_backend_of(source, None))
     workload = config.workload or default_workload(source)
     bootstrap = bootstrap_inputs(workload, config.bootstrap_items, source)
     return RampData(workload, bootstrap, *in_domain_inputs(source, bootstrap.items, config.in_domain_items))
+
+
+# --- the user's own inputs --------------------------------------------------------------------------------------
+
+EXAMPLE_TEXTS = ["a", "a few more words"]  # what a text model's inputs are learnt from: its tokenizer's output
+
+
+def model_task(source: ModelSource) -> str | None:
+    """"text" for a model with a tokenizer (hf:DIR, a zoo text model), the zoo entry's task, else None (unknown)."""
+    entry = zoo_entry(source)
+    return "text" if source.kind == "hf" else None if entry is None else entry.task
+
+
+def model_inputs(source: ModelSource, torch_backend: TorchBackend | None) -> ModelInputs:
+    """What the model from `source` takes, for reading a user's data against it: an ONNX file's declared inputs; a
+    text model's, as its tokenizer makes them (any length), with the tokenizer; a zoo image model's, as its
+    encoder makes its workload's; a torch module's names alone (a module declares no datatypes or shapes)."""
+    if torch_backend is None:
+        path = Path(source.ref)
+        return ModelInputs(onnx_inputs(path), model_dir=path.parent)
+    task = model_task(source)
+    model_dir = Path(source.ref) if source.kind == "hf" else None
+    if task == "text":
+        encoder = model_encoder(source, "text")
+
+        def tokenizer(texts: list[str]) -> dict[str, np.ndarray]:
+            return feeds_for(torch_backend, encoder, texts)
+
+        return ModelInputs(example_inputs(tokenizer(EXAMPLE_TEXTS), variable=True), tokenizer, model_dir)
+    if task is not None:
+        example = sample_feeds(torch_backend, bootstrap_inputs(default_workload(source), EXAMPLE_ROWS, source))
+        return ModelInputs(example_inputs(example(EXAMPLE_ROWS), variable=False))
+    return ModelInputs(tuple(ExpectedInput(name, None, None) for name in torch_backend.input_names))
+
+
+def min_own_inputs(config: PrepareConfig) -> int:
+    """The fewest distinct inputs of the user's own that prepare trains ramps on (MIN_VALIDATION_INPUTS)."""
+    return math.ceil(MIN_VALIDATION_INPUTS / config.train.val_fraction)
+
+
+def own_bootstrap(data: UserData, rows: int, config: PrepareConfig) -> np.ndarray:
+    """The positions in the file of the inputs ramps learn from: each distinct input of its first `rows` rows once,
+    in the file's order; refused when they are fewer than `min_own_inputs`."""
+    rows = min(rows, len(data))
+    distinct = data.distinct_positions()
+    positions = distinct[distinct < rows]
+    needed = min_own_inputs(config)
+    if len(positions) < needed:
+        span = f"its {rows} rows" if rows == len(data) else f"its first {rows} rows (--bootstrap)"
+        raise DataError(f"{data.path}: ramps need at least {needed} distinct inputs to learn from, and {span} hold "
+                        f"{len(positions)}: the last {config.train.val_fraction:.0%} of them are held back to validate "
+                        f"the ramps, and with fewer than {MIN_VALIDATION_INPUTS} one input would move what validation "
+                        f"sees by more than {100 / MIN_VALIDATION_INPUTS:g} points")
+    return positions
+
+
+def own_data_record(data: UserData, positions: np.ndarray, rows: int, config: PrepareConfig) -> dict:
+    """What a bundle keeps of the user's data: the file, and the rows the ramps learnt from (a bench replays those
+    after them)."""
+    validation = max(1, int(round(len(positions) * config.train.val_fraction)))
+    return data.record() | {"bootstrap_rows": min(rows, len(data)), "bootstrap_inputs": len(positions),
+                            "validation_inputs": validation}
+
+
+def read_own_data(source: ModelSource, config: PrepareConfig, torch_backend: TorchBackend | None) -> UserData:
+    """The user's data file named by `config`, read against the model from `source`. A torch module declares no
+    input datatypes or shapes, so it is run on the data's first rows here: a refusal names the data."""
+    inputs = model_inputs(source, torch_backend)
+    data = read_user_data(config.data, inputs, config.data_options)
+    if torch_backend is not None and any(i.datatype is None for i in inputs.inputs):
+        rows = data.take(np.arange(min(EXAMPLE_ROWS, len(data))))
+        try:
+            with torch.inference_mode():
+                torch_backend.split.full(torch_backend.native_feeds(rows_encoder(rows)))
+        except Exception as exc:  # whatever the module raises on inputs it cannot take
+            given = ", ".join(f"'{n}' {a.dtype} {list(a.shape)}" for n, a in rows_encoder(rows).items())
+            raise DataError(f"{config.data}: the model refused the file's first rows ({given}): {exc}") from exc
+    return data
+
+
+def own_ramp_data(source: ModelSource, config: PrepareConfig, torch_backend: TorchBackend | None) -> RampData:
+    data = read_own_data(source, config, torch_backend)
+    positions = own_bootstrap(data, config.bootstrap_items, config)
+    task = model_task(source) or ("image" if data.format == "images" else TENSORS)
+    encoder = model_encoder(source, "text") if data.kind == "text" else rows_encoder
+    bootstrap = BootstrapInputs(task, encoder, data.take(positions))
+    return RampData(None, bootstrap, bootstrap.items[:0], None,
+                    own_data_record(data, positions, config.bootstrap_items, config))
 
 
 def sample_feeds(backend: Backend, inputs: BootstrapInputs) -> Callable[[int], dict[str, np.ndarray]]:
@@ -245,9 +368,41 @@ def signature_from_workload(model: PreparedModel) -> ModelSignature:
     return ModelSignature.of_example(example, int(model.meta["num_classes"]), bootstrap.task)
 
 
+def prepared_inputs(model: PreparedModel) -> ModelInputs:
+    """What a prepared model takes, as its signature says, with its tokenizer where it has one (a text model's
+    bundle carries it), for reading data against it."""
+    if model.signature is None:
+        raise ValueError("the model has no signature to read data against: prepare it again with this rampserve")
+    inputs = tuple(ExpectedInput(t.name, t.datatype, t.shape) for t in model.signature.inputs)
+    if model.meta.get("task") != "text":
+        return ModelInputs(inputs)
+    encoder = prepared_encoder(model, "text")
+    return ModelInputs(inputs, lambda texts: feeds_for(model.backend, encoder, texts))
+
+
+def reread_own_data(model: PreparedModel, path: Path | None = None) -> UserData:
+    """The data file a model was prepared on (at `path`, or where it was then), read as it was then (an image
+    folder with the same preprocessing); refused if it changed since."""
+    record = model.meta["data"]
+    path = Path(path or record["path"])
+    options = DataOptions(preprocessing=Preprocessing.from_json(record["preprocessing"])) \
+        if record.get("preprocessing") else DataOptions()
+    data = read_user_data(path, prepared_inputs(model), options)
+    if data.sha256 != record["sha256"]:
+        raise DataError(f"{path} is not the data the model was prepared on ({record['path']}, sha256 "
+                        f"{record['sha256'][:12]}…): it has changed since")
+    return data
+
+
 def reprofile(model: PreparedModel, config: PrepareConfig = PrepareConfig()) -> LatencyProfile:
-    """Measure a prepared model's latency profile again, on this machine, with its workload's inputs."""
-    inputs = bootstrap_inputs(model.meta["workload"], config.bootstrap_items, *_source_and_files(model))
+    """Measure a prepared model's latency profile again, on this machine, with its workload's inputs (or the
+    user's own it was prepared on)."""
+    if model.meta.get("data"):
+        data = reread_own_data(model)
+        items = data.take(own_bootstrap(data, model.meta["data"]["bootstrap_rows"], config))
+        inputs = BootstrapInputs(model.meta["task"], prepared_encoder(model, data.kind), items)
+    else:
+        inputs = bootstrap_inputs(model.meta["workload"], config.bootstrap_items, *_source_and_files(model))
     return measure_profile(model, sample_feeds(model.backend, inputs), config.profile_batch_sizes,
                            config.profile_repeats, progress=config.progress, budget_s=config.profile_budget_s)
 
@@ -314,9 +469,12 @@ def train_site_ramps(kind: str, features: Features, specs_of: Callable[[str], di
 
 def prepare(source: ModelSource, config: PrepareConfig = PrepareConfig(),
             policy: SitePolicy | None = None) -> PreparedModel:
-    data = ramp_data(source, config)
+    torch_backend = torch_backend_of(source, policy)
+    data = ramp_data(source, config, torch_backend)
+    if data.data is not None:  # the user's inputs in their order: ramps are validated on the latest of them
+        config = replace(config, train=replace(config.train, validation="tail"))
     bootstrap = data.bootstrap
-    backend, engine = make_backend(source, policy, config, bootstrap)
+    backend, engine = make_backend(source, policy, config, bootstrap, torch_backend)
     if not backend.sites:
         raise ValueError(f"{source.ref} has no sites where a ramp could go")
     encoder, items = bootstrap.encoder, data.items
@@ -357,6 +515,7 @@ def prepare(source: ModelSource, config: PrepareConfig = PrepareConfig(),
         "source": source.to_json(),
         "zoo_revision": zoo_revision(source),
         "workload": data.workload,
+        **({"data": data.data} if data.data else {}),
         "task": bootstrap.task,
         "num_classes": num_classes,
         "ramp_kind": kind,

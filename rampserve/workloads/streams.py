@@ -242,6 +242,17 @@ def stream_names() -> list[str]:
     return sorted(_REGISTRY)
 
 
+def stream_of(name: str, task: str, render: Render, base_ids: np.ndarray, bootstrap_length: int) -> Stream:
+    """A stream of given items in their own order, one phase and no labels (a user's own inputs: `bench.own_data`):
+    `render(positions, base_ids)` gives the items; equal base ids must render equal items."""
+    length = len(base_ids)
+    if not 0 < bootstrap_length < length:
+        raise ValueError(f"need 0 < bootstrap_length < length, got bootstrap_length={bootstrap_length}, length={length}")
+    layout = _Layout(np.asarray(base_ids, dtype=np.int64), np.zeros(length, dtype=np.int64),
+                     np.full(length, -1, dtype=np.int64), render)
+    return Stream(name, task, 0, length, bootstrap_length, layout)
+
+
 def get_stream(name: str, length: int = DEFAULT_LENGTH, seed: int = 0, bootstrap_length: int | None = None) -> Stream:
     """The named stream; `bootstrap_length` defaults to 10% of `length`."""
     if name not in _REGISTRY:
