@@ -25,15 +25,18 @@ import pytest
 from test_serving import get_json
 
 MODEL = "digits"
-# Keeps the training job short: the engine named (no timing of engines), a short latency profile
-QUICK_PREPARE = ("--prepare-arg=--engine", "--prepare-arg=onnxruntime-1thread", "--prepare-arg=--profile-budget",
-                 "--prepare-arg=0.05")
+# The training job kept short (the engine named, not timed; a short latency profile), and the controller let spend
+# what a ramp costs this small a model (ONNX Runtime's fixed cost of a ramp, about 25 us, is 5% of its 0.5 ms) and
+# search every 512 inputs: the test is about the model's path to managed, not what its exits save
+QUICK = ("--prepare-arg=--engine", "--prepare-arg=onnxruntime-1thread", "--prepare-arg=--profile-budget",
+         "--prepare-arg=0.05", "--ramp-budget", "0.2", "--search-every", "512")
+RECORD = 600  # `prepare --data` asks for 500 distinct inputs at least
 DEADLINE_S = 600.0  # the longest a phase may take to come on this shared machine before the test fails
 
 
 @pytest.fixture(scope="module")
 def digits(tmp_path_factory) -> tuple[Path, np.ndarray, np.ndarray]:
-    """A 4-layer classifier trained on scikit-learn's digits, as an ONNX file taking `pixels` (FP32, 64 per input);
+    """A 4-layer perceptron trained on scikit-learn's digits, as an ONNX file taking `pixels` (FP32, 64 per input);
     the digits' images, shuffled; and the model's own label for each, by ONNX Runtime."""
     import onnxruntime as ort
     import torch
@@ -45,12 +48,12 @@ def digits(tmp_path_factory) -> tuple[Path, np.ndarray, np.ndarray]:
     x = torch.from_numpy((images / 16.0).astype(np.float32))
     y = torch.from_numpy(classes)
     torch.manual_seed(0)
-    width = 64
+    width = 1024
     net = torch.nn.Sequential(torch.nn.Linear(64, width), torch.nn.ReLU(), torch.nn.Linear(width, width),
                               torch.nn.ReLU(), torch.nn.Linear(width, width), torch.nn.ReLU(),
                               torch.nn.Linear(width, 10))
     optimiser = torch.optim.Adam(net.parameters(), 1e-2)
-    for _ in range(80):
+    for _ in range(40):
         optimiser.zero_grad()
         torch.nn.functional.cross_entropy(net(x), y).backward()
         optimiser.step()
@@ -143,8 +146,8 @@ def metrics(url: str) -> str:
 def test_an_unprepared_model_answers_at_once_and_is_managed_with_every_request_answered_once(tmp_path, digits):
     _, pixels, own = digits
     folder = model_folder(tmp_path, digits)
-    record = 400
-    with server(folder, "--record", str(record), *QUICK_PREPARE) as (url, _):
+    record = RECORD
+    with server(folder, "--record", str(record), *QUICK) as (url, _):
         first = send(url, pixels, range(1))[0]
         recording = learning(url)
         # Traffic until the recording is full: distinct inputs (the first again and again counts once)
@@ -153,6 +156,7 @@ def test_an_unprepared_model_answers_at_once_and_is_managed_with_every_request_a
         traffic = asyncio.run(fire_through_adoption(url, pixels))
         status = learning(url)
         counted = requests_counted(url)
+        assert status["bundle"] == str(folder / "bundle")
         model_status = get_json(f"{url}/status/{MODEL}")
     assert label(first) == own[0] and "early" not in first["parameters"]
     assert recording["phase"] == "recording" and recording["recorded"] == 1 and recording["record_target"] == record
@@ -193,6 +197,7 @@ async def fire_through_adoption(url: str, pixels: np.ndarray, clients: int = 4) 
                 assert response.status == 200, answer
                 assert answer["id"] == str(i) and i not in answers
                 answers[i] = answer
+            await asyncio.sleep(0.005)  # paced: the training job runs on what serving leaves idle
 
     async def watch(session: aiohttp.ClientSession) -> None:
         early_after_managed = 0
@@ -216,15 +221,15 @@ def test_a_server_killed_while_recording_or_training_resumes_from_its_folder(tmp
     model = tmp_path / "elsewhere" / "digits.onnx"  # an ONNX file: its state goes to RAMPSERVE_HOME/learning
     model.parent.mkdir()
     shutil.copyfile(digits[0], model)
-    options = ("--record", "200", *QUICK_PREPARE)
+    options = ("--record", str(RECORD), *QUICK)
     with server(model, *options) as (url, process):
-        send(url, pixels, range(120))
+        send(url, pixels, range(300))
         folder = Path(learning(url)["folder"])
         process.kill()  # mid-recording
         process.wait()
     with server(model, *options) as (url, process):
         resumed = learning(url)
-        send(url, pixels, range(100, 200))  # 100-119 were recorded before the kill
+        send(url, pixels, range(250, RECORD))  # 250-299 were recorded before the kill
         training = wait_for_phase(url, "training", "profiling")
         job = training["job"]
         process.kill()  # mid-training: its job dies with it
@@ -234,14 +239,15 @@ def test_a_server_killed_while_recording_or_training_resumes_from_its_folder(tmp
     with server(model, *options) as (url, process):
         restarted = learning(url)
         send(url, pixels, range(3))
-        adopted = wait_for_phase(url, "certifying", "managed")
+        wait_for(lambda: learning(url)["bundle"] is not None, "the bundle to be adopted", DEADLINE_S)
+        adopted = learning(url)
         answer = send(url, pixels, range(5, 6))[0]
-    assert resumed["phase"] == "recording" and resumed["recorded"] == 120
-    assert restarted["phase"] == "training" and restarted["recorded"] == 200
-    assert adopted["phases"][0]["phase"] == "training"
+    assert resumed["phase"] == "recording" and resumed["recorded"] == 300
+    assert restarted["phase"] == "training" and restarted["recorded"] == RECORD
+    assert adopted["phases"][0]["phase"] == "training" and adopted["phase"] in ("certifying", "managed")
     assert "exit_site" in answer["parameters"]  # the bundle's
     assert answer["parameters"]["early"] or label(answer) == own[5]
-    assert len((folder / "recording.jsonl").read_bytes().splitlines()) == 200
+    assert len((folder / "recording.jsonl").read_bytes().splitlines()) == RECORD
 
 
 def wait_for(condition, what: str, limit_s: float = 60.0) -> None:
@@ -254,7 +260,7 @@ def wait_for(condition, what: str, limit_s: float = 60.0) -> None:
 def test_a_failed_training_leaves_the_model_served_vanilla_saying_why(tmp_path, digits):
     _, pixels, own = digits
     folder = model_folder(tmp_path, digits)
-    with server(folder, "--record", "5", *QUICK_PREPARE) as (url, _):
+    with server(folder, "--record", "5", *QUICK) as (url, _):
         send(url, pixels, range(5))
         failed = wait_for_phase(url, "failed")
         after = send(url, pixels, range(5, 25))

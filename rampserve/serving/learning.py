@@ -454,6 +454,7 @@ class Learner:
                 "recorded": None if recorder is None else recorder.count,
                 "record_target": None if recorder is None else recorder.target,
                 "source": self.model.source, "folder": str(self.model.folder.path),
+                "bundle": str(self.model.folder.bundle) if self.adopted else None,  # once it serves the model
                 "training_log": str(self.model.folder.training_log), "phases": self.history}
 
 
