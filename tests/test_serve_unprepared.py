@@ -1,7 +1,9 @@
 """`rampserve serve MODEL` for a model with no bundle, for real: the command line serves a small classifier that the
 test trains on scikit-learn's digits (no zoo model, no stream of the project's) and exports to ONNX. It answers from
 its first request, records its traffic, trains ramps in a background job, adopts them under a client firing through
-the adoption, and resumes from its folder after a kill; a training that fails leaves it served vanilla, saying why."""
+the adoption, and resumes from its folder after a kill; a training that fails leaves it served vanilla, saying why.
+A Hugging Face folder (a BERT classifier the own-data tests train on docstrings) is served at once too, from its
+ONNX export, and its token ids are recorded as sent."""
 
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from pathlib import Path
 import aiohttp
 import numpy as np
 import pytest
+from test_own_data import text_model, transformers_labels  # text_model: a fixture, asked for by name
 from test_serving import get_json
 
 MODEL = "digits"
@@ -97,16 +100,16 @@ def server(model: str | Path, *options: str) -> Iterator[tuple[str, subprocess.P
                 process.wait()
 
 
-def learning(url: str) -> dict:
-    return get_json(f"{url}/status")["learning"][MODEL]
+def learning(url: str, model: str = MODEL) -> dict:
+    return get_json(f"{url}/status")["learning"][model]
 
 
-def wait_for_phase(url: str, *phases: str, deadline_s: float = DEADLINE_S) -> dict:
+def wait_for_phase(url: str, *phases: str, deadline_s: float = DEADLINE_S, model: str = MODEL) -> dict:
     """The model's learning status once its phase is one of `phases`; fails at the deadline, or at an unexpected
     failure, with the status as it stood."""
     give_up = time.monotonic() + deadline_s
     while True:
-        status = learning(url)
+        status = learning(url, model)
         if status["phase"] in phases:
             return status
         assert status["phase"] != "failed", f"the training failed: {status['reason']}"
@@ -265,15 +268,54 @@ def test_a_failed_training_leaves_the_model_served_vanilla_saying_why(tmp_path, 
         failed = wait_for_phase(url, "failed")
         after = send(url, pixels, range(5, 25))
         exported = metrics(url)
+        wait_for(lambda: (get_json(f"{url}/dashboard/data")["models"].get(MODEL, {}).get("learning") or {})
+                 .get("phase") == "failed", "the dashboard's sampler to show the failure")
+        shown = get_json(f"{url}/dashboard/data")["models"][MODEL]["learning"]
     with server(folder, "--record", "5") as (url, _):
         again = learning(url)
         still = send(url, pixels, range(3))
-    assert "inputs" in failed["reason"], failed["reason"]
+    assert "at least 500 distinct inputs" in failed["reason"] and f"{folder}/recording.jsonl" in failed["reason"]
     assert [label(a) for a in after] == own[5:25].tolist() and all("exit_site" not in a["parameters"] for a in after)
     assert f'rampserve_learning_phase{{model="{MODEL}",phase="failed"}} 1.0' in exported
+    assert shown["phase"] == "failed" and shown["reason"] == failed["reason"]
     assert json.loads((folder / "failed.json").read_text())["reason"] == failed["reason"]
     assert "$ " in (folder / "training.log").read_text()
     # Nothing new to train on: the next server serves it vanilla, failed for the same reason, and trains nothing
     assert again["phase"] == "failed" and again["reason"] == failed["reason"]
     assert [label(a) for a in still] == own[:3].tolist()
     assert not (folder / "bundle").exists()
+
+
+def test_a_hugging_face_folder_is_served_at_once_and_its_token_ids_recorded_as_sent(request):
+    from tokenizers import Tokenizer
+
+    checkpoint = request.getfixturevalue(text_model.__name__)
+
+    tokenizer = Tokenizer.from_file(str(checkpoint / "tokenizer.json"))
+    tokenizer.enable_truncation(64)
+    texts = ["Return a new list.", "Open the file and return a stream; raise an error where it cannot be opened.",
+             "Split the string.", "Count the elements of an iterable, from the first to the last."]
+    model = checkpoint.name
+
+    async def ask() -> list[dict]:
+        async with aiohttp.ClientSession() as session:
+            answers = []
+            for i, text in enumerate(texts):
+                ids = tokenizer.encode(text).ids
+                request = {"id": str(i), "inputs": [
+                    {"name": "input_ids", "shape": [1, len(ids)], "datatype": "INT64", "data": ids},
+                    {"name": "attention_mask", "shape": [1, len(ids)], "datatype": "INT64", "data": [1] * len(ids)}]}
+                async with session.post(f"{url}/v2/models/{model}/infer", json=request) as response:
+                    assert response.status == 200, await response.text()
+                    answers.append(await response.json())
+            return answers
+
+    with server(f"hf:{checkpoint}", "--record", str(len(texts))) as (url, _):
+        answers = asyncio.run(ask())
+        failed = wait_for_phase(url, "failed", model=model)  # too few inputs to train on
+    folder = Path(failed["folder"])
+    assert [label(a) for a in answers] == transformers_labels(checkpoint, texts).tolist()
+    assert (folder / "vanilla.onnx").is_file()  # exported once, served on ONNX Runtime
+    lines = [json.loads(line) for line in (folder / "recording.jsonl").read_bytes().splitlines()]
+    assert [line["inputs"][0]["data"] for line in lines] == [tokenizer.encode(text).ids for text in texts]
+    assert "500" in failed["reason"], failed["reason"]

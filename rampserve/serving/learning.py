@@ -70,6 +70,8 @@ FAILURE_LINES = 60  # lines of the training job's output kept to say why it fail
 JOB_STAGES = (("engines, batch", TRAINING), ("running the model for ramp features", TRAINING),
               ("training ramps", TRAINING), ("building caches", TRAINING), ("profiling latency", PROFILING))
 BOX_CHARACTERS = " │╭╮╰╯─┃━"
+# The training job's terminal width: its error box keeps a message on one line instead of cutting it mid-word
+JOB_COLUMNS = {"COLUMNS": "1000"}
 
 
 @dataclass(frozen=True)
@@ -372,7 +374,7 @@ class Learner:
             # Started from the event loop's thread, which lives as long as the server: the job dies with the thread
             # that started it (see `rampserve.background`)
             self._job = job = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                               stdin=subprocess.DEVNULL, env=job_environment())
+                                               stdin=subprocess.DEVNULL, env=job_environment() | JOB_COLUMNS)
             reader = threading.Thread(target=self._read_job, args=(job, log_file, asyncio.get_running_loop()),
                                       name=f"training {self.name}", daemon=True)
             reader.start()
