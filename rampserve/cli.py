@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.table import Table
 
 from rampserve.bench.load import DEFAULT_LOAD
-from rampserve.serving.settings import ENV_PREFIX, ModelOptions, ServeOptions
+from rampserve.serving.settings import DEFAULT_RECORD, ENV_PREFIX, ModelOptions, ServeOptions
 
 app = typer.Typer(help="rampserve: serve models with managed early exits.", no_args_is_help=True)
 bench_app = typer.Typer(help="Benchmarks: print a table and write JSON.", no_args_is_help=True)
@@ -362,9 +362,19 @@ def profile(
 @app.command()
 @with_options(SERVE_OPTIONS, "flags")
 def serve(
-    models: Annotated[Optional[list[str]], typer.Argument(help="zoo model names or bundle directories")] = None,
+    models: Annotated[Optional[list[str]], typer.Argument(
+        help="zoo model names or bundle directories; or a model not prepared yet (an .onnx file, hf:DIR, or a folder "
+             "holding model.onnx): served at once, vanilla, while it records its first requests, trains ramps on "
+             "them in the background and adopts them")] = None,
     apps: Annotated[Optional[list[Path]], typer.Option("--app", help="JSON file of an application (or a list)")]
     = None,
+    record: Annotated[int, typer.Option(help="a model not prepared yet: distinct requests it records before its "
+                                             "ramps are trained on them")] = DEFAULT_RECORD,
+    no_record: Annotated[bool, typer.Option("--no-record", help="a model not prepared yet: serve it vanilla and "
+                                                                "record nothing")] = False,
+    prepare_arg: Annotated[Optional[list[str]], typer.Option(
+        help="a model not prepared yet: an option for the `rampserve prepare` that trains its ramps (repeatable, "
+             "e.g. --prepare-arg=--ramp-kind --prepare-arg=mlp)")] = None,
     *,
     flags: dict[str, object],
 ) -> None:
@@ -372,9 +382,11 @@ def serve(
     (KServe v2) with managed early exits. Every option is also read from the environment variable RAMPSERVE_<NAME>
     (RAMPSERVE_GRPC_PORT for --grpc-port); a flag given wins. A model of the --repository may set its own with a
     model-settings.json beside its files."""
+    from rampserve.serving.learning import LearningSettings
     from rampserve.serving.server import serve as run_server
 
     try:
+        learning = LearningSettings(record=record, recording=not no_record, prepare_args=tuple(prepare_arg or ()))
         options = ServeOptions.read(flags)
         model_settings, settings = options.model_settings(), options.server_settings()
         specs = [spec for path in apps or () for spec in read_applications(path)]
@@ -385,7 +397,7 @@ def serve(
             serve_on_ray(models or [], model_settings, settings, specs,
                          RayDeployment(replicas=options.replicas, autoscaling=scaling))
             return
-        run_server(models or [], model_settings, settings, specs)
+        run_server(models or [], model_settings, settings, specs, learning)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
 

@@ -106,6 +106,30 @@ def load_trained(source: ModelSource) -> nn.Module:
     raise ValueError(f"a {source.kind} source is not a torch module")
 
 
+def onnx_file(source: ModelSource, exported: Path) -> Path:
+    """The model from `source` as one ONNX file, to serve before it is prepared: an ONNX source's own file, or a
+    Hugging Face checkpoint exported to `exported` (once: a file already there is the export). A torch factory's
+    inputs (names aside) are not known until data shows them, so it cannot be served unprepared."""
+    if source.kind == "onnx":
+        return Path(source.ref)
+    if source.kind != "hf":
+        raise ValueError(f"{source.ref}: a {source.kind} model cannot be served before it is prepared (its inputs' "
+                         "types and shapes are unknown until data shows them): prepare it with `rampserve prepare "
+                         "--data`, then serve the bundle")
+    if exported.is_file():
+        return exported
+    import torch
+
+    from rampserve.graph.onnx_graph import export_onnx
+    from rampserve.zoo.hf_encoders import text_encoder
+
+    example = text_encoder(Path(source.ref))(["an example", "a longer example, to give the export two lengths"])
+    partial = exported.with_name(exported.name + ".partial")
+    export_onnx(load_trained(source), tuple(torch.from_numpy(array) for array in example.values()), list(example),
+                partial)
+    return partial.replace(exported)
+
+
 def architecture_files(source: ModelSource) -> list[Path]:
     """Files a bundle carries to rebuild the architecture (and encode inputs) without the source: an hf
     checkpoint's config and tokenizer, so the bundle keeps working when the checkpoint's directory moves."""

@@ -128,6 +128,14 @@ class ServerMetrics:
             registry=r)
         self.config_changes = Counter("rampserve_configuration_changes", "Configurations adopted by the executor",
                                       ["model"], registry=r)
+        self.learning_phase = Gauge(
+            "rampserve_learning_phase", "Where a model served before it was prepared stands: 1 for its phase "
+            "(recording, training, profiling, certifying, managed, failed; vanilla: not recording), 0 for the others",
+            ["model", "phase"], registry=r)
+        self.recorded_requests = Gauge("rampserve_recorded_requests", "Distinct requests a model served before it "
+                                       "was prepared has recorded to train its ramps on", ["model"], registry=r)
+        self.record_target = Gauge("rampserve_record_target", "Requests it records before its ramps are trained",
+                                   ["model"], registry=r)
         self.loop_lag = LagTracker()
         self.loop_lag_latest = Gauge("rampserve_event_loop_lag_seconds",
                                      "How late the event loop ran a timer, latest sample", registry=r)

@@ -21,6 +21,7 @@ from rampserve.serving.apps.state_store import RedisStore, open_store
 from rampserve.serving.apps.update_stream import ModelUpdate, UpdateListener
 from rampserve.serving.contract import GIL_SWITCH_INTERVAL_S, ControlLink, ModelSettings, freeze_startup_objects
 from rampserve.serving.grpc_server import GrpcFrontEnd, address
+from rampserve.serving.learning import LearningSettings, UnpreparedModel, open_unprepared, unprepared_model
 from rampserve.serving.metrics import ServerMetrics
 from rampserve.serving.models import ServedModel, load_served
 from rampserve.serving.process_worker import make_worker
@@ -64,27 +65,36 @@ def check_admin_access(settings: ServerSettings) -> None:
                          "give an admin token (--admin-token or RAMPSERVE_ADMIN_TOKEN)")
 
 
-def build_state(models: Sequence[ServedModel | Predictor], model_settings: ModelSettings,
+def build_state(models: Sequence[ServedModel | Predictor | UnpreparedModel], model_settings: ModelSettings,
                 settings: ServerSettings, apps: Sequence[ApplicationSpec] = (),
-                control: Callable[[ServedModel], ControlLink | None] | None = None) -> ServerState:
-    """The server's state: the given models (prepared bundles get a batching executor with early exits; any
-    other `Predictor` is served as it is) and every model of the repository, plus applications over them.
-    `control` links a bundle to its controller (default: one of its own in this process)."""
+                control: Callable[[ServedModel], ControlLink | None] | None = None,
+                learning: LearningSettings = LearningSettings()) -> ServerState:
+    """The server's state: the given models (prepared bundles get a batching executor with early exits; a model
+    given unprepared is served vanilla while it learns its ramps from its traffic, under `learning`; any other
+    `Predictor` is served as it is) and every model of the repository, plus applications over them. `control` links
+    a bundle to its controller (default: one of its own in this process)."""
     check_admin_access(settings)
     metrics = ServerMetrics()
     repository = None if settings.repository is None else ModelRepository(settings.repository, model_settings,
                                                                              metrics)
     if repository is not None:
         repository.check()
-    predictors = [WorkerPredictor(make_worker(m, model_settings, metrics, control and control(m)))
-                  if isinstance(m, ServedModel) else m for m in models]
+    predictors, learners = [], []
+    for m in models:
+        if isinstance(m, UnpreparedModel):
+            predictor, learner = open_unprepared(m, learning, model_settings, metrics)
+            predictors.append(predictor)
+            learners.append(learner)
+        else:
+            predictors.append(WorkerPredictor(make_worker(m, model_settings, metrics, control and control(m)))
+                              if isinstance(m, ServedModel) else m)
     if repository is not None:
         predictors += [repository.build(name) for name in tqdm(repository.names(), desc="loading repository",
                                                                unit="model")]
     store = open_store(settings.store, settings.store_prefix)
     if settings.update_stream and not isinstance(store, RedisStore):
         raise ValueError("following the update stream needs a Redis store (--store redis://...)")
-    catalogue = Catalogue(metrics, store, repository, predictors, apps)
+    catalogue = Catalogue(metrics, store, repository, predictors, apps, learners)
     listener = None
     if settings.update_stream:
         listener = UpdateListener(settings.store, partial(apply_update, catalogue))
@@ -125,11 +135,11 @@ def uvicorn_server(state: ServerState, settings: ServerSettings) -> uvicorn.Serv
 
 
 def serve(refs: Sequence[str], model_settings: ModelSettings, settings: ServerSettings,
-          apps: Sequence[ApplicationSpec] = ()) -> None:
+          apps: Sequence[ApplicationSpec] = (), learning: LearningSettings = LearningSettings()) -> None:
     """Serve the models until interrupted; a SIGTERM or SIGINT stops accepting and answers what was accepted."""
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
-    models = [load_served(ref) for ref in tqdm(refs, desc="loading models", unit="model")]
-    state = build_state(models, model_settings, settings, apps)
+    models = [unprepared_model(ref) or load_served(ref) for ref in tqdm(refs, desc="loading models", unit="model")]
+    state = build_state(models, model_settings, settings, apps, learning=learning)
     sock = bind(settings.host, settings.port)
     host, port = sock.getsockname()[:2]
     freeze_startup_objects()

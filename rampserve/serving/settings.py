@@ -24,6 +24,12 @@ if TYPE_CHECKING:
 
 ENV_PREFIX = "RAMPSERVE_"
 MODEL_SETTINGS_FILE = "model-settings.json"
+# Distinct requests a model served before it was prepared records to train its ramps on (`serve --record`; see
+# `serving.learning` and docs/serve-your-model.md). `prepare --data` asks for 500 at least (a tenth held back to
+# validate); more is better ramps, later. rt-drift's first 12,000 requests hold 853 distinct texts and the next new
+# one comes at request 12,001 (5 minutes later at load 0.2): 800 are recorded in its first 800 requests, 1,000 would
+# take past request 12,146
+DEFAULT_RECORD = 800
 CONTROLLER_KEYS = frozenset(f.name for f in fields(ControllerSettings))
 
 

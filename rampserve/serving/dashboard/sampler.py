@@ -161,6 +161,8 @@ class DashboardSampler:
             readings[name] = ModelReading(answered, refused, tuple(latency.get(name, ())),
                                           **({} if status is None else executor_reading(status, self._last.get(name))))
             summaries[name] = model_summary(status, self._decisions(name, status, wall))
+            if (learner := self.catalogue.learners.get(name)) is not None:
+                summaries[name]["learning"] = learner.status()
         seconds = self.settings.interval_s if self._last_at is None else now - self._last_at
         points = {name: model_point(self._last.get(name, ModelReading()), reading, seconds, LATENCY_BOUNDS)
                   for name, reading in readings.items()}

@@ -40,6 +40,8 @@ class ObservabilityEndpoints:
             # Bundles, whose executors report counts, latencies and decisions; then every other kind
             "models": {n: s for n, s in statuses.items() if models[n].worker is not None},
             "other_models": {n: s for n, s in statuses.items() if models[n].worker is None},
+            # Models served before they were prepared: the phase of each (recording, training, ..., managed)
+            "learning": {name: learner.status() for name, learner in self.catalogue.learners.items()},
             "applications": sorted(self.catalogue.apps),
             "store": self.catalogue.store.description,
             "updates": None if self.listener is None else self.listener.status(),
@@ -47,4 +49,6 @@ class ObservabilityEndpoints:
         })
 
     async def model_status(self, model: str) -> Response:
-        return json_response(await self.plane.model(model).status())
+        status = await self.plane.model(model).status()
+        learner = self.catalogue.learners.get(model)
+        return json_response(status if learner is None else {**status, "learning": learner.status()})

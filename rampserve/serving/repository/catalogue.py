@@ -21,6 +21,7 @@ import logging
 from collections.abc import Iterable
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import orjson
 
@@ -38,6 +39,9 @@ from rampserve.serving.models import VERSION, read_served
 from rampserve.serving.process_worker import make_worker
 from rampserve.serving.repository.predictors import Predictor, RemotePredictor, WorkerPredictor, onnx_predictor
 from rampserve.serving.settings import MODEL_SETTINGS_FILE, read_model_options, with_options
+
+if TYPE_CHECKING:
+    from rampserve.serving.learning import Learner
 
 log = logging.getLogger("rampserve.serving")
 
@@ -141,8 +145,11 @@ class Catalogue:
     """Models and applications of one server; every change runs on the event loop, one at a time."""
 
     def __init__(self, metrics: ServerMetrics, store: StateStore, repository: ModelRepository | None = None,
-                 models: Iterable[Predictor] = (), apps: Iterable[ApplicationSpec] = ()) -> None:
+                 models: Iterable[Predictor] = (), apps: Iterable[ApplicationSpec] = (),
+                 learners: Iterable[Learner] = ()) -> None:
         self.metrics, self.store, self.repository = metrics, store, repository
+        # Models served before they were prepared, by name: each learns its ramps and has its bundle adopted here
+        self.learners = {learner.name: learner for learner in learners}
         self.models: dict[str, Predictor] = {}
         for predictor in models:
             if predictor.name in self.models:
@@ -172,9 +179,12 @@ class Catalogue:
                 log.warning("stored application %s is not served: %s", name, exc)
         for spec in self._initial_apps:  # given at start: they replace stored definitions of the same name
             await self.register(spec)
+        for learner in self.learners.values():
+            learner.start(self)
 
     async def close(self) -> None:
         self.started = False
+        await asyncio.gather(*(learner.stop() for learner in self.learners.values()))
         await asyncio.gather(*(p.close() for p in self.models.values()))
 
     # ---- models -------------------------------------------------------------------------------------------
@@ -189,6 +199,11 @@ class Catalogue:
             predictor = await asyncio.to_thread(self.repository.build, name, version)
             await self.install(predictor)
             return predictor
+
+    async def replace(self, predictor: Predictor) -> None:
+        """Serve `predictor` under its name in place of the model there (as `load` does from the repository)."""
+        async with self._changing:
+            await self.install(predictor)
 
     async def install(self, predictor: Predictor) -> None:
         """Serve `predictor` under its name, replacing (and draining) the one there."""

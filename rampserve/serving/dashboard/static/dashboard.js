@@ -238,12 +238,21 @@
     return card;
   }
 
+  // Where a model served before it was prepared stands: its phase, with what it is doing or why it failed
+  function learningText(learning) {
+    if (!learning) return null;
+    if (learning.phase === "recording") return `recording ${learning.recorded} of ${learning.record_target} requests`;
+    if (learning.phase === "failed") return `failed, served vanilla: ${learning.reason}`;
+    return learning.phase + (learning.detail ? ` (${learning.detail})` : "");
+  }
+
   function renderModel(model) {
     const summary = state.summary.models[model] || {};
     const card = modelCard(model);
     card.hidden = !state.open[model];
     if (card.hidden) return;
     const facts = [];
+    if (summary.learning) facts.push(learningText(summary.learning));
     if (summary.unavailable) facts.push(`executor unavailable: ${summary.unavailable}`);
     if (summary.executor) facts.push(`executor ${summary.executor.kind} pid ${summary.executor.pid}`);
     if (summary.vanilla !== undefined) facts.push(summary.vanilla ? "vanilla (no ramps)" : `exit mode ${summary.exit_mode}`);
@@ -289,7 +298,8 @@
       }
       const executor = summary.executor ? `${summary.executor.kind} ${summary.executor.pid ?? ""}` +
         (summary.executor.restarts ? ` (${summary.executor.restarts} restarts)` : "") : "–";
-      const cells = [model, fmt(last.rps), fmt(last.errors_ps), fmt(last.p50_ms, 2), fmt(last.p99_ms, 2),
+      const phase = summary.learning ? ` (${summary.learning.phase})` : "";
+      const cells = [model + phase, fmt(last.rps), fmt(last.errors_ps), fmt(last.p50_ms, 2), fmt(last.p99_ms, 2),
                      fmt(last.queue, 0), fmt(last.batch, 2), all ? `${fmt(100 * early / all, 1)}%` : "–",
                      fmt(last.accuracy, 4), fmt(last.accuracy_bound, 4),
                      last.config_version == null ? "–" : `v${last.config_version}`, executor];

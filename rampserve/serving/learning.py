@@ -1,0 +1,482 @@
+"""A model served before it was prepared (`rampserve serve model.onnx`): it answers from its first request, vanilla,
+while its traffic becomes the data its ramps learn on.
+
+A model's life here, each phase visible in `/status`, `/metrics` (`rampserve_learning_phase`) and the dashboard:
+1. recording: the whole model answers (ONNX Runtime); the first N distinct requests it answers are kept in its
+   folder, each a line of JSON exactly as a v2 infer request's body (`{"inputs": [{name, shape, datatype, data}]}`),
+   the request log `rampserve prepare --data` reads;
+2. training, then profiling: `rampserve prepare MODEL --data recording.jsonl --out bundle` runs as a background job
+   (`rampserve.background`: SCHED_IDLE, one thread per pool, killed with the server) and writes the bundle whole or
+   not at all;
+3. certifying: the bundle's executor starts beside the vanilla model, then takes its name (`Catalogue.replace`: a
+   request goes wholly to one of them, and the vanilla model answers everything it accepted before it closes); its
+   controller serves no exit until its guarantee certifies thresholds on live inputs;
+4. managed: the controller has certified an exit.
+A training that fails leaves the model served vanilla, phase failed, with the reason. Everything is on disk in the
+model's folder, so a server started again resumes where its predecessor stood: a bundle there is served at once, a
+partial recording goes on, a recording that was complete is trained on again, a failure stays until more is
+recorded (a larger --record).
+
+The folder (`ModelFolder`) is the model's own directory when the server is given one holding `model.onnx`, else one
+per model source under RAMPSERVE_HOME/learning.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import re
+import subprocess
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, BinaryIO
+
+import numpy as np
+import orjson
+
+from rampserve.background import job_command, job_environment
+from rampserve.paths import home
+from rampserve.runtime.manifest import MANIFEST
+from rampserve.serving.contract import ModelSettings
+from rampserve.serving.metrics import ServerMetrics
+from rampserve.serving.models import read_served
+from rampserve.serving.process_worker import make_worker
+from rampserve.serving.protocol import TensorSpec
+from rampserve.serving.settings import DEFAULT_RECORD
+from rampserve.serving.repository.predictors import Prediction, PredictRequest, Predictor, WorkerPredictor, \
+    onnx_predictor
+
+if TYPE_CHECKING:
+    from rampserve.serving.repository.catalogue import Catalogue
+
+log = logging.getLogger("rampserve.serving")
+
+# Phases, in the order a model goes through them; "vanilla" is a model served without recording (--no-record)
+VANILLA, RECORDING, TRAINING, PROFILING, CERTIFYING, MANAGED, FAILED = (
+    "vanilla", "recording", "training", "profiling", "certifying", "managed", "failed")
+PHASES = (VANILLA, RECORDING, TRAINING, PROFILING, CERTIFYING, MANAGED, FAILED)
+MODEL_FILE = "model.onnx"  # a folder holding this alone is a model to serve unprepared
+CERTIFICATION_POLL_S = 1.0  # how often the certifying phase reads the executor's configuration
+STOP_WAIT_S = 10.0  # how long a stopping server waits for its training job to end on SIGTERM before killing it
+FAILURE_LINES = 60  # lines of the training job's output kept to say why it failed
+
+# What the training job's progress bars are called (their tqdm descriptions), and the phase each belongs to
+JOB_STAGES = (("engines, batch", TRAINING), ("running the model for ramp features", TRAINING),
+              ("training ramps", TRAINING), ("building caches", TRAINING), ("profiling latency", PROFILING))
+BOX_CHARACTERS = " │╭╮╰╯─┃━"
+# The training job's terminal width: its error box keeps a message on one line instead of cutting it mid-word
+JOB_COLUMNS = {"COLUMNS": "1000"}
+
+
+@dataclass(frozen=True)
+class LearningSettings:
+    record: int = DEFAULT_RECORD  # distinct requests recorded before the ramps are trained
+    recording: bool = True  # False (--no-record): serve the model vanilla and keep nothing
+    prepare_args: tuple[str, ...] = ()  # more options for the training job's `rampserve prepare`
+
+    def __post_init__(self) -> None:
+        if self.record < 1:
+            raise ValueError(f"--record must be at least 1, got {self.record}")
+
+
+@dataclass(frozen=True)
+class ModelFolder:
+    """Where a model served unprepared keeps its state: what it recorded, the bundle prepared from it, and why a
+    training failed."""
+
+    path: Path
+
+    @property
+    def recording(self) -> Path:
+        return self.path / "recording.jsonl"
+
+    @property
+    def bundle(self) -> Path:
+        return self.path / "bundle"
+
+    @property
+    def training_log(self) -> Path:
+        return self.path / "training.log"
+
+    @property
+    def failure_file(self) -> Path:
+        return self.path / "failed.json"
+
+    @property
+    def exported(self) -> Path:
+        """Where a model that is not an ONNX file is exported to one, to serve it vanilla."""
+        return self.path / "vanilla.onnx"
+
+    def prepared(self) -> bool:
+        return (self.bundle / MANIFEST).is_file()
+
+    def failure(self) -> dict | None:
+        """Why the last training failed, and on how many recorded requests; None if none failed."""
+        try:
+            return orjson.loads(self.failure_file.read_bytes())
+        except (OSError, orjson.JSONDecodeError):
+            return None
+
+    def record_failure(self, reason: str, recorded: int) -> None:
+        self.failure_file.write_bytes(orjson.dumps({"reason": reason, "recorded": recorded, "at": time.time()}))
+
+
+@dataclass(frozen=True)
+class UnpreparedModel:
+    """A model given to `serve` with no bundle: its name, its source as `rampserve prepare` takes it, and its
+    folder."""
+
+    name: str
+    source: str
+    folder: ModelFolder
+
+
+def unprepared_model(ref: str) -> UnpreparedModel | None:
+    """The model `serve` was given as `ref` if it is one to serve unprepared: an .onnx file, hf:DIR, or a folder
+    holding model.onnx and no bundle; None for anything else (a bundle, a zoo name)."""
+    path = Path(ref).expanduser()
+    if path.is_dir():
+        if (path / MANIFEST).is_file() or not (path / MODEL_FILE).is_file():
+            return None
+        return UnpreparedModel(path.resolve().name, str(path.resolve() / MODEL_FILE), ModelFolder(path.resolve()))
+    if ref.startswith("hf:"):
+        located = Path(ref.removeprefix("hf:")).expanduser().resolve()
+        source = f"hf:{located}"
+    elif ref.endswith(".onnx"):
+        if not path.is_file():
+            raise ValueError(f"ONNX file {ref} does not exist")
+        located = path.resolve()
+        source = str(located)
+    else:
+        return None
+    digest = hashlib.sha256(source.encode()).hexdigest()[:12]  # two models of one name keep apart
+    name = located.stem
+    return UnpreparedModel(name, source, ModelFolder(home() / "learning" / f"{name}-{digest}"))
+
+
+def request_line(inputs: Mapping[str, np.ndarray], datatypes: Mapping[str, str]) -> bytes:
+    """One request as a line of the request log: a v2 infer request's JSON body, each tensor's data flat."""
+    return orjson.dumps({"inputs": [{"name": name, "shape": list(array.shape), "datatype": datatypes[name],
+                                     "data": np.ascontiguousarray(array).ravel()}
+                                    for name, array in inputs.items()]}, option=orjson.OPT_SERIALIZE_NUMPY)
+
+
+class RequestRecorder:
+    """The first `target` distinct requests a model answers, appended to its request log as they are answered (a
+    request whose inputs the log already holds is not counted again). A log left by an earlier server is read back
+    (a last line it did not finish is dropped) and added to."""
+
+    def __init__(self, path: Path, target: int, inputs: tuple[TensorSpec, ...]) -> None:
+        self.path, self.target = path, target
+        self.datatypes = {spec.name: spec.datatype for spec in inputs}
+        self.seen: set[bytes] = set()
+        self.on_full: Callable[[], None] = lambda: None
+        kept = self._read_back()
+        self._file = None
+        if not self.full:
+            self._file = path.open("ab")
+            self._file.truncate(kept)
+
+    def _read_back(self) -> int:
+        """Count the requests already on disk; the bytes of whole lines among them."""
+        try:
+            data = self.path.read_bytes()
+        except FileNotFoundError:
+            return 0
+        whole = data[:data.rfind(b"\n") + 1]
+        for line in whole.splitlines():
+            self.seen.add(self._key(line))
+        return len(whole)
+
+    @staticmethod
+    def _key(line: bytes) -> bytes:
+        return hashlib.blake2b(line, digest_size=16).digest()
+
+    @property
+    def count(self) -> int:
+        return len(self.seen)
+
+    @property
+    def full(self) -> bool:
+        return self.count >= self.target
+
+    def record(self, inputs: Mapping[str, np.ndarray]) -> None:
+        if self._file is None:
+            return
+        line = request_line(inputs, self.datatypes)
+        key = self._key(line)
+        if key in self.seen:
+            return
+        self.seen.add(key)
+        self._file.write(line + b"\n")
+        self._file.flush()  # in the kernel's hands: a server that is killed loses nothing it answered
+        if self.full:
+            self.close()
+            self.on_full()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+class RecordingPredictor(Predictor):
+    """A model that keeps what it answers: each request it answered goes to its recorder."""
+
+    def __init__(self, model: Predictor, recorder: RequestRecorder) -> None:
+        self.model, self.recorder = model, recorder
+        self.name, self.version, self.kind, self.inputs = model.name, model.version, model.kind, model.inputs
+        self.outputs, self.cacheable = model.outputs, model.cacheable
+
+    async def start(self) -> None:
+        await self.model.start()
+
+    async def predict(self, inputs: Mapping[str, np.ndarray], deadline_ms: float | None = None) -> Prediction:
+        return await self.model.predict(inputs, deadline_ms)
+
+    def problem_with(self, inputs: Mapping[str, np.ndarray], rows: int) -> str | None:
+        return self.model.problem_with(inputs, rows)
+
+    async def infer(self, request: PredictRequest) -> Prediction:
+        prediction = await self.model.infer(request)
+        self.recorder.record(request.inputs)
+        return prediction
+
+    async def close(self) -> None:
+        self.recorder.close()
+        await self.model.close()
+
+    async def status(self, latest_decisions: int | None = None) -> dict:
+        return await self.model.status(latest_decisions)
+
+
+def certified(status: dict) -> bool:
+    """Whether a managed model's executor serves an exit: a configuration with a ramp above threshold 0, which its
+    controller sets only once its guarantee certifies it (an executor restarting has no configuration to show)."""
+    configuration = status.get("configuration")
+    return configuration is not None and any(t > 0 for t in configuration["thresholds"])
+
+
+def job_stage(line: str) -> str | None:
+    """The phase a line of the training job's output shows it in (one of its progress bars), or None."""
+    return next((phase for description, phase in JOB_STAGES if line.startswith(description)), None)
+
+
+def failure_reason(lines: list[str]) -> str | None:
+    """Why the training job failed, from the end of its output: the message of the error box the command line
+    draws around a refused value, else the last line (an exception's)."""
+    top = next((i for i in range(len(lines) - 1, -1, -1) if lines[i].startswith("╭")), None)
+    if top is not None:
+        inside = [line.strip(BOX_CHARACTERS) for line in lines[top + 1:] if not line.startswith("╰")]
+        message = " ".join(part for part in inside if part)
+        if message:
+            return message
+    return next((line for line in reversed(lines) if line.strip()), None)
+
+
+def training_command(model: UnpreparedModel, prepare_args: tuple[str, ...]) -> list[str]:
+    folder = model.folder
+    return job_command("rampserve.cli", ["prepare", model.source, "--data", str(folder.recording), "--out",
+                                         str(folder.bundle), *prepare_args])
+
+
+def bundle_predictor(model: UnpreparedModel, settings: ModelSettings, metrics: ServerMetrics) -> Predictor:
+    """The model's prepared bundle, served with early exits."""
+    return WorkerPredictor(make_worker(read_served(model.folder.bundle, model.name), settings, metrics))
+
+
+def vanilla_predictor(model: UnpreparedModel) -> Predictor:
+    """The whole model on ONNX Runtime (a Hugging Face checkpoint exported to ONNX first, once)."""
+    if model.source.endswith(".onnx"):
+        return onnx_predictor(model.name, Path(model.source))
+    from rampserve.runtime.sources import ModelSource, onnx_file  # imports torch, which an ONNX model never needs
+
+    return onnx_predictor(model.name, onnx_file(ModelSource.parse(model.source), model.folder.exported))
+
+
+class Learner:
+    """Takes one model served unprepared through its phases (see the module's docstring): waits for its recording,
+    runs the training job, has the catalogue adopt the bundle, and watches its controller certify an exit. Runs on
+    the server's event loop; `status` is what `/status` shows of it."""
+
+    def __init__(self, model: UnpreparedModel, settings: LearningSettings, model_settings: ModelSettings,
+                 metrics: ServerMetrics, phase: str, recorder: RequestRecorder | None = None,
+                 reason: str | None = None) -> None:
+        self.model, self.settings, self.model_settings, self.metrics = model, settings, model_settings, metrics
+        self.recorder = recorder
+        self.phase, self.reason, self.detail = phase, reason, None
+        self.history: list[dict] = [{"phase": phase, "at": time.time()}]
+        self.adopted = phase in (CERTIFYING, MANAGED)
+        self._job: subprocess.Popen | None = None
+        self._output: deque[str] = deque(maxlen=FAILURE_LINES)
+        self._task: asyncio.Task | None = None
+        for each in PHASES:
+            metrics.learning_phase.labels(model=model.name, phase=each).set_function(
+                lambda each=each: float(self.phase == each))
+        if recorder is not None:
+            metrics.recorded_requests.labels(model=model.name).set_function(lambda: recorder.count)
+            metrics.record_target.labels(model=model.name).set(recorder.target)
+
+    @property
+    def name(self) -> str:
+        return self.model.name
+
+    def _enter(self, phase: str, detail: str | None = None) -> None:
+        if phase != self.phase:
+            self.history.append({"phase": phase, "at": time.time()})
+            self._say(phase, detail)
+        self.phase, self.detail = phase, detail
+
+    def _say(self, phase: str, detail: str | None) -> None:
+        if phase == FAILED:
+            log.error("model %s: training its ramps failed, it is served vanilla: %s (see %s)", self.name, self.reason,
+                      self.model.folder.training_log)
+        else:
+            log.warning("model %s: %s%s", self.name, phase, f" ({detail})" if detail else "")
+
+    def _fail(self, reason: str) -> None:
+        self.reason = reason
+        if self.recorder is not None:
+            self.model.folder.record_failure(reason, self.recorder.count)
+        self._enter(FAILED)
+
+    def start(self, catalogue: Catalogue) -> None:
+        """Go on from the phase the model is in, in `catalogue`."""
+        recorder = self.recorder
+        self._say(self.phase, f"{recorder.count} of {recorder.target} requests recorded in {recorder.path}"
+                  if self.phase == RECORDING else f"state in {self.model.folder.path}")
+        if self.phase not in (VANILLA, FAILED):
+            self._task = asyncio.get_running_loop().create_task(self._run(catalogue), name=f"learning {self.name}")
+
+    async def _run(self, catalogue: Catalogue) -> None:
+        if self.phase == RECORDING:
+            filled = asyncio.Event()
+            self.recorder.on_full = filled.set
+            await filled.wait()
+        if not self.adopted and not (await self._train() and await self._adopt(catalogue)):
+            return
+        await self._certify(catalogue)
+
+    async def _train(self) -> bool:
+        folder = self.model.folder
+        folder.failure_file.unlink(missing_ok=True)
+        self._enter(TRAINING, "starting the training job")
+        command = training_command(self.model, self.settings.prepare_args)
+        with folder.training_log.open("ab") as log_file:
+            log_file.write(f"\n$ {' '.join(command)}\n".encode())
+            log_file.flush()
+            # Started from the event loop's thread, which lives as long as the server: the job dies with the thread
+            # that started it (see `rampserve.background`)
+            self._job = job = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                               stdin=subprocess.DEVNULL, env=job_environment() | JOB_COLUMNS)
+            reader = threading.Thread(target=self._read_job, args=(job, log_file, asyncio.get_running_loop()),
+                                      name=f"training {self.name}", daemon=True)
+            reader.start()
+            code = await asyncio.to_thread(job.wait)
+            await asyncio.to_thread(reader.join)
+        self._job = None
+        if code == 0 and folder.prepared():
+            return True
+        self._fail(failure_reason(list(self._output))
+                   or f"the training job exited with status {code}, see {folder.training_log}")
+        return False
+
+    def _read_job(self, job: subprocess.Popen, log_file: BinaryIO, loop: asyncio.AbstractEventLoop) -> None:
+        """The job's output, line by line (a progress bar's updates are lines ended by a carriage return): into its
+        log, and each line to the event loop."""
+        for raw in iter(job.stdout.readline, b""):
+            log_file.write(raw)
+            for part in re.split(r"[\r\n]+", raw.decode(errors="replace")):
+                if part.strip():
+                    loop.call_soon_threadsafe(self._heard, part.strip())
+        log_file.flush()
+
+    def _heard(self, line: str) -> None:
+        self._output.append(line)
+        stage = job_stage(line)
+        if stage is not None and self.phase in (TRAINING, PROFILING):
+            self._enter(stage, re.sub(r"\|[^|]*\|", "", line))
+
+    async def _adopt(self, catalogue: Catalogue) -> bool:
+        self._enter(CERTIFYING, "starting the prepared model's executor")
+        predictor = None
+        try:
+            predictor = await asyncio.to_thread(bundle_predictor, self.model, self.model_settings, self.metrics)
+            await catalogue.replace(predictor)
+        except asyncio.CancelledError:  # the server stops: the executor it may have started stops too
+            if predictor is not None:
+                await predictor.close()
+            raise
+        except Exception as exc:  # noqa: BLE001 - whatever keeps the bundle from serving, vanilla goes on
+            self._fail(f"the prepared bundle at {self.model.folder.bundle} could not be served: {exc}")
+            return False
+        self.adopted = True
+        return True
+
+    async def _certify(self, catalogue: Catalogue) -> None:
+        self._enter(CERTIFYING, "the controller certifies thresholds on live inputs before it serves an exit")
+        while True:
+            predictor = catalogue.models.get(self.name)
+            status = None if predictor is None or predictor.worker is None else await predictor.status(1)
+            if status is not None and certified(status):
+                self._enter(MANAGED, "exits at " + ", ".join(status["configuration"]["sites"]))
+                return
+            if status is not None and status.get("controller_idle"):  # it will never change its configuration
+                self._enter(MANAGED, f"no exit: {status['decisions'][-1]['reason']}")
+                return
+            await asyncio.sleep(CERTIFICATION_POLL_S)
+
+    async def stop(self) -> None:
+        """Stop the training job (the next server starts it again) and the phases' task."""
+        job = self._job
+        if job is not None and job.poll() is None:
+            job.terminate()
+            try:
+                await asyncio.to_thread(job.wait, STOP_WAIT_S)
+            except subprocess.TimeoutExpired:
+                job.kill()
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        if self.recorder is not None:
+            self.recorder.close()
+
+    def status(self) -> dict:
+        recorder = self.recorder
+        job = self._job
+        return {"phase": self.phase, "detail": self.detail, "reason": self.reason,
+                "job": None if job is None else job.pid,  # the training job's process
+                "recorded": None if recorder is None else recorder.count,
+                "record_target": None if recorder is None else recorder.target,
+                "source": self.model.source, "folder": str(self.model.folder.path),
+                "bundle": str(self.model.folder.bundle) if self.adopted else None,  # once it serves the model
+                "training_log": str(self.model.folder.training_log), "phases": self.history}
+
+
+def open_unprepared(model: UnpreparedModel, settings: LearningSettings, model_settings: ModelSettings,
+                    metrics: ServerMetrics) -> tuple[Predictor, Learner]:
+    """What serves a model given unprepared, and its learner, from what its folder holds: the bundle where one was
+    prepared; else the whole model, recording until its recording is full, then (trained again, or failed)."""
+    folder = model.folder
+    folder.path.mkdir(parents=True, exist_ok=True)
+    if folder.prepared():
+        return bundle_predictor(model, model_settings, metrics), Learner(model, settings, model_settings, metrics,
+                                                                          CERTIFYING)
+    vanilla = vanilla_predictor(model)
+    if not settings.recording or model_settings.vanilla:
+        return vanilla, Learner(model, settings, model_settings, metrics, VANILLA)
+    recorder = RequestRecorder(folder.recording, settings.record, vanilla.inputs)
+    if not recorder.full:
+        return RecordingPredictor(vanilla, recorder), Learner(model, settings, model_settings, metrics, RECORDING,
+                                                              recorder)
+    failure = folder.failure()
+    if failure is not None and failure["recorded"] >= recorder.count:  # nothing new to train on since it failed
+        return vanilla, Learner(model, settings, model_settings, metrics, FAILED, recorder, failure["reason"])
+    return vanilla, Learner(model, settings, model_settings, metrics, TRAINING, recorder)

@@ -1,0 +1,118 @@
+"""The parts of serving a model before it is prepared that need no server: the request log its traffic becomes
+(read back by the server's own v2 parser, resumed after a crash), and how the training job's output is read."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rampserve.serving.learning import (
+    PROFILING,
+    TRAINING,
+    RequestRecorder,
+    certified,
+    failure_reason,
+    job_stage,
+    request_line,
+    unprepared_model,
+)
+from rampserve.serving.protocol import TensorSpec, parse_infer_request
+
+SPECS = (TensorSpec("pixels", "FP32", (-1, 3)), TensorSpec("mask", "INT64", (-1, -1)))
+
+
+def inputs(values: list[float], width: int = 2) -> dict[str, np.ndarray]:
+    return {"pixels": np.asarray(values, dtype=np.float32).reshape(1, 3),
+            "mask": np.arange(width, dtype=np.int64).reshape(1, width)}
+
+
+def test_a_recorded_line_is_a_v2_request_the_server_reads_back_as_it_was() -> None:
+    batch = {"pixels": np.array([[0.1, -2.5e-8, 3.0], [1e30, 0.0, -7.25]], dtype=np.float32),
+             "mask": np.array([[1, 1, 0], [1, 0, 0]], dtype=np.int64)}
+    parsed = parse_infer_request(request_line(batch, {s.name: s.datatype for s in SPECS}), None, SPECS)
+    assert parsed.inputs.keys() == batch.keys()
+    for name, array in batch.items():
+        assert parsed.inputs[name].dtype == array.dtype and np.array_equal(parsed.inputs[name], array)
+
+
+rows = st.lists(st.floats(-1e6, 1e6, width=32), min_size=3, max_size=3)
+
+
+@settings(max_examples=40, deadline=None)
+@given(requests=st.lists(rows, min_size=1, max_size=30), target=st.integers(1, 12))
+def test_the_recorder_keeps_the_first_distinct_requests_up_to_its_target(requests, target, tmp_path_factory) -> None:
+    path = tmp_path_factory.mktemp("log") / "recording.jsonl"
+    recorder = RequestRecorder(path, target, SPECS)
+    filled = []
+    recorder.on_full = lambda: filled.append(recorder.count)
+    for values in requests:
+        recorder.record(inputs(values))
+    first_seen: dict[bytes, tuple] = {}  # distinct as sent, bit for bit (0.0 and -0.0 are two requests)
+    for values in requests:
+        first_seen.setdefault(np.float32(values).tobytes(), tuple(np.float32(values)))
+    distinct = list(first_seen.values())
+    expected = distinct[:target]
+    lines = path.read_bytes().splitlines()
+    assert recorder.count == len(lines) == len(expected)
+    assert [tuple(parse_infer_request(line, None, SPECS).inputs["pixels"][0]) for line in lines] == expected
+    assert filled == ([target] if len(distinct) >= target else [])
+
+
+def test_a_recording_left_by_a_killed_server_is_resumed_without_its_unfinished_line(tmp_path: Path) -> None:
+    path = tmp_path / "recording.jsonl"
+    first = RequestRecorder(path, 5, SPECS)
+    for i in range(3):
+        first.record(inputs([i, i, i]))
+    first.close()
+    with path.open("ab") as log:  # a server killed while writing a line leaves part of it
+        log.write(request_line(inputs([9, 9, 9]), {"pixels": "FP32", "mask": "INT64"})[:20])
+    resumed = RequestRecorder(path, 5, SPECS)
+    assert resumed.count == 3 and not resumed.full
+    resumed.record(inputs([1, 1, 1]))  # already recorded: not counted again
+    resumed.record(inputs([4, 4, 4]))
+    lines = path.read_bytes().splitlines()
+    assert resumed.count == len(lines) == 4
+    assert [parse_infer_request(line, None, SPECS).inputs["pixels"][0, 0] for line in lines] == [0, 1, 2, 4]
+    resumed.close()
+    assert RequestRecorder(path, 4, SPECS).full
+
+
+def test_the_training_jobs_stages_and_its_refusal_are_read_from_its_output() -> None:
+    assert job_stage("running the model for ramp features:  40%|####      | 2/5 [00:01<00:01]") == TRAINING
+    assert job_stage("training ramps: 100%|##########| 8/8 [00:02<00:00]") == TRAINING
+    assert job_stage("profiling latency:   0%|          | 0/7") == PROFILING
+    assert job_stage("prepared model.onnx on onnxruntime") is None
+    box = ["Usage: rampserve prepare [OPTIONS] {model}", "╭─ Error ───────────────────╮",
+           "│ Invalid value: the request log holds 5 inputs, │", "│ at least 200 are needed       │",
+           "╰───────────────────────────╯"]
+    assert failure_reason(box) == "Invalid value: the request log holds 5 inputs, at least 200 are needed"
+    trace = ["Traceback (most recent call last):", '  File "x.py", line 1', "RuntimeError: out of memory", ""]
+    assert failure_reason(trace) == "RuntimeError: out of memory"
+    assert failure_reason([]) is None
+
+
+def test_a_model_is_managed_once_its_configuration_has_an_exit() -> None:
+    assert not certified({"configuration": {"sites": [], "thresholds": []}})
+    assert not certified({"configuration": {"sites": ["a", "b"], "thresholds": [0.0, 0.0]}})
+    assert certified({"configuration": {"sites": ["a", "b"], "thresholds": [0.0, 0.12]}})
+    assert not certified({"unavailable": "the executor process is restarting"})
+
+
+def test_which_models_are_served_unprepared_and_where_they_keep_their_state(tmp_path: Path) -> None:
+    folder = tmp_path / "clf"
+    folder.mkdir()
+    assert unprepared_model(str(folder)) is None  # holds no model
+    (folder / "model.onnx").write_bytes(b"")
+    own = unprepared_model(str(folder))
+    assert own.name == "clf" and own.folder.path == folder and own.source == str(folder / "model.onnx")
+    (folder / "manifest.json").write_text("{}")
+    assert unprepared_model(str(folder)) is None  # a bundle
+    elsewhere = unprepared_model(str(folder / "model.onnx"))
+    other = tmp_path / "other" / "model.onnx"
+    other.parent.mkdir()
+    other.write_bytes(b"")
+    assert elsewhere.name == "model" and elsewhere.folder != unprepared_model(str(other)).folder
+    assert unprepared_model("resnet18-fmnist") is None

@@ -1,0 +1,321 @@
+"""`rampserve serve MODEL` for a model with no bundle, for real: the command line serves a small classifier that the
+test trains on scikit-learn's digits (no zoo model, no stream of the project's) and exports to ONNX. It answers from
+its first request, records its traffic, trains ramps in a background job, adopts them under a client firing through
+the adoption, and resumes from its folder after a kill; a training that fails leaves it served vanilla, saying why.
+A Hugging Face folder (a BERT classifier the own-data tests train on docstrings) is served at once too, from its
+ONNX export, and its token ids are recorded as sent."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import aiohttp
+import numpy as np
+import pytest
+from test_own_data import text_model, transformers_labels  # text_model: a fixture, asked for by name
+from test_serving import get_json
+
+MODEL = "digits"
+# The training job kept short (the engine named, not timed; a short latency profile), and the controller let spend
+# what a ramp costs this small a model (ONNX Runtime's fixed cost of a ramp, about 25 us, is 5% of its 0.5 ms) and
+# search every 512 inputs: the test is about the model's path to managed, not what its exits save
+QUICK = ("--prepare-arg=--engine", "--prepare-arg=onnxruntime-1thread", "--prepare-arg=--profile-budget",
+         "--prepare-arg=0.05", "--ramp-budget", "0.2", "--search-every", "512")
+RECORD = 600  # `prepare --data` asks for 500 distinct inputs at least
+DEADLINE_S = 600.0  # the longest a phase may take to come on this shared machine before the test fails
+
+
+@pytest.fixture(scope="module")
+def digits(tmp_path_factory) -> tuple[Path, np.ndarray, np.ndarray]:
+    """A 4-layer perceptron trained on scikit-learn's digits, as an ONNX file taking `pixels` (FP32, 64 per input);
+    the digits' images, shuffled; and the model's own label for each, by ONNX Runtime."""
+    import onnxruntime as ort
+    import torch
+    from sklearn.datasets import load_digits
+
+    from rampserve.graph.onnx_graph import export_onnx
+
+    images, classes = load_digits(return_X_y=True)
+    x = torch.from_numpy((images / 16.0).astype(np.float32))
+    y = torch.from_numpy(classes)
+    torch.manual_seed(0)
+    width = 1024
+    net = torch.nn.Sequential(torch.nn.Linear(64, width), torch.nn.ReLU(), torch.nn.Linear(width, width),
+                              torch.nn.ReLU(), torch.nn.Linear(width, width), torch.nn.ReLU(),
+                              torch.nn.Linear(width, 10))
+    optimiser = torch.optim.Adam(net.parameters(), 1e-2)
+    for _ in range(40):
+        optimiser.zero_grad()
+        torch.nn.functional.cross_entropy(net(x), y).backward()
+        optimiser.step()
+    path = export_onnx(net.eval(), (x[:2],), ["pixels"], tmp_path_factory.mktemp("digits") / "model.onnx")
+    pixels = x.numpy()[np.random.default_rng(0).permutation(len(x))]
+    own = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"pixels": pixels})[0]
+    return path, pixels, own.argmax(axis=1)
+
+
+def model_folder(tmp_path: Path, digits) -> Path:
+    """A folder holding the model file alone, as a user's repository folder would."""
+    folder = tmp_path / MODEL
+    folder.mkdir()
+    shutil.copyfile(digits[0], folder / "model.onnx")
+    return folder
+
+
+def body(pixels: np.ndarray, request_id: str) -> bytes:
+    return json.dumps({"id": request_id, "inputs": [{"name": "pixels", "shape": [1, 64], "datatype": "FP32",
+                                                     "data": pixels.tolist()}]}).encode()
+
+
+@contextmanager
+def server(model: str | Path, *options: str) -> Iterator[tuple[str, subprocess.Popen]]:
+    """`rampserve serve MODEL OPTIONS` on a free loopback port: its URL and process, stopped (SIGTERM) at the end
+    unless the test killed it."""
+    process = subprocess.Popen([sys.executable, "-m", "rampserve.cli", "serve", str(model), "--port", "0",
+                                "--grpc-port", "0", *options], stdout=subprocess.PIPE, text=True)
+    try:
+        line = process.stdout.readline()
+        found = re.search(r"http://[\d.]+:\d+", line)
+        assert found, f"the server did not start: {line!r}"
+        yield found.group(0), process
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+def learning(url: str, model: str = MODEL) -> dict:
+    return get_json(f"{url}/status")["learning"][model]
+
+
+def wait_for_phase(url: str, *phases: str, deadline_s: float = DEADLINE_S, model: str = MODEL) -> dict:
+    """The model's learning status once its phase is one of `phases`; fails at the deadline, or at an unexpected
+    failure, with the status as it stood."""
+    give_up = time.monotonic() + deadline_s
+    while True:
+        status = learning(url, model)
+        if status["phase"] in phases:
+            return status
+        assert status["phase"] != "failed", f"the training failed: {status['reason']}"
+        assert time.monotonic() < give_up, f"not {phases} after {deadline_s:.0f} s: {status}"
+        time.sleep(0.2)
+
+
+def send(url: str, pixels: np.ndarray, ids: Iterable[int]) -> list[dict]:
+    """One request per id, one at a time (request i sends image i), each answered 200."""
+    async def run() -> list[dict]:
+        async with aiohttp.ClientSession() as session:
+            answers = []
+            for i in ids:
+                async with session.post(f"{url}/v2/models/{MODEL}/infer", data=body(pixels[i], str(i))) as response:
+                    assert response.status == 200, await response.text()
+                    answers.append(await response.json())
+            return answers
+
+    return asyncio.run(run())
+
+
+def label(answer: dict) -> int:
+    return answer["outputs"][0]["data"][0]
+
+
+def requests_counted(url: str) -> float:
+    """Every request the server counted for the model, whatever its outcome (rampserve_requests_total)."""
+    return sum(float(line.split()[-1]) for line in metrics(url).splitlines()
+               if line.startswith("rampserve_requests_total{") and f'model="{MODEL}"' in line)
+
+
+def metrics(url: str) -> str:
+    with urllib.request.urlopen(f"{url}/metrics") as response:
+        return response.read().decode()
+
+
+def test_an_unprepared_model_answers_at_once_and_is_managed_with_every_request_answered_once(tmp_path, digits):
+    _, pixels, own = digits
+    folder = model_folder(tmp_path, digits)
+    record = RECORD
+    with server(folder, "--record", str(record), *QUICK) as (url, _):
+        first = send(url, pixels, range(1))[0]
+        recording = learning(url)
+        # Traffic until the recording is full: distinct inputs (the first again and again counts once)
+        send(url, pixels, range(1, record))
+        send(url, pixels, itertools.repeat(0, 5))
+        traffic = asyncio.run(fire_through_adoption(url, pixels))
+        status = learning(url)
+        counted = requests_counted(url)
+        assert status["bundle"] == str(folder / "bundle")
+        model_status = get_json(f"{url}/status/{MODEL}")
+    assert label(first) == own[0] and "early" not in first["parameters"]
+    assert recording["phase"] == "recording" and recording["recorded"] == 1 and recording["record_target"] == record
+    answers, sent = traffic
+    # Every request in flight across the adoption answered once, with the model's own label or at a ramp
+    assert sorted(answers) == list(range(sent)), "a request was lost or answered twice"
+    vanilla = [i for i, a in answers.items() if "exit_site" not in a["parameters"]]
+    managed = [i for i, a in answers.items() if "exit_site" in a["parameters"]]
+    early = [i for i in managed if answers[i]["parameters"]["early"]]
+    assert vanilla and managed and early, (len(vanilla), len(managed), len(early))
+    assert all(label(answers[i]) == own[i % len(own)] for i in answers if i not in early)
+    agreement = np.mean([label(answers[i]) == own[i % len(own)] for i in answers])
+    assert agreement >= 0.99, agreement  # exits answer as the model does, within what the guarantee allows
+    assert counted == record + 5 + sent
+    assert [p["phase"] for p in status["phases"]] == ["recording", "training", "profiling", "certifying", "managed"]
+    assert status["phase"] == model_status["learning"]["phase"] == "managed"
+    assert model_status["configuration"]["sites"]
+    lines = (folder / "recording.jsonl").read_bytes().splitlines()
+    assert len(lines) == record
+    recorded = np.array([json.loads(line)["inputs"][0]["data"] for line in lines], dtype=np.float32)
+    assert np.array_equal(recorded, pixels[:record])  # the first `record` distinct inputs, as sent
+
+
+async def fire_through_adoption(url: str, pixels: np.ndarray, clients: int = 4) -> tuple[dict[int, dict], int]:
+    """Requests from `clients` concurrent clients, each with an id of its own, from before the adoption until the
+    model has given answers at a ramp after it is managed: every answer by id, and how many were sent."""
+    answers: dict[int, dict] = {}
+    counter = itertools.count()
+    done = asyncio.Event()
+    give_up = time.monotonic() + DEADLINE_S
+
+    async def client(session: aiohttp.ClientSession) -> None:
+        while not done.is_set():
+            i = next(counter)
+            async with session.post(f"{url}/v2/models/{MODEL}/infer", data=body(pixels[i % len(pixels)], str(i))) \
+                    as response:
+                answer = await response.json()
+                assert response.status == 200, answer
+                assert answer["id"] == str(i) and i not in answers
+                answers[i] = answer
+            await asyncio.sleep(0.005)  # paced: the training job runs on what serving leaves idle
+
+    async def watch(session: aiohttp.ClientSession) -> None:
+        early_after_managed = 0
+        while early_after_managed < 50:
+            assert time.monotonic() < give_up, "not managed in time"
+            async with session.get(f"{url}/status") as response:
+                phase = (await response.json())["learning"][MODEL]
+            assert phase["phase"] != "failed", phase["reason"]
+            if phase["phase"] == "managed":
+                early_after_managed = sum(a["parameters"].get("early", False) for a in list(answers.values()))
+            await asyncio.sleep(0.2)
+        done.set()
+
+    async with aiohttp.ClientSession() as session:
+        await asyncio.gather(watch(session), *(client(session) for _ in range(clients)))
+    return answers, next(counter)
+
+
+def test_a_server_killed_while_recording_or_training_resumes_from_its_folder(tmp_path, digits):
+    _, pixels, own = digits
+    model = tmp_path / "elsewhere" / "digits.onnx"  # an ONNX file: its state goes to RAMPSERVE_HOME/learning
+    model.parent.mkdir()
+    shutil.copyfile(digits[0], model)
+    options = ("--record", str(RECORD), *QUICK)
+    with server(model, *options) as (url, process):
+        send(url, pixels, range(300))
+        folder = Path(learning(url)["folder"])
+        process.kill()  # mid-recording
+        process.wait()
+    with server(model, *options) as (url, process):
+        resumed = learning(url)
+        send(url, pixels, range(250, RECORD))  # 250-299 were recorded before the kill
+        training = wait_for_phase(url, "training", "profiling")
+        job = training["job"]
+        process.kill()  # mid-training: its job dies with it
+        process.wait()
+    wait_for(lambda: not Path(f"/proc/{job}").exists(), "the training job to end with its server")
+    assert not (folder / "bundle").exists()
+    with server(model, *options) as (url, process):
+        restarted = learning(url)
+        send(url, pixels, range(3))
+        wait_for(lambda: learning(url)["bundle"] is not None, "the bundle to be adopted", DEADLINE_S)
+        adopted = learning(url)
+        answer = send(url, pixels, range(5, 6))[0]
+    assert resumed["phase"] == "recording" and resumed["recorded"] == 300
+    assert restarted["phase"] == "training" and restarted["recorded"] == RECORD
+    assert adopted["phases"][0]["phase"] == "training" and adopted["phase"] in ("certifying", "managed")
+    assert "exit_site" in answer["parameters"]  # the bundle's
+    assert answer["parameters"]["early"] or label(answer) == own[5]
+    assert len((folder / "recording.jsonl").read_bytes().splitlines()) == RECORD
+
+
+def wait_for(condition, what: str, limit_s: float = 60.0) -> None:
+    give_up = time.monotonic() + limit_s
+    while not condition():
+        assert time.monotonic() < give_up, f"waited {limit_s:.0f} s for {what}"
+        time.sleep(0.05)
+
+
+def test_a_failed_training_leaves_the_model_served_vanilla_saying_why(tmp_path, digits):
+    _, pixels, own = digits
+    folder = model_folder(tmp_path, digits)
+    with server(folder, "--record", "5", *QUICK) as (url, _):
+        send(url, pixels, range(5))
+        failed = wait_for_phase(url, "failed")
+        after = send(url, pixels, range(5, 25))
+        exported = metrics(url)
+        wait_for(lambda: (get_json(f"{url}/dashboard/data")["models"].get(MODEL, {}).get("learning") or {})
+                 .get("phase") == "failed", "the dashboard's sampler to show the failure")
+        shown = get_json(f"{url}/dashboard/data")["models"][MODEL]["learning"]
+    with server(folder, "--record", "5") as (url, _):
+        again = learning(url)
+        still = send(url, pixels, range(3))
+    assert "at least 500 distinct inputs" in failed["reason"] and f"{folder}/recording.jsonl" in failed["reason"]
+    assert [label(a) for a in after] == own[5:25].tolist() and all("exit_site" not in a["parameters"] for a in after)
+    assert f'rampserve_learning_phase{{model="{MODEL}",phase="failed"}} 1.0' in exported
+    assert shown["phase"] == "failed" and shown["reason"] == failed["reason"]
+    assert json.loads((folder / "failed.json").read_text())["reason"] == failed["reason"]
+    assert "$ " in (folder / "training.log").read_text()
+    # Nothing new to train on: the next server serves it vanilla, failed for the same reason, and trains nothing
+    assert again["phase"] == "failed" and again["reason"] == failed["reason"]
+    assert [label(a) for a in still] == own[:3].tolist()
+    assert not (folder / "bundle").exists()
+
+
+def test_a_hugging_face_folder_is_served_at_once_and_its_token_ids_recorded_as_sent(request):
+    from tokenizers import Tokenizer
+
+    checkpoint = request.getfixturevalue(text_model.__name__)
+
+    tokenizer = Tokenizer.from_file(str(checkpoint / "tokenizer.json"))
+    tokenizer.enable_truncation(64)
+    texts = ["Return a new list.", "Open the file and return a stream; raise an error where it cannot be opened.",
+             "Split the string.", "Count the elements of an iterable, from the first to the last."]
+    model = checkpoint.name
+
+    async def ask() -> list[dict]:
+        async with aiohttp.ClientSession() as session:
+            answers = []
+            for i, text in enumerate(texts):
+                ids = tokenizer.encode(text).ids
+                request = {"id": str(i), "inputs": [
+                    {"name": "input_ids", "shape": [1, len(ids)], "datatype": "INT64", "data": ids},
+                    {"name": "attention_mask", "shape": [1, len(ids)], "datatype": "INT64", "data": [1] * len(ids)}]}
+                async with session.post(f"{url}/v2/models/{model}/infer", json=request) as response:
+                    assert response.status == 200, await response.text()
+                    answers.append(await response.json())
+            return answers
+
+    with server(f"hf:{checkpoint}", "--record", str(len(texts))) as (url, _):
+        answers = asyncio.run(ask())
+        failed = wait_for_phase(url, "failed", model=model)  # too few inputs to train on
+    folder = Path(failed["folder"])
+    assert [label(a) for a in answers] == transformers_labels(checkpoint, texts).tolist()
+    assert (folder / "vanilla.onnx").is_file()  # exported once, served on ONNX Runtime
+    lines = [json.loads(line) for line in (folder / "recording.jsonl").read_bytes().splitlines()]
+    assert [line["inputs"][0]["data"] for line in lines] == [tokenizer.encode(text).ids for text in texts]
+    assert "500" in failed["reason"], failed["reason"]
