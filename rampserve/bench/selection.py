@@ -31,6 +31,7 @@ import importlib
 import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 from rich.markup import escape
@@ -48,6 +49,9 @@ from rampserve.control.selection import (
     exp4_update,
 )
 from rampserve.workloads.fashion_mnist import CLASSES, load_fashion_mnist
+
+if TYPE_CHECKING:
+    from sklearn.base import BaseEstimator
 
 CNNS = ("resnet18-fmnist", "resnet50-fmnist", "vgg11-fmnist", "vgg16-fmnist")
 # scikit-learn models on the pixels scaled to [0, 1], trained on the 60,000 training images at bench time (in
@@ -393,12 +397,17 @@ def cnn_predictions(name: str, images: np.ndarray, batch_size: int) -> np.ndarra
     return labels
 
 
+def sklearn_estimator(name: str) -> BaseEstimator:
+    """The untrained estimator of SKLEARN_MODELS named `name`."""
+    estimator, parameters = SKLEARN_MODELS[name]
+    module, kind = estimator.rsplit(".", 1)
+    return getattr(importlib.import_module(f"sklearn.{module}"), kind)(**parameters)
+
+
 def sklearn_predictions(name: str, images: np.ndarray) -> np.ndarray:
     """A scikit-learn model of SKLEARN_MODELS on pixels scaled to [0, 1], trained on the Fashion-MNIST training
     set."""
-    estimator, parameters = SKLEARN_MODELS[name]
-    module, kind = estimator.rsplit(".", 1)
-    model = getattr(importlib.import_module(f"sklearn.{module}"), kind)(**parameters)
+    model = sklearn_estimator(name)
     train_images, train_labels = load_fashion_mnist("train")
     model.fit(train_images.reshape(len(train_images), -1) / 255.0, train_labels)
     return model.predict(images.reshape(len(images), -1) / 255.0).astype(np.int64)

@@ -69,13 +69,9 @@ class SelectionState:
     long_run_loss: np.ndarray | None = None
 
     def __post_init__(self) -> None:
-        self.weights = np.asarray(self.weights, dtype=np.float64)
-        for name in ("recent_loss", "long_run_loss"):
-            value = getattr(self, name)
-            value = np.zeros(len(self.models)) if value is None else np.asarray(value, dtype=np.float64)
-            if value.shape != (len(self.models),) or np.any((value < 0) | (value > 1)):
-                raise ValueError(f"selection state: {name} needs one value in [0, 1] per model")
-            setattr(self, name, value)
+        zeros = np.zeros(len(self.models))
+        self.recent_loss = zeros if self.recent_loss is None else self.recent_loss
+        self.long_run_loss = zeros if self.long_run_loss is None else self.long_run_loss
 
     @classmethod
     def uniform(cls, models: tuple[str, ...]) -> SelectionState:
@@ -108,12 +104,18 @@ class SelectionState:
 
     @classmethod
     def from_json(cls, data: dict) -> SelectionState:
-        """A stored state; one written before the detector existed (no loss averages) starts them at 0."""
+        """A stored state, checked; one written before the detector existed (no loss averages) starts them at 0."""
+        models = len(data["models"])
         weights = np.asarray(data["weights"], dtype=np.float64)
-        if len(weights) != len(data["models"]) or not np.all(weights > 0):
+        if weights.shape != (models,) or not np.all(weights > 0):
             raise ValueError("selection state: one positive weight per model is required")
-        return cls(tuple(data["models"]), weights, int(data.get("updates", 0)), data.get("recent_loss"),
-                   data.get("long_run_loss"))
+        averages = {}
+        for name in ("recent_loss", "long_run_loss"):
+            values = np.asarray(data.get(name, np.zeros(models)), dtype=np.float64)
+            if values.shape != (models,) or not np.all((values >= 0) & (values <= 1)):
+                raise ValueError(f"selection state: {name} needs one value in [0, 1] per model")
+            averages[name] = values
+        return cls(tuple(data["models"]), weights, int(data.get("updates", 0)), **averages)
 
 
 def _normalised(weights: np.ndarray, floor: float) -> np.ndarray:
@@ -136,12 +138,14 @@ def _learn(state: SelectionState, losses: np.ndarray, estimates: np.ndarray, eta
     models = len(state.models)
     weights = state.weights * np.exp(-eta * estimates)
     weights /= weights.sum()
-    weights = (1.0 - forgetting.share) * weights + forgetting.share / models
+    if forgetting.share:
+        weights = (1.0 - forgetting.share) * weights + forgetting.share / models
     seen = ~np.isnan(losses)
-    recent, long_run = state.recent_loss.copy(), state.long_run_loss.copy()
-    recent[seen] += RECENT_RATE * (losses[seen] - recent[seen])
-    long_run[seen] += LONG_RUN_RATE * (losses[seen] - long_run[seen])
-    if forgetting.detect:
+    # Unobserved models keep their averages: they move towards their own values.
+    recent = state.recent_loss + RECENT_RATE * (np.where(seen, losses, state.recent_loss) - state.recent_loss)
+    long_run = state.long_run_loss + LONG_RUN_RATE * (np.where(seen, losses, state.long_run_loss)
+                                                      - state.long_run_loss)
+    if forgetting.detect and (long_run - recent > RECOVERY_GAP).any():
         recovered = seen & (long_run - recent > RECOVERY_GAP) & (weights < 1.0 / models)
         if recovered.any():
             # An equal share each; the others keep their proportions in what is left.
