@@ -942,8 +942,10 @@ def bench_selection(
     sklearn: Annotated[str, typer.Option(help="scikit-learn models trained at bench time, comma-separated: "
                                               "logreg-pixels, mlp-pixels, forest-pixels, extra-trees-pixels, "
                                               "knn-pixels ('none': no such model)")] = "logreg-pixels",
-    forgetting: Annotated[str, typer.Option(help="how old evidence fades, comma-separated: detect, share, none")]
-    = "detect,share,none",
+    forgetting: Annotated[str, typer.Option(help="how old evidence fades, comma-separated: detect, share, none, "
+                                                 "detect+share")] = "detect,share,none,detect+share",
+    predictions: Annotated[Optional[Path], typer.Option(help="an .npz of the models' test-set labels: reused for "
+                                                            "the models it holds, written with all of them")] = None,
     json_out: Annotated[Optional[Path], typer.Option("--json", help="write the results here")] = None,
     plots: Annotated[Optional[Path], typer.Option(help="write plots into this directory")] = None,
 ) -> None:
@@ -956,7 +958,8 @@ def bench_selection(
                                      cnns=_names(cnns), sklearn=_names(sklearn), forgetting=_names(forgetting))
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
-    report = run_selection(settings, progress=lambda stage: console.print(f"[dim]{stage}[/dim]"))
+    report = run_selection(settings, progress=lambda stage: console.print(f"[dim]{stage}[/dim]"),
+                           saved_predictions=predictions)
     for table in selection_tables(report):
         console.print(table)
     _write_json(report, json_out)

@@ -31,6 +31,7 @@ import importlib
 import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -84,6 +85,7 @@ FORGETTING = {
     "detect": Forgetting(),
     "share": Forgetting(floor=MIN_WEIGHT, share=SHARE, detect=False),
     "none": REMEMBER_ALL,
+    "detect+share": Forgetting(share=SHARE),
 }
 
 
@@ -422,18 +424,41 @@ def replay_seeds(predictions: np.ndarray, labels: np.ndarray, settings: Selectio
     return results
 
 
-def run_selection(settings: SelectionSettings, progress: Callable[[str], None] = lambda _: None) -> dict:
-    images, labels = load_fashion_mnist("test")
-    if settings.cnns:
-        progress(f"predicting the {len(images)} Fashion-MNIST test images with {', '.join(settings.cnns)}")
-    rows = [cnn_predictions(name, images, settings.batch_size) for name in settings.cnns]
+def model_predictions(settings: SelectionSettings, images: np.ndarray, saved: Path | None,
+                      progress: Callable[[str], None]) -> np.ndarray:
+    """Each model's label for each test image (models, images), in the order CNNs then scikit-learn models. With
+    `saved` (.npz, one array per model), the models found there are not run again, and the file is rewritten
+    with all of them: predictions are plain integer arrays, so a rerun of the replay costs seconds, not the
+    minutes of training."""
+    known: dict[str, np.ndarray] = {}
+    if saved is not None and saved.exists():
+        with np.load(saved, allow_pickle=False) as stored:
+            known = {name: stored[name] for name in stored.files}
+        progress(f"reusing the predictions of {', '.join(sorted(known))} from {saved}")
+    for name in settings.cnns:
+        if name not in known:
+            progress(f"predicting the {len(images)} Fashion-MNIST test images with {name}")
+            known[name] = cnn_predictions(name, images, settings.batch_size)
     for name in settings.sklearn:
-        progress(f"training {name} ({SKLEARN_MODELS[name][0]}) on the 60,000 training images")
-        rows.append(sklearn_predictions(name, images))
+        if name not in known:
+            progress(f"training {name} ({SKLEARN_MODELS[name][0]}) on the 60,000 training images")
+            known[name] = sklearn_predictions(name, images)
+    if saved is not None:
+        np.savez(saved, **known)
+    rows = np.stack([known[name] for name in settings.cnns + settings.sklearn])
+    if rows.shape[1] != len(images):
+        raise ValueError(f"{saved} holds predictions for {rows.shape[1]} images, not the {len(images)} test images")
+    return rows
+
+
+def run_selection(settings: SelectionSettings, progress: Callable[[str], None] = lambda _: None,
+                  saved_predictions: Path | None = None) -> dict:
+    images, labels = load_fashion_mnist("test")
+    predictions = model_predictions(settings, images, saved_predictions, progress)
     models = {**{name: "pytorch" for name in settings.cnns}, **{name: "scikit-learn" for name in settings.sklearn}}
     progress(f"replaying {settings.queries} queries through Exp3 and Exp4 with {', '.join(settings.forgetting)} "
              f"forgetting, {len(settings.seeds)} seeds")
-    return {**build_report(models, replay_seeds(np.stack(rows), labels, settings), settings),
+    return {**build_report(models, replay_seeds(predictions, labels, settings), settings),
             "sklearn_models": {name: {"estimator": SKLEARN_MODELS[name][0], **SKLEARN_MODELS[name][1],
                                       "inputs": "pixels / 255"} for name in settings.sklearn}}
 
