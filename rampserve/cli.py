@@ -1014,6 +1014,12 @@ def bench_tuning(
     _write_json(result, json_out)
 
 
+def _names(listed: str) -> tuple[str, ...]:
+    """Comma-separated names; 'none' for none."""
+    names = tuple(name.strip() for name in listed.split(",") if name.strip())
+    return () if names == ("none",) else names
+
+
 @bench_app.command("selection")
 def bench_selection(
     queries: Annotated[int, typer.Option(help="queries: the Fashion-MNIST test images in seeded orders")] = 20_000,
@@ -1021,20 +1027,32 @@ def bench_selection(
     failure_end: Annotated[int, typer.Option(help="first query it works again on")] = 10_000,
     exp3_eta: Annotated[Optional[float], typer.Option(help="Exp3's rate (default sqrt(2 ln K / (K T)))")] = None,
     exp4_eta: Annotated[Optional[float], typer.Option(help="Exp4's rate (default sqrt(8 ln K / T))")] = None,
-    exp3_seeds: Annotated[int, typer.Option(help="Exp3 runs with different draws (medians reported)")] = 5,
+    seeds: Annotated[int, typer.Option(help="runs of the experiment, seeds 0..N-1 (medians and ranges reported)")] = 5,
+    cnns: Annotated[str, typer.Option(help="zoo CNNs, comma-separated ('none': no CNN)")]
+    = "resnet18-fmnist,resnet50-fmnist,vgg11-fmnist,vgg16-fmnist",
+    sklearn: Annotated[str, typer.Option(help="scikit-learn models trained at bench time, comma-separated: "
+                                              "logreg-pixels, mlp-pixels, forest-pixels, extra-trees-pixels, "
+                                              "knn-pixels ('none': no such model)")] = "logreg-pixels",
+    forgetting: Annotated[str, typer.Option(help="how old evidence fades, comma-separated: detect, share, none, "
+                                                 "detect+share")] = "detect,share,none,detect+share",
+    predictions: Annotated[Optional[Path], typer.Option(help="an .npz of the models' test-set labels: reused for "
+                                                            "the models it holds, written with all of them")] = None,
     json_out: Annotated[Optional[Path], typer.Option("--json", help="write the results here")] = None,
     plots: Annotated[Optional[Path], typer.Option(help="write plots into this directory")] = None,
 ) -> None:
     """Clipper's model selection: Exp3 and Exp4 over four zoo CNNs and a scikit-learn model, the best failing."""
-    from rampserve.bench.selection import SelectionSettings, run_selection, selection_table
+    from rampserve.bench.selection import SelectionSettings, run_selection, selection_tables
 
     try:
         settings = SelectionSettings(queries=queries, failure_start=failure_start, failure_end=failure_end,
-                                     exp3_eta=exp3_eta, exp4_eta=exp4_eta, exp3_seeds=tuple(range(exp3_seeds)))
+                                     exp3_eta=exp3_eta, exp4_eta=exp4_eta, seeds=tuple(range(seeds)),
+                                     cnns=_names(cnns), sklearn=_names(sklearn), forgetting=_names(forgetting))
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
-    report = run_selection(settings, progress=lambda stage: console.print(f"[dim]{stage}[/dim]"))
-    console.print(selection_table(report))
+    report = run_selection(settings, progress=lambda stage: console.print(f"[dim]{stage}[/dim]"),
+                           saved_predictions=predictions)
+    for table in selection_tables(report):
+        console.print(table)
     _write_json(report, json_out)
     if plots is not None:
         from rampserve.bench.selection_plots import write_plots

@@ -6,12 +6,13 @@ from __future__ import annotations
 import asyncio
 import socket
 
+import numpy as np
 import pytest
 import redis
 
 from bounded import run_bounded
 
-from rampserve.control.selection import SelectionState, exp3_update
+from rampserve.control.selection import EXPLORATION_FLOOR, SelectionState, exp3_update, exp4_update
 from rampserve.serving.apps.state_store import (
     MemoryStore,
     RedisStore,
@@ -108,6 +109,28 @@ def test_selection_state_round_trips_through_an_update(store: StateStore) -> Non
     state = SelectionState.from_json(run_bounded(scenario()))
     assert state.models == ("a", "b") and state.updates == 3
     assert state.probabilities()[0] < 0.5  # the model that kept losing is chosen less
+    # The change detector's averages of the losses observed come back too: a lost three times, b never asked.
+    assert state.recent_loss.tolist() == [0.875, 0.0]
+    assert state.long_run_loss.tolist() == pytest.approx([1 - (15 / 16) ** 3, 0.0])
+
+
+def test_selection_state_stored_before_the_detector_resumes(store: StateStore) -> None:
+    old = {"models": ["a", "b"], "weights": [0.999999, 1e-6], "updates": 41}  # no loss averages, the old floor
+
+    def learn(stored: dict | None) -> dict:
+        return exp4_update(SelectionState.from_json(stored), np.array([0.0, 0.0]), eta=0.1).to_json()
+
+    async def scenario() -> dict:
+        await store.put("selection", "app/old-user", old)
+        await store.update("selection", "app/old-user", learn)
+        value = await store.get("selection", "app/old-user")
+        await store.close()
+        return value
+
+    stored = run_bounded(scenario())
+    state = SelectionState.from_json(stored)
+    assert state.updates == 42 and set(stored) >= {"recent_loss", "long_run_loss"}
+    assert state.weights[1] == pytest.approx(EXPLORATION_FLOOR)  # lifted to the floor of exploration
 
 
 def test_two_redis_servers_update_one_counter_concurrently(redis_url, redis_prefix) -> None:

@@ -1,5 +1,6 @@
-"""Plot of `bench selection`: error rate over the stream per policy and per model, with the failure shaded,
-and the failing model's weight in each bandit (Clipper's figure of Exp3 and Exp4 under model failure)."""
+"""Plots of `bench selection`, one per forgetting mechanism (Clipper's figure of Exp3 and Exp4 under model
+failure): the error rate over the stream per policy and per model, with the failure shaded, and the failing
+model's weight in each bandit; lines are medians over seeds, bands their range."""
 
 from __future__ import annotations
 
@@ -11,15 +12,21 @@ matplotlib.use("Agg")  # files only: benchmarks run headless
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-BANDITS = {"exp3": "Exp3", "exp4": "Exp4"}
+BANDIT_NAMES = {"exp3": "Exp3", "exp4": "Exp4"}
 # The policies in colours no single model gets (the models take tab10's first colours in order).
 BANDIT_COLOURS = {"exp3": "black", "exp4": "tab:cyan"}
 
 
 def write_plots(report: dict, out_dir: Path) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
+    seeds = len(report["settings"]["seeds"])
+    return [_plot_mechanism(report, mechanism, out_dir / f"selection_{mechanism}_seeds{seeds}.png")
+            for mechanism in report["settings"]["forgetting"]]
+
+
+def _plot_mechanism(report: dict, mechanism: str, path: Path) -> Path:
     settings, series = report["settings"], report["series"]
-    failing = report["failing_model"]
+    failing = ", ".join(report["failing_models"])
     window = series["window"]
     # Each point stands for its bucket of queries, so it is drawn at the bucket's middle.
     x = np.asarray(series["starts"]) + window / 2
@@ -30,26 +37,31 @@ def write_plots(report: dict, out_dir: Path) -> list[Path]:
 
     # The failing model's error of 1 would squash every other curve into the bottom of the plot: the scale
     # fits the others and the failing model runs off it while it fails.
-    others = [v for name, v in series["error"].items() if name != failing]
+    others = [v["median"] for name, v in series["model_error"].items() if name not in report["failing_models"]]
     top = 1.2 * max(max(v) for v in others)
-    for i, name in enumerate(report["models"]):
-        label = f"{name} (fails; off the scale while failing)" if name == failing else name
-        err_ax.plot(x, series["error"][name], lw=0.9, alpha=0.6, color=f"C{i}", ls="--" if name == failing else "-",
-                    label=label)
-    for key, label in BANDITS.items():
-        eta = settings[f"{key}_eta"]
-        median = f", median of {len(settings['exp3_seeds'])} seeds" if key == "exp3" else ""
-        colour = BANDIT_COLOURS[key]
-        err_ax.plot(x, series["error"][key], lw=2.2, color=colour, label=f"{label} (eta {eta:.4f}{median})")
-        weight_ax.plot(x, series["failing_weight"][key], lw=2, color=colour, label=label)
+    for i, (name, error) in enumerate(series["model_error"].items()):
+        fails = name in report["failing_models"]
+        err_ax.plot(x, error["median"], lw=0.9, alpha=0.6, color=f"C{i}", ls="--" if fails else "-",
+                    label=f"{name} (fails; off the scale while failing)" if fails else name)
+    weights = report["summary"]["forgetting"][mechanism]
+    for bandit, label in BANDIT_NAMES.items():
+        colour = BANDIT_COLOURS[bandit]
+        error, weight = series["error"][mechanism][bandit], series["failing_weight"][mechanism][bandit]
+        err_ax.plot(x, error["median"], lw=2.2, color=colour,
+                    label=f"{label} (eta {settings[f'{bandit}_eta']:.4f})")
+        err_ax.fill_between(x, error["min"], error["max"], color=colour, alpha=0.15, lw=0)
+        weight_ax.plot(x, weight["median"], lw=2, color=colour, label=label)
+        weight_ax.fill_between(x, weight["min"], weight["max"], color=colour, alpha=0.15, lw=0)
+        half = settings["regain_share"] * weights[bandit]["failing_weight_before"]["median"]
+        weight_ax.axhline(half, color=colour, lw=0.8, ls=":",
+                          label=f"{settings['regain_share']:g} of its weight before the failure ({label})")
     err_ax.set(ylim=(0, top), ylabel=f"error rate (buckets of {window} queries)",
-               title=f"Model selection on Fashion-MNIST test queries: {failing} answers "
-                     f"{report['failure_mode']}s in the shaded stretch")
+               title=f"Model selection, {mechanism} forgetting, {len(settings['seeds'])} seeds (median, band: range): "
+                     f"{failing} answers {report['failure_mode']}s in the shaded stretch")
     err_ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
     weight_ax.set(yscale="log", xlabel="query", ylabel=f"{failing}'s probability",
                   title="the failing model's weight in each policy (bucket means)")
     weight_ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
-    path = out_dir / "selection_error_over_time.png"
     fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
-    return [path]
+    return path

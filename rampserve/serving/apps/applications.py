@@ -252,18 +252,11 @@ class Application:
         return f"selection/{self.name}"
 
     def _state(self, stored: dict | None) -> SelectionState:
-        """The stored weights over the application's current models: a model linked since starts at the mean
+        """The stored state over the application's current models: a model linked since starts at the mean
         weight of the others, one removed is dropped."""
-        fresh = SelectionState.uniform(self.spec.models)
         if stored is None:
-            return fresh
-        old = SelectionState.from_json(stored)
-        if old.models == fresh.models:
-            return old
-        kept = dict(zip(old.models, old.weights))
-        mean = float(np.mean(list(kept.values()))) if kept else 1.0
-        weights = np.array([kept.get(m, mean) for m in self.spec.models])
-        return SelectionState(fresh.models, weights / weights.sum(), old.updates)
+            return SelectionState.uniform(self.spec.models)
+        return SelectionState.from_json(stored).over(self.spec.models)
 
     async def weights(self, context: str = DEFAULT_CONTEXT) -> dict[str, float]:
         state = self._state(await self.store.get(self._namespace, context))
