@@ -194,6 +194,7 @@ class _Query:
     labels: dict[str, int] = field(default_factory=dict)  # every answer, including late ones
     confidences: dict[str, float] = field(default_factory=dict)  # and each answer's confidence
     decided: bool = False
+    stragglers: set[asyncio.Task] = field(default_factory=set)  # asks still running after the decision
 
 
 @dataclass(frozen=True)
@@ -364,8 +365,9 @@ class Application:
             decision = decide(arrived, len(asked), True)
         query.decided = True
         for task in pending:
-            self._stragglers.add(task)
-            task.add_done_callback(self._stragglers.discard)
+            for running in (self._stragglers, query.stragglers):
+                running.add(task)
+                task.add_done_callback(running.discard)
         return decision, arrived
 
     async def _ask(self, name: str, inputs: Mapping[str, np.ndarray], query: _Query,
@@ -434,6 +436,10 @@ class Application:
             needed = [chosen]
         else:
             needed = list(self.spec.models)
+        if query is not None and query.stragglers:
+            # Feedback that comes right after the answer waits for the query's late answers (as long as a fresh
+            # ask would) instead of asking those models a second time.
+            await asyncio.wait(set(query.stragglers), timeout=self.spec.slo_ms / 1000.0)
         known = dict(query.labels) if query is not None else {}
         confidences = dict(query.confidences) if query is not None else {}
         missing = [m for m in needed if m not in known]
