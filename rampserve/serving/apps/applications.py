@@ -10,8 +10,8 @@ within the application's SLO:
 With no answer by the deadline the application answers its default output, marked `default: true`, with the
 reason. Feedback (`update`) adapts the Exp3/Exp4 weights, or the learned race decider's trust in each model, of
 the query's context (application and user key), kept in a state store so that several servers share them and
-they outlive a restart. Answers that arrive after
-the deadline are not wasted: they are kept for the feedback on that query.
+they outlive a restart. Answers that arrive after the deadline are not wasted: they are kept for the feedback on
+that query.
 """
 
 from __future__ import annotations
