@@ -1071,10 +1071,17 @@ def bench_race(
         help="the race's timeout T, repeatable; 'auto': the slowest model's mean latency in a calibration race "
              "(default: auto and 50)")] = None,
     deciders: Annotated[str, typer.Option(help="comma-separated: first, consensus, best_confidence, "
-                                               "confidence_weighted or module:function")]
-    = "first,consensus,best_confidence,confidence_weighted",
+                                               "confidence_weighted, learned or module:function")]
+    = "first,consensus,best_confidence,confidence_weighted,learned",
     queries: Annotated[int, typer.Option(help="Fashion-MNIST test images, each sent to every configuration")] = 1000,
     calibration_queries: Annotated[int, typer.Option(help="other test images for the calibration race")] = 200,
+    feedback_queries: Annotated[int, typer.Option(help="other test images sent to the learning races alone, each "
+                                                       "followed by its true label, before the measured run")] = 500,
+    failing: Annotated[str, typer.Option(help="the model unloaded for the failure run after the measured one: "
+                                              "'best' (the most accurate alone), a model name, or 'none'")] = "best",
+    failure_queries: Annotated[int, typer.Option(help="other test images for the failure run")] = 500,
+    seeds: Annotated[int, typer.Option(help="runs, with seeds seed, seed + 1, ...: each its own images, order and "
+                                            "servers; more than one writes every run and their spread")] = 1,
     rate: Annotated[float, typer.Option(help="requests per second of the one client, all configurations")] = 40.0,
     tolerance_ms: Annotated[float, typer.Option(help="checked: p99 answer time <= T + this")] = 5.0,
     vanilla: Annotated[bool, typer.Option(help="serve the models without early exits")] = False,
@@ -1083,7 +1090,15 @@ def bench_race(
 ) -> None:
     """Speculative serving's race, live: three models (one remote), each decider at each timeout T, and each
     model alone, on the same Fashion-MNIST queries; accuracy, answer times and p99 <= T + tolerance."""
-    from rampserve.bench.race import RaceSettings, comparison_lines, model_table, race_table, run_race
+    from rampserve.bench.race import (
+        RaceSettings,
+        comparison_lines,
+        model_table,
+        race_table,
+        run_race,
+        seeds_summary,
+        seeds_table,
+    )
 
     try:
         timeouts = tuple(None if t.strip().lower() == "auto" else float(t) for t in (timeout_ms or ["auto", "50"]))
@@ -1091,15 +1106,33 @@ def bench_race(
                                 remote=None if remote.lower() == "none" else remote, vanilla=vanilla,
                                 deciders=tuple(d.strip() for d in deciders.split(",") if d.strip()),
                                 timeouts_ms=timeouts, queries=queries, calibration_queries=calibration_queries,
-                                rate_rps=rate, tolerance_ms=tolerance_ms, seed=seed)
+                                feedback_queries=feedback_queries,
+                                failing=None if failing.lower() == "none" else failing,
+                                failure_queries=failure_queries, rate_rps=rate, tolerance_ms=tolerance_ms, seed=seed)
+        if seeds < 1:
+            raise ValueError(f"seeds must be at least 1, got {seeds}")
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
-    report = run_race(settings, note=lambda stage: console.print(f"[dim]{stage}[/dim]"))
-    console.print(race_table(report))
-    console.print(model_table(report))
-    for line in comparison_lines(report):
-        console.print(line)
-    _write_json(report, json_out)
+    reports = []
+    for run_seed in range(seed, seed + seeds):
+        report = run_race(replace(settings, seed=run_seed),
+                          note=lambda stage: console.print(f"[dim]{stage}[/dim]"))
+        console.print(race_table(report))
+        console.print(model_table(report))
+        if report["failure"] is not None:
+            console.print(race_table(report, failure=True))
+        for line in comparison_lines(report):
+            console.print(line)
+        reports.append(report)
+    if seeds == 1:
+        _write_json(reports[0], json_out)
+        return
+    summary = seeds_summary(reports)
+    console.print(seeds_table(summary))
+    if json_out is not None:  # every answer of every run: compact, or it would be several times larger
+        json_out.parent.mkdir(parents=True, exist_ok=True)
+        json_out.write_text(json.dumps({"summary": summary, "runs": reports}, separators=(",", ":")))
+        console.print(f"wrote {json_out}")
 
 
 @zoo_app.command("train")

@@ -225,6 +225,7 @@ def race_models() -> list[Predictor]:
     ("best_confidence", 2, ["b"]),
     ("consensus", 1, ["a", "c"]),
     ("confidence_weighted", 1, ["a", "c"]),
+    ("learned", 1, ["a", "c"]),  # before any feedback: a majority
 ])
 def test_a_race_lets_its_decider_choose(decider, label, winners, fmnist) -> None:
     _, _, x, _ = fmnist

@@ -5,12 +5,13 @@ within the application's SLO:
 - `exp3` asks one model, drawn by Clipper's Exp3 weights;
 - `exp4` asks every model and combines their labels by Exp4 weights; at the deadline it answers from the
   models that have answered, its confidence lowered by the weight of those that have not (stragglers);
-- `race` asks every model and lets a decider (first, consensus, best confidence, confidence-weighted, or the
-  user's own) pick an answer.
+- `race` asks every model and lets a decider (first, consensus, best confidence, confidence-weighted, learned,
+  or the user's own) pick an answer.
 With no answer by the deadline the application answers its default output, marked `default: true`, with the
-reason. Feedback (`update`) adapts the Exp3/Exp4 weights of the query's context (application and user key),
-kept in a state store so that several servers share them and they outlive a restart. Answers that arrive after
-the deadline are not wasted: they are kept for the feedback on that query.
+reason. Feedback (`update`) adapts the Exp3/Exp4 weights, or the learned race decider's trust in each model, of
+the query's context (application and user key), kept in a state store so that several servers share them and
+they outlive a restart. Answers that arrive after the deadline are not wasted: they are kept for the feedback on
+that query.
 """
 
 from __future__ import annotations
@@ -24,10 +25,11 @@ import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
+from functools import partial
 
 import numpy as np
 
-from rampserve.control.deciders import Candidate, Decision, first, make_decider
+from rampserve.control.deciders import Candidate, Decision, Trust, first, learn, learned, make_decider
 from rampserve.control.selection import SelectionState, exp3_choose, exp3_update, exp4_update, exp4_votes
 from rampserve.serving.apps.state_store import StateStore
 from rampserve.serving.cache import cache_key
@@ -41,6 +43,7 @@ POLICIES = ("exp3", "exp4", "race")
 DEFAULT_ETA = {"exp3": 0.1, "exp4": 0.1}
 RECENT_QUERIES = 10_000  # queries whose answers are kept for feedback
 APPLICATIONS_NAMESPACE = "applications"
+LEARNED_DECIDER = "learned"  # the race decider that learns from feedback, its trust kept in the store
 DEFAULT_CONTEXT = "default"
 APPLICATION_VERSION = "1"  # what v2 reports: an application is redefined in place, never versioned
 # Application names share the URL space with the server's own routes (`/{app}/predict`).
@@ -189,7 +192,9 @@ class _Query:
 
     chosen: str | None  # exp3: the model drawn
     labels: dict[str, int] = field(default_factory=dict)  # every answer, including late ones
+    confidences: dict[str, float] = field(default_factory=dict)  # and each answer's confidence
     decided: bool = False
+    stragglers: set[asyncio.Task] = field(default_factory=set)  # asks still running after the decision
 
 
 @dataclass(frozen=True)
@@ -262,6 +267,23 @@ class Application:
         state = self._state(await self.store.get(self._namespace, context))
         return dict(zip(state.models, state.probabilities().tolist()))
 
+    @property
+    def learns(self) -> bool:
+        """A race whose decider learns from feedback."""
+        return self.spec.policy == "race" and self.spec.decider == LEARNED_DECIDER
+
+    @property
+    def _trust_namespace(self) -> str:
+        return f"race/{self.name}"
+
+    def _trust(self, stored: dict | None) -> Trust:
+        """The learned decider's trust in the application's current models (a model linked since starts with
+        no feedback of its own)."""
+        return (Trust.fresh(self.spec.models) if stored is None else Trust.from_json(stored)).over(self.spec.models)
+
+    async def trust(self, context: str = DEFAULT_CONTEXT) -> Trust:
+        return self._trust(await self.store.get(self._trust_namespace, context))
+
     # ---- queries ------------------------------------------------------------------------------------------
 
     def _remember(self, key: bytes, query: _Query) -> None:
@@ -281,7 +303,12 @@ class Application:
             asked = spec.models
         query = _Query(asked[0] if spec.policy == "exp3" else None)
         self._remember(cache_key(self.name, context, inputs), query)
-        decide = self._exp4_decider(state) if spec.policy == "exp4" else self.decider or first  # exp3 asks one model
+        if spec.policy == "exp4":
+            decide = self._exp4_decider(state)
+        elif self.learns:
+            decide = partial(learned, trust=await self.trust(context))
+        else:
+            decide = self.decider or first  # exp3 asks one model
         decision, arrived = await self._fan_out(asked, inputs, query, started, decide)
         latency_ms = (time.perf_counter() - started) * 1000.0
         self.requests += 1
@@ -331,8 +358,9 @@ class Application:
             decision = decide(arrived, len(asked), True)
         query.decided = True
         for task in pending:
-            self._stragglers.add(task)
-            task.add_done_callback(self._stragglers.discard)
+            for running in (self._stragglers, query.stragglers):
+                running.add(task)
+                task.add_done_callback(running.discard)
         return decision, arrived
 
     async def _ask(self, name: str, inputs: Mapping[str, np.ndarray], query: _Query,
@@ -352,6 +380,7 @@ class Application:
             self.metrics.app_model_latency.labels(app=self.name, model=name).observe(latency_ms / 1000.0)
             label = int(prediction.labels[0])
             query.labels[name] = label
+            query.confidences[name] = float(prediction.confidences[0])
             late = query.decided
             stats.late += late
             stats.answered += not late
@@ -389,7 +418,8 @@ class Application:
 
     async def update(self, inputs: Mapping[str, np.ndarray], label: int, context: str = DEFAULT_CONTEXT) -> dict:
         """Clipper's feedback: the true label of a query. It scores the answers that query got (late ones
-        included); models with no answer on record are asked now. Exp3 learns from the model it drew."""
+        included); models with no answer on record are asked now. Exp3 learns from the model it drew; the
+        learned race decider from every answer and its confidence."""
         query = self._recent.get(cache_key(self.name, context, inputs))
         if self.spec.policy == "exp3":
             chosen = query.chosen if query is not None else None
@@ -399,16 +429,25 @@ class Application:
             needed = [chosen]
         else:
             needed = list(self.spec.models)
+        if query is not None and query.stragglers:
+            # Feedback that comes right after the answer waits for the query's late answers (as long as a fresh
+            # ask would) instead of asking those models a second time.
+            await asyncio.wait(set(query.stragglers), timeout=self.spec.slo_ms / 1000.0)
         known = dict(query.labels) if query is not None else {}
+        confidences = dict(query.confidences) if query is not None else {}
         missing = [m for m in needed if m not in known]
         if missing:
             fresh = _Query(None)
             await self._fan_out(missing, inputs, fresh, time.perf_counter(), _never)
             known.update(fresh.labels)
+            confidences.update(fresh.confidences)
         losses = {m: float(known[m] != label) for m in needed if m in known}
         for model, loss in losses.items():
             self.stats[model].feedback += 1
             self.stats[model].correct += loss == 0.0
+        if self.learns and losses:
+            return {"updated": True, "losses": losses,
+                    "trust": await self._learn({m: (known[m], confidences[m]) for m in losses}, label, context)}
         if self.spec.policy == "race" or not losses:
             return {"updated": bool(losses), "losses": losses}
         eta = self.spec.learning_rate
@@ -423,6 +462,18 @@ class Application:
         new = SelectionState.from_json(await self.store.update(self._namespace, context, change))
         return {"updated": True, "losses": losses,
                 "weights": dict(zip(new.models, new.probabilities().tolist()))}
+
+    async def _learn(self, answers: dict[str, tuple[int, float]], label: int,
+                     context: str) -> dict[str, float | None]:
+        """The learned decider's trust after this feedback, kept in the store; returned as each model's accuracy
+        over its answers (faded as the trust fades them)."""
+
+        def change(stored: dict | None) -> dict:
+            return learn(self._trust(stored), answers, label).to_json()
+
+        trust = Trust.from_json(await self.store.update(self._trust_namespace, context, change))
+        seen = trust.scored.sum(axis=1)
+        return {m: float(r / n) if n else None for m, r, n in zip(trust.models, trust.right.sum(axis=1), seen)}
 
     # ---- statistics ---------------------------------------------------------------------------------------
 
