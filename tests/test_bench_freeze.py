@@ -37,3 +37,37 @@ def test_every_freeze_system_reports_saturation_and_windows_below_the_target(cac
         assert mode["exit_mode"] in ("release", "stop")
         assert mode["feedback_share"] == (1.0 if mode["exit_mode"] == "release" else pytest.approx(
             settings.controller.feedback_share))
+
+
+def test_caches_beside_ramps_report_each_system_against_vanilla_over_seeds(resnet_bundle, cache_bundle, monkeypatch):
+    from rampserve.bench.freeze import ExitKindsSettings, exit_kinds_tables, run_exit_kinds
+
+    bundles = {"ramps": resnet_bundle, "caches": cache_bundle, "mixed": cache_bundle}
+    monkeypatch.setattr(freeze, "exit_kind_bundles", lambda _settings: bundles)
+    settings = ExitKindsSettings(model="resnet18-fmnist", seeds=2, length=1500, lookup_rounds=3, small=True,
+                                 controller=ControllerSettings(ramp_budget=0.1))
+    report = run_exit_kinds(settings)
+    json.dumps(report)  # JSON-ready
+    assert [r["seed"] for r in report["per_seed"]] == [0, 1]
+    managed = ("ramps", "caches", "caches_every_site", "mixed")
+    for seed in report["per_seed"]:
+        systems = seed["systems"]
+        assert set(systems) == {"vanilla", *managed, "ramps_oracle", "caches_oracle"}
+        assert systems["vanilla"]["p50_ratio"] == 1.0 and systems["vanilla"]["exit_share"] == 0.0
+        for name in managed:
+            assert systems[name]["exit_mode"] in ("release", "stop")
+            assert systems[name]["p50_ratio"] == pytest.approx(
+                systems[name]["p50_ms"] / seed["vanilla_p50_ms"][name.split("_")[0]])
+        assert systems["caches_oracle"]["accuracy"] == systems["ramps_oracle"]["accuracy"] == 1.0
+    summary = report["summary"]
+    for name, figures in summary.items():
+        assert figures["p50_ratio"]["min"] <= figures["p50_ratio"]["median"] <= figures["p50_ratio"]["max"], name
+        assert figures["p50_ratio"]["seeds"] == 2
+    sites = report["sites"]
+    assert [row["site"] for row in sites] == report["per_seed"][0]["sites"]
+    for row in sites:
+        assert row["lookup_ms"] > 0 and len(row["cache_answerable"]) == len(row["ramp_answerable"]) == 2
+        assert all(0.0 <= share <= 1.0 for share in (*row["cache_answerable"], *row["ramp_answerable"]))
+        assert row["break_even_share"] == pytest.approx(
+            row["charged_ms"] / (row["skipped_share_of_model"] * row["model_ms"]))
+    assert len(exit_kinds_tables(report)) == 2
