@@ -49,7 +49,7 @@ def test_caches_beside_ramps_report_each_system_against_vanilla_over_seeds(resne
     report = run_exit_kinds(settings)
     json.dumps(report)  # JSON-ready
     assert [r["seed"] for r in report["per_seed"]] == [0, 1]
-    managed = ("ramps", "caches", "caches_every_site", "mixed")
+    managed = ("ramps", "caches", "caches_every_site", "mixed", "caches_at_ramp_cost")
     for seed in report["per_seed"]:
         systems = seed["systems"]
         assert set(systems) == {"vanilla", *managed, "ramps_oracle", "caches_oracle"}

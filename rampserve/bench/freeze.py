@@ -401,6 +401,17 @@ def _summary(run: SystemRun, vanilla: dict, target: float) -> dict:
     return summary
 
 
+def at_ramp_cost(caches: Scenario, ramps: Scenario) -> Scenario:
+    """What-if, not measured: the caches charged what the model's own ramp at each site is charged and stopping
+    inputs as it does: caches fused into the serving path as ramps are (`ramps.onnx_fused`), their lookup free.
+    What they could save if they cost no more than a ramp."""
+    profile, own = caches.costs.profile, ramps.costs.profile
+    if profile.batch_sizes != own.batch_sizes or profile.sites != own.sites:
+        raise ValueError("the cache and ramp bundles were profiled at other batch sizes or sites")
+    profile = replace(profile, ramp_ms={s: own.ramp_ms[s] for s in profile.sites})
+    return replace(caches, costs=CostModel(profile), python_ramps=frozenset())
+
+
 def exit_kinds_seed(settings: ExitKindsSettings, bundles: dict[str, Path], seed: int) -> tuple[dict, dict]:
     """One seed: each bundle's ramp outputs on the stream, the same arrivals replayed through vanilla, the oracle
     and the managed controller per kind. Returns the seed's report and its scenarios."""
@@ -412,6 +423,7 @@ def exit_kinds_seed(settings: ExitKindsSettings, bundles: dict[str, Path], seed:
     scenarios = {kind: ramps if kind == "ramps" else replace(
         load_scenario(replace(base, bundle=path))[0], arrivals_ms=ramps.arrivals_ms, max_batch=ramps.max_batch,
         lengths=ramps.lengths) for kind, path in bundles.items()}
+    scenarios["caches_at_ramp_cost"] = at_ramp_cost(scenarios["caches"], ramps)
     control = settings.controller.resolved(info["max_batch"])
     target = control.target_accuracy
     systems, vanillas = {}, {}
@@ -420,7 +432,7 @@ def exit_kinds_seed(settings: ExitKindsSettings, bundles: dict[str, Path], seed:
     systems["vanilla"] = _summary(replay(ramps, Configuration(0, (), ())), vanillas["ramps"], target)
     every = replace(control, initial=scenarios["caches"].costs.sites, ramp_budget=1.0)
     plan = {"ramps": ("ramps", control), "caches": ("caches", control), "caches_every_site": ("caches", every),
-            "mixed": ("mixed", control)}
+            "mixed": ("mixed", control), "caches_at_ramp_cost": ("caches_at_ramp_cost", control)}
     for name, (kind, control_) in tqdm(plan.items(), desc=f"seed {seed}: managed systems", unit="system"):
         systems[name] = _summary(_managed(scenarios[kind], control_, seed), vanillas[kind], target)
         systems[name] |= controller_exit_mode(control_)
