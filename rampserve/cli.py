@@ -653,6 +653,8 @@ def bench_freeze(
                                                       "(simulated on its own stream), and per site what a cache "
                                                       "costs and answers")] = None,
     seeds: Annotated[int, typer.Option(help="with --model: seeds 0 to N - 1")] = 3,
+    mixed_bundle: Annotated[bool, typer.Option(help="with --model: also prepare and serve a mixed bundle (per site "
+                                                    "a cache or the model's own ramp)")] = True,
 ) -> None:
     """Freeze Inference's caches as exits: memory, lookup cost, static vs managed thresholds, online updates."""
     from rampserve.bench.freeze import FreezeSettings, run_freeze
@@ -669,7 +671,8 @@ def bench_freeze(
 
         if seeds < 1:
             raise typer.BadParameter(f"--seeds must be at least 1, got {seeds}")
-        kinds = run_exit_kinds(ExitKindsSettings(model=model, seeds=seeds, controller=controller, small=small),
+        kinds = run_exit_kinds(ExitKindsSettings(model=model, seeds=seeds, controller=controller,
+                                                 mixed_bundle=mixed_bundle, small=small),
                                progress=lambda stage: console.print(f"[dim]{stage}[/dim]"))
         for table in exit_kinds_tables(kinds):
             console.print(table)

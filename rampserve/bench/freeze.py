@@ -314,9 +314,6 @@ def run_freeze(settings: FreezeSettings, progress=lambda _: None) -> tuple[dict,
 
 # ---- caches beside ramps on one model -----------------------------------------------------------------------
 
-# The bundles compared, each managed by the controller: the zoo model's own ramps, a cache at every site, and per
-# site whichever of the two answers more (`prepare.train_site_ramps`)
-EXIT_KINDS = ("ramps", "caches", "mixed")
 # Disagreement with the model that a site's own oracle may spend (`oracle.answerable_share`): the default constraint
 ORACLE_DISAGREEMENT = 0.01
 LOOKUP_INPUTS = 8  # distinct batch-1 inputs a lookup is timed on, in turn
@@ -332,13 +329,20 @@ class ExitKindsSettings:
     cache: CacheSpec = CacheSpec()
     controller: ControllerSettings = ControllerSettings()
     lookup_rounds: int = 200
+    # Also a prepared "mixed" bundle (per site whichever of a cache and the model's own ramp answers more,
+    # `prepare.train_site_ramps`): one more preparation, which on minilm-rt kept the ramp at every site
+    mixed_bundle: bool = True
     small: bool = False
 
 
 def exit_kind_bundles(settings: ExitKindsSettings) -> dict[str, Path]:
-    return {"ramps": zoo_bundle(settings.model, settings.small),
-            "caches": cache_bundle(settings.model, settings.cache, settings.small),
-            "mixed": cache_bundle(settings.model, settings.cache, settings.small, kind="mixed")}
+    """The bundles compared, each managed by the controller: the zoo model's own ramps, a cache at every site and,
+    with `mixed_bundle`, the prepared mixed one."""
+    bundles = {"ramps": zoo_bundle(settings.model, settings.small),
+               "caches": cache_bundle(settings.model, settings.cache, settings.small)}
+    if settings.mixed_bundle:
+        bundles["mixed"] = cache_bundle(settings.model, settings.cache, settings.small, kind="mixed")
+    return bundles
 
 
 def lookup_times(model: PreparedModel, feeds: list[dict[str, np.ndarray]], rounds: int) -> dict[str, float]:
@@ -412,6 +416,38 @@ def at_ramp_cost(caches: Scenario, ramps: Scenario) -> Scenario:
     return replace(caches, costs=CostModel(profile), python_ramps=frozenset())
 
 
+CACHE_SITE = "{site}+cache"  # a cache's place beside the model's own ramp in `ramps_and_caches`
+
+
+def ramps_and_caches(ramps: Scenario, caches: Scenario) -> Scenario:
+    """Both kinds at every site, for the controller to choose among: the model's own ramp, then the cache as a
+    site of its own (`CACHE_SITE`) reached with it, charged its share of the model as its own bundle's profile
+    measured it (a set with a cache is cut into stages on ONNX Runtime: that profile's charge includes the cut).
+    The two charges come from two profiles; a prepared "mixed" bundle measures one ramp per site together."""
+    own, cache = ramps.costs.profile, caches.costs.profile
+    if own.batch_sizes != cache.batch_sizes or own.sites != cache.sites:
+        raise ValueError("the cache and ramp bundles were profiled at other batch sizes or sites")
+    beside = {site: CACHE_SITE.format(site=site) for site in own.sites}
+    scale = np.array(own.full_ms) / np.array(cache.full_ms)
+    profile = replace(own, sites=tuple(x for site in own.sites for x in (site, beside[site])),
+                      segment_ms=own.segment_ms | {b: (0.0,) * len(own.batch_sizes) for b in beside.values()},
+                      ramp_ms=own.ramp_ms | {b: tuple(float(v) for v in np.array(cache.ramp_ms[site]) * scale)
+                                             for site, b in beside.items()})
+    columns = np.arange(2 * len(own.sites)).reshape(2, -1).T.ravel()  # ramp, cache, ramp, cache...
+    ramp_out, cache_out = ramps.outputs, caches.outputs
+
+    def paired(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        return np.concatenate([a[:, ramp_out.columns(own.sites)], b[:, cache_out.columns(own.sites)]], axis=1)[
+            :, columns]
+
+    # the ramps' model answers: where the two bundles' runs differ in the last float, the ramps' is the truth
+    outputs = RampOutputs(profile.sites, paired(ramp_out.labels, cache_out.labels),
+                          paired(ramp_out.errors, cache_out.errors), ramp_out.final)
+    return replace(ramps, outputs=outputs, costs=CostModel(profile),
+                   python_ramps=ramps.python_ramps | frozenset(beside.values()),
+                   python_sets_stop=caches.python_sets_stop)
+
+
 def exit_kinds_seed(settings: ExitKindsSettings, bundles: dict[str, Path], seed: int) -> tuple[dict, dict]:
     """One seed: each bundle's ramp outputs on the stream, the same arrivals replayed through vanilla, the oracle
     and the managed controller per kind. Returns the seed's report and its scenarios."""
@@ -424,6 +460,7 @@ def exit_kinds_seed(settings: ExitKindsSettings, bundles: dict[str, Path], seed:
         load_scenario(replace(base, bundle=path))[0], arrivals_ms=ramps.arrivals_ms, max_batch=ramps.max_batch,
         lengths=ramps.lengths) for kind, path in bundles.items()}
     scenarios["caches_at_ramp_cost"] = at_ramp_cost(scenarios["caches"], ramps)
+    scenarios["ramps_and_caches"] = ramps_and_caches(ramps, scenarios["caches"])
     control = settings.controller.resolved(info["max_batch"])
     target = control.target_accuracy
     systems, vanillas = {}, {}
@@ -432,7 +469,10 @@ def exit_kinds_seed(settings: ExitKindsSettings, bundles: dict[str, Path], seed:
     systems["vanilla"] = _summary(replay(ramps, Configuration(0, (), ())), vanillas["ramps"], target)
     every = replace(control, initial=scenarios["caches"].costs.sites, ramp_budget=1.0)
     plan = {"ramps": ("ramps", control), "caches": ("caches", control), "caches_every_site": ("caches", every),
-            "mixed": ("mixed", control), "caches_at_ramp_cost": ("caches_at_ramp_cost", control)}
+            "ramps_and_caches": ("ramps_and_caches", control),
+            "caches_at_ramp_cost": ("caches_at_ramp_cost", control)}
+    if "mixed" in scenarios:
+        plan["mixed"] = ("mixed", control)
     for name, (kind, control_) in tqdm(plan.items(), desc=f"seed {seed}: managed systems", unit="system"):
         systems[name] = _summary(_managed(scenarios[kind], control_, seed), vanillas[kind], target)
         systems[name] |= controller_exit_mode(control_)
@@ -489,7 +529,7 @@ def run_exit_kinds(settings: ExitKindsSettings, progress: Callable[[str], None] 
         "oracle_disagreement": ORACLE_DISAGREEMENT,
         "engine": manifests["ramps"]["meta"]["engine"]["engine"],
         "bundles": {kind: str(path) for kind, path in bundles.items()},
-        "mixed_sites": {site["name"]: site["ramp"]["kind"] for site in manifests["mixed"]["sites"]},
+        "mixed_sites": {site["name"]: site["ramp"]["kind"] for site in manifests.get("mixed", {"sites": []})["sites"]},
         "sites": sites,
         "summary": seeds_summary(per_seed),
         "per_seed": per_seed,
