@@ -653,6 +653,7 @@ def bench_freeze(
                                                       "(simulated on its own stream), and per site what a cache "
                                                       "costs and answers")] = None,
     seeds: Annotated[int, typer.Option(help="with --model: seeds 0 to N - 1")] = 3,
+    length: Annotated[int, typer.Option(help="with --model: stream items per seed, bootstrap included")] = 120_000,
     mixed_bundle: Annotated[bool, typer.Option(help="with --model: also prepare and serve a mixed bundle (per site "
                                                     "a cache or the model's own ramp)")] = True,
 ) -> None:
@@ -671,7 +672,7 @@ def bench_freeze(
 
         if seeds < 1:
             raise typer.BadParameter(f"--seeds must be at least 1, got {seeds}")
-        kinds = run_exit_kinds(ExitKindsSettings(model=model, seeds=seeds, controller=controller,
+        kinds = run_exit_kinds(ExitKindsSettings(model=model, seeds=seeds, length=length, controller=controller,
                                                  mixed_bundle=mixed_bundle, small=small),
                                progress=lambda stage: console.print(f"[dim]{stage}[/dim]"))
         for table in exit_kinds_tables(kinds):
