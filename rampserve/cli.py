@@ -124,8 +124,8 @@ def prepare(
         help="a benchmark stream whose bootstrap part trains the ramps (fmnist-drift, rt-drift) instead of --data")]
     = None,
     ramp_kind: Annotated[Optional[str], typer.Option(
-        help="linear, mlp (a hidden layer), deep, cache (Freeze Inference), or mixed (per site, linear or cache); "
-             "default: the zoo model's own (mlp for lite0-fmnist), else linear")] = None,
+        help="linear, mlp (a hidden layer), deep, cache (Freeze Inference), or mixed (per site, a cache or the zoo "
+             "entry's linear or MLP ramp); default: the zoo model's own (mlp for lite0-fmnist), else linear")] = None,
     ramp_hidden: Annotated[Optional[int], typer.Option(help="mlp ramps: width of the hidden layer (default 64)")] \
     = None,
     cache_reduction: Annotated[str, typer.Option(help="cache ramps: learned (default) or pca")] = "learned",
@@ -733,6 +733,14 @@ def bench_freeze(
     json_out: Annotated[Optional[Path], typer.Option("--json", help="write the results here")] = None,
     plots: Annotated[Optional[Path], typer.Option(help="write plots into this directory")] = None,
     small: Annotated[bool, typer.Option(help="the zoo's tiny variants")] = False,
+    model: Annotated[Optional[str], typer.Option(help="instead of --models: one zoo model's caches, mixed caches and "
+                                                      "ramps, and ramps alone, managed, against vanilla over seeds "
+                                                      "(simulated on its own stream), and per site what a cache "
+                                                      "costs and answers")] = None,
+    seeds: Annotated[int, typer.Option(help="with --model: seeds 0 to N - 1")] = 3,
+    length: Annotated[int, typer.Option(help="with --model: stream items per seed, bootstrap included")] = 120_000,
+    mixed_bundle: Annotated[bool, typer.Option(help="with --model: also prepare and serve a mixed bundle (per site "
+                                                    "a cache or the model's own ramp)")] = True,
 ) -> None:
     """Freeze Inference's caches as exits: memory, lookup cost, static vs managed thresholds, online updates."""
     from rampserve.bench.freeze import FreezeSettings, run_freeze
@@ -744,6 +752,22 @@ def bench_freeze(
         controller = ControllerSettings(accuracy_constraint=accuracy_constraint, **modes)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
+    if model is not None:
+        from rampserve.bench.freeze import ExitKindsSettings, exit_kinds_tables, run_exit_kinds
+
+        if seeds < 1:
+            raise typer.BadParameter(f"--seeds must be at least 1, got {seeds}")
+        kinds = run_exit_kinds(ExitKindsSettings(model=model, seeds=seeds, length=length, controller=controller,
+                                                 mixed_bundle=mixed_bundle, small=small),
+                               progress=lambda stage: console.print(f"[dim]{stage}[/dim]"))
+        for table in exit_kinds_tables(kinds):
+            console.print(table)
+        _write_json(kinds, json_out)
+        if plots is not None:
+            from rampserve.bench.freeze_plots import write_exit_kinds_plots
+
+            console.print(f"wrote {write_exit_kinds_plots(kinds, plots)}")
+        return
     settings = FreezeSettings(models=tuple(m.strip() for m in models.split(",") if m.strip()), workload=workload,
                               requests=requests, small=small, controller=controller)
     report, runs = run_freeze(settings, progress=lambda stage: console.print(f"[dim]{stage}[/dim]"))

@@ -24,6 +24,7 @@ from rampserve.ramps.cache import (
     update_points,
 )
 from rampserve.ramps.kinds import RampSpec
+from rampserve.ramps.oracle import answerable_share
 from rampserve.runtime.prepare import exit_share_at
 
 CENTRES = np.array([[0.0, 0.0], [10.0, 0.0], [0.0, 10.0]], dtype=np.float32)
@@ -124,6 +125,23 @@ def test_exit_share_at_agreement() -> None:
     assert exit_share_at(errors, np.array([True, True, False, True]), 0.99) == 0.5
     assert exit_share_at(errors, np.array([True, True, False, True]), 0.75) == 1.0
     assert exit_share_at(errors, np.array([False, True, True, True]), 0.99) == 0.0
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 6), st.booleans()), min_size=1, max_size=40),
+       st.sampled_from([0.0, 0.01, 0.05, 0.2, 0.5]))
+def test_a_ramps_own_oracle_is_the_best_single_threshold_within_the_disagreement(scored: list, disagreement: float
+                                                                                 ) -> None:
+    errors = np.array([e / 6 for e, _ in scored])  # few distinct scores: ties are common
+    correct = np.array([c for _, c in scored])
+    n = len(errors)
+    # every threshold a ramp could have: exit where the error score is at most t (t below every score: none)
+    feasible = [float((errors <= t).mean()) for t in (-1.0, *np.unique(errors))
+                if (~correct & (errors <= t)).sum() <= disagreement * n]
+    assert answerable_share(errors, correct, disagreement) == max(feasible)
+    assert answerable_share(errors, correct, 1.0) == 1.0
+    if correct.all():
+        assert answerable_share(errors, correct, 0.0) == 1.0
 
 
 def _ramp(points: int = 8, dim: int = 2, classes: int = 4) -> CacheRamp:

@@ -218,6 +218,38 @@ def test_in_stop_mode_an_exit_leaves_its_batch_and_the_rest_runs_at_fewer_rows()
     np.testing.assert_allclose(kept.queue.latency_ms, replay(s, config).queue.latency_ms)
 
 
+@pytest.mark.parametrize("python_sets_stop", [True, False])
+def test_in_stop_mode_an_exit_at_a_ramp_in_python_runs_on_to_the_end(python_sets_stop: bool):
+    # Input 0 exits at b (a ramp in Python, as a cache ramp is served), input 1 at c (a fused ramp)
+    errors = np.array([[0.9, 0.1, 0.9], [0.9, 0.9, 0.1]])
+    labels = np.array([[0, 1, 0], [0, 0, 1]])
+    s = replace(scenario([0.0, 0.0], errors, labels, final=np.array([1, 1])), python_ramps=frozenset({"b"}),
+                python_sets_stop=python_sets_stop)
+    config = Configuration(0, ("b", "c"), (0.5, 0.5))
+    heard = []
+
+    class Listener(Controller):
+        def observe(self, record):
+            heard.append(record)
+            return None
+
+    listener = Listener(hand_profile(), ControllerSettings(initial=("b", "c"), exit_mode="stop"))
+    run = replay(s, config, listener, stop=True, feedback_share=0.0)
+    assert run.exit_column.tolist() == [1, 2] and run.correct.all()
+    (record,) = heard
+    released = replay(s, config).queue.latency_ms
+    if python_sets_stop:
+        # input 0 runs on to the end beside input 1 (both at 2 rows to c, 1.5 ms, and both ramps, 0.04 ms): its
+        # final label is known, for sure; input 1 leaves at c, so the batch ends there
+        np.testing.assert_allclose(run.queue.latency_ms, [1.02, 1.54])
+        assert record.observed().tolist() == [True, False] and record.forced.tolist() == [True, False]
+    else:
+        # a set cut into stages for a ramp in Python stops no input: release mode's times, every final label known
+        np.testing.assert_allclose(run.queue.latency_ms, released)
+        assert record.observed().all()
+    assert run.queue.latency_ms[0] == pytest.approx(released[0])  # answered at b either way
+
+
 # --- the static-hindsight search --------------------------------------------------------------------------------
 
 def _additive_fits(costs: list[float], budget: float):

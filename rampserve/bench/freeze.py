@@ -18,26 +18,34 @@ also their `exit_mode` and `feedback_share`.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
+import torch
+from tqdm.auto import tqdm
 
-from rampserve.bench.figures import controller_exit_mode, windows_below_share
+from rampserve.bench.figures import ACCURACY_WINDOW, controller_exit_mode, windows_below_share
+from rampserve.bench.load import DEFAULT_LOAD
 from rampserve.bench.ramp_outputs import RampOutputs, ramp_outputs
 from rampserve.bench.sim import (
-    SATURATION_HIGH, SATURATION_LOW, Scenario, SystemRun, mean_rate_rps, replay, trace_saturation,
+    SATURATION_HIGH, SATURATION_LOW, Scenario, SimSettings, SystemRun, load_scenario, mean_rate_rps, python_ramps,
+    replay, replay_oracle, summarize, trace_saturation,
 )
 from rampserve.control.controller import Controller, ControllerSettings
 from rampserve.control.costs import CostModel
 from rampserve.control.records import BatchRecord, Configuration
-from rampserve.ramps.cache import CacheSpec
+from rampserve.ramps.cache import CacheRamp, CacheSpec
 from rampserve.ramps.exit_rule import first_exits
-from rampserve.ramps.oracle import NO_EXIT
+from rampserve.ramps.oracle import NO_EXIT, answerable_share
 from rampserve.runtime.bundle import load_bundle
 from rampserve.runtime.latency import serving_limits
-from rampserve.runtime.prepare import PrepareConfig
+from rampserve.runtime.manifest import read_manifest
+from rampserve.runtime.prepare import PrepareConfig, default_workload, feeds_for, prepared_encoder
 from rampserve.runtime.prepared import PreparedModel
+from rampserve.runtime.sources import ModelSource
+from rampserve.runtime.timing import interleaved_samples
 from rampserve.runtime.zoo_bundles import zoo_bundle
 from rampserve.workloads.streams import FMNIST_PHASE_LENGTH, get_stream
 from rampserve.workloads.traces import arrival_times
@@ -67,9 +75,12 @@ class FreezeSettings:
     saturation_tolerance: float = 0.02  # relative: saturation rates are searched to within this
 
 
-def cache_bundle(model: str, spec: CacheSpec, small: bool = False) -> Path:
-    """The zoo model with a cache ramp at every site, prepared on first use and kept beside the zoo bundles."""
-    return zoo_bundle(model, small, PrepareConfig(ramp_kind="cache", cache=spec), variant="cache")
+def cache_bundle(model: str, spec: CacheSpec, small: bool = False, kind: str = "cache") -> Path:
+    """The zoo model with a cache ramp at every site (`kind` "mixed": per site a cache or the model's own kind of
+    ramp), prepared on first use and kept beside the zoo bundles, on the engine the zoo bundle serves on (the
+    fastest here): caches are judged where the model runs fastest."""
+    engine = read_manifest(zoo_bundle(model, small))["meta"]["engine"]["engine"]
+    return zoo_bundle(model, small, PrepareConfig(ramp_kind=kind, cache=spec, engine=engine), variant=kind)
 
 
 # ---- memory and lookup cost ---------------------------------------------------------------------------------
@@ -197,8 +208,8 @@ def freeze_model(name: str, settings: FreezeSettings, progress=lambda _: None) -
         controller = Controller(profile, control) if control is not None else None
         start_config = config if config is not None else controller.configuration()
         mode = control or default  # static systems stop every exit in stop mode (no feedback)
-        return replay(Scenario(outputs, costs, arrivals_ms, max_batch), start_config, controller, mode.stops,
-                      mode.kept_share if control is not None else 0.0, settings.seed)
+        return replay(Scenario(outputs, costs, arrivals_ms, max_batch, **python_ramps(model)), start_config,
+                      controller, mode.stops, mode.kept_share if control is not None else 0.0, settings.seed)
 
     systems, runs = {}, {}
     for system, (outputs, config, control) in plan.items():
@@ -299,3 +310,263 @@ def run_freeze(settings: FreezeSettings, progress=lambda _: None) -> tuple[dict,
                                                                   settings),
     }
     return report, models
+
+
+# ---- caches beside ramps on one model -----------------------------------------------------------------------
+
+# Disagreement with the model that a site's own oracle may spend (`oracle.answerable_share`): the default constraint
+ORACLE_DISAGREEMENT = 0.01
+LOOKUP_INPUTS = 8  # distinct batch-1 inputs a lookup is timed on, in turn
+
+
+@dataclass(frozen=True)
+class ExitKindsSettings:
+    model: str = "lite0-fmnist"
+    seeds: int = 3
+    length: int = 120_000  # stream items per seed, bootstrap included (as `bench sim`)
+    load: float = DEFAULT_LOAD
+    trace: str = "maf"
+    cache: CacheSpec = CacheSpec()
+    controller: ControllerSettings = ControllerSettings()
+    lookup_rounds: int = 200
+    # Also a prepared "mixed" bundle (per site whichever of a cache and the model's own ramp answers more,
+    # `prepare.train_site_ramps`): one more preparation, which on minilm-rt kept the ramp at every site
+    mixed_bundle: bool = True
+    small: bool = False
+
+
+def exit_kind_bundles(settings: ExitKindsSettings) -> dict[str, Path]:
+    """The bundles compared, each managed by the controller: the zoo model's own ramps, a cache at every site and,
+    with `mixed_bundle`, the prepared mixed one."""
+    bundles = {"ramps": zoo_bundle(settings.model, settings.small),
+               "caches": cache_bundle(settings.model, settings.cache, settings.small)}
+    if settings.mixed_bundle:
+        bundles["mixed"] = cache_bundle(settings.model, settings.cache, settings.small, kind="mixed")
+    return bundles
+
+
+def lookup_times(model: PreparedModel, feeds: list[dict[str, np.ndarray]], rounds: int) -> dict[str, float]:
+    """Per cache site, the median milliseconds of one lookup at batch 1 on the site's own activation (pooling,
+    projection, nearest centroid and its score: what the releasing thread computes for a batch of one), timed
+    interleaved over sites and rounds, on `feeds` (batch-1 inputs) in turn."""
+    sites = [s for s, ramp in model.ramps.items() if isinstance(ramp, CacheRamp)]
+    activations = [{s: model.backend.to_tensor(a) for s, a in found.items()}
+                   for found, _ in model.backend.site_activations(feeds, sites)]
+    turn = {s: 0 for s in sites}
+
+    def lookup(site: str) -> Callable[[], object]:
+        def run() -> object:
+            turn[site] += 1
+            return model.evaluate_ramp(site, activations[turn[site] % len(activations)][site])
+        return run
+
+    with torch.inference_mode():
+        samples = interleaved_samples({s: lookup(s) for s in sites}, rounds, block=4, desc="cache lookups")
+    return {s: float(np.median(v)) for s, v in samples.items()}
+
+
+def site_table(caches: Scenario, ramps: Scenario, lookup_ms: dict[str, float]) -> list[dict]:
+    """Per site: what the cache costs (its lookup timed alone, and what the profile charges it on the serving path,
+    at batch 1) against the model's time and the part of it an exit there skips, the share of the stream the
+    cache can answer at ORACLE_DISAGREEMENT (its own oracle) beside the model's own ramp there, and the share it
+    would have to answer to repay its charge to inputs that do not exit (charged / skipped)."""
+    profile = caches.costs.profile
+    full, reach = profile.full(1), profile.reach(1)
+    ramp_profile = ramps.costs.profile
+    rows = []
+    for i, site in enumerate(profile.sites):
+        charged, skipped = profile.ramp(site, 1), full - float(reach[i])
+        answerable = {}
+        for kind, scenario in (("cache", caches), ("ramp", ramps)):
+            outputs = scenario.outputs
+            column = outputs.columns((site,))[0]
+            answerable[kind] = answerable_share(outputs.errors[:, column], outputs.labels[:, column] == outputs.final,
+                                                ORACLE_DISAGREEMENT)
+        rows.append({"site": site, "model_ms": full, "lookup_ms": lookup_ms.get(site), "charged_ms": charged,
+                     "charged_share_of_model": charged / full, "ramp_charged_ms": ramp_profile.ramp(site, 1),
+                     "skipped_share_of_model": skipped / full,
+                     "cache_answerable": answerable["cache"], "ramp_answerable": answerable["ramp"],
+                     "break_even_share": charged / skipped if skipped > 0 else None})
+    return rows
+
+
+def _managed(scenario: Scenario, control: ControllerSettings, seed: int) -> SystemRun:
+    controller = Controller(scenario.costs.profile, control)
+    return replay(scenario, controller.configuration(), controller, control.stops, control.kept_share, seed)
+
+
+def _summary(run: SystemRun, vanilla: dict, target: float) -> dict:
+    """`bench sim`'s summary of a run, its p50/p99 against the vanilla model timed with the same profile, and the
+    sites active at the end."""
+    summary = summarize(run, ACCURACY_WINDOW) | {"windows_below_share": windows_below_share(run.correct, target)}
+    summary |= {f"{q}_ratio": summary[f"{q}_ms"] / vanilla[f"{q}_ms"] for q in ("p50", "p99")}
+    if run.applied:
+        summary["final_sites"] = list(run.applied[-1][1].sites)
+    return summary
+
+
+def at_ramp_cost(caches: Scenario, ramps: Scenario) -> Scenario:
+    """What-if, not measured: the caches charged what the model's own ramp at each site is charged and stopping
+    inputs as it does: caches fused into the serving path as ramps are (`ramps.onnx_fused`), their lookup free.
+    What they could save if they cost no more than a ramp."""
+    profile, own = caches.costs.profile, ramps.costs.profile
+    if profile.batch_sizes != own.batch_sizes or profile.sites != own.sites:
+        raise ValueError("the cache and ramp bundles were profiled at other batch sizes or sites")
+    profile = replace(profile, ramp_ms={s: own.ramp_ms[s] for s in profile.sites})
+    return replace(caches, costs=CostModel(profile), python_ramps=frozenset())
+
+
+CACHE_SITE = "{site}+cache"  # a cache's place beside the model's own ramp in `ramps_and_caches`
+
+
+def ramps_and_caches(ramps: Scenario, caches: Scenario) -> Scenario:
+    """Both kinds at every site, for the controller to choose among: the model's own ramp, then the cache as a
+    site of its own (`CACHE_SITE`) reached with it, charged its share of the model as its own bundle's profile
+    measured it (a set with a cache is cut into stages on ONNX Runtime: that profile's charge includes the cut).
+    The two charges come from two profiles; a prepared "mixed" bundle measures one ramp per site together."""
+    own, cache = ramps.costs.profile, caches.costs.profile
+    if own.batch_sizes != cache.batch_sizes or own.sites != cache.sites:
+        raise ValueError("the cache and ramp bundles were profiled at other batch sizes or sites")
+    beside = {site: CACHE_SITE.format(site=site) for site in own.sites}
+    scale = np.array(own.full_ms) / np.array(cache.full_ms)
+    profile = replace(own, sites=tuple(x for site in own.sites for x in (site, beside[site])),
+                      segment_ms=own.segment_ms | {b: (0.0,) * len(own.batch_sizes) for b in beside.values()},
+                      ramp_ms=own.ramp_ms | {b: tuple(float(v) for v in np.array(cache.ramp_ms[site]) * scale)
+                                             for site, b in beside.items()})
+    columns = np.arange(2 * len(own.sites)).reshape(2, -1).T.ravel()  # ramp, cache, ramp, cache...
+    ramp_out, cache_out = ramps.outputs, caches.outputs
+
+    def paired(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        return np.concatenate([a[:, ramp_out.columns(own.sites)], b[:, cache_out.columns(own.sites)]], axis=1)[
+            :, columns]
+
+    # the ramps' model answers: where the two bundles' runs differ in the last float, the ramps' is the truth
+    outputs = RampOutputs(profile.sites, paired(ramp_out.labels, cache_out.labels),
+                          paired(ramp_out.errors, cache_out.errors), ramp_out.final)
+    return replace(ramps, outputs=outputs, costs=CostModel(profile),
+                   python_ramps=ramps.python_ramps | frozenset(beside.values()),
+                   python_sets_stop=caches.python_sets_stop)
+
+
+def exit_kinds_seed(settings: ExitKindsSettings, bundles: dict[str, Path], seed: int) -> tuple[dict, dict]:
+    """One seed: each bundle's ramp outputs on the stream, the same arrivals replayed through vanilla, the oracle
+    and the managed controller per kind. Returns the seed's report and its scenarios."""
+    base = SimSettings(model=settings.model, workload=default_workload(ModelSource.parse(settings.model)),
+                       trace=settings.trace, load=settings.load, length=settings.length, seed=seed,
+                       controller=settings.controller, saturation=False, small=settings.small)
+    ramps, info = load_scenario(replace(base, bundle=bundles["ramps"]))
+    # Every kind serves the same requests at the same times, in batches of at most the same size
+    scenarios = {kind: ramps if kind == "ramps" else replace(
+        load_scenario(replace(base, bundle=path))[0], arrivals_ms=ramps.arrivals_ms, max_batch=ramps.max_batch,
+        lengths=ramps.lengths) for kind, path in bundles.items()}
+    scenarios["caches_at_ramp_cost"] = at_ramp_cost(scenarios["caches"], ramps)
+    scenarios["ramps_and_caches"] = ramps_and_caches(ramps, scenarios["caches"])
+    control = settings.controller.resolved(info["max_batch"])
+    target = control.target_accuracy
+    systems, vanillas = {}, {}
+    for kind, scenario in scenarios.items():
+        vanillas[kind] = summarize(replay(scenario, Configuration(0, (), ())), ACCURACY_WINDOW)
+    systems["vanilla"] = _summary(replay(ramps, Configuration(0, (), ())), vanillas["ramps"], target)
+    every = replace(control, initial=scenarios["caches"].costs.sites, ramp_budget=1.0)
+    plan = {"ramps": ("ramps", control), "caches": ("caches", control), "caches_every_site": ("caches", every),
+            "ramps_and_caches": ("ramps_and_caches", control),
+            "caches_at_ramp_cost": ("caches_at_ramp_cost", control)}
+    if "mixed" in scenarios:
+        plan["mixed"] = ("mixed", control)
+    for name, (kind, control_) in tqdm(plan.items(), desc=f"seed {seed}: managed systems", unit="system"):
+        systems[name] = _summary(_managed(scenarios[kind], control_, seed), vanillas[kind], target)
+        systems[name] |= controller_exit_mode(control_)
+    for kind in ("ramps", "caches"):  # every input at the earliest site that agrees, exits free: the bound
+        systems[f"{kind}_oracle"] = _summary(replay_oracle(scenarios[kind]), vanillas[kind], target)
+    report = info | {"seed": seed, "exit_mode": control.exit_mode, "systems": systems,
+                     "vanilla_p50_ms": {kind: v["p50_ms"] for kind, v in vanillas.items()}}
+    return report, scenarios
+
+
+# Figures summed up over seeds, as `bench sim` sums its (`seed_summary`)
+KIND_FIGURES = ("accuracy", "windows_below_share", "p50_ratio", "p99_ratio", "exit_share", "mean_active_ramps")
+
+
+def seeds_summary(per_seed: list[dict]) -> dict[str, dict[str, dict]]:
+    """Per system and figure of KIND_FIGURES: the median over seeds, the lowest and the highest."""
+    summary: dict[str, dict[str, dict]] = {}
+    for name in per_seed[0]["systems"]:
+        summary[name] = {}
+        for figure in KIND_FIGURES:
+            values = [r["systems"][name][figure] for r in per_seed if r["systems"][name].get(figure) is not None]
+            if values:
+                summary[name][figure] = {"median": float(np.median(values)), "min": float(min(values)),
+                                         "max": float(max(values)), "seeds": len(values)}
+    return summary
+
+
+def run_exit_kinds(settings: ExitKindsSettings, progress: Callable[[str], None] = lambda _: None) -> dict:
+    """`bench freeze --model`: caches, mixed caches and ramps, and ramps alone, each managed, against vanilla on the
+    model's drifting stream over `settings.seeds` seeds; per site what a cache costs and answers."""
+    progress(f"{settings.model}: bundles (prepared on first use)")
+    bundles = exit_kind_bundles(settings)
+    per_seed, tables = [], []
+    for seed in range(settings.seeds):
+        progress(f"{settings.model}: seed {seed}")
+        report, scenarios = exit_kinds_seed(settings, bundles, seed)
+        per_seed.append(report)
+        if seed == 0:
+            progress(f"{settings.model}: cache lookups at batch 1")
+            caches = load_bundle(bundles["caches"])
+            stream = get_stream(report["workload"], length=settings.length, seed=0)
+            start = stream.evaluation.start
+            encoder = prepared_encoder(caches, stream.task)
+            feeds = [feeds_for(caches.backend, encoder, stream.items(start + i, start + i + 1))
+                     for i in range(LOOKUP_INPUTS)]
+            lookups = lookup_times(caches, feeds, settings.lookup_rounds)
+        tables.append(site_table(scenarios["caches"], scenarios["ramps"], lookups))
+    sites = [dict(row, cache_answerable=[t[i]["cache_answerable"] for t in tables],
+                  ramp_answerable=[t[i]["ramp_answerable"] for t in tables]) for i, row in enumerate(tables[0])]
+    manifests = {kind: read_manifest(path) for kind, path in bundles.items()}
+    return {
+        "model": settings.model, "workload": per_seed[0]["workload"], "trace": settings.trace, "load": settings.load,
+        "length": settings.length, "seeds": settings.seeds, "cache": settings.cache.to_json(),
+        "oracle_disagreement": ORACLE_DISAGREEMENT,
+        "engine": manifests["ramps"]["meta"]["engine"]["engine"],
+        "bundles": {kind: str(path) for kind, path in bundles.items()},
+        "mixed_sites": {site["name"]: site["ramp"]["kind"] for site in manifests.get("mixed", {"sites": []})["sites"]},
+        "sites": sites,
+        "summary": seeds_summary(per_seed),
+        "per_seed": per_seed,
+        "simulated": "ramp outputs computed on the stream; latency charged from each bundle's measured profile "
+                     "(bench sim's replay); lookups timed here",
+    }
+
+
+def exit_kinds_tables(report: dict) -> list:
+    """`run_exit_kinds`' report as rich tables: the systems over seeds, then the sites."""
+    from rich.table import Table
+
+    def cell(figure: dict | None, spec: str) -> str:
+        if figure is None:
+            return "-"
+        return f"{figure['median']:{spec}} ({figure['min']:{spec}}–{figure['max']:{spec}})"
+
+    seeds = report["seeds"]
+    systems = Table(title=f"{report['model']} on {report['workload']} ({report['engine']}), load {report['load']}, "
+                          f"{report['trace']} trace: median (min–max) over {seeds} seeds")
+    for col in ("system", "p50 × vanilla", "p99 × vanilla", "accuracy", "1k windows < target", "exit share",
+                "active exits"):
+        systems.add_column(col, justify="right")
+    for name, s in report["summary"].items():
+        systems.add_row(name, cell(s.get("p50_ratio"), ".3f"), cell(s.get("p99_ratio"), ".3f"),
+                        cell(s.get("accuracy"), ".4f"), cell(s.get("windows_below_share"), ".3f"),
+                        cell(s.get("exit_share"), ".3f"), cell(s.get("mean_active_ramps"), ".1f"))
+    sites = Table(title=f"{report['model']}: per site at batch 1 (shares of the stream at "
+                        f"{report['oracle_disagreement']:.0%} disagreement: median of seeds)")
+    for col in ("site", "lookup µs", "charged µs", "charged / model", "ramp charged µs", "skipped / model",
+                "cache answers", "ramp answers", "break-even share", "mixed keeps"):
+        sites.add_column(col, justify="right")
+    for row in report["sites"]:
+        lookup = "-" if row["lookup_ms"] is None else f"{row['lookup_ms'] * 1000:.0f}"
+        even = "-" if row["break_even_share"] is None else f"{row['break_even_share']:.3f}"
+        sites.add_row(row["site"], lookup, f"{row['charged_ms'] * 1000:.0f}", f"{row['charged_share_of_model']:.2%}",
+                      f"{row['ramp_charged_ms'] * 1000:.0f}", f"{row['skipped_share_of_model']:.2f}",
+                      f"{np.median(row['cache_answerable']):.3f}", f"{np.median(row['ramp_answerable']):.3f}", even,
+                      report["mixed_sites"].get(row["site"], "-"))
+    return [systems, sites]

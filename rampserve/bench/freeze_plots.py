@@ -60,3 +60,37 @@ def write_plots(report: dict, models: dict[str, ModelRuns], out_dir: Path) -> li
         ax.legend()
         _save(fig, out_dir / f"{name}-memory.png", written)
     return written
+
+
+def write_exit_kinds_plots(report: dict, out_dir: Path) -> Path:
+    """`bench freeze --model`: per site, the share of the stream a cache and the model's ramp can answer at the
+    oracle's disagreement beside the share a cache must answer to repay its charge; and each system's p50 against
+    vanilla over seeds (median, min–max)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rows = report["sites"]
+    x = np.arange(len(rows))
+    fig, (sites_ax, systems_ax) = plt.subplots(1, 2, figsize=(14, 4.8), gridspec_kw={"width_ratios": [3, 2]})
+    for key, label, marker in (("cache_answerable", "cache answers", "o"), ("ramp_answerable", "ramp answers", "s")):
+        values = np.array([row[key] for row in rows])  # (sites, seeds)
+        median = np.median(values, axis=1)
+        sites_ax.errorbar(x, median, yerr=[median - values.min(axis=1), values.max(axis=1) - median], marker=marker,
+                          capsize=2, label=f"{label} at {report['oracle_disagreement']:.0%} disagreement")
+    even = [np.nan if row["break_even_share"] is None else row["break_even_share"] for row in rows]
+    sites_ax.plot(x, even, "k--", marker="x", label="share a cache must answer to repay its charge")
+    sites_ax.set_xticks(x, [row["site"] for row in rows], rotation=60, ha="right", fontsize=7)
+    sites_ax.set(ylabel="share of the stream", ylim=(0, 1.02), title=f"{report['model']}: per site, batch 1")
+    sites_ax.legend(fontsize=8)
+    sites_ax.grid(alpha=0.3)
+    names = list(report["summary"])
+    p50 = [report["summary"][n].get("p50_ratio") for n in names]
+    median = np.array([f["median"] for f in p50])
+    spread = np.array([[f["median"] - f["min"], f["max"] - f["median"]] for f in p50]).T
+    systems_ax.barh(np.arange(len(names)), median, xerr=spread, capsize=3, color="tab:blue", alpha=0.7)
+    systems_ax.axvline(1.0, color="k", lw=0.8)
+    systems_ax.set_yticks(np.arange(len(names)), names)
+    systems_ax.set(xlabel=f"p50 × vanilla (median, min–max over {report['seeds']} seeds)",
+                   title=f"{report['model']}: managed exits, simulated")
+    systems_ax.grid(alpha=0.3, axis="x")
+    written: list[Path] = []
+    _save(fig, out_dir / f"{report['model']}-caches-vs-ramps.png", written)
+    return written[0]

@@ -35,6 +35,8 @@ from rampserve.control.costs import CostModel
 from rampserve.control.ramps import RampSet, beam_search, fits_budget, initial_sites
 from rampserve.control.records import NO_EXIT, NO_LABEL, BatchRecord, Configuration
 from rampserve.control.thresholds import ExitData, TuningResult, evaluate, tune_greedy
+from rampserve.ramps.kinds import Ramp
+from rampserve.ramps.onnx_fused import can_tap
 from rampserve.ramps.oracle import earliest_correct_exit
 from rampserve.runtime.bundle import load_bundle
 from rampserve.runtime.latency import LatencyProfile, serving_limits
@@ -98,6 +100,17 @@ class Scenario:
     # Per request, the positions its input takes where inputs come in any length (text): a batch then takes its
     # profiled time scaled to its longest input's (`LatencyProfile.length_scale`); None: every input one size
     lengths: np.ndarray | None = None
+    # Sites whose ramps run in Python on the serving path (a cache ramp, stashed for the releasing thread:
+    # `ramps.fused`): in stop mode an input that exits there is answered but runs on to the end. On ONNX Runtime a set
+    # with such a ramp is cut into stages, which stop no input at any of its ramps (`python_sets_stop` False)
+    python_ramps: frozenset[str] = frozenset()
+    python_sets_stop: bool = True
+
+    def stopping(self, sites: tuple[str, ...]) -> tuple[bool, np.ndarray]:
+        """Whether a stop-mode batch of these active sites stops inputs at all, and per site whether an exit there
+        stops its input."""
+        python = np.array([s in self.python_ramps for s in sites], dtype=bool)
+        return self.python_sets_stop or not python.any(), ~python
 
     def length_scale(self, requests: np.ndarray) -> float:
         """How much longer than the profile's figures for their batch size these requests' batch runs."""
@@ -111,7 +124,8 @@ def replay(scenario: Scenario, start: Configuration, controller: Controller | No
     """Serve the scenario with a fixed configuration, or with one the controller keeps changing. With `stop`,
     inputs that exit leave their batch at the ramp (each segment is charged at the rows that run it), except a
     uniform `feedback_share` of the batch's inputs drawn (whatever their scores) to run to the end; the
-    controller hears nothing more of the others, as a server in stop mode would tell it."""
+    controller hears nothing more of the others, as a server in stop mode would tell it. Inputs do not leave at a
+    ramp that runs in Python, nor at all where the set is cut into stages for one (`Scenario.stopping`)."""
     outputs, costs = scenario.outputs, scenario.costs
     n = len(scenario.arrivals_ms)
     correct = np.ones(n, dtype=bool)
@@ -144,12 +158,15 @@ def replay(scenario: Scenario, start: Configuration, controller: Controller | No
         if len(columns):  # NO_EXIT indexes the last column, masked out
             exit_column[requests] = np.where(exits == NO_EXIT, NO_EXIT, columns[exits])
         exit_index = np.where(exits == NO_EXIT, len(columns), exits)
-        if stop and len(columns):
+        stops, stops_at = scenario.stopping(config.sites) if stop else (False, None)
+        if stops and len(columns):
             kept = np.ones(len(requests), dtype=bool) if shadow else draw.random(len(requests)) < feedback_share
+            forced = ~np.append(stops_at, True)[exit_index]  # exits at a ramp in Python run on to the end
+            kept |= forced
             leaves = np.where(kept, len(columns), exit_index)  # the segment after which each input stops running
             running = (leaves[:, None] >= np.arange(len(columns) + 1)[None, :]).sum(axis=0)
             release_ms, duration_ms = costs.stopping_batch(config.sites, running)
-            record = _stopped(record, exits, kept, 1.0 if shadow else feedback_share)
+            record = _stopped(record, exits, kept, 1.0 if shadow else feedback_share, forced)
         else:
             times = costs.times(config.sites, len(requests))
             release_ms, duration_ms = times.release_ms, times.duration_ms
@@ -165,14 +182,18 @@ def replay(scenario: Scenario, start: Configuration, controller: Controller | No
     return SystemRun(queue, correct, exit_column, controller, applied)
 
 
-def _stopped(record: BatchRecord, exits: np.ndarray, kept: np.ndarray, feedback_share: float) -> BatchRecord:
+def _stopped(record: BatchRecord, exits: np.ndarray, kept: np.ndarray, feedback_share: float,
+             forced: np.ndarray) -> BatchRecord:
     """What a stop-mode server records of a batch: an input that exited and was not kept has no final label,
-    and no outputs at the ramps after its exit."""
+    and no outputs at the ramps after its exit; one that exited where no input stops (`forced`) ran to the end
+    for sure and stands for itself alone."""
     stopped = (exits != NO_EXIT) & ~kept
     after_exit = stopped[:, None] & (np.arange(len(record.sites))[None, :] > exits[:, None])
+    forced = forced & (exits != NO_EXIT)
     return replace(record, labels=np.where(after_exit, NO_LABEL, record.labels),
                    errors=np.where(after_exit, np.nan, record.errors),
-                   final=np.where(stopped, NO_LABEL, record.final), feedback_share=feedback_share)
+                   final=np.where(stopped, NO_LABEL, record.final), feedback_share=feedback_share,
+                   forced=forced if forced.any() else None)
 
 
 def replay_oracle(scenario: Scenario) -> SystemRun:
@@ -385,6 +406,18 @@ def input_lengths(model: PreparedModel, stream: Stream, start: int, stop: int) -
     return widths[inverse]
 
 
+def python_ramps(model: PreparedModel) -> dict:
+    """`Scenario`'s `python_ramps` and `python_sets_stop` for a model as its compiled sets serve it: a ramp that is
+    not fused into ONNX stages (`ramps.onnx_fused.can_tap`: a cache ramp) or, on torch, not a linear ramp (the
+    ramp operator's kind) is evaluated in Python."""
+    if model.backend.kind == "onnx":
+        return {"python_ramps": frozenset(s for s, ramp in model.ramps.items() if not can_tap(ramp)),
+                "python_sets_stop": False}
+    return {"python_ramps": frozenset(s for s, ramp in model.ramps.items()
+                                      if not (isinstance(ramp, Ramp) and ramp.spec.kind == "linear")),
+            "python_sets_stop": True}
+
+
 def load_scenario(settings: SimSettings) -> tuple[Scenario, dict]:
     from rampserve.runtime.zoo_bundles import zoo_bundle
 
@@ -406,7 +439,7 @@ def load_scenario(settings: SimSettings) -> tuple[Scenario, dict]:
     rate = scenario_rate(settings, profile, mean_scale)
     slo, max_batch = serving_limits(profile, settings.slo_ms)
     arrivals = arrival_times(settings.trace, len(outputs.final), rate, seed=settings.seed)
-    scenario = Scenario(outputs, CostModel(profile), arrivals, max_batch, lengths)
+    scenario = Scenario(outputs, CostModel(profile), arrivals, max_batch, lengths, **python_ramps(model))
     info = {"model": settings.model, "workload": settings.workload_label, "trace": settings.trace,
             **({"data": own.record, "bundle": str(own.bundle)} if own else {}),
             "rate_rps": rate, "load": rate * mean_scale / batch1_capacity_rps(profile), "slo_ms": slo,

@@ -14,7 +14,7 @@ from tqdm.auto import tqdm
 
 from rampserve.graph.sites import SitePolicy
 from rampserve.ramps.cache import CacheSpec, static_threshold
-from rampserve.ramps.kinds import MLP_HIDDEN, spec_for
+from rampserve.ramps.kinds import DENSE_KINDS, MLP_HIDDEN, spec_for
 from rampserve.ramps.oracle import NO_EXIT, earliest_correct_exit, exit_latency
 from rampserve.ramps.train import Features, TrainConfig, TrainReport, build_cache_ramps, collect_features, train_ramps
 from rampserve.runtime.backends import Backend, TorchBackend
@@ -138,6 +138,13 @@ def ramp_kind(source: ModelSource, config: PrepareConfig) -> str:
         return config.ramp_kind
     entry = zoo_entry(source)
     return "linear" if entry is None else entry.ramp_kind
+
+
+def mixed_dense_kind(source: ModelSource) -> str:
+    """The ramps a "mixed" preparation sets beside caches: the zoo entry's kind where it is linear or MLP (an MLP
+    on lite0-fmnist, whose linear ramps answer less), else linear."""
+    entry = zoo_entry(source)
+    return entry.ramp_kind if entry is not None and entry.ramp_kind in DENSE_KINDS else "linear"
 
 
 def token_reduction(source: ModelSource) -> str:
@@ -448,13 +455,14 @@ def exit_share_at(errors: np.ndarray, correct: np.ndarray, agreement: float = MI
     return float((ok[-1] + 1) / len(order)) if len(ok) else 0.0
 
 
-def train_site_ramps(kind: str, features: Features, specs_of: Callable[[str], dict], config: PrepareConfig
-                     ) -> tuple[dict, TrainReport, dict[str, np.ndarray]]:
+def train_site_ramps(kind: str, features: Features, specs_of: Callable[[str], dict], config: PrepareConfig,
+                     dense: str = "linear") -> tuple[dict, TrainReport, dict[str, np.ndarray]]:
     """Ramps of `kind` at every site, the training report, and each ramp's (labels, errors) on validation
-    inputs. "mixed" builds both a linear and a cache ramp at every site and keeps, per site, the one that
-    answers more validation inputs at MIXED_AGREEMENT: the controller then chooses among sites by utility."""
+    inputs. "mixed" builds both a `dense` ramp (linear or MLP) and a cache ramp at every site and keeps, per site,
+    the one that answers more validation inputs at MIXED_AGREEMENT: the controller then chooses among sites by
+    utility."""
     if kind == "mixed":
-        linear = train_site_ramps("linear", features, specs_of, config)
+        linear = train_site_ramps(dense, features, specs_of, config)
         cache = train_site_ramps("cache", features, specs_of, config)
         targets = features.targets.numpy()
         val = np.array(linear[1].val_indices)
@@ -504,7 +512,7 @@ def prepare(source: ModelSource, config: PrepareConfig = PrepareConfig(),
             disable=not config.progress),
         specs_of("deep" if kind == "deep" else "linear"),
     )
-    ramps, report, val_outputs = train_site_ramps(kind, features, specs_of, config)
+    ramps, report, val_outputs = train_site_ramps(kind, features, specs_of, config, mixed_dense_kind(source))
     sites = [
         SiteInfo(s.value, s.index, s.kind, s.scope, tuple(probe_acts[s.value].shape[1:]), ramps[s.value].spec,
                  report.ramps[s.value].val_accuracy)
