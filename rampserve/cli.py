@@ -822,7 +822,14 @@ def bench_live(
     loads: Annotated[Optional[str], typer.Option(help="several loads, as 0.1,0.2,0.3,0.5: one vanilla saturation "
                                                       "probe, then a replay per load for each system")] = None,
     rate: Annotated[Optional[float], typer.Option(help="mean requests per second, instead of the load's")] = None,
-    duration: Annotated[float, typer.Option(help="measured seconds per system and load")] = 60.0,
+    duration: Annotated[Optional[float], typer.Option(
+        help="measured seconds per system and load [default: 60; from cold: 900, from the server's start]")] = None,
+    from_cold: Annotated[bool, typer.Option(
+        "--from-cold", help="start from the bare model (an .onnx file or hf:DIR, with --data): one server serves it "
+                            "unprepared, records, trains and adopts ramps while the file is replayed from its first row; "
+                            "time to the first exit and to managed mode, latency by phase, against vanilla while the "
+                            "training job runs")] = False,
+    record: Annotated[int, typer.Option(help="from cold: the server's --record")] = DEFAULT_RECORD,
     ramp_budget: Annotated[float, typer.Option(help="what ramps may add to a non-exiting input")] = 0.02,
     accuracy_constraint: Annotated[float, typer.Option(help="the managed server's allowed share of answers that "
                                                             "differ")] = 0.01,
@@ -863,12 +870,18 @@ def bench_live(
     )
     from rampserve.runtime.prepare import PrepareConfig
 
+    if from_cold:
+        _bench_from_cold(model, data, data_options(**data_flags), record, load, rate, trace, duration, json_out,
+                         ("--ramp-budget", str(ramp_budget), "--accuracy-constraint", str(accuracy_constraint),
+                          *(server_arg or ())))
+        return
     try:
         if load is not None and loads is not None:
             raise ValueError("give --load or --loads, not both")
         stated = parse_loads(loads) if loads is not None else (DEFAULT_LOAD if load is None else load,)
         settings = LiveSettings(model=model, workload=workload, trace=trace, loads=stated, rate_rps=rate,
-                                duration_s=duration, accuracy_constraint=accuracy_constraint, exit_mode=exit_mode,
+                                duration_s=60.0 if duration is None else duration,
+                                accuracy_constraint=accuracy_constraint, exit_mode=exit_mode,
                                 feedback_share=feedback_share, controller=controller_flags, saturation_s=saturation_s,
                                 saturation_rounds=saturation_rounds, warmup_requests=warmup_requests,
                                 server_args=("--ramp-budget", str(ramp_budget), *(server_arg or ())),
@@ -885,6 +898,26 @@ def bench_live(
         console.print(live_table(report, entry))
         console.print(versus_table(entry))
     console.print(load_table(report))
+
+
+def _bench_from_cold(model: str, data: Path | None, options: object, record: int, load: float | None,
+                     rate: float | None, trace: str, duration: float | None, json_out: Path | None,
+                     server_args: tuple[str, ...]) -> None:
+    """`bench live --from-cold` (`bench.cold`)."""
+    from rampserve.bench.cold import ColdSettings, cold_table, run_cold
+
+    try:
+        if data is None:
+            raise ValueError("--from-cold replays your own inputs: give them with --data")
+        settings = ColdSettings(model=model, data=data, data_options=options, record=record,
+                                load=DEFAULT_LOAD if load is None else load, rate_rps=rate, trace=trace,
+                                server_args=server_args, **({} if duration is None else {"duration_s": duration}))
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    report = run_cold(settings, json_out)
+    console.print(cold_table(report))
+    console.print("goals: " + ", ".join(f"{goal} {'met' if met else 'missed'}" for goal, met in report["goals"].items()),
+                  markup=False)
 
 
 @bench_app.command("executor")

@@ -116,3 +116,13 @@ def test_which_models_are_served_unprepared_and_where_they_keep_their_state(tmp_
     other.write_bytes(b"")
     assert elsewhere.name == "model" and elsewhere.folder != unprepared_model(str(other)).folder
     assert unprepared_model("resnet18-fmnist") is None
+
+
+def test_a_request_is_set_in_the_phase_the_server_was_in_when_it_arrived() -> None:
+    from rampserve.bench.cold import phase_of
+
+    history = [{"phase": "recording", "at": 100.0}, {"phase": "training", "at": 130.5},
+               {"phase": "certifying", "at": 190.0}, {"phase": "managed", "at": 250.0}]
+    arrived = np.array([99.0, 100.0, 130.4, 130.5, 189.99, 190.0, 400.0])
+    assert phase_of(arrived, history).tolist() == ["recording", "recording", "recording", "training", "training",
+                                                   "certifying", "managed"]

@@ -120,6 +120,7 @@ class LoadResult:
     status_after: dict | str | None  # ... and once every measured request was answered
     cpu_before: dict | None = None  # the server's CPU (`cpu.read_tree`) read with status_before
     cpu_after: dict | None = None  # ... and with status_after
+    wall_origin_s: float | None = None  # the measured run's time 0 as time.time(): to set its requests beside events
 
     @property
     def ok(self) -> np.ndarray:
@@ -149,7 +150,7 @@ class LoadResult:
             arrays = {k: data[k] for k in data.files if k != "meta"}
         return cls(**arrays, sites=tuple(meta["sites"]), errors=meta["errors"], status_before=meta["status_before"],
                    status_after=meta["status_after"], cpu_before=meta.get("cpu_before"),
-                   cpu_after=meta.get("cpu_after"))
+                   cpu_after=meta.get("cpu_after"), wall_origin_s=meta.get("wall_origin_s"))
 
 
 # --- jobs on disk: the spec as JSON, each input as one flat array plus per-request shapes -----------------------
@@ -580,8 +581,11 @@ async def run_job(job: Job, requests: list[dict[str, np.ndarray]], arrivals_ms: 
         # Blocking on purpose: nothing is in flight between the two runs.
         before, cpu_before = fetch_status(job.status_url), read_cpu(job.cpu_pid)
         recorder = await client.open_loop(bodies[warmup:], arrivals_ms)
+        origin = time.time() - (time.perf_counter() - client.origin)
         cpu_after = read_cpu(job.cpu_pid)  # before the status request, which costs the server CPU of its own
-        return recorder.result(before, fetch_status(job.status_url), cpu_before, cpu_after)
+        result = recorder.result(before, fetch_status(job.status_url), cpu_before, cpu_after)
+        result.wall_origin_s = origin
+        return result
 
 
 def main(argv: list[str]) -> int:

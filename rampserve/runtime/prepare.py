@@ -270,7 +270,8 @@ EXAMPLE_TEXTS = ["a", "a few more words"]  # what a text model's inputs are lear
 
 
 def model_task(source: ModelSource) -> str | None:
-    """"text" for a model with a tokenizer (hf:DIR, a zoo text model), the zoo entry's task, else None (unknown)."""
+    """The task of the model from `source`: text for hf:DIR (it has a tokenizer), a zoo entry's own, else None (a
+    model from outside the zoo takes whatever its file or module says)."""
     entry = zoo_entry(source)
     return "text" if source.kind == "hf" else None if entry is None else entry.task
 
