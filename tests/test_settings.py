@@ -23,6 +23,7 @@ from rampserve.control.controller import ControllerSettings
 from rampserve.serving.server import ServerSettings, build_state
 from rampserve.serving.settings import ENV_PREFIX, MODEL_SETTINGS_FILE, ServeOptions
 from rampserve.serving.contract import ModelSettings
+from rampserve.serving.learning import LearningSettings
 from test_applications import const_onnx, infer
 from test_serving import get_json
 
@@ -71,8 +72,8 @@ def test_environment_variables_set_the_server_and_its_models(served_with) -> Non
            "RAMPSERVE_TORCH_THREADS": "0"}
     result = run_serve(["m"], env)
     assert result.exit_code == 0, result.output
-    ((models, model_settings, settings, apps),) = served_with
-    assert models == ["m"] and apps == []
+    ((models, model_settings, settings, apps, learning),) = served_with
+    assert models == ["m"] and apps == [] and learning == LearningSettings()
     assert settings == ServerSettings(host="::1", port=9000, grpc_port=None, admin_token="s3cret", dashboard=False)
     assert model_settings == ModelSettings(
         executor="thread", max_batch=8, torch_threads=None,
@@ -84,7 +85,7 @@ def test_a_flag_overrides_the_environment(served_with) -> None:
            "RAMPSERVE_OBJECTIVE": "p95"}
     result = run_serve(["--port", "9100", "--ramp-budget", "0.03", "--dashboard", "--objective", "mean"], env)
     assert result.exit_code == 0, result.output
-    ((_, model_settings, settings, _),) = served_with
+    ((_, model_settings, settings, _, _),) = served_with
     assert (settings.port, settings.dashboard) == (9100, True)
     assert (model_settings.controller.ramp_budget, model_settings.controller.objective) == (0.03, "mean")
 
