@@ -9,6 +9,12 @@ each request is set in the phase the server was in when it arrived (the server's
 time). Last, another fresh vanilla server is given the same requests at the same times, up to the end of the
 training job: the p99 of the requests that arrived while the job ran, against vanilla's p99 of the same requests.
 
+Those two runs come minutes apart, on cores other work shares. With `pause_job_every_s` the job's cost is measured
+against whatever else the machine does: the bench stops the training job (SIGSTOP) and lets it go on (SIGCONT) in
+turns of that many seconds while it runs, so requests that arrive while it is stopped (the same server, vanilla, with
+no job) interleave with those that arrive while it runs; the job then takes about twice as long, so the times to
+managed of such a run are not the model's.
+
 Figures: from the server's start, when it was ready, its first answer, each phase's start, the first answer given at a
 ramp and managed mode; per phase, requests and latency; accuracy over every answered request against the model's own
 answer (its ONNX file's, or its export's, run here on each distinct input), the worst window's; requests with no
@@ -17,9 +23,12 @@ answer; the machine's load average, since every figure here is timed on shared c
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -29,7 +38,7 @@ from rich.table import Table
 
 from rampserve.bench.figures import ACCURACY_WINDOW
 from rampserve.bench.harness import (
-    ServerProcess, fmt, get_json, measure_saturation, percentiles, run_loadgen, v2_inputs, write_json,
+    ServerProcess, fmt, get_json, measure_saturation, median_ratio, percentiles, run_loadgen, v2_inputs, write_json,
 )
 from rampserve.bench.live import live_arrivals
 from rampserve.bench.load import DEFAULT_LOAD
@@ -69,6 +78,7 @@ class ColdSettings:
     seed: int = 0
     worst_window: int = ACCURACY_WINDOW
     vanilla_margin_s: float = 10.0  # vanilla's replay goes on this long past the end of the training job
+    pause_job_every_s: float | None = None  # stop and go on with the training job in turns of this long
 
     def __post_init__(self) -> None:
         if unprepared_model(self.model) is None:
@@ -122,6 +132,65 @@ def phase_of(times_s: np.ndarray, phases: list[dict]) -> np.ndarray:
                                                           None)]
 
 
+class JobPauser:
+    """Stops the server's training job and lets it go on, in turns of `every_s` while the job runs, noting when (wall
+    clock) each turn began; the job is left running at the end."""
+
+    def __init__(self, status_url: str, model: str, every_s: float) -> None:
+        self.status_url, self.model, self.every_s = status_url, model, every_s
+        self.turns: list[tuple[float, bool]] = []  # (when, the job runs from then on)
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="job pauser", daemon=True)
+        self._job: int | None = None
+
+    def __enter__(self) -> JobPauser:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self._done.set()
+        self._thread.join()
+        self._signal(True)
+
+    def _signal(self, running: bool) -> None:
+        if self._job is None or (self.turns and self.turns[-1][1] == running):
+            return
+        try:
+            os.kill(self._job, signal.SIGCONT if running else signal.SIGSTOP)
+        except ProcessLookupError:  # the job ended meanwhile
+            return
+        self.turns.append((time.time(), running))
+
+    def _run(self) -> None:
+        while not self._done.wait(self.every_s):
+            learning = get_json(self.status_url)["learning"][self.model]
+            if learning["phase"] in JOB_PHASES and learning["job"] is not None:
+                self._job = learning["job"]
+                self._signal(not self.turns or not self.turns[-1][1])
+            else:
+                self._signal(True)
+
+
+def paused_figures(result: LoadResult, arrived: np.ndarray, during_job: np.ndarray,
+                   turns: list[tuple[float, bool]]) -> dict:
+    """Latency of the requests that arrived while the training job ran against those that arrived while it was
+    stopped, all in the job's phases: pooled, and as the ratio of each turn's p99 to the p99 of the stopped turn
+    after it (the median and range over such pairs)."""
+    starts = np.array([at for at, _ in turns])
+    turn = np.searchsorted(starts, arrived[during_job], side="right") - 1  # -1: before the first stop (running)
+    running = np.array([True if t < 0 else turns[t][1] for t in turn], dtype=bool)
+    latency = result.latency_ms[during_job]
+    pairs = []
+    for t in range(-1, len(turns) - 1):
+        if (t < 0 or turns[t][1]) and not turns[t + 1][1]:
+            ran, stopped = latency[turn == t], latency[turn == t + 1]
+            if len(ran) and len(stopped):
+                pairs.append((float(np.percentile(ran, 99)), float(np.percentile(stopped, 99))))
+    return {"running": {"requests": int(running.sum()), **percentiles(latency[running])},
+            "stopped": {"requests": int((~running).sum()), **percentiles(latency[~running])},
+            "turn_p99_ratio": median_ratio(pairs), "turns": len(turns)}
+
+
 def phase_figures(result: LoadResult, correct: np.ndarray, phases: np.ndarray) -> dict[str, dict]:
     figures = {}
     for phase in dict.fromkeys(phases):
@@ -157,8 +226,11 @@ def run_cold(settings: ColdSettings, json_out: Path | None, progress: bool = Tru
         with ServerProcess(serve_command(settings, workdir / "cold-home", "--record", str(settings.record)),
                            workdir / "cold.log", settings.start_timeout_s) as server:
             job = Job(server.url(f"/v2/models/{name}/infer"), inputs, "label", None, settings.timeout_s, lean=True)
-            cold = run_loadgen(job, requests.feeds, workdir, "from cold", settings.duration_s, progress, arrivals,
-                               np.zeros(0))
+            with contextlib.ExitStack() as stack:
+                pauser = None if settings.pause_job_every_s is None else stack.enter_context(
+                    JobPauser(server.url("/status"), name, settings.pause_job_every_s))
+                cold = run_loadgen(job, requests.feeds, workdir, "from cold", settings.duration_s, progress,
+                                   arrivals, np.zeros(0))
             learning = get_json(server.url("/status"))["learning"][name]
             ready_s = server.ready_s
         history = learning["phases"]
@@ -204,6 +276,7 @@ def run_cold(settings: ColdSettings, json_out: Path | None, progress: bool = Tru
         "during_training": {"requests": int(len(during_job)), "p99_ms": job_p99, "vanilla_p99_ms": vanilla_p99,
                             "p99_ratio": None if job_p99 is None or not vanilla_p99 else job_p99 / vanilla_p99,
                             "vanilla_unanswered": None if vanilla is None else int((~vanilla.ok).sum())},
+        "job_paused": None if pauser is None else paused_figures(cold, arrived, during_job, pauser.turns),
     }
     report["goals"] = {
         f"managed within {MANAGED_GOAL_S:.0f} s": report["managed_s"] is not None and
@@ -234,4 +307,10 @@ def cold_table(report: dict) -> Table:
                      f"{report['settings']['worst_window']}: {fmt(report['worst_window_accuracy'], '.4f')}); "
                      f"load average {report['machine_load_average']['before'][0]:.1f} before, "
                      f"{report['machine_load_average']['after'][0]:.1f} after")
+    if (paused := report["job_paused"]) is not None:
+        ratio = paused["turn_p99_ratio"]
+        table.caption += (f"; the job stopped in turns: p99 {fmt(paused['running']['p99_ms'], '.2f')} ms while it ran "
+                          f"against {fmt(paused['stopped']['p99_ms'], '.2f')} ms while stopped, per turn "
+                          + ("-" if ratio is None else f"{ratio['median']:.2f}x ({ratio['min_max'][0]:.2f}-"
+                                                       f"{ratio['min_max'][1]:.2f})"))
     return table
