@@ -6,8 +6,9 @@ The run: a vanilla server (`--no-record`) is probed closed loop for its saturati
 load, as `bench live`'s). A fresh server then serves the model unprepared, in a fresh RAMPSERVE_HOME (so it exports
 and learns everything itself), and the file is replayed at that rate, open loop, from its first row, for `duration_s`:
 each request is set in the phase the server was in when it arrived (the server's own phase history, in wall-clock
-time). Last, another fresh vanilla server is given the same requests at the same times, up to the end of the
-training job: the p99 of the requests that arrived while the job ran, against vanilla's p99 of the same requests.
+time). Last, another fresh vanilla server is given the same requests at the same times, from a little before the
+training job began until its end (its first `vanilla_limit_s` at most): the p99 of the requests that arrived while the
+job ran, against vanilla's p99 of the same requests.
 
 Those two runs come minutes apart, on cores other work shares. With `pause_job_every_s` the job's cost is measured
 against whatever else the machine does: the bench stops the training job (SIGSTOP) and lets it go on (SIGCONT) in
@@ -77,7 +78,8 @@ class ColdSettings:
     start_timeout_s: float = 300.0
     seed: int = 0
     worst_window: int = ACCURACY_WINDOW
-    vanilla_margin_s: float = 10.0  # vanilla's replay goes on this long past the end of the training job
+    vanilla_margin_s: float = 10.0  # vanilla's replay starts this long before the training job and ends as long after
+    vanilla_limit_s: float = 300.0  # the requests compared with vanilla's: those of the job's first seconds, this many
     pause_job_every_s: float | None = None  # stop and go on with the training job in turns of this long
 
     def __post_init__(self) -> None:
@@ -240,22 +242,25 @@ def run_cold(settings: ColdSettings, json_out: Path | None, progress: bool = Tru
         began = {p["phase"]: p["at"] - started for p in history}
         during_job = np.flatnonzero(np.isin(phases, JOB_PHASES) & cold.ok)
 
-        vanilla = None
+        vanilla, compared = None, during_job
         if len(during_job):
-            end = min(count, int(during_job[-1]) + 1 + int(rate * settings.vanilla_margin_s))
+            compared = during_job[arrivals[during_job] <= arrivals[during_job[0]] + settings.vanilla_limit_s * 1000.0]
+            margin_ms = settings.vanilla_margin_s * 1000.0
+            first = int(np.searchsorted(arrivals, arrivals[compared[0]] - margin_ms))
+            end = int(np.searchsorted(arrivals, arrivals[compared[-1]] + margin_ms, side="right"))
             with ServerProcess(serve_command(settings, workdir / "vanilla-home-2", "--no-record"),
                                workdir / "vanilla.log", settings.start_timeout_s) as server:
                 job = Job(server.url(f"/v2/models/{name}/infer"), inputs, "label", None, settings.timeout_s,
                           lean=True)
-                vanilla = run_loadgen(job, requests.feeds[:end], workdir, "vanilla", arrivals[end - 1] / 1000.0,
-                                      progress, arrivals[:end], np.zeros(0))
+                window = arrivals[first:end] - arrivals[first]
+                vanilla = run_loadgen(job, requests.feeds[first:end], workdir, "vanilla", window[-1] / 1000.0,
+                                      progress, window, np.zeros(0))
     early_done = cold.wall_origin_s + cold.done_ms[cold.early & cold.ok] / 1000.0
     answered = cold.ok
-    job_p99 = percentiles(cold.latency_ms[during_job])["p99_ms"] if len(during_job) else None
-    vanilla_p99 = None
+    job_p99, vanilla_p99 = (percentiles(cold.latency_ms[compared])["p99_ms"] if len(compared) else None), None
     if vanilla is not None:
-        same = during_job[vanilla.ok[during_job]]
-        vanilla_p99 = percentiles(vanilla.latency_ms[same])["p99_ms"]
+        same = compared[vanilla.ok[compared - first]]
+        vanilla_p99 = percentiles(vanilla.latency_ms[same - first])["p99_ms"]
     report = {
         "settings": {**asdict(settings), "data": str(settings.data), "data_options": None},
         "model": name, "rate_rps": rate, "saturation": saturation, "requests": count,
@@ -273,8 +278,10 @@ def run_cold(settings: ColdSettings, json_out: Path | None, progress: bool = Tru
         if answered.any() else None,
         "early_share": float(cold.early[answered].mean()) if answered.any() else None,
         "phases": phase_figures(cold, correct, phases),
-        "during_training": {"requests": int(len(during_job)), "p99_ms": job_p99, "vanilla_p99_ms": vanilla_p99,
+        "during_training": {"requests": int(len(during_job)), "compared": int(len(compared)), "p99_ms": job_p99,
+                            "vanilla_p99_ms": vanilla_p99,
                             "p99_ratio": None if job_p99 is None or not vanilla_p99 else job_p99 / vanilla_p99,
+                            "all_p99_ms": percentiles(cold.latency_ms[during_job])["p99_ms"],
                             "vanilla_unanswered": None if vanilla is None else int((~vanilla.ok).sum())},
         "job_paused": None if pauser is None else paused_figures(cold, arrived, during_job, pauser.turns),
     }
