@@ -830,6 +830,9 @@ def bench_live(
                             "time to the first exit and to managed mode, latency by phase, against vanilla while the "
                             "training job runs")] = False,
     record: Annotated[int, typer.Option(help="from cold: the server's --record")] = DEFAULT_RECORD,
+    pause_job_every: Annotated[Optional[float], typer.Option(
+        help="from cold: stop the training job and let it go on in turns of this many seconds, to time requests "
+             "with and without it on the same server, interleaved (the job takes twice as long)")] = None,
     ramp_budget: Annotated[float, typer.Option(help="what ramps may add to a non-exiting input")] = 0.02,
     accuracy_constraint: Annotated[float, typer.Option(help="the managed server's allowed share of answers that "
                                                             "differ")] = 0.01,
@@ -873,7 +876,7 @@ def bench_live(
     if from_cold:
         _bench_from_cold(model, data, data_options(**data_flags), record, load, rate, trace, duration, json_out,
                          ("--ramp-budget", str(ramp_budget), "--accuracy-constraint", str(accuracy_constraint),
-                          *(server_arg or ())))
+                          *(server_arg or ())), pause_job_every)
         return
     try:
         if load is not None and loads is not None:
@@ -902,7 +905,7 @@ def bench_live(
 
 def _bench_from_cold(model: str, data: Path | None, options: object, record: int, load: float | None,
                      rate: float | None, trace: str, duration: float | None, json_out: Path | None,
-                     server_args: tuple[str, ...]) -> None:
+                     server_args: tuple[str, ...], pause_job_every: float | None) -> None:
     """`bench live --from-cold` (`bench.cold`)."""
     from rampserve.bench.cold import ColdSettings, cold_table, run_cold
 
@@ -911,7 +914,8 @@ def _bench_from_cold(model: str, data: Path | None, options: object, record: int
             raise ValueError("--from-cold replays your own inputs: give them with --data")
         settings = ColdSettings(model=model, data=data, data_options=options, record=record,
                                 load=DEFAULT_LOAD if load is None else load, rate_rps=rate, trace=trace,
-                                server_args=server_args, **({} if duration is None else {"duration_s": duration}))
+                                server_args=server_args, pause_job_every_s=pause_job_every,
+                                **({} if duration is None else {"duration_s": duration}))
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
     report = run_cold(settings, json_out)

@@ -126,3 +126,22 @@ def test_a_request_is_set_in_the_phase_the_server_was_in_when_it_arrived() -> No
     arrived = np.array([99.0, 100.0, 130.4, 130.5, 189.99, 190.0, 400.0])
     assert phase_of(arrived, history).tolist() == ["recording", "recording", "recording", "training", "training",
                                                    "certifying", "managed"]
+
+
+def test_requests_with_the_training_job_stopped_are_told_from_those_with_it_running() -> None:
+    from rampserve.bench.cold import paused_figures
+    from rampserve.bench.loadgen import LoadResult
+
+    # Arrivals each second from 0 to 59; the job stopped at 10, went on at 20, stopped at 30, went on at 40
+    arrived = np.arange(60.0)
+    latency = np.where(((arrived >= 10) & (arrived < 20)) | ((arrived >= 30) & (arrived < 40)), 1.0, 3.0)
+    latency[5] = 9.0  # the first running turn's slowest
+    none = np.zeros(60)
+    result = LoadResult(arrived * 1000, none, arrived * 1000 + latency, np.full(60, 200), none.astype(int),
+                        none.astype(bool), none.astype(int), (), {}, None, None)
+    figures = paused_figures(result, arrived, np.arange(60), [(10.0, False), (20.0, True), (30.0, False),
+                                                               (40.0, True)])
+    assert figures["running"]["requests"] == 40 and figures["stopped"]["requests"] == 20
+    assert figures["stopped"]["p99_ms"] == 1.0 and figures["running"]["p50_ms"] == 3.0
+    ratios = figures["turn_p99_ratio"]
+    assert ratios["min_max"][0] == 3.0 and ratios["min_max"][1] > 3.0  # two pairs: (0-9, 10-19), (20-29, 30-39)

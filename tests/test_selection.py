@@ -135,7 +135,7 @@ def test_a_model_that_is_merely_bad_is_never_taken_back() -> None:
     state = SelectionState.uniform(MODELS)
     highest = 0.0
     for t, losses in enumerate(wrong.astype(np.float64)):
-        state = exp4_update(state, losses, 0.05)
+        state = exp4_update(state, losses, 0.05, Forgetting())  # the detector alone: fixed share lifts it a little
         if t >= 500:
             highest = max(highest, state.weights[0])
     assert highest < 0.01  # near the floor: a reset would have given it an equal share, 0.2
@@ -143,12 +143,13 @@ def test_a_model_that_is_merely_bad_is_never_taken_back() -> None:
 
 def test_the_detector_resets_a_recovered_model_to_an_equal_share_and_forgets_its_failure() -> None:
     state = SelectionState.uniform(MODELS)
+    detector = Forgetting()
     for _ in range(100):  # a fails every query, the others never
-        state = exp4_update(state, np.array([1.0, 0, 0, 0, 0]), 0.5)
+        state = exp4_update(state, np.array([1.0, 0, 0, 0, 0]), 0.5, detector)
     assert state.weights[0] == pytest.approx(EXPLORATION_FLOOR) and state.long_run_loss[0] > 0.99
-    state = exp4_update(state, np.zeros(5), 0.5)
+    state = exp4_update(state, np.zeros(5), 0.5, detector)
     assert state.weights[0] == pytest.approx(EXPLORATION_FLOOR)  # one right answer is not enough
-    state = exp4_update(state, np.zeros(5), 0.5)
+    state = exp4_update(state, np.zeros(5), 0.5, detector)
     assert state.weights[0] == pytest.approx(1 / 5)
     assert state.weights[1:] == pytest.approx(np.full(4, 1 / 5))  # the others keep their proportions
     assert state.long_run_loss[0] == pytest.approx(state.recent_loss[0]) == pytest.approx(0.25)
@@ -223,7 +224,7 @@ def test_state_written_before_the_detector_loads_and_learns() -> None:
     old = {"models": list(MODELS), "weights": [1e-6, 0.25, 0.25, 0.25, 0.25 - 1e-6], "updates": 7}
     state = SelectionState.from_json(old)
     assert state.updates == 7 and state.recent_loss.tolist() == [0.0] * 5 == state.long_run_loss.tolist()
-    updated = exp4_update(state, np.zeros(5), 0.1)
+    updated = exp4_update(state, np.zeros(5), 0.1, Forgetting())
     assert updated.weights[0] == pytest.approx(EXPLORATION_FLOOR)  # lifted to the floor of exploration
     assert SelectionState.from_json(updated.to_json()).updates == 8
 

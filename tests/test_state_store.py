@@ -12,7 +12,7 @@ import redis
 
 from bounded import run_bounded
 
-from rampserve.control.selection import EXPLORATION_FLOOR, SelectionState, exp3_update, exp4_update
+from rampserve.control.selection import EXPLORATION_FLOOR, Forgetting, SelectionState, exp3_update, exp4_update
 from rampserve.serving.apps.state_store import (
     MemoryStore,
     RedisStore,
@@ -118,7 +118,7 @@ def test_selection_state_stored_before_the_detector_resumes(store: StateStore) -
     old = {"models": ["a", "b"], "weights": [0.999999, 1e-6], "updates": 41}  # no loss averages, the old floor
 
     def learn(stored: dict | None) -> dict:
-        return exp4_update(SelectionState.from_json(stored), np.array([0.0, 0.0]), eta=0.1).to_json()
+        return exp4_update(SelectionState.from_json(stored), np.array([0.0, 0.0]), 0.1, Forgetting()).to_json()
 
     async def scenario() -> dict:
         await store.put("selection", "app/old-user", old)

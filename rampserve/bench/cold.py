@@ -6,8 +6,15 @@ The run: a vanilla server (`--no-record`) is probed closed loop for its saturati
 load, as `bench live`'s). A fresh server then serves the model unprepared, in a fresh RAMPSERVE_HOME (so it exports
 and learns everything itself), and the file is replayed at that rate, open loop, from its first row, for `duration_s`:
 each request is set in the phase the server was in when it arrived (the server's own phase history, in wall-clock
-time). Last, another fresh vanilla server is given the same requests at the same times, up to the end of the
-training job: the p99 of the requests that arrived while the job ran, against vanilla's p99 of the same requests.
+time). Last, another fresh vanilla server is given the same requests at the same times, from a little before the
+training job began until its end (its first `vanilla_limit_s` at most): the p99 of the requests that arrived while the
+job ran, against vanilla's p99 of the same requests.
+
+Those two runs come minutes apart, on cores other work shares. With `pause_job_every_s` the job's cost is measured
+against whatever else the machine does: the bench stops the training job (SIGSTOP) and lets it go on (SIGCONT) in
+turns of that many seconds while it runs, so requests that arrive while it is stopped (the same server, vanilla, with
+no job) interleave with those that arrive while it runs; the job then takes about twice as long, so the times to
+managed of such a run are not the model's.
 
 Figures: from the server's start, when it was ready, its first answer, each phase's start, the first answer given at a
 ramp and managed mode; per phase, requests and latency; accuracy over every answered request against the model's own
@@ -17,9 +24,12 @@ answer; the machine's load average, since every figure here is timed on shared c
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -29,7 +39,7 @@ from rich.table import Table
 
 from rampserve.bench.figures import ACCURACY_WINDOW
 from rampserve.bench.harness import (
-    ServerProcess, fmt, get_json, measure_saturation, percentiles, run_loadgen, v2_inputs, write_json,
+    ServerProcess, fmt, get_json, measure_saturation, median_ratio, percentiles, run_loadgen, v2_inputs, write_json,
 )
 from rampserve.bench.live import live_arrivals
 from rampserve.bench.load import DEFAULT_LOAD
@@ -68,7 +78,9 @@ class ColdSettings:
     start_timeout_s: float = 300.0
     seed: int = 0
     worst_window: int = ACCURACY_WINDOW
-    vanilla_margin_s: float = 10.0  # vanilla's replay goes on this long past the end of the training job
+    vanilla_margin_s: float = 10.0  # vanilla's replay starts this long before the training job and ends as long after
+    vanilla_limit_s: float = 300.0  # the requests compared with vanilla's: those of the job's first seconds, this many
+    pause_job_every_s: float | None = None  # stop and go on with the training job in turns of this long
 
     def __post_init__(self) -> None:
         if unprepared_model(self.model) is None:
@@ -122,6 +134,65 @@ def phase_of(times_s: np.ndarray, phases: list[dict]) -> np.ndarray:
                                                           None)]
 
 
+class JobPauser:
+    """Stops the server's training job and lets it go on, in turns of `every_s` while the job runs, noting when (wall
+    clock) each turn began; the job is left running at the end."""
+
+    def __init__(self, status_url: str, model: str, every_s: float) -> None:
+        self.status_url, self.model, self.every_s = status_url, model, every_s
+        self.turns: list[tuple[float, bool]] = []  # (when, the job runs from then on)
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="job pauser", daemon=True)
+        self._job: int | None = None
+
+    def __enter__(self) -> JobPauser:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self._done.set()
+        self._thread.join()
+        self._signal(True)
+
+    def _signal(self, running: bool) -> None:
+        if self._job is None or (self.turns and self.turns[-1][1] == running):
+            return
+        try:
+            os.kill(self._job, signal.SIGCONT if running else signal.SIGSTOP)
+        except ProcessLookupError:  # the job ended meanwhile
+            return
+        self.turns.append((time.time(), running))
+
+    def _run(self) -> None:
+        while not self._done.wait(self.every_s):
+            learning = get_json(self.status_url)["learning"][self.model]
+            if learning["phase"] in JOB_PHASES and learning["job"] is not None:
+                self._job = learning["job"]
+                self._signal(not self.turns or not self.turns[-1][1])
+            else:
+                self._signal(True)
+
+
+def paused_figures(result: LoadResult, arrived: np.ndarray, during_job: np.ndarray,
+                   turns: list[tuple[float, bool]]) -> dict:
+    """Latency of the requests that arrived while the training job ran against those that arrived while it was
+    stopped, all in the job's phases: pooled, and as the ratio of each turn's p99 to the p99 of the stopped turn
+    after it (the median and range over such pairs)."""
+    starts = np.array([at for at, _ in turns])
+    turn = np.searchsorted(starts, arrived[during_job], side="right") - 1  # -1: before the first stop (running)
+    running = np.array([True if t < 0 else turns[t][1] for t in turn], dtype=bool)
+    latency = result.latency_ms[during_job]
+    pairs = []
+    for t in range(-1, len(turns) - 1):
+        if (t < 0 or turns[t][1]) and not turns[t + 1][1]:
+            ran, stopped = latency[turn == t], latency[turn == t + 1]
+            if len(ran) and len(stopped):
+                pairs.append((float(np.percentile(ran, 99)), float(np.percentile(stopped, 99))))
+    return {"running": {"requests": int(running.sum()), **percentiles(latency[running])},
+            "stopped": {"requests": int((~running).sum()), **percentiles(latency[~running])},
+            "turn_p99_ratio": median_ratio(pairs), "turns": len(turns)}
+
+
 def phase_figures(result: LoadResult, correct: np.ndarray, phases: np.ndarray) -> dict[str, dict]:
     figures = {}
     for phase in dict.fromkeys(phases):
@@ -157,8 +228,11 @@ def run_cold(settings: ColdSettings, json_out: Path | None, progress: bool = Tru
         with ServerProcess(serve_command(settings, workdir / "cold-home", "--record", str(settings.record)),
                            workdir / "cold.log", settings.start_timeout_s) as server:
             job = Job(server.url(f"/v2/models/{name}/infer"), inputs, "label", None, settings.timeout_s, lean=True)
-            cold = run_loadgen(job, requests.feeds, workdir, "from cold", settings.duration_s, progress, arrivals,
-                               np.zeros(0))
+            with contextlib.ExitStack() as stack:
+                pauser = None if settings.pause_job_every_s is None else stack.enter_context(
+                    JobPauser(server.url("/status"), name, settings.pause_job_every_s))
+                cold = run_loadgen(job, requests.feeds, workdir, "from cold", settings.duration_s, progress,
+                                   arrivals, np.zeros(0))
             learning = get_json(server.url("/status"))["learning"][name]
             ready_s = server.ready_s
         history = learning["phases"]
@@ -168,22 +242,25 @@ def run_cold(settings: ColdSettings, json_out: Path | None, progress: bool = Tru
         began = {p["phase"]: p["at"] - started for p in history}
         during_job = np.flatnonzero(np.isin(phases, JOB_PHASES) & cold.ok)
 
-        vanilla = None
+        vanilla, compared = None, during_job
         if len(during_job):
-            end = min(count, int(during_job[-1]) + 1 + int(rate * settings.vanilla_margin_s))
+            compared = during_job[arrivals[during_job] <= arrivals[during_job[0]] + settings.vanilla_limit_s * 1000.0]
+            margin_ms = settings.vanilla_margin_s * 1000.0
+            first = int(np.searchsorted(arrivals, arrivals[compared[0]] - margin_ms))
+            end = int(np.searchsorted(arrivals, arrivals[compared[-1]] + margin_ms, side="right"))
             with ServerProcess(serve_command(settings, workdir / "vanilla-home-2", "--no-record"),
                                workdir / "vanilla.log", settings.start_timeout_s) as server:
                 job = Job(server.url(f"/v2/models/{name}/infer"), inputs, "label", None, settings.timeout_s,
                           lean=True)
-                vanilla = run_loadgen(job, requests.feeds[:end], workdir, "vanilla", arrivals[end - 1] / 1000.0,
-                                      progress, arrivals[:end], np.zeros(0))
+                window = arrivals[first:end] - arrivals[first]
+                vanilla = run_loadgen(job, requests.feeds[first:end], workdir, "vanilla", window[-1] / 1000.0,
+                                      progress, window, np.zeros(0))
     early_done = cold.wall_origin_s + cold.done_ms[cold.early & cold.ok] / 1000.0
     answered = cold.ok
-    job_p99 = percentiles(cold.latency_ms[during_job])["p99_ms"] if len(during_job) else None
-    vanilla_p99 = None
+    job_p99, vanilla_p99 = (percentiles(cold.latency_ms[compared])["p99_ms"] if len(compared) else None), None
     if vanilla is not None:
-        same = during_job[vanilla.ok[during_job]]
-        vanilla_p99 = percentiles(vanilla.latency_ms[same])["p99_ms"]
+        same = compared[vanilla.ok[compared - first]]
+        vanilla_p99 = percentiles(vanilla.latency_ms[same - first])["p99_ms"]
     report = {
         "settings": {**asdict(settings), "data": str(settings.data), "data_options": None},
         "model": name, "rate_rps": rate, "saturation": saturation, "requests": count,
@@ -201,9 +278,12 @@ def run_cold(settings: ColdSettings, json_out: Path | None, progress: bool = Tru
         if answered.any() else None,
         "early_share": float(cold.early[answered].mean()) if answered.any() else None,
         "phases": phase_figures(cold, correct, phases),
-        "during_training": {"requests": int(len(during_job)), "p99_ms": job_p99, "vanilla_p99_ms": vanilla_p99,
+        "during_training": {"requests": int(len(during_job)), "compared": int(len(compared)), "p99_ms": job_p99,
+                            "vanilla_p99_ms": vanilla_p99,
                             "p99_ratio": None if job_p99 is None or not vanilla_p99 else job_p99 / vanilla_p99,
+                            "all_p99_ms": percentiles(cold.latency_ms[during_job])["p99_ms"],
                             "vanilla_unanswered": None if vanilla is None else int((~vanilla.ok).sum())},
+        "job_paused": None if pauser is None else paused_figures(cold, arrived, during_job, pauser.turns),
     }
     report["goals"] = {
         f"managed within {MANAGED_GOAL_S:.0f} s": report["managed_s"] is not None and
@@ -234,4 +314,10 @@ def cold_table(report: dict) -> Table:
                      f"{report['settings']['worst_window']}: {fmt(report['worst_window_accuracy'], '.4f')}); "
                      f"load average {report['machine_load_average']['before'][0]:.1f} before, "
                      f"{report['machine_load_average']['after'][0]:.1f} after")
+    if (paused := report["job_paused"]) is not None:
+        ratio = paused["turn_p99_ratio"]
+        table.caption += (f"; the job stopped in turns: p99 {fmt(paused['running']['p99_ms'], '.2f')} ms while it ran "
+                          f"against {fmt(paused['stopped']['p99_ms'], '.2f')} ms while stopped, per turn "
+                          + ("-" if ratio is None else f"{ratio['median']:.2f}x ({ratio['min_max'][0]:.2f}-"
+                                                       f"{ratio['min_max'][1]:.2f})"))
     return table

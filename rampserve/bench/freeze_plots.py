@@ -76,7 +76,8 @@ def write_exit_kinds_plots(report: dict, out_dir: Path) -> Path:
         sites_ax.errorbar(x, median, yerr=[median - values.min(axis=1), values.max(axis=1) - median], marker=marker,
                           capsize=2, label=f"{label} at {report['oracle_disagreement']:.0%} disagreement")
     even = [np.nan if row["break_even_share"] is None else row["break_even_share"] for row in rows]
-    sites_ax.plot(x, even, "k--", marker="x", label="share a cache must answer to repay its charge")
+    sites_ax.plot(x, even, "k--", marker="x", label="share a cache must answer to repay its charge (mean)")
+    sites_ax.axhline(0.5, color="grey", lw=1, ls=":", label="more than half must exit before the end to move p50")
     sites_ax.set_xticks(x, [row["site"] for row in rows], rotation=60, ha="right", fontsize=7)
     sites_ax.set(ylabel="share of the stream", ylim=(0, 1.02), title=f"{report['model']}: per site, batch 1")
     sites_ax.legend(fontsize=8)

@@ -8,9 +8,9 @@ would take tens of thousands of queries to lift it back. So both policies keep a
 weight falls below `Forgetting.floor`, so Exp3 still asks a dropped model now and then) and let old evidence
 fade by a change detector: each model's observed losses are followed by a fast and a slow moving average, and a
 model whose recent losses lie far below its long-run ones while the policy holds it below an equal share has
-recovered from a failure and starts again at an equal share, as a model linked anew does. Fixed-share mixing
-(`Forgetting.share`) is the other mechanism `bench selection` measured; see docs/selection.md for why the
-detector is the default.
+recovered from a failure and starts again at an equal share, as a model linked anew does. Exp4 also mixes in a
+little fixed share (`Forgetting.share`), the other mechanism `bench selection` measured; docs/selection.md says
+why each policy has the defaults it has.
 """
 
 from __future__ import annotations
@@ -57,6 +57,11 @@ class Forgetting:
 # Exponential weights as Clipper describes them, with only the numerical floor: what `bench selection` compares
 # against.
 REMEMBER_ALL = Forgetting(floor=MIN_WEIGHT, share=0.0, detect=False)
+# The defaults, chosen on `bench selection` (docs/selection.md). Exp3 answers with the one model it draws, so
+# any weight fixed share hands to a poor or broken model is error; Exp4 votes, where a little weight on every
+# model costs almost nothing and keeps it from leaning on one model so hard that its failure carries the vote.
+EXP3_FORGETTING = Forgetting()
+EXP4_FORGETTING = Forgetting(share=0.001)
 
 
 @dataclass
@@ -161,7 +166,7 @@ def exp3_choose(state: SelectionState, uniform: float) -> int:
 
 
 def exp3_update(state: SelectionState, chosen: int, loss: float, eta: float,
-                forgetting: Forgetting = Forgetting()) -> SelectionState:
+                forgetting: Forgetting = EXP3_FORGETTING) -> SelectionState:
     """s_i <- s_i * exp(-eta * loss / p_i) for the chosen model only (the others were not observed)."""
     if not 0.0 <= loss <= 1.0:
         raise ValueError(f"loss must lie in [0, 1], got {loss}")
@@ -190,7 +195,7 @@ def exp4_combine(state: SelectionState, predictions: np.ndarray, num_classes: in
 
 
 def exp4_update(state: SelectionState, losses: np.ndarray, eta: float,
-                forgetting: Forgetting = Forgetting()) -> SelectionState:
+                forgetting: Forgetting = EXP4_FORGETTING) -> SelectionState:
     """s_i <- s_i * exp(-eta * L_i) for every model whose loss is known (NaN: it did not answer)."""
     losses = np.asarray(losses, dtype=np.float64)
     known = ~np.isnan(losses)

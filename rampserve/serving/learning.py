@@ -48,9 +48,10 @@ from rampserve.serving.metrics import ServerMetrics
 from rampserve.serving.models import read_served
 from rampserve.serving.process_worker import make_worker
 from rampserve.serving.protocol import TensorSpec
+from rampserve.serving.repository.predictors import (
+    Prediction, PredictRequest, Predictor, WorkerPredictor, onnx_predictor,
+)
 from rampserve.serving.settings import DEFAULT_RECORD
-from rampserve.serving.repository.predictors import Prediction, PredictRequest, Predictor, WorkerPredictor, \
-    onnx_predictor
 
 if TYPE_CHECKING:
     from rampserve.serving.repository.catalogue import Catalogue
@@ -156,7 +157,7 @@ def unprepared_model(ref: str) -> UnpreparedModel | None:
     else:
         return None
     digest = hashlib.sha256(source.encode()).hexdigest()[:12]  # two models of one name keep apart
-    name = located.stem
+    name = located.name if ref.startswith("hf:") else located.stem
     return UnpreparedModel(name, source, ModelFolder(home() / "learning" / f"{name}-{digest}"))
 
 
@@ -297,7 +298,9 @@ def vanilla_predictor(model: UnpreparedModel) -> Predictor:
         return onnx_predictor(model.name, Path(model.source))
     from rampserve.runtime.sources import ModelSource, onnx_file  # imports torch, which an ONNX model never needs
 
-    return onnx_predictor(model.name, onnx_file(ModelSource.parse(model.source), model.folder.exported))
+    source = ModelSource.parse(model.source)
+    model.folder.path.mkdir(parents=True, exist_ok=True)
+    return onnx_predictor(model.name, onnx_file(source, model.folder.exported))
 
 
 class Learner:
@@ -465,13 +468,13 @@ def open_unprepared(model: UnpreparedModel, settings: LearningSettings, model_se
     """What serves a model given unprepared, and its learner, from what its folder holds: the bundle where one was
     prepared; else the whole model, recording until its recording is full, then (trained again, or failed)."""
     folder = model.folder
-    folder.path.mkdir(parents=True, exist_ok=True)
     if folder.prepared():
         return bundle_predictor(model, model_settings, metrics), Learner(model, settings, model_settings, metrics,
                                                                           CERTIFYING)
     vanilla = vanilla_predictor(model)
     if not settings.recording or model_settings.vanilla:
         return vanilla, Learner(model, settings, model_settings, metrics, VANILLA)
+    folder.path.mkdir(parents=True, exist_ok=True)
     recorder = RequestRecorder(folder.recording, settings.record, vanilla.inputs)
     if not recorder.full:
         return RecordingPredictor(vanilla, recorder), Learner(model, settings, model_settings, metrics, RECORDING,
