@@ -30,7 +30,7 @@ console = Console(width=None if sys.stdout.isatty() else 132)
 DEFAULT_MODEL = "resnet18-fmnist"
 # The demo serves the zoo model where exits pay on a CPU and that a fresh machine prepares in minutes: on ONNX Runtime
 # resnet18-fmnist takes 0.2 ms and no ramp fits the budget, lite0-fmnist's ramps on frozen ImageNet features do not
-# move its median (README, issue 30)
+# move its median (docs/journal, issue 30)
 DEMO_MODEL = "minilm-rt"
 LOAD_HELP = ("the replay's rate as a share of vanilla's measured closed-loop saturation: what `bench sim` calls load "
              "(--rate overrides)")

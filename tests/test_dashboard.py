@@ -31,7 +31,7 @@ from rampserve.serving.contract import ModelSettings
 MODEL = "resnet18-small"
 APP = "watched"
 CHROMIUM, CHROMEDRIVER = Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver")
-# The README shows this test's screenshot: `RAMPSERVE_DASHBOARD_PNG=docs/dashboard.png bash scripts/test.sh
+# docs/dashboard.md shows this test's screenshot: `RAMPSERVE_DASHBOARD_PNG=docs/dashboard.png bash scripts/test.sh
 # tests/test_dashboard.py` refreshes it; otherwise it goes to the test's temporary folder, leaving the tree clean.
 SCREENSHOT_ENV = "RAMPSERVE_DASHBOARD_PNG"
 CHARTS = ("load", "latency", "queue", "exits", "thresholds", "accuracy")

@@ -86,7 +86,7 @@ class ModelSettings:
     # the executor yields). "idle-pools": ONNX Runtime's pool threads alone, so that the thread that runs the batch
     # keeps its core; "idle": every thread of the process (the compile worker too); "normal": none. "idle" sent
     # released answers out sooner still but cost a fifth of the saturation throughput of both vanilla and managed
-    # servers with a bench's clients on the same cores, which "idle-pools" did not (README, bench live).
+    # servers with a bench's clients on the same cores, which "idle-pools" did not (docs/journal, bench live).
     executor_policy: str = "idle-pools"
     controller: ControllerSettings = field(default_factory=ControllerSettings)
 
