@@ -219,7 +219,7 @@ async def fire_through_adoption(url: str, pixels: np.ndarray, clients: int = 4) 
     return answers, next(counter)
 
 
-def test_a_server_killed_while_recording_or_training_resumes_from_its_folder(tmp_path, digits):
+def test_a_server_stopped_or_killed_while_recording_or_training_resumes_from_its_folder(tmp_path, digits):
     _, pixels, own = digits
     model = tmp_path / "elsewhere" / "digits.onnx"  # an ONNX file: its state goes to RAMPSERVE_HOME/learning
     model.parent.mkdir()
@@ -233,21 +233,29 @@ def test_a_server_killed_while_recording_or_training_resumes_from_its_folder(tmp
     with server(model, *options) as (url, process):
         resumed = learning(url)
         send(url, pixels, range(250, RECORD))  # 250-299 were recorded before the kill
-        training = wait_for_phase(url, "training", "profiling")
-        job = training["job"]
+        stopped_job = wait_for_phase(url, "training", "profiling")["job"]
+    # ... stopped mid-training as a server is told to stop (SIGTERM, at the end of the block): its job stops
+    wait_for(lambda: not Path(f"/proc/{stopped_job}").exists(), "the stopped server's training job to end")
+    untouched = not (folder / "bundle").exists() and not (folder / "failed.json").exists()
+    with server(model, *options) as (url, process):
+        after_stop = learning(url)
+        killed_job = wait_for_phase(url, "training", "profiling")["job"]
         process.kill()  # mid-training: its job dies with it
         process.wait()
-    wait_for(lambda: not Path(f"/proc/{job}").exists(), "the training job to end with its server")
-    assert not (folder / "bundle").exists()
+    wait_for(lambda: not Path(f"/proc/{killed_job}").exists(), "the killed server's training job to end")
+    untouched_again = not (folder / "bundle").exists() and not (folder / "failed.json").exists()
     with server(model, *options) as (url, process):
-        restarted = learning(url)
+        after_kill = learning(url)
         send(url, pixels, range(3))
         wait_for(lambda: learning(url)["bundle"] is not None, "the bundle to be adopted", DEADLINE_S)
         adopted = learning(url)
         answer = send(url, pixels, range(5, 6))[0]
     assert resumed["phase"] == "recording" and resumed["recorded"] == 300
-    assert restarted["phase"] == "training" and restarted["recorded"] == RECORD
+    assert untouched and untouched_again  # an interrupted training is no failure, and leaves no bundle
+    for restarted in (after_stop, after_kill):
+        assert restarted["phase"] == "training" and restarted["recorded"] == RECORD, restarted
     assert adopted["phases"][0]["phase"] == "training" and adopted["phase"] in ("certifying", "managed")
+    assert adopted["job_cpu_s"] > 0  # what the job took, as the kernel counted it
     assert "exit_site" in answer["parameters"]  # the bundle's
     assert answer["parameters"]["early"] or label(answer) == own[5]
     assert len((folder / "recording.jsonl").read_bytes().splitlines()) == RECORD

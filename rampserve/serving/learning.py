@@ -27,7 +27,9 @@ import asyncio
 import contextlib
 import hashlib
 import logging
+import os
 import re
+import signal
 import subprocess
 import threading
 import time
@@ -287,6 +289,25 @@ def training_command(model: UnpreparedModel, prepare_args: tuple[str, ...]) -> l
                                          str(folder.bundle), *prepare_args])
 
 
+def reap(job: subprocess.Popen) -> tuple[int, float]:
+    """Wait for the job to end: its exit status, and the CPU seconds it took (all its threads', user and system, as
+    the kernel counts them: a figure the machine's other work does not change, unlike its wall-clock time)."""
+    _, status, usage = os.wait4(job.pid, 0)
+    job.returncode = os.waitstatus_to_exitcode(status)
+    return job.returncode, usage.ru_utime + usage.ru_stime
+
+
+async def end_job(job: subprocess.Popen, reaped: asyncio.Future) -> None:
+    """Ask the job to stop (SIGTERM), and kill it if it has not within STOP_WAIT_S; `reaped` is its `reap`. Signalled by
+    pid, never through `job` (whose poll would race the thread that reaps it: the pid is the job's until reaped)."""
+    os.kill(job.pid, signal.SIGTERM)
+    try:
+        await asyncio.wait_for(asyncio.shield(reaped), STOP_WAIT_S)
+    except TimeoutError:
+        os.kill(job.pid, signal.SIGKILL)
+        await reaped
+
+
 def bundle_predictor(model: UnpreparedModel, settings: ModelSettings, metrics: ServerMetrics) -> Predictor:
     """The model's prepared bundle, served with early exits."""
     return WorkerPredictor(make_worker(read_served(model.folder.bundle, model.name), settings, metrics))
@@ -317,6 +338,7 @@ class Learner:
         self.history: list[dict] = [{"phase": phase, "at": time.time()}]
         self.adopted = phase in (CERTIFYING, MANAGED)
         self._job: subprocess.Popen | None = None
+        self.job_cpu_s: float | None = None
         self._output: deque[str] = deque(maxlen=FAILURE_LINES)
         self._task: asyncio.Task | None = None
         for each in PHASES:
@@ -381,9 +403,15 @@ class Learner:
             reader = threading.Thread(target=self._read_job, args=(job, log_file, asyncio.get_running_loop()),
                                       name=f"training {self.name}", daemon=True)
             reader.start()
-            code = await asyncio.to_thread(job.wait)
-            await asyncio.to_thread(reader.join)
-        self._job = None
+            reaped = asyncio.ensure_future(asyncio.to_thread(reap, job))
+            try:
+                code, self.job_cpu_s = await asyncio.shield(reaped)
+            except asyncio.CancelledError:  # the server stops: so does the job, which the next server starts again
+                await end_job(job, reaped)
+                raise
+            finally:
+                self._job = None
+                await asyncio.to_thread(reader.join)
         if code == 0 and folder.prepared():
             return True
         self._fail(failure_reason(list(self._output))
@@ -436,14 +464,7 @@ class Learner:
             await asyncio.sleep(CERTIFICATION_POLL_S)
 
     async def stop(self) -> None:
-        """Stop the training job (the next server starts it again) and the phases' task."""
-        job = self._job
-        if job is not None and job.poll() is None:
-            job.terminate()
-            try:
-                await asyncio.to_thread(job.wait, STOP_WAIT_S)
-            except subprocess.TimeoutExpired:
-                job.kill()
+        """Stop the phases' task, and with it the training job (the next server starts it again)."""
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -456,6 +477,7 @@ class Learner:
         job = self._job
         return {"phase": self.phase, "detail": self.detail, "reason": self.reason,
                 "job": None if job is None else job.pid,  # the training job's process
+                "job_cpu_s": self.job_cpu_s,  # the CPU its last run took, every thread's (user and system)
                 "recorded": None if recorder is None else recorder.count,
                 "record_target": None if recorder is None else recorder.target,
                 "source": self.model.source, "folder": str(self.model.folder.path),
