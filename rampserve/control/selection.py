@@ -130,9 +130,14 @@ def _normalised(weights: np.ndarray, floor: float) -> np.ndarray:
         raise ValueError(f"a floor of {floor} leaves nothing to learn over {len(weights)} models")
     weights = weights / weights.sum()
     low = weights < floor
-    if low.any():
-        weights[~low] *= (1.0 - floor * low.sum()) / weights[~low].sum()
-        weights[low] = floor
+    # Giving the floored models their mass can push another model under the floor: repeat until none is.
+    while low.any():
+        kept = weights[~low] * (1.0 - floor * low.sum()) / weights[~low].sum()
+        if (kept >= floor).all():
+            weights[~low] = kept
+            weights[low] = floor
+            break
+        low[np.flatnonzero(~low)[kept < floor]] = True
     return weights
 
 
