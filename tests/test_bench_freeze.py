@@ -18,7 +18,9 @@ MANAGED = ("managed", "managed_online", "managed_thresholds_only", "managed_defa
 
 def test_every_freeze_system_reports_saturation_and_windows_below_the_target(cache_bundle, monkeypatch):
     monkeypatch.setattr(freeze, "cache_bundle", lambda *_args, **_kwargs: cache_bundle)
-    settings = FreezeSettings(models=("resnet18-fmnist",), requests=2500, small=True,
+    # A coarse saturation search (each step doubles or halves the rate): the test checks what is reported, and
+    # each step is a whole replay
+    settings = FreezeSettings(models=("resnet18-fmnist",), requests=2000, small=True, saturation_tolerance=1.0,
                               controller=ControllerSettings(ramp_budget=0.1))
     report = freeze_model("resnet18-fmnist", settings).report
     json.dumps(report)  # JSON-ready
@@ -26,7 +28,7 @@ def test_every_freeze_system_reports_saturation_and_windows_below_the_target(cac
     assert set(systems) == {"static", "static_online", *MANAGED, "vanilla"}
     capacity = report["saturation"]["capacity_rps"]
     for name, s in systems.items():
-        # 2 full windows of 1,000 requests (the partial one left out): 0, 1/2 or 1
+        # 2 windows of 1,000 requests: 0, 1/2 or 1
         assert s["windows_below_share"] in (0.0, 0.5, 1.0), name
         assert 0.0 <= s["saturation_rps"] <= SATURATION_HIGH * capacity, name
         assert ("exit_mode" in s) == (name in MANAGED), name

@@ -192,7 +192,7 @@ def measure_profile(model, sample_feeds: Callable[[int], dict[str, np.ndarray]],
         full_ms=tuple(full),
         segment_ms={k: tuple(v) for k, v in segment.items()},
         ramp_ms={k: tuple(v) for k, v in ramp.items()},
-        **_length_times(model, whole, sample_feeds, batch_sizes),
+        **_length_times(model, whole, sample_feeds, batch_sizes, repeats, budget_s),
     )
 
 
@@ -207,15 +207,17 @@ def at_length(feeds: dict[str, np.ndarray], length: int) -> dict[str, np.ndarray
 
 
 def _length_times(model, whole: object, sample_feeds: Callable[[int], dict[str, np.ndarray]],
-                  batch_sizes: tuple[int, ...]) -> dict[str, tuple]:
+                  batch_sizes: tuple[int, ...], repeats: int, budget_s: float) -> dict[str, tuple]:
     """`LatencyProfile`'s lengths, length_ms and batch_lengths for a model whose inputs come in any length (a text
     model's: minilm-rt took 2.3 ms at 13 positions and 4.4 at 42 at batch 1), else nothing: the whole model on its
-    first profiling input cut or repeated to each length, interleaved."""
+    first profiling input cut or repeated to each length, interleaved, over `LENGTH_ROUNDS` rounds or as many as
+    `budget_s` allows (at least `repeats`)."""
     signature = model.signature
     if signature is None or signature.max_variable_dim is None:
         return {}
     one = sample_feeds(1)
     runs: dict[str, Callable[[], object]] = {}
+    round_ms = 0.0
     with torch.inference_mode():
         for n in (n for n in PROFILED_LENGTHS if n <= signature.max_variable_dim):
             run = serving_path(model, (), whole, at_length(one, n))
@@ -224,9 +226,11 @@ def _length_times(model, whole: object, sample_feeds: Callable[[int], dict[str, 
             except Exception:  # more positions than the model has embeddings for: its encoder never sends as many
                 break
             runs[str(n)] = run
+            round_ms += BLOCK * _timed(run)[1]  # the first run warms the path up
         if not runs:
             return {}
-        samples = interleaved_samples(runs, LENGTH_ROUNDS, block=BLOCK, progress=False)
+        rounds = int(np.clip(budget_s * 1000.0 / max(round_ms, 1e-3), repeats, LENGTH_ROUNDS))
+        samples = interleaved_samples(runs, rounds, block=BLOCK, progress=False)
     lengths = tuple(int(n) for n in runs)
     return {"lengths": lengths, "length_ms": tuple(float(np.median(samples[str(n)])) for n in lengths),
             "batch_lengths": tuple(int(next(iter(sample_feeds(b).values())).shape[1]) for b in batch_sizes)}
