@@ -157,7 +157,8 @@ def test_cli_prepares_a_user_factory_with_a_site_policy(tmp_path) -> None:
     out = tmp_path / "bundle"
     result = CliRunner().invoke(app, [
         "prepare", "model_factories:tiny_resnet", "--workload", "fmnist-drift", "--bootstrap", "300",
-        "--site-policy", "model_factories:every_other_cut", "--engine", "torch", "--out", str(out)])
+        "--site-policy", "model_factories:every_other_cut", "--engine", "torch", "--profile-budget", "0.05",
+        "--out", str(out)])
     assert result.exit_code == 0, result.output
     expected = [c.value for c in cut_values(TorchSplitModel(resnet_factory()).dataflow)][::2]
     assert [s["name"] for s in read_manifest(out)["sites"]] == expected

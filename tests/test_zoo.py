@@ -229,6 +229,7 @@ def test_the_vision_flagship_fine_tunes_the_pretrained_lite0() -> None:
     from rampserve.zoo.efficientnet_lite import build_efficientnet_lite0
 
     entry = get_entry("lite0-fmnist", small=True)
+    metrics = entry.train()  # first: what follows loads the model it trained, not one trained again
     images, _ = load_fashion_mnist("test")
     feeds = entry.encode(images[:3])
     np.testing.assert_array_equal(feeds["image"], images[:3])  # a request carries the 784-byte image
@@ -242,7 +243,6 @@ def test_the_vision_flagship_fine_tunes_the_pretrained_lite0() -> None:
     assert np.array_equal(encoded["image"], feeds["image"])
     with pytest.raises(ValueError, match="takes image inputs"):
         model_encoder(ModelSource("zoo", "lite0-fmnist", small=True), "text")
-    metrics = entry.train()
     trained, pretrained = load_trained("lite0-fmnist", small=True).state_dict(), build_efficientnet_lite0().state_dict()
     assert trained.keys() == pretrained.keys()
     body = [k for k in trained if not k.startswith("_fc.") and trained[k].is_floating_point()]
