@@ -30,7 +30,7 @@ def softmax_outputs(name: str, images: np.ndarray, batch: int = 500) -> np.ndarr
     with torch.inference_mode():
         for start in tqdm(range(0, len(images), batch), desc=name, unit="batch"):
             feeds = entry.encode(images[start:start + batch])
-            out.append(torch.softmax(model(*(torch.from_numpy(np.ascontiguousarray(v)) for v in feeds.values())),
+            out.append(torch.softmax(model(*(torch.from_numpy(np.array(v)) for v in feeds.values())),
                                      -1).numpy())
     return np.concatenate(out)
 
