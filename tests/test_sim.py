@@ -132,7 +132,7 @@ def test_a_new_configuration_applies_only_after_the_controller_would_have_comput
 
 def small_sim_settings(bundle) -> SimSettings:
     return SimSettings(model="resnet18-fmnist", workload="fmnist-drift", trace="poisson", length=3000,
-                       bundle=bundle, risk_step_sweep=(0.05, 0.2), saturation_requests=1000,
+                       bundle=bundle, risk_step_sweep=(0.05, 0.2), saturation_requests=500,
                        controller=ControllerSettings(ramp_budget=0.1))
 
 
