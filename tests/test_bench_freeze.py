@@ -20,7 +20,7 @@ def test_every_freeze_system_reports_saturation_and_windows_below_the_target(cac
     monkeypatch.setattr(freeze, "cache_bundle", lambda *_args, **_kwargs: cache_bundle)
     # A coarse saturation search (each step doubles or halves the rate): the test checks what is reported, and
     # each step is a whole replay
-    settings = FreezeSettings(models=("resnet18-fmnist",), requests=2000, small=True, saturation_tolerance=1.0,
+    settings = FreezeSettings(models=("resnet18-fmnist",), requests=1000, small=True, saturation_tolerance=1.0,
                               controller=ControllerSettings(ramp_budget=0.1))
     report = freeze_model("resnet18-fmnist", settings).report
     json.dumps(report)  # JSON-ready
@@ -28,8 +28,8 @@ def test_every_freeze_system_reports_saturation_and_windows_below_the_target(cac
     assert set(systems) == {"static", "static_online", *MANAGED, "vanilla"}
     capacity = report["saturation"]["capacity_rps"]
     for name, s in systems.items():
-        # 2 windows of 1,000 requests: 0, 1/2 or 1
-        assert s["windows_below_share"] in (0.0, 0.5, 1.0), name
+        # one window of 1,000 requests: below the target or not
+        assert s["windows_below_share"] in (0.0, 1.0), name
         assert 0.0 <= s["saturation_rps"] <= SATURATION_HIGH * capacity, name
         assert ("exit_mode" in s) == (name in MANAGED), name
     assert systems["vanilla"]["windows_below_share"] == 0.0  # the original model agrees with itself

@@ -65,8 +65,7 @@ def test_mpnet_small_trains_its_head_only(fresh_home: Path) -> None:
     assert (artifact_dir("mpnet-rt-small") / "model.safetensors").is_file()
 
 
-def test_mpnet_small_prepares_with_padding_invariant_ramps_and_stages_exactly(fresh_home: Path,
-                                                                            small_prepare_config) -> None:
+def test_mpnet_small_prepares_with_padding_invariant_ramps_and_stages_exactly(small_prepare_config) -> None:
     from rampserve.runtime.prepare import prepare
     from rampserve.runtime.sources import ModelSource
     from rampserve.workloads.streams import get_stream
