@@ -13,35 +13,24 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import torch
+from scipy.special import softmax
 from sklearn.linear_model import LogisticRegression
 from sklearn.model_selection import cross_val_predict
-from tqdm import tqdm
 
+from rampserve.bench.selection import cnn_logits
 from rampserve.workloads.fashion_mnist import load_fashion_mnist
-from rampserve.zoo import get_entry, load_trained
 
 DEFAULT_MODELS = ("vgg11-fmnist", "resnet18-fmnist", "resnet50-fmnist")
 
 
-def softmax_outputs(name: str, images: np.ndarray, batch: int = 500) -> np.ndarray:
-    model, entry = load_trained(name).eval(), get_entry(name)
-    out = []
-    with torch.inference_mode():
-        for start in tqdm(range(0, len(images), batch), desc=name, unit="batch"):
-            feeds = entry.encode(images[start:start + batch])
-            out.append(torch.softmax(model(*(torch.from_numpy(np.array(v)) for v in feeds.values())),
-                                     -1).numpy())
-    return np.concatenate(out)
-
-
 def main(out: Path, models: tuple[str, ...]) -> None:
     images, labels = load_fashion_mnist("test")
-    probabilities = np.stack([softmax_outputs(name, images) for name in models])
+    probabilities = np.stack([softmax(cnn_logits(name, images, 500), axis=1) for name in models])
     labels_by_model = probabilities.argmax(axis=2)
-    votes = np.stack([(labels_by_model == k).sum(axis=0) for k in range(probabilities.shape[2])], axis=1)
-    # Ties in the vote go to the label with the higher summed probability, as the deciders break them
-    majority = (votes + probabilities.sum(axis=0) / (len(models) + 1)).argmax(axis=1)
+    backed = labels_by_model[..., None] == np.arange(probabilities.shape[2])  # (models, queries, labels)
+    # Ties in the vote go to the label whose backers' confidences sum higher, as the learned decider breaks them
+    # (a sum of confidences stays below 1 vote: fewer than len(models) + 1 of them, each at most 1)
+    majority = (backed.sum(axis=0) + (backed * probabilities).sum(axis=0) / (len(models) + 1)).argmax(axis=1)
     stacked = cross_val_predict(LogisticRegression(max_iter=2000),
                                 np.log(np.concatenate(probabilities, axis=1) + 1e-9), labels, cv=5)
     report = {

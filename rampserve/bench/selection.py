@@ -382,21 +382,25 @@ def build_report(models: dict[str, str], results: list[Replay], settings: Select
 # torch, the zoo (which imports transformers) and scikit-learn are imported where they are used, so the pure
 # replay above stays quick to import for tests.
 
-def cnn_predictions(name: str, images: np.ndarray, batch_size: int) -> np.ndarray:
-    """The zoo model's top label for each uint8 image (N, 28, 28)."""
+def cnn_logits(name: str, images: np.ndarray, batch_size: int) -> np.ndarray:
+    """The zoo model's logits (N, classes) for each uint8 image (N, 28, 28)."""
     import torch
 
     from rampserve.zoo.registry import get_entry, load_trained
 
     entry, model = get_entry(name), load_trained(name)
-    labels = np.empty(len(images), dtype=np.int64)
+    batches = []
     with torch.no_grad(), tqdm(total=len(images), desc=name, unit="image") as bar:
         for first in range(0, len(images), batch_size):
             feeds = entry.encode(images[first:first + batch_size])
-            logits = model(*(torch.from_numpy(feeds[key]) for key in entry.input_names))
-            labels[first:first + len(logits)] = logits.argmax(dim=1).numpy()
-            bar.update(len(logits))
-    return labels
+            batches.append(model(*(torch.from_numpy(feeds[key]) for key in entry.input_names)).numpy())
+            bar.update(len(batches[-1]))
+    return np.concatenate(batches)
+
+
+def cnn_predictions(name: str, images: np.ndarray, batch_size: int) -> np.ndarray:
+    """The zoo model's top label for each uint8 image (N, 28, 28)."""
+    return cnn_logits(name, images, batch_size).argmax(axis=1).astype(np.int64)
 
 
 def sklearn_estimator(name: str) -> BaseEstimator:
