@@ -17,6 +17,7 @@ from rich.console import Console
 from rich.table import Table
 
 from rampserve.bench.load import DEFAULT_LOAD
+from rampserve.control.relearning import RelearnRule
 from rampserve.serving.settings import DEFAULT_RECORD, ENV_PREFIX, ModelOptions, ServeOptions
 
 app = typer.Typer(help="rampserve: serve models with managed early exits.", no_args_is_help=True)
@@ -375,6 +376,12 @@ def serve(
     prepare_arg: Annotated[Optional[list[str]], typer.Option(
         help="a model not prepared yet: an option for the `rampserve prepare` that trains its ramps (repeatable, "
              "e.g. --prepare-arg=--ramp-kind --prepare-arg=mlp)")] = None,
+    no_relearn: Annotated[bool, typer.Option(
+        "--no-relearn", help="a model not prepared yet: keep its first ramps, never train them again when its "
+                             "exits stop paying")] = False,
+    relearn_window: Annotated[int, typer.Option(
+        help="a model not prepared yet: answers per window of the early-answer share that tells when its exits "
+             "stopped paying (below half the level held, three windows running)")] = RelearnRule.window,
     *,
     flags: dict[str, object],
 ) -> None:
@@ -386,7 +393,8 @@ def serve(
     from rampserve.serving.server import serve as run_server
 
     try:
-        learning = LearningSettings(record=record, recording=not no_record, prepare_args=tuple(prepare_arg or ()))
+        learning = LearningSettings(record=record, recording=not no_record, prepare_args=tuple(prepare_arg or ()),
+                                    relearn=None if no_relearn else RelearnRule(window=relearn_window))
         options = ServeOptions.read(flags)
         model_settings, settings = options.model_settings(), options.server_settings()
         specs = [spec for path in apps or () for spec in read_applications(path)]
@@ -830,6 +838,9 @@ def bench_live(
                             "time to the first exit and to managed mode, latency by phase, against vanilla while the "
                             "training job runs")] = False,
     record: Annotated[int, typer.Option(help="from cold: the server's --record")] = DEFAULT_RECORD,
+    change_at: Annotated[Optional[int], typer.Option(
+        help="from cold: the row of --data where the stream changes; reports the exits before it against after the "
+             "ramps were trained again")] = None,
     pause_job_every: Annotated[Optional[float], typer.Option(
         help="from cold: stop the training job and let it go on in turns of this many seconds, to time requests "
              "with and without it on the same server, interleaved (the job takes twice as long)")] = None,
@@ -876,7 +887,7 @@ def bench_live(
     if from_cold:
         _bench_from_cold(model, data, data_options(**data_flags), record, load, rate, trace, duration, json_out,
                          ("--ramp-budget", str(ramp_budget), "--accuracy-constraint", str(accuracy_constraint),
-                          *(server_arg or ())), pause_job_every)
+                          *(server_arg or ())), pause_job_every, change_at)
         return
     try:
         if load is not None and loads is not None:
@@ -905,7 +916,7 @@ def bench_live(
 
 def _bench_from_cold(model: str, data: Path | None, options: object, record: int, load: float | None,
                      rate: float | None, trace: str, duration: float | None, json_out: Path | None,
-                     server_args: tuple[str, ...], pause_job_every: float | None) -> None:
+                     server_args: tuple[str, ...], pause_job_every: float | None, change_at: int | None) -> None:
     """`bench live --from-cold` (`bench.cold`)."""
     from rampserve.bench.cold import ColdSettings, cold_table, run_cold
 
@@ -914,7 +925,7 @@ def _bench_from_cold(model: str, data: Path | None, options: object, record: int
             raise ValueError("--from-cold replays your own inputs: give them with --data")
         settings = ColdSettings(model=model, data=data, data_options=options, record=record,
                                 load=DEFAULT_LOAD if load is None else load, rate_rps=rate, trace=trace,
-                                server_args=server_args, pause_job_every_s=pause_job_every,
+                                server_args=server_args, pause_job_every_s=pause_job_every, change_at=change_at,
                                 **({} if duration is None else {"duration_s": duration}))
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc

@@ -119,13 +119,17 @@ def test_which_models_are_served_unprepared_and_where_they_keep_their_state(tmp_
 
 
 def test_a_request_is_set_in_the_phase_the_server_was_in_when_it_arrived() -> None:
-    from rampserve.bench.cold import phase_of
+    """Phases a relearning goes through again are told from the first ones."""
+    from rampserve.bench.cold import phase_labels, phase_of
 
     history = [{"phase": "recording", "at": 100.0}, {"phase": "training", "at": 130.5},
-               {"phase": "certifying", "at": 190.0}, {"phase": "managed", "at": 250.0}]
-    arrived = np.array([99.0, 100.0, 130.4, 130.5, 189.99, 190.0, 400.0])
-    assert phase_of(arrived, history).tolist() == ["recording", "recording", "recording", "training", "training",
-                                                   "certifying", "managed"]
+               {"phase": "certifying", "at": 190.0}, {"phase": "managed", "at": 250.0},
+               {"phase": "recording", "at": 500.0}, {"phase": "training", "at": 520.0},
+               {"phase": "managed", "at": 600.0}]
+    arrived = np.array([99.0, 100.0, 130.4, 130.5, 189.99, 190.0, 400.0, 510.0, 700.0])
+    assert np.array(phase_labels(history))[phase_of(arrived, history)].tolist() == [
+        "recording", "recording", "recording", "training", "training", "certifying", "managed",
+        "recording, relearning", "managed, relearning"]
 
 
 def test_requests_with_the_training_job_stopped_are_told_from_those_with_it_running() -> None:
@@ -145,3 +149,37 @@ def test_requests_with_the_training_job_stopped_are_told_from_those_with_it_runn
     assert figures["stopped"]["p99_ms"] == 1.0 and figures["running"]["p50_ms"] == 3.0
     ratios = figures["turn_p99_ratio"]
     assert ratios["min_max"][0] == 3.0 and ratios["min_max"][1] > 3.0  # two pairs: (0-9, 10-19), (20-29, 30-39)
+
+
+def test_exits_before_a_change_are_set_against_those_after_the_relearning_on_the_same_requests_as_vanilla() -> None:
+    """`bench live --from-cold --change-at`: the last seconds of the first managed spell before the change against
+    the last of the relearned generation's, each side's p50 saving taken on vanilla's replay of its own requests."""
+    from rampserve.bench.cold import ColdSettings, change_figures, change_sides, phase_of
+    from rampserve.bench.loadgen import LoadResult
+
+    settings = ColdSettings(model="hf:checkpoint", data=Path("texts.jsonl"), change_at=60, compare_s=10.0)
+    arrived = np.arange(100.0)  # one request a second, row i at second i
+    history = [{"phase": "recording", "at": 0.0}, {"phase": "managed", "at": 20.0},
+               {"phase": "recording", "at": 65.0}, {"phase": "managed", "at": 80.0}]
+    occurrences = phase_of(arrived, history)
+    sides = change_sides(settings, arrived * 1000, occurrences, history)
+    assert sides["before"].tolist() == list(range(49, 60)) and sides["after"].tolist() == list(range(89, 100))
+    early = (arrived % 2 == 0) & (((arrived >= 20) & (arrived < 60)) | (arrived >= 80))
+    early[89:100] &= arrived[89:100] % 4 == 0  # after: 2 of its 11 where 5 of 11 exited before
+    latency = np.where(early, 1.0, 5.0)
+    ones = np.ones(100)
+
+    def result(latency_ms: np.ndarray, early_rows: np.ndarray) -> LoadResult:
+        n = len(latency_ms)
+        scheduled = np.arange(n) * 1000.0
+        return LoadResult(scheduled, scheduled, scheduled + latency_ms, np.full(n, 200), np.zeros(n, int),
+                          early_rows, np.zeros(n, int), (), {}, None, None)
+
+    spans = [(49, 60), (89, 100)]
+    replays = [result(np.full(11, 6.0), np.zeros(11, bool)), result(np.full(11, 6.0), np.zeros(11, bool))]
+    learning = {"drifts": [{"at": 70.0}], "phases": history}
+    figures = change_figures(settings, result(latency, early), ones.astype(bool), sides, replays, spans, learning, 0.0)
+    assert figures["before"]["early_share"] == 5 / 11 and figures["after"]["early_share"] == 2 / 11
+    assert figures["before"]["vanilla_p50_ms"] == 6.0 and figures["before"]["p50_saving_ms"] == 1.0
+    assert figures["early_share_recovered"] == 2 / 5 and figures["p50_saving_recovered"] == 1.0
+    assert figures["drift_detected_s"] == 70.0 and figures["relearned_managed_s"] == 80.0

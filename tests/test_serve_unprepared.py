@@ -34,6 +34,7 @@ MODEL = "digits"
 QUICK = ("--prepare-arg=--engine", "--prepare-arg=onnxruntime-1thread", "--prepare-arg=--profile-budget",
          "--prepare-arg=0.05", "--ramp-budget", "0.2", "--search-every", "512")
 RECORD = 600  # `prepare --data` asks for 500 distinct inputs at least
+RELEARN_WINDOW = 100  # answers per window of the watch on the exits' pay: a test's stream is short
 DEADLINE_S = 600.0  # the longest a phase may take to come on this shared machine before the test fails
 
 
@@ -146,46 +147,68 @@ def metrics(url: str) -> str:
         return response.read().decode()
 
 
-def test_an_unprepared_model_answers_at_once_and_is_managed_with_every_request_answered_once(tmp_path, digits):
+def test_an_unprepared_model_answers_at_once_is_managed_and_relearns_when_its_stream_changes(tmp_path, digits):
+    """Every request answered once throughout: vanilla while recording, across the adoption of its first ramps
+    (trained on digits the model calls 0-4, the only ones sent at first), and across the relearning that follows
+    when the stream turns to digits it calls 5-9, on which those ramps cannot answer."""
     _, pixels, own = digits
+    before, after = pixels[own < 5], pixels[own >= 5]
+    own_before, own_after = own[own < 5], own[own >= 5]
     folder = model_folder(tmp_path, digits)
     record = RECORD
-    with server(folder, "--record", str(record), *QUICK) as (url, _):
-        first = send(url, pixels, range(1))[0]
+    with server(folder, "--record", str(record), "--relearn-window", str(RELEARN_WINDOW), *QUICK) as (url, _):
+        first = send(url, before, range(1))[0]
         recording = learning(url)
         # Traffic until the recording is full: distinct inputs (the first again and again counts once)
-        send(url, pixels, range(1, record))
-        send(url, pixels, itertools.repeat(0, 5))
-        traffic = asyncio.run(fire_through_adoption(url, pixels))
-        status = learning(url)
+        send(url, before, range(1, record))
+        send(url, before, itertools.repeat(0, 5))
+        traffic = asyncio.run(fire_until_managed(url, before, generation=1))
+        managed = learning(url)
         counted = requests_counted(url)
-        assert status["bundle"] == str(folder / "bundle")
         model_status = get_json(f"{url}/status/{MODEL}")
-    assert label(first) == own[0] and "early" not in first["parameters"]
+        changed = asyncio.run(fire_until_managed(url, after, generation=2))
+        relearned = learning(url)
+    assert label(first) == own_before[0] and "early" not in first["parameters"]
     assert recording["phase"] == "recording" and recording["recorded"] == 1 and recording["record_target"] == record
-    answers, sent = traffic
-    # Every request in flight across the adoption answered once, with the model's own label or at a ramp
-    assert sorted(answers) == list(range(sent)), "a request was lost or answered twice"
+    for (answers, sent, since), labels in ((traffic, own_before), (changed, own_after)):
+        # Every request in flight across the adoption answered once, with the model's own label or at a ramp
+        assert sorted(answers) == list(range(sent)), "a request was lost or answered twice"
+        early = [i for i, a in answers.items() if a["parameters"].get("early")]
+        assert all(label(answers[i]) == labels[i % len(labels)] for i in answers if i not in early)
+        # Once managed, exits answer as the model does, within what the guarantee allows
+        agreement = np.mean([label(answers[i]) == labels[i % len(labels)] for i in answers if i >= since])
+        assert agreement >= 0.99, agreement
+    answers, sent, _ = traffic
     vanilla = [i for i, a in answers.items() if "exit_site" not in a["parameters"]]
-    managed = [i for i, a in answers.items() if "exit_site" in a["parameters"]]
-    early = [i for i in managed if answers[i]["parameters"]["early"]]
-    assert vanilla and managed and early, (len(vanilla), len(managed), len(early))
-    assert all(label(answers[i]) == own[i % len(own)] for i in answers if i not in early)
-    agreement = np.mean([label(answers[i]) == own[i % len(own)] for i in answers])
-    assert agreement >= 0.99, agreement  # exits answer as the model does, within what the guarantee allows
+    assert vanilla and len(vanilla) < sent  # some answered before the adoption, some after
     assert counted == record + 5 + sent
-    assert [p["phase"] for p in status["phases"]] == ["recording", "training", "profiling", "certifying", "managed"]
-    assert status["phase"] == model_status["learning"]["phase"] == "managed"
+    assert [p["phase"] for p in managed["phases"]] == ["recording", "training", "profiling", "certifying", "managed"]
+    assert managed["bundle"] == str(folder / "bundle") and managed["generation"] == 1
+    assert managed["phase"] == model_status["learning"]["phase"] == "managed"
     assert model_status["configuration"]["sites"]
     lines = (folder / "recording.jsonl").read_bytes().splitlines()
     assert len(lines) == record
     recorded = np.array([json.loads(line)["inputs"][0]["data"] for line in lines], dtype=np.float32)
-    assert np.array_equal(recorded, pixels[:record])  # the first `record` distinct inputs, as sent
+    assert np.array_equal(recorded, before[:record])  # the first `record` distinct inputs, as sent
+    # The change: the exits stopped paying, the next requests were recorded and a second generation trained on them
+    assert [p["phase"] for p in relearned["phases"][5:]] == ["recording", "training", "profiling", "certifying",
+                                                             "managed"]
+    assert relearned["generation"] == 2 and relearned["bundle"] == str(folder / "bundle-2")
+    assert not (folder / "bundle").exists()  # the first generation is gone once the second serves
+    (drift,) = relearned["drifts"]
+    assert all(share < 0.5 * drift["level"] for share in drift["shares"]) and drift["level"] >= 0.1
+    lines = (folder / "relearning-2.jsonl").read_bytes().splitlines()
+    relearned_on = np.array([json.loads(line)["inputs"][0]["data"] for line in lines], dtype=np.float32)
+    assert len(relearned_on) == record
+    assert all((row == after).all(axis=1).any() for row in relearned_on)  # requests sent after the change
 
 
-async def fire_through_adoption(url: str, pixels: np.ndarray, clients: int = 4) -> tuple[dict[int, dict], int]:
-    """Requests from `clients` concurrent clients, each with an id of its own, from before the adoption until the
-    model has given answers at a ramp after it is managed: every answer by id, and how many were sent."""
+async def fire_until_managed(url: str, pixels: np.ndarray, generation: int,
+                             clients: int = 4) -> tuple[dict[int, dict], int, int]:
+    """Requests from `clients` concurrent clients, request i sending image i (cycling), each with an id of its own,
+    until the model is managed at bundle `generation`, has answered 50 of the requests sent since at a ramp, and
+    its watch on the exits' pay has seen the level they hold: every answer by id, how many were sent, and the
+    first id sent once it was managed."""
     answers: dict[int, dict] = {}
     counter = itertools.count()
     done = asyncio.Event()
@@ -202,21 +225,26 @@ async def fire_through_adoption(url: str, pixels: np.ndarray, clients: int = 4) 
                 answers[i] = answer
             await asyncio.sleep(0.005)  # paced: the training job runs on what serving leaves idle
 
+    since = None
+
     async def watch(session: aiohttp.ClientSession) -> None:
-        early_after_managed = 0
-        while early_after_managed < 50:
+        nonlocal since
+        early_since = 0
+        while early_since < 50:
             assert time.monotonic() < give_up, "not managed in time"
             async with session.get(f"{url}/status") as response:
                 phase = (await response.json())["learning"][MODEL]
-            assert phase["phase"] != "failed", phase["reason"]
-            if phase["phase"] == "managed":
-                early_after_managed = sum(a["parameters"].get("early", False) for a in list(answers.values()))
+            assert phase["phase"] != "failed" and phase["reason"] is None, phase["reason"]
+            if since is None and phase["phase"] == "managed" and phase["generation"] == generation:
+                since = max(answers, default=-1) + 1
+            if since is not None and (phase["early_share_level"] or 0.0) >= 0.1:
+                early_since = sum(a["parameters"].get("early", False) for i, a in list(answers.items()) if i >= since)
             await asyncio.sleep(0.2)
         done.set()
 
     async with aiohttp.ClientSession() as session:
         await asyncio.gather(watch(session), *(client(session) for _ in range(clients)))
-    return answers, next(counter)
+    return answers, next(counter), since
 
 
 def test_a_server_stopped_or_killed_while_recording_or_training_resumes_from_its_folder(tmp_path, digits):

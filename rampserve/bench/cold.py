@@ -55,6 +55,7 @@ from rampserve.serving.settings import DEFAULT_RECORD
 MANAGED_GOAL_S = 600.0  # from the server's start to managed mode, at the default --record
 P99_GOAL = 1.2  # p99 of the requests that arrive while the training job runs, at most this times vanilla's
 ACCURACY_GOAL = 0.99
+RECOVERY_GOAL = 0.8  # after relearning, exits pay at least this share of what they paid before the stream changed
 JOB_PHASES = (TRAINING, PROFILING)  # the training job runs in these
 SATURATION_CLIENTS = 8
 SATURATION_ITEMS = 1000  # distinct requests the saturation probe cycles through
@@ -81,6 +82,8 @@ class ColdSettings:
     vanilla_margin_s: float = 10.0  # vanilla's replay starts this long before the training job and ends as long after
     vanilla_limit_s: float = 300.0  # the requests compared with vanilla's: those of the job's first seconds, this many
     pause_job_every_s: float | None = None  # stop and go on with the training job in turns of this long
+    change_at: int | None = None  # the row where the stream changes: its exits before it, against after relearning
+    compare_s: float = 120.0  # of each side of a change, the last this many seconds are compared (vanilla replays them)
 
     def __post_init__(self) -> None:
         if unprepared_model(self.model) is None:
@@ -128,10 +131,72 @@ def serve_command(settings: ColdSettings, home: Path, *options: str):
 
 
 def phase_of(times_s: np.ndarray, phases: list[dict]) -> np.ndarray:
-    """The phase in force at each time (wall clock), from the server's history (phases with when each began)."""
+    """The entry of the server's history (phases with when each began) in force at each time (wall clock)."""
     starts = np.array([p["at"] for p in phases])
-    return np.array([p["phase"] for p in phases])[np.clip(np.searchsorted(starts, times_s, side="right") - 1, 0,
-                                                          None)]
+    return np.clip(np.searchsorted(starts, times_s, side="right") - 1, 0, None)
+
+
+def phase_labels(history: list[dict]) -> list[str]:
+    """Each entry of the server's history by its phase, those of a relearning (after the first managed spell) told
+    apart."""
+    first = next((k for k, p in enumerate(history) if p["phase"] == MANAGED), len(history))
+    return [p["phase"] if k <= first else f"{p['phase']}, relearning" for k, p in enumerate(history)]
+
+
+def change_sides(settings: ColdSettings, arrivals: np.ndarray, occurrences: np.ndarray,
+                 history: list[dict]) -> dict[str, np.ndarray] | None:
+    """The rows compared across the stream's change: the last `compare_s` seconds before it, of the first managed
+    spell, and the last `compare_s` seconds of the run, of the last managed spell if it began after the change (a
+    relearned generation); None without both."""
+    managed = [k for k, p in enumerate(history) if p["phase"] == MANAGED]
+    if len(managed) < 2:
+        return None
+    rows = np.arange(len(arrivals))
+    before = rows[(rows < settings.change_at) & (occurrences == managed[0])]
+    after = rows[(rows >= settings.change_at) & (occurrences == managed[-1])]
+    if not len(before) or not len(after):
+        return None
+    span_ms = settings.compare_s * 1000.0
+    return {"before": before[arrivals[before] >= arrivals[before[-1]] - span_ms],
+            "after": after[arrivals[after] >= arrivals[after[-1]] - span_ms]}
+
+
+def vanilla_replays(settings: ColdSettings, workdir: Path, name: str, inputs: list, requests: Requests,
+                    arrivals: np.ndarray, spans: list[tuple[int, int]], progress: bool) -> list[LoadResult]:
+    """Each span of rows given again, at the same times, to one fresh vanilla server, one after the other."""
+    if not spans:
+        return []
+    results = []
+    with ServerProcess(serve_command(settings, workdir / "vanilla-home-2", "--no-record"),
+                       workdir / "vanilla.log", settings.start_timeout_s) as server:
+        job = Job(server.url(f"/v2/models/{name}/infer"), inputs, "label", None, settings.timeout_s, lean=True)
+        for first, end in spans:
+            window = arrivals[first:end] - arrivals[first]
+            results.append(run_loadgen(job, requests.feeds[first:end], workdir, "vanilla", window[-1] / 1000.0,
+                                       progress, window, np.zeros(0)))
+    return results
+
+
+def change_figures(settings: ColdSettings, cold: LoadResult, correct: np.ndarray, sides: dict[str, np.ndarray],
+                   replays: list[LoadResult], spans: list[tuple[int, int]], learning: dict, started: float) -> dict:
+    """Exits before the stream's change and after the relearning it caused: early share, p50 and its saving against
+    vanilla's p50 of the same requests, accuracy; and each after-figure as a share of its before-figure."""
+    figures = {}
+    for (side, rows), replay, (first, _) in zip(sides.items(), replays[-2:], spans[-2:]):
+        answered = rows[cold.ok[rows] & replay.ok[rows - first]]
+        p50, vanilla_p50 = (float(np.percentile(cold.latency_ms[answered], 50)),
+                            float(np.percentile(replay.latency_ms[answered - first], 50)))
+        figures[side] = {"requests": int(len(rows)), "early_share": float(cold.early[answered].mean()),
+                         "accuracy": float(correct[answered].mean()), "p50_ms": p50, "vanilla_p50_ms": vanilla_p50,
+                         "p50_saving_ms": vanilla_p50 - p50}
+    before, after = figures["before"], figures["after"]
+    drifts = learning["drifts"]
+    return {**figures, "change_at": settings.change_at,
+            "drift_detected_s": drifts[0]["at"] - started if drifts else None,
+            "relearned_managed_s": [p for p in learning["phases"] if p["phase"] == MANAGED][-1]["at"] - started,
+            "early_share_recovered": after["early_share"] / before["early_share"] if before["early_share"] else None,
+            "p50_saving_recovered": after["p50_saving_ms"] / before["p50_saving_ms"]
+            if before["p50_saving_ms"] > 0 else None}
 
 
 class JobPauser:
@@ -237,24 +302,28 @@ def run_cold(settings: ColdSettings, json_out: Path | None, progress: bool = Tru
             ready_s = server.ready_s
         history = learning["phases"]
         arrived = cold.wall_origin_s + cold.scheduled_ms / 1000.0
-        phases = phase_of(arrived, history)
+        occurrences = phase_of(arrived, history)
+        labels = phase_labels(history)
+        phases = np.array(labels)[occurrences]
         correct = cold.label == reference
-        began = {p["phase"]: p["at"] - started for p in history}
+        began: dict[str, float] = {}
+        for label, p in zip(labels, history):  # when each phase first began
+            began.setdefault(label, p["at"] - started)
         during_job = np.flatnonzero(np.isin(phases, JOB_PHASES) & cold.ok)
 
         vanilla, compared = None, during_job
+        spans = []  # rows replayed on vanilla, each from its first to its end
         if len(during_job):
             compared = during_job[arrivals[during_job] <= arrivals[during_job[0]] + settings.vanilla_limit_s * 1000.0]
             margin_ms = settings.vanilla_margin_s * 1000.0
-            first = int(np.searchsorted(arrivals, arrivals[compared[0]] - margin_ms))
-            end = int(np.searchsorted(arrivals, arrivals[compared[-1]] + margin_ms, side="right"))
-            with ServerProcess(serve_command(settings, workdir / "vanilla-home-2", "--no-record"),
-                               workdir / "vanilla.log", settings.start_timeout_s) as server:
-                job = Job(server.url(f"/v2/models/{name}/infer"), inputs, "label", None, settings.timeout_s,
-                          lean=True)
-                window = arrivals[first:end] - arrivals[first]
-                vanilla = run_loadgen(job, requests.feeds[first:end], workdir, "vanilla", window[-1] / 1000.0,
-                                      progress, window, np.zeros(0))
+            spans.append((int(np.searchsorted(arrivals, arrivals[compared[0]] - margin_ms)),
+                          int(np.searchsorted(arrivals, arrivals[compared[-1]] + margin_ms, side="right"))))
+        sides = change_sides(settings, arrivals, occurrences, history) if settings.change_at is not None else None
+        if sides is not None:
+            spans += [(int(rows[0]), int(rows[-1]) + 1) for rows in sides.values() if len(rows)]
+        replays = vanilla_replays(settings, workdir, name, inputs, requests, arrivals, spans, progress)
+        first = spans[0][0] if len(during_job) else 0
+        vanilla = replays[0] if len(during_job) else None
     early_done = cold.wall_origin_s + cold.done_ms[cold.early & cold.ok] / 1000.0
     answered = cold.ok
     job_p99, vanilla_p99 = (percentiles(cold.latency_ms[compared])["p99_ms"] if len(compared) else None), None
@@ -284,6 +353,9 @@ def run_cold(settings: ColdSettings, json_out: Path | None, progress: bool = Tru
                             "all_p99_ms": percentiles(cold.latency_ms[during_job])["p99_ms"],
                             "vanilla_unanswered": None if vanilla is None else int((~vanilla.ok).sum())},
         "job_paused": None if pauser is None else paused_figures(cold, arrived, during_job, pauser.turns),
+        "generation": learning["generation"], "drifts": learning["drifts"],
+        "change": None if sides is None else change_figures(settings, cold, correct, sides, replays, spans, learning,
+                                                            started),
     }
     report["goals"] = {
         f"managed within {MANAGED_GOAL_S:.0f} s": report["managed_s"] is not None and
@@ -293,6 +365,14 @@ def run_cold(settings: ColdSettings, json_out: Path | None, progress: bool = Tru
         "nothing lost": report["unanswered"] == 0,
         f"accuracy >= {ACCURACY_GOAL}": report["accuracy"] is not None and report["accuracy"] >= ACCURACY_GOAL,
     }
+    if settings.change_at is not None:
+        change = report["change"]
+        report["goals"] |= {
+            f"exit share and p50 saving recover to >= {RECOVERY_GOAL} of before the change": change is not None and
+            all(change[k] is not None and change[k] >= RECOVERY_GOAL
+                for k in ("early_share_recovered", "p50_saving_recovered")),
+            f"every {settings.worst_window} answers >= {ACCURACY_GOAL}": report["worst_window_accuracy"] is not None
+            and report["worst_window_accuracy"] >= ACCURACY_GOAL}
     write_json(report, json_out)
     return report
 
@@ -314,6 +394,14 @@ def cold_table(report: dict) -> Table:
                      f"{report['settings']['worst_window']}: {fmt(report['worst_window_accuracy'], '.4f')}); "
                      f"load average {report['machine_load_average']['before'][0]:.1f} before, "
                      f"{report['machine_load_average']['after'][0]:.1f} after")
+    if (change := report.get("change")) is not None:
+        before, after = change["before"], change["after"]
+        table.caption += (f"; the stream changed at row {change['change_at']}, drift seen at "
+                          f"{fmt(change['drift_detected_s'], '.0f')} s, relearned ramps managed at "
+                          f"{change['relearned_managed_s']:.0f} s: early {before['early_share']:.1%} before, "
+                          f"{after['early_share']:.1%} after ({fmt(change['early_share_recovered'], '.2f')}x), p50 "
+                          f"saving {before['p50_saving_ms']:.2f} ms before, {after['p50_saving_ms']:.2f} ms after "
+                          f"({fmt(change['p50_saving_recovered'], '.2f')}x)")
     if (paused := report["job_paused"]) is not None:
         ratio = paused["turn_p99_ratio"]
         table.caption += (f"; the job stopped in turns: p99 {fmt(paused['running']['p99_ms'], '.2f')} ms while it ran "

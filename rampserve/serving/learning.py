@@ -11,11 +11,17 @@ A model's life here, each phase visible in `/status`, `/metrics` (`rampserve_lea
 3. certifying: the bundle's executor starts beside the vanilla model, then takes its name (`Catalogue.replace`: a
    request goes wholly to one of them, and the vanilla model answers everything it accepted before it closes); its
    controller serves no exit until its guarantee certifies thresholds on live inputs;
-4. managed: the controller has certified an exit.
-A training that fails leaves the model served vanilla, phase failed, with the reason. Everything is on disk in the
+4. managed: the controller has certified an exit;
+5. relearning (unless --no-relearn): once the share of answers given early falls far below the level it held and
+   stays there (`control.relearning`), the next `record` distinct requests are recorded while the bundle in service
+   answers (recording again), a new generation of ramps is trained on them and adopted as the first was (training,
+   profiling, certifying, managed). Its bundle lies beside the first (`bundle-2`, ...); once it serves, the older
+   generations are removed.
+A training that fails leaves the model served vanilla, phase failed, with the reason; a relearning that fails leaves
+the generation before it serving, the reason in `/status`. Everything is on disk in the
 model's folder, so a server started again resumes where its predecessor stood: a bundle there is served at once, a
 partial recording goes on, a recording that was complete is trained on again, a failure stays until more is
-recorded (a larger --record).
+recorded (a larger --record); a relearning goes on from its recording.
 
 The folder (`ModelFolder`) is the model's own directory when the server is given one holding `model.onnx`, else one
 per model source under RAMPSERVE_HOME/learning.
@@ -29,6 +35,7 @@ import hashlib
 import logging
 import os
 import re
+import shutil
 import signal
 import subprocess
 import threading
@@ -43,6 +50,7 @@ import numpy as np
 import orjson
 
 from rampserve.background import job_command, job_environment
+from rampserve.control.relearning import ExitShareWatch, RelearnRule
 from rampserve.paths import home
 from rampserve.runtime.manifest import MANIFEST
 from rampserve.serving.contract import ModelSettings
@@ -67,6 +75,7 @@ PHASES = (VANILLA, RECORDING, TRAINING, PROFILING, CERTIFYING, MANAGED, FAILED)
 MODEL_FILE = "model.onnx"  # a folder holding this alone is a model to serve unprepared
 CERTIFICATION_POLL_S = 1.0  # how often the certifying phase reads the executor's configuration
 STOP_WAIT_S = 10.0  # how long a stopping server waits for its training job to end on SIGTERM before killing it
+RECENT_WINDOWS = 10  # windows of the early-answer share /status shows
 FAILURE_LINES = 60  # lines of the training job's output kept to say why it failed
 
 # What the training job's progress bars are called (their tqdm descriptions), and the phase each belongs to
@@ -82,6 +91,7 @@ class LearningSettings:
     record: int = DEFAULT_RECORD  # distinct requests recorded before the ramps are trained
     recording: bool = True  # False (--no-record): serve the model vanilla and keep nothing
     prepare_args: tuple[str, ...] = ()  # more options for the training job's `rampserve prepare`
+    relearn: RelearnRule | None = RelearnRule()  # when exits stop paying, train ramps again (None: never)
 
     def __post_init__(self) -> None:
         if self.record < 1:
@@ -116,8 +126,26 @@ class ModelFolder:
         """Where a model that is not an ONNX file is exported to one, to serve it vanilla."""
         return self.path / "vanilla.onnx"
 
-    def prepared(self) -> bool:
-        return (self.bundle / MANIFEST).is_file()
+    def generation_bundle(self, generation: int) -> Path:
+        """A generation's bundle: the first, trained on the recording, at `bundle`; each relearned one beside it."""
+        return self.bundle if generation == 1 else self.path / f"bundle-{generation}"
+
+    def relearning_recording(self, generation: int) -> Path:
+        """The recent requests a generation after the first is trained on."""
+        return self.path / f"relearning-{generation}.jsonl"
+
+    def served_generation(self) -> int:
+        """The newest generation whose bundle is whole; 0 if none is."""
+        generations = [int(found.group(1)) for path in self.path.glob("bundle-*")
+                       if (found := re.fullmatch(r"bundle-(\d+)", path.name))]
+        return max((g for g in [1, *generations] if (self.generation_bundle(g) / MANIFEST).is_file()), default=0)
+
+    def drop_generations_before(self, generation: int) -> None:
+        """Remove the bundles and relearning recordings older than `generation` (none serves any more); the first
+        recording stays, the user's record of what the model was first trained on."""
+        for older in range(1, generation):
+            shutil.rmtree(self.generation_bundle(older), ignore_errors=True)
+            self.relearning_recording(older).unlink(missing_ok=True)
 
     def failure(self) -> dict | None:
         """Why the last training failed, and on how many recorded requests; None if none failed."""
@@ -230,12 +258,21 @@ class RequestRecorder:
 
 
 class RecordingPredictor(Predictor):
-    """A model that keeps what it answers: each request it answered goes to its recorder."""
+    """A model that keeps what it answers while it has a recorder: each request it answered goes to it. Everything
+    else is the model's own (a bundle's executor, its text input), so it is served as the model is."""
 
-    def __init__(self, model: Predictor, recorder: RequestRecorder) -> None:
+    def __init__(self, model: Predictor, recorder: RequestRecorder | None = None) -> None:
         self.model, self.recorder = model, recorder
         self.name, self.version, self.kind, self.inputs = model.name, model.version, model.kind, model.inputs
-        self.outputs, self.cacheable = model.outputs, model.cacheable
+        self.outputs, self.cacheable, self.worker, self.text = model.outputs, model.cacheable, model.worker, model.text
+
+    @property
+    def platform(self) -> str:
+        return self.model.platform
+
+    @property
+    def available(self) -> bool:
+        return self.model.available
 
     async def start(self) -> None:
         await self.model.start()
@@ -248,11 +285,17 @@ class RecordingPredictor(Predictor):
 
     async def infer(self, request: PredictRequest) -> Prediction:
         prediction = await self.model.infer(request)
-        self.recorder.record(request.inputs)
+        recorder = self.recorder
+        if recorder is not None:
+            recorder.record(request.inputs)
         return prediction
 
+    def count_cached(self, labels: np.ndarray) -> None:
+        self.model.count_cached(labels)
+
     async def close(self) -> None:
-        self.recorder.close()
+        if self.recorder is not None:
+            self.recorder.close()
         await self.model.close()
 
     async def status(self, latest_decisions: int | None = None) -> dict:
@@ -283,10 +326,9 @@ def failure_reason(lines: list[str]) -> str | None:
     return next((line for line in reversed(lines) if line.strip()), None)
 
 
-def training_command(model: UnpreparedModel, prepare_args: tuple[str, ...]) -> list[str]:
-    folder = model.folder
-    return job_command("rampserve.cli", ["prepare", model.source, "--data", str(folder.recording), "--out",
-                                         str(folder.bundle), *prepare_args])
+def training_command(model: UnpreparedModel, data: Path, out: Path, prepare_args: tuple[str, ...]) -> list[str]:
+    return job_command("rampserve.cli", ["prepare", model.source, "--data", str(data), "--out", str(out),
+                                         *prepare_args])
 
 
 def reap(job: subprocess.Popen) -> tuple[int, float]:
@@ -308,9 +350,11 @@ async def end_job(job: subprocess.Popen, reaped: asyncio.Future) -> None:
         await reaped
 
 
-def bundle_predictor(model: UnpreparedModel, settings: ModelSettings, metrics: ServerMetrics) -> Predictor:
-    """The model's prepared bundle, served with early exits."""
-    return WorkerPredictor(make_worker(read_served(model.folder.bundle, model.name), settings, metrics))
+def bundle_predictor(model: UnpreparedModel, generation: int, settings: ModelSettings,
+                     metrics: ServerMetrics) -> RecordingPredictor:
+    """A generation of the model's bundle, served with early exits (recording when it is given a recorder)."""
+    bundle = model.folder.generation_bundle(generation)
+    return RecordingPredictor(WorkerPredictor(make_worker(read_served(bundle, model.name), settings, metrics)))
 
 
 def vanilla_predictor(model: UnpreparedModel) -> Predictor:
@@ -326,17 +370,23 @@ def vanilla_predictor(model: UnpreparedModel) -> Predictor:
 
 class Learner:
     """Takes one model served unprepared through its phases (see the module's docstring): waits for its recording,
-    runs the training job, has the catalogue adopt the bundle, and watches its controller certify an exit. Runs on
-    the server's event loop; `status` is what `/status` shows of it."""
+    runs the training job, has the catalogue adopt the bundle, and watches its controller certify an exit; then, with
+    relearning on, watches its exits pay and trains a new generation of ramps on recent requests when they stop
+    (`control.relearning`). Runs on the server's event loop; `status` is what `/status` shows of it."""
 
     def __init__(self, model: UnpreparedModel, settings: LearningSettings, model_settings: ModelSettings,
                  metrics: ServerMetrics, phase: str, recorder: RequestRecorder | None = None,
-                 reason: str | None = None) -> None:
+                 reason: str | None = None, generation: int = 0, tap: RecordingPredictor | None = None) -> None:
+        """`generation`: the bundle generation served (0: none yet, the model is served vanilla); `tap`: what serves
+        it, which records recent requests when the learner gives it a recorder."""
         self.model, self.settings, self.model_settings, self.metrics = model, settings, model_settings, metrics
         self.recorder = recorder
         self.phase, self.reason, self.detail = phase, reason, None
         self.history: list[dict] = [{"phase": phase, "at": time.time()}]
-        self.adopted = phase in (CERTIFYING, MANAGED)
+        self.generation, self.tap = generation, tap
+        self.relearning: int | None = None  # the generation being recorded for or trained, once the stream drifted
+        self.drifts: list[dict] = []  # each time the exits stopped paying: when, and the shares the watch saw
+        self.watch: ExitShareWatch | None = None  # on the exits of the generation managed now
         self._job: subprocess.Popen | None = None
         self.job_cpu_s: float | None = None
         self._output: deque[str] = deque(maxlen=FAILURE_LINES)
@@ -344,13 +394,20 @@ class Learner:
         for each in PHASES:
             metrics.learning_phase.labels(model=model.name, phase=each).set_function(
                 lambda each=each: float(self.phase == each))
-        if recorder is not None:
-            metrics.recorded_requests.labels(model=model.name).set_function(lambda: recorder.count)
-            metrics.record_target.labels(model=model.name).set(recorder.target)
+        metrics.recorded_requests.labels(model=model.name).set_function(
+            lambda: 0 if self.recorder is None else self.recorder.count)
+        metrics.record_target.labels(model=model.name).set_function(
+            lambda: 0 if self.recorder is None else self.recorder.target)
 
     @property
     def name(self) -> str:
         return self.model.name
+
+    def resume_relearning(self, recorder: RequestRecorder) -> None:
+        """Go on with a relearning a stopped server left on disk: its recording, whole or in part."""
+        self.relearning, self.recorder = self.generation + 1, recorder
+        self.phase = TRAINING if recorder.full else RECORDING
+        self.history = [{"phase": self.phase, "at": time.time()}]
 
     def _enter(self, phase: str, detail: str | None = None) -> None:
         if phase != self.phase:
@@ -365,12 +422,6 @@ class Learner:
         else:
             log.warning("model %s: %s%s", self.name, phase, f" ({detail})" if detail else "")
 
-    def _fail(self, reason: str) -> None:
-        self.reason = reason
-        if self.recorder is not None:
-            self.model.folder.record_failure(reason, self.recorder.count)
-        self._enter(FAILED)
-
     def start(self, catalogue: Catalogue) -> None:
         """Go on from the phase the model is in, in `catalogue`."""
         recorder = self.recorder
@@ -380,19 +431,54 @@ class Learner:
             self._task = asyncio.get_running_loop().create_task(self._run(catalogue), name=f"learning {self.name}")
 
     async def _run(self, catalogue: Catalogue) -> None:
-        if self.phase == RECORDING:
-            filled = asyncio.Event()
-            self.recorder.on_full = filled.set
-            await filled.wait()
-        if not self.adopted and not (await self._train() and await self._adopt(catalogue)):
-            return
-        await self._certify(catalogue)
+        if self.generation == 0:
+            if self.phase == RECORDING:
+                await self._recorded()
+            if not await self._learn(catalogue, 1, self.model.folder.recording):
+                return
+        elif self.relearning is not None:
+            await self._relearn(catalogue)
+        while True:
+            await self._certify(catalogue)
+            if self.settings.relearn is None:
+                return
+            watch = await self._watch(catalogue)
+            self._drifted(watch)
+            await self._relearn(catalogue)
 
-    async def _train(self) -> bool:
+    async def _recorded(self) -> None:
+        """Until the recorder is full."""
+        filled = asyncio.Event()
+        self.recorder.on_full = filled.set
+        if not self.recorder.full:
+            await filled.wait()
+
+    async def _learn(self, catalogue: Catalogue, generation: int, data: Path) -> bool:
+        """Train `generation` on `data` and serve it; whether it serves. A first generation that fails leaves the
+        model vanilla (failed); a later one leaves the generation before it serving, saying why."""
+        folder = self.model.folder
+        reason = await self._train(data, folder.generation_bundle(generation)) \
+            or await self._adopt(catalogue, generation)
+        if reason is None:
+            self.generation = generation
+            folder.drop_generations_before(generation)
+            return True
+        if generation == 1:
+            self.reason = reason
+            folder.record_failure(reason, self.recorder.count)
+            self._enter(FAILED)
+        else:  # its recording goes, or a restart would train on it again
+            data.unlink(missing_ok=True)
+            self.reason = f"relearning generation {generation} failed, generation {self.generation} serves: {reason}"
+            log.error("model %s: %s (see %s)", self.name, self.reason, folder.training_log)
+        return False
+
+    async def _train(self, data: Path, out: Path) -> str | None:
+        """Run the training job on `data` into the bundle `out`; why it failed, or None."""
         folder = self.model.folder
         folder.failure_file.unlink(missing_ok=True)
         self._enter(TRAINING, "starting the training job")
-        command = training_command(self.model, self.settings.prepare_args)
+        command = training_command(self.model, data, out, self.settings.prepare_args)
         with folder.training_log.open("ab") as log_file:
             log_file.write(f"\n$ {' '.join(command)}\n".encode())
             log_file.flush()
@@ -412,11 +498,10 @@ class Learner:
             finally:
                 self._job = None
                 await asyncio.to_thread(reader.join)
-        if code == 0 and folder.prepared():
-            return True
-        self._fail(failure_reason(list(self._output))
-                   or f"the training job exited with status {code}, see {folder.training_log}")
-        return False
+        if code == 0 and (out / MANIFEST).is_file():
+            return None
+        return failure_reason(list(self._output)) or f"the training job exited with status {code}, see " \
+                                                     f"{folder.training_log}"
 
     def _read_job(self, job: subprocess.Popen, log_file: BinaryIO, loop: asyncio.AbstractEventLoop) -> None:
         """The job's output, line by line (a progress bar's updates are lines ended by a carriage return): into its
@@ -434,21 +519,23 @@ class Learner:
         if stage is not None and self.phase in (TRAINING, PROFILING):
             self._enter(stage, re.sub(r"\|[^|]*\|", "", line))
 
-    async def _adopt(self, catalogue: Catalogue) -> bool:
+    async def _adopt(self, catalogue: Catalogue, generation: int) -> str | None:
+        """Serve `generation` in place of what serves the model; why it could not, or None."""
         self._enter(CERTIFYING, "starting the prepared model's executor")
         predictor = None
         try:
-            predictor = await asyncio.to_thread(bundle_predictor, self.model, self.model_settings, self.metrics)
+            predictor = await asyncio.to_thread(bundle_predictor, self.model, generation, self.model_settings,
+                                                self.metrics)
             await catalogue.replace(predictor)
         except asyncio.CancelledError:  # the server stops: the executor it may have started stops too
             if predictor is not None:
                 await predictor.close()
             raise
-        except Exception as exc:  # noqa: BLE001 - whatever keeps the bundle from serving, vanilla goes on
-            self._fail(f"the prepared bundle at {self.model.folder.bundle} could not be served: {exc}")
-            return False
-        self.adopted = True
-        return True
+        except Exception as exc:  # noqa: BLE001 - whatever keeps the bundle from serving, what served goes on
+            return f"the prepared bundle at {self.model.folder.generation_bundle(generation)} could not be served: " \
+                   f"{exc}"
+        self.tap = predictor
+        return None
 
     async def _certify(self, catalogue: Catalogue) -> None:
         self._enter(CERTIFYING, "the controller certifies thresholds on live inputs before it serves an exit")
@@ -463,6 +550,48 @@ class Learner:
                 return
             await asyncio.sleep(CERTIFICATION_POLL_S)
 
+    async def _watch(self, catalogue: Catalogue) -> ExitShareWatch:
+        """Until the exits of the generation served stop paying (`control.relearning`): the watch that saw it."""
+        self.watch = watch = ExitShareWatch(self.settings.relearn)
+        while True:
+            await asyncio.sleep(CERTIFICATION_POLL_S)
+            predictor = catalogue.models.get(self.name)
+            if predictor is None or predictor.worker is None:
+                continue
+            try:
+                answers = (await predictor.status(1))["answers"]
+            except Exception as exc:  # noqa: BLE001 - an executor restarting: its counts start again, as the watch's
+                log.debug("model %s: no status to watch its exits by: %s", self.name, exc)
+                continue
+            if watch.observe(answers["early"], answers["early"] + answers["final"]):
+                return watch
+
+    def _drifted(self, watch: ExitShareWatch) -> None:
+        """The exits stopped paying: record the next requests, to train the next generation on."""
+        generation = self.generation + 1
+        path = self.model.folder.relearning_recording(generation)
+        path.unlink(missing_ok=True)  # a recording of an earlier drift that was not trained on: these are newer
+        self.relearning, self.watch = generation, None
+        self.recorder = RequestRecorder(path, self.settings.record, self.tap.inputs)
+        rule = watch.rule
+        self.drifts.append({"at": time.time(), "generation": generation, "level": watch.level,
+                            "shares": watch.shares[-rule.windows:], "window": rule.window})
+        log.warning("model %s: its exits stopped paying (the share of answers given early fell from %.3f to %s over "
+                    "windows of %d answers): relearning its ramps on recent requests", self.name, watch.level,
+                    ", ".join(f"{share:.3f}" for share in watch.shares[-rule.windows:]), rule.window)
+
+    async def _relearn(self, catalogue: Catalogue) -> None:
+        """Record recent requests (the next `record` distinct ones) while the generation in service answers, then
+        train the next generation on them and serve it."""
+        recorder = self.recorder
+        if not recorder.full:
+            self._enter(RECORDING, f"{recorder.target} recent requests, to train generation {self.relearning} on")
+            self.tap.recorder = recorder
+            await self._recorded()
+            self.tap.recorder = None
+        await self._learn(catalogue, self.relearning, recorder.path)
+        self.relearning = None
+
     async def stop(self) -> None:
         """Stop the phases' task, and with it the training job (the next server starts it again)."""
         if self._task is not None:
@@ -473,26 +602,37 @@ class Learner:
             self.recorder.close()
 
     def status(self) -> dict:
-        recorder = self.recorder
-        job = self._job
+        recorder, job, watch = self.recorder, self._job, self.watch
+        folder = self.model.folder
         return {"phase": self.phase, "detail": self.detail, "reason": self.reason,
                 "job": None if job is None else job.pid,  # the training job's process
                 "job_cpu_s": self.job_cpu_s,  # the CPU its last run took, every thread's (user and system)
                 "recorded": None if recorder is None else recorder.count,
                 "record_target": None if recorder is None else recorder.target,
-                "source": self.model.source, "folder": str(self.model.folder.path),
-                "bundle": str(self.model.folder.bundle) if self.adopted else None,  # once it serves the model
-                "training_log": str(self.model.folder.training_log), "phases": self.history}
+                "source": self.model.source, "folder": str(folder.path),
+                # the bundle serving the model (None: the model itself, vanilla), and its generation
+                "bundle": str(folder.generation_bundle(self.generation)) if self.generation else None,
+                "generation": self.generation, "relearning": self.relearning, "drifts": self.drifts,
+                # the share of answers given early that the generation managed now holds, and its latest windows
+                "early_share_level": None if watch is None else watch.level,
+                "early_shares": None if watch is None else watch.shares[-RECENT_WINDOWS:],
+                "training_log": str(folder.training_log), "phases": self.history}
 
 
 def open_unprepared(model: UnpreparedModel, settings: LearningSettings, model_settings: ModelSettings,
                     metrics: ServerMetrics) -> tuple[Predictor, Learner]:
-    """What serves a model given unprepared, and its learner, from what its folder holds: the bundle where one was
-    prepared; else the whole model, recording until its recording is full, then (trained again, or failed)."""
+    """What serves a model given unprepared, and its learner, from what its folder holds: the newest bundle where one
+    was prepared (going on with a relearning it began); else the whole model, recording until its recording is
+    full, then (trained again, or failed)."""
     folder = model.folder
-    if folder.prepared():
-        return bundle_predictor(model, model_settings, metrics), Learner(model, settings, model_settings, metrics,
-                                                                          CERTIFYING)
+    generation = folder.served_generation()
+    if generation:
+        predictor = bundle_predictor(model, generation, model_settings, metrics)
+        learner = Learner(model, settings, model_settings, metrics, CERTIFYING, generation=generation, tap=predictor)
+        relearning = folder.relearning_recording(generation + 1)
+        if settings.relearn is not None and relearning.is_file():
+            learner.resume_relearning(RequestRecorder(relearning, settings.record, predictor.inputs))
+        return predictor, learner
     vanilla = vanilla_predictor(model)
     if not settings.recording or model_settings.vanilla:
         return vanilla, Learner(model, settings, model_settings, metrics, VANILLA)
