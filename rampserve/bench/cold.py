@@ -59,6 +59,7 @@ RECOVERY_GOAL = 0.8  # after relearning, exits pay at least this share of what t
 JOB_PHASES = (TRAINING, PROFILING)  # the training job runs in these
 SATURATION_CLIENTS = 8
 SATURATION_ITEMS = 1000  # distinct requests the saturation probe cycles through
+REFERENCE_BATCH = 256  # distinct inputs of one shape the reference labels are computed on at once
 
 
 @dataclass(frozen=True)
@@ -113,13 +114,21 @@ def encode_requests(settings: ColdSettings, source: ModelSource, rows: int) -> R
 
 def reference_labels(source: ModelSource, requests: Requests, workdir: Path) -> np.ndarray:
     """The model's own label for each request: its ONNX file (a checkpoint's export), on ONNX Runtime, on each
-    distinct input once."""
+    distinct input once (inputs of one shape together, `REFERENCE_BATCH` at a time)."""
     import onnxruntime as ort
 
     session = ort.InferenceSession(str(onnx_file(source, workdir / "reference.onnx")),
                                    providers=["CPUExecutionProvider"])
-    labels = {int(p): int(np.asarray(session.run(None, requests.feeds[int(np.argmax(requests.first == p))])[0])
-                          .argmax(axis=1)[0]) for p in np.unique(requests.first)}
+    distinct = {int(p): requests.feeds[int(np.argmax(requests.first == p))] for p in np.unique(requests.first)}
+    by_shape: dict[tuple, list[int]] = {}
+    for p, feed in distinct.items():
+        by_shape.setdefault(tuple((name, array.shape) for name, array in feed.items()), []).append(p)
+    labels = {}
+    for rows in by_shape.values():
+        for start in range(0, len(rows), REFERENCE_BATCH):
+            chunk = rows[start:start + REFERENCE_BATCH]
+            feeds = {name: np.concatenate([distinct[p][name] for p in chunk]) for name in distinct[chunk[0]]}
+            labels |= dict(zip(chunk, np.asarray(session.run(None, feeds)[0]).argmax(axis=1).tolist()))
     return np.array([labels[int(p)] for p in requests.first])
 
 
