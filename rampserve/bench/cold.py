@@ -119,7 +119,8 @@ def reference_labels(source: ModelSource, requests: Requests, workdir: Path) -> 
 
     session = ort.InferenceSession(str(onnx_file(source, workdir / "reference.onnx")),
                                    providers=["CPUExecutionProvider"])
-    distinct = {int(p): requests.feeds[int(np.argmax(requests.first == p))] for p in np.unique(requests.first)}
+    rows, where = np.unique(requests.first, return_index=True)  # each distinct input, and where it first comes
+    distinct = {int(p): requests.feeds[int(i)] for p, i in zip(rows, where)}
     by_shape: dict[tuple, list[int]] = {}
     for p, feed in distinct.items():
         by_shape.setdefault(tuple((name, array.shape) for name, array in feed.items()), []).append(p)
