@@ -459,8 +459,8 @@ class Learner:
         folder = self.model.folder
         reason = await self._train(data, folder.generation_bundle(generation)) \
             or await self._adopt(catalogue, generation)
-        if reason is None:
-            self.generation = generation
+        if reason is None:  # a relearning that failed before this one no longer says why the model stands as it does
+            self.generation, self.reason = generation, None
             folder.drop_generations_before(generation)
             return True
         if generation == 1:
