@@ -40,30 +40,15 @@ DEADLINE_S = 600.0  # the longest a phase may take to come on this shared machin
 
 @pytest.fixture(scope="module")
 def digits(tmp_path_factory) -> tuple[Path, np.ndarray, np.ndarray]:
-    """A 4-layer perceptron trained on scikit-learn's digits, as an ONNX file taking `pixels` (FP32, 64 per input);
-    the digits' images, shuffled; and the model's own label for each, by ONNX Runtime."""
+    """The quickstart's digits perceptron as an ONNX file taking `pixels` (FP32, 64 per input); the digits' images,
+    shuffled; and the model's own label for each, by ONNX Runtime."""
     import onnxruntime as ort
-    import torch
-    from sklearn.datasets import load_digits
 
-    from rampserve.graph.onnx_graph import export_onnx
+    from rampserve.zoo.digits import INPUT, digits_onnx, shuffled_rows
 
-    images, classes = load_digits(return_X_y=True)
-    x = torch.from_numpy((images / 16.0).astype(np.float32))
-    y = torch.from_numpy(classes)
-    torch.manual_seed(0)
-    width = 1024
-    net = torch.nn.Sequential(torch.nn.Linear(64, width), torch.nn.ReLU(), torch.nn.Linear(width, width),
-                              torch.nn.ReLU(), torch.nn.Linear(width, width), torch.nn.ReLU(),
-                              torch.nn.Linear(width, 10))
-    optimiser = torch.optim.Adam(net.parameters(), 1e-2)
-    for _ in range(40):
-        optimiser.zero_grad()
-        torch.nn.functional.cross_entropy(net(x), y).backward()
-        optimiser.step()
-    path = export_onnx(net.eval(), (x[:2],), ["pixels"], tmp_path_factory.mktemp("digits") / "model.onnx")
-    pixels = x.numpy()[np.random.default_rng(0).permutation(len(x))]
-    own = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"pixels": pixels})[0]
+    path = digits_onnx(tmp_path_factory.mktemp("digits") / "model.onnx")
+    pixels = shuffled_rows()
+    own = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {INPUT: pixels})[0]
     return path, pixels, own.argmax(axis=1)
 
 
