@@ -53,7 +53,7 @@ def field_options(names: Iterable[str], env: bool = False) -> dict[str, object]:
 # Controller settings that `serve`, `bench sim` and `bench live` take alike (`controller_options`); None (not
 # given): the controller's own
 CONTROLLER_OPTIONS = field_options(("objective", "guarantee", "risk_target_share", "confidence", "search_every",
-                                    "history", "shadow_share"))
+                                    "history", "shadow_share", "prime"))
 # Everything `serve` takes but its models and applications, the server's before the models': each read from
 # RAMPSERVE_<NAME> unless its flag is given
 SERVE_OPTIONS = field_options(sorted(ServeOptions.model_fields, key=lambda name: name in ModelOptions.model_fields),

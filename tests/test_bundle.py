@@ -13,8 +13,10 @@ import torch
 from typer.testing import CliRunner
 
 from rampserve.cli import app
-from rampserve.runtime.bundle import load_bundle
-from rampserve.runtime.manifest import BundleError, read_manifest
+from rampserve.runtime.bundle import load_bundle, write_validation
+from rampserve.runtime.manifest import VALIDATION_ARRAYS, BundleError, read_manifest
+from rampserve.runtime.prepare import validation_outputs
+from rampserve.runtime.sources import ModelSource
 
 
 def test_round_trip_keeps_sites_ramps_profile_and_outputs(resnet_prepared, resnet_bundle, fmnist_feeds) -> None:
@@ -38,6 +40,30 @@ def test_round_trip_keeps_sites_ramps_profile_and_outputs(resnet_prepared, resne
 @pytest.fixture
 def bundle_copy(resnet_bundle, tmp_path) -> Path:
     return Path(shutil.copytree(resnet_bundle, tmp_path / "copy"))
+
+
+def test_a_bundle_keeps_the_answers_on_its_validation_inputs_as_its_served_ramps_give_them(
+        resnet_prepared, resnet_bundle, small_prepare_config) -> None:
+    """What a server's controller is primed with: every site's ramp's label and error score and the model's own
+    label on the inputs the ramps were validated on. Made again from the loaded bundle (as a bundle prepared before
+    bundles kept them is given them), on the eager serving path, they are the ones training's features gave."""
+    loaded = load_bundle(resnet_bundle)
+    kept = loaded.validation
+    inputs, sites = len(kept["final"]), len(loaded.site_names)
+    assert inputs == loaded.meta["oracle_val"]["inputs"] > 0
+    assert kept["labels"].shape == kept["errors"].shape == (inputs, sites)
+    for name in VALIDATION_ARRAYS:
+        assert np.array_equal(kept[name], resnet_prepared.validation[name])
+    again = validation_outputs(loaded, ModelSource("zoo", "resnet18-fmnist", small=True), small_prepare_config)
+    assert np.array_equal(again["final"], kept["final"]) and np.array_equal(again["labels"], kept["labels"])
+    np.testing.assert_allclose(again["errors"], kept["errors"], atol=1e-4)
+
+
+def test_validation_outputs_that_do_not_fit_the_sites_are_refused(bundle_copy) -> None:
+    validation = load_bundle(bundle_copy).validation
+    write_validation(bundle_copy, {**validation, "errors": validation["errors"][:, :-1]})
+    with pytest.raises(BundleError, match="validation.safetensors does not hold"):
+        load_bundle(bundle_copy)
 
 
 def test_missing_manifest(bundle_copy) -> None:

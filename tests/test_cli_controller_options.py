@@ -7,6 +7,7 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
+from rampserve.bench.live import LiveSettings
 from rampserve.cli import CONTROLLER_OPTIONS, app, controller_options
 
 
@@ -21,12 +22,17 @@ def test_controller_options_reach_the_command_as_controller_settings_fields():
 
     runner = CliRunner()
     assert runner.invoke(demo, ["--name", "y", "--objective", "p95", "--search-every", "1024",
-                                "--shadow-share", "0.1", "--guarantee", "long-run"]).exit_code == 0
+                                "--shadow-share", "0.1", "--guarantee", "long-run", "--no-prime"]).exit_code == 0
     assert runner.invoke(demo, []).exit_code == 0
     assert heard == [{"name": "y", "objective": "p95", "guarantee": "long-run", "search_every": 1024,
-                      "shadow_share": 0.1}, {"name": "x"}]
+                      "shadow_share": 0.1, "prime": False}, {"name": "x"}]
     assert set(CONTROLLER_OPTIONS) == {"objective", "guarantee", "risk_target_share", "confidence", "search_every",
-                                       "history", "shadow_share"}
+                                       "history", "shadow_share", "prime"}
+
+
+def test_bench_live_gives_the_managed_server_a_flag_as_a_flag():
+    settings = LiveSettings(controller={"prime": False, "search_every": 512, "risk_target_share": 0.5})
+    assert settings.managed_args()[-5:] == ("--no-prime", "--search-every", "512", "--risk-target-share", "0.5")
 
 
 @pytest.mark.parametrize("command", [["serve"], ["bench", "sim"], ["bench", "live"]])

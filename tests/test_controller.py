@@ -22,7 +22,9 @@ from rampserve.control.ramps import (
     initial_sites,
     search_sets,
 )
-from rampserve.control.records import NO_EXIT, NO_LABEL, BatchRecord, Configuration, RecordJoiner
+from rampserve.control.records import (
+    NO_EXIT, NO_LABEL, BatchRecord, Configuration, RecordJoiner, validation_record,
+)
 from rampserve.control.risk import served_scale
 from rampserve.runtime.latency import LatencyProfile
 
@@ -159,6 +161,72 @@ def test_a_ramp_that_pays_gets_exits_right_after_the_warm_up():
     assert deployed.sites == ("s6",) and deployed.thresholds[0] > 0.05
     assert deployed.shadow_every == settings_.shadow_every == 10
     assert controller.decisions[-1].observed == settings_.warmup
+
+
+def validation_of(batches: list) -> dict[str, np.ndarray]:
+    """Hand-made batches of every site's ramp outputs as a bundle keeps its validation inputs'."""
+    labels, errors, final = (np.concatenate(part) for part in zip(*batches))
+    return {"labels": labels, "errors": errors, "final": final}
+
+
+def test_a_primed_controller_exits_from_its_first_request_on_what_its_bundle_validated():
+    """The bundle's validation inputs stand for the warm-up: the first search is made on them when the controller
+    starts, so the set that pays is deployed with certified thresholds before any request; unprimed, the same
+    controller serves shadow batches without an exit until its warm-up is in."""
+    settings_ = ControllerSettings(ramp_budget=0.01)
+    validation = validation_of(two_kinds_of_input(np.random.default_rng(1), settings_.warmup, 0.0, 0.8))
+    primed = Controller(profile(ramp_ms=0.006), settings_, validation_record(SITES, validation))
+    deployed = primed.configuration()
+    assert deployed.sites == ("s6",) and deployed.thresholds[0] > 0.05
+    assert deployed.shadow_every == settings_.shadow_every  # warm: one batch in ten evaluates every ramp
+    assert primed.decisions[-1].observed == 0 and "inputs served before" in primed.decisions[-1].reason
+    assert primed.window.served == 0  # nothing was released to anyone
+    for unprimed in (Controller(profile(ramp_ms=0.006), settings_),
+                     Controller(profile(ramp_ms=0.006), replace(settings_, prime=False),
+                                validation_record(SITES, validation))):
+        assert unprimed.configuration().sites == () and unprimed.configuration().shadow_every == 1
+    # live inputs join the evidence: the next search comes once as many have been served, on both together
+    live = two_kinds_of_input(np.random.default_rng(2), settings_.warmup, 0.0, 0.8)
+    shadowed_drive(primed, live[:-1])
+    assert len(primed.times.adjust_ms) == 1
+    shadowed_drive(primed, live[-1:])
+    assert len(primed.times.adjust_ms) == 2 and primed.configuration().sites == ("s6",)
+
+
+def test_a_prior_smaller_than_the_warm_up_gives_exits_and_leaves_the_rest_of_the_warm_up_to_gather():
+    """Exits from the first request, yet every batch stays a shadow batch until the prior and the live shadow
+    inputs make a warm-up: the search judges sets on shadow inputs alone."""
+    settings_ = ControllerSettings(ramp_budget=0.01)
+    batches = two_kinds_of_input(np.random.default_rng(3), settings_.warmup, 0.0, 0.8)
+    prior = validation_of(batches[:600])
+    controller = Controller(profile(ramp_ms=0.006), settings_, validation_record(SITES, prior))
+    assert controller.configuration().sites == ("s6",) and controller.configuration().thresholds[0] > 0.05
+    assert controller.configuration().shadow_every == 1
+    shadowed_drive(controller, batches[600:-1])
+    assert len(controller.times.adjust_ms) == 1 and controller.configuration().shadow_every == 1
+    shadowed_drive(controller, batches[-1:])
+    assert len(controller.times.adjust_ms) == 2 and controller.configuration().shadow_every == settings_.shadow_every
+
+
+@settings(max_examples=15, deadline=None)
+@given(seed=st.integers(0, 2**16), wrong_share=st.floats(0.1, 0.6))
+def test_a_prior_unlike_the_live_stream_cannot_break_the_long_run_bound(seed, wrong_share):
+    """Primed on validation inputs where s6 is confident and right, then served a stream where s6 is just as
+    confident and wrong on `wrong_share` of inputs: rolling risk control holds the mean disagreement of the answers
+    released to its bound whatever the prior said, target + (1 + step) / (step * T) at batches of one."""
+    settings_ = ControllerSettings(ramp_budget=0.01)
+    prior = validation_of(two_kinds_of_input(np.random.default_rng(seed), 1000, 0.0, 0.8))
+    controller = Controller(profile(ramp_ms=0.006), settings_, validation_record(SITES, prior))
+    assert controller.configuration().sites == ("s6",)
+    live = two_kinds_of_input(np.random.default_rng(seed + 1), 3000, 0.0, 0.8)
+    rng = np.random.default_rng(seed + 2)
+    for labels, errors, _ in live:
+        if errors[0, 6] < 0.5 and rng.random() < wrong_share:
+            labels[0, 6] = 1
+    shadowed_drive(controller, live)
+    served = controller.window.served
+    bound = settings_.risk_target + (1 + settings_.risk_step) / (settings_.risk_step * served)
+    assert served == len(live) and 1.0 - controller.window.cumulative <= bound
 
 
 @pytest.mark.parametrize("seed", range(3))

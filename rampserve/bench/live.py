@@ -64,7 +64,7 @@ from rampserve.bench.sim import (
 from rampserve.runtime.timing import interleaved_medians
 from rampserve.control.controller import Controller, ControllerSettings
 from rampserve.control.costs import CostModel
-from rampserve.control.records import Configuration
+from rampserve.control.records import Configuration, validation_record
 from rampserve.control.settings import EXIT_MODE_CHOICES
 from rampserve.runtime.bundle import load_bundle
 from rampserve.runtime.latency import serving_limits
@@ -121,9 +121,9 @@ class LiveSettings(OwnDataSettings):
     exit_mode: str | None = None
     feedback_share: float | None = None
     # More of the managed server's controller settings, as ControllerSettings fields given to it as `rampserve serve`
-    # options (objective, guarantee, risk_target_share, confidence, search_every, history, shadow_share); absent:
+    # options (objective, guarantee, risk_target_share, confidence, search_every, history, shadow_share, prime); absent:
     # the server's defaults
-    controller: dict[str, float | int | str] = field(default_factory=dict)
+    controller: dict[str, float | int | str | bool] = field(default_factory=dict)
     # What the client speaks: v2 over HTTP with Triton's binary tensors, or KServe v2 over gRPC (raw contents). The
     # one-at-a-time overhead is measured over both either way.
     transport: str = "http"
@@ -176,8 +176,15 @@ class LiveSettings(OwnDataSettings):
         return ("--accuracy-constraint", f"{self.accuracy_constraint:g}",
                 *(("--exit-mode", self.exit_mode) if self.exit_mode is not None else ()),
                 *(("--feedback-share", f"{self.feedback_share:g}") if self.feedback_share is not None else ()),
-                *(arg for name, value in self.controller.items()
-                  for arg in (f"--{name.replace('_', '-')}", f"{value:g}" if isinstance(value, float) else str(value))))
+                *(arg for name, value in self.controller.items() for arg in _option(name, value)))
+
+
+def _option(name: str, value: float | int | str | bool) -> tuple[str, ...]:
+    """A ControllerSettings field as `rampserve serve` takes it: `--name value`, or `--name`/`--no-name` for a flag."""
+    flag = name.replace("_", "-")
+    if isinstance(value, bool):
+        return (f"--{flag}" if value else f"--no-{flag}",)
+    return f"--{flag}", f"{value:g}" if isinstance(value, float) else str(value)
 
 
 def parse_loads(text: str) -> tuple[float, ...]:
@@ -251,6 +258,9 @@ def _status_number(status: dict | str | None, path: tuple[str, ...]) -> float | 
     return status if isinstance(status, int | float) and not isinstance(status, bool) else None
 
 
+FIRST_REQUESTS = 1000  # the measured requests `summarize_live`'s "first_requests" figures are over
+
+
 def summarize_live(result: LoadResult, reference: np.ndarray, worst_window: int,
                    batch_size: float | None, min_accuracy: float = 0.99) -> dict:
     """`bench sim`'s per-system figures for one live run (savings come from `with_savings`), plus what only a live
@@ -271,6 +281,11 @@ def summarize_live(result: LoadResult, reference: np.ndarray, worst_window: int,
         "mean_ms": float(latency.mean()) if answered else None,
         "throughput_rps": answered / span_ms * 1000.0 if span_ms > 0 else 0.0,
         "exit_share": float(early.mean()) if answered else None,
+        # A server's start, where the measured requests are its first (`--warmup-requests 0`): what issue 50 asks of
+        # exits from the first request
+        "first_requests": {"requests": min(answered, FIRST_REQUESTS),
+                           "exit_share": float(early[:FIRST_REQUESTS].mean()) if answered else None,
+                           "accuracy": float(correct[:FIRST_REQUESTS].mean()) if answered else None},
         "mean_batch_size": batch_size,
         "exit_share_by_site": {site: float(np.mean(exit_sites == i)) for i, site in enumerate(result.sites)},
         # where an exit's time goes: an answer released at a ramp should come back in about the model's time to it
@@ -617,7 +632,8 @@ def simulated_replay(plan: LivePlan, settings: LiveSettings, schedule: ReplaySch
     arrivals = np.concatenate([warm, offset + schedule.arrivals_ms])
     scenario = Scenario(outputs, CostModel(plan.model.profile), arrivals, plan.max_batch, lengths)
     controller_settings = settings.controller_settings().resolved(plan.max_batch)  # as the managed server resolves it
-    controller = Controller(plan.model.profile, controller_settings)
+    controller = Controller(plan.model.profile, controller_settings,
+                            validation_record(tuple(plan.model.site_names), plan.model.validation))
     runs = {"vanilla": replay(scenario, Configuration(0, (), ())), "oracle": replay_oracle(scenario),
             "rampserve": replay(scenario, controller.configuration(), controller, controller_settings.stops,
                                 controller_settings.kept_share, settings.seed)}

@@ -33,7 +33,7 @@ from rampserve.bench.ramp_outputs import RampOutputs, ramp_outputs
 from rampserve.control.controller import Controller, ControllerSettings
 from rampserve.control.costs import CostModel
 from rampserve.control.ramps import RampSet, beam_search, fits_budget, initial_sites
-from rampserve.control.records import NO_EXIT, NO_LABEL, BatchRecord, Configuration
+from rampserve.control.records import NO_EXIT, NO_LABEL, BatchRecord, Configuration, validation_record
 from rampserve.control.thresholds import ExitData, TuningResult, evaluate, tune_greedy
 from rampserve.ramps.kinds import Ramp
 from rampserve.ramps.onnx_fused import can_tap
@@ -105,6 +105,8 @@ class Scenario:
     # with such a ramp is cut into stages, which stop no input at any of its ramps (`python_sets_stop` False)
     python_ramps: frozenset[str] = frozenset()
     python_sets_stop: bool = True
+    # The bundle's validation inputs, which a managed system's controller is primed with (`Controller(prior=...)`)
+    prior: BatchRecord | None = None
 
     def stopping(self, sites: tuple[str, ...]) -> tuple[bool, np.ndarray]:
         """Whether a stop-mode batch of these active sites stops inputs at all, and per site whether an exit there
@@ -439,7 +441,8 @@ def load_scenario(settings: SimSettings) -> tuple[Scenario, dict]:
     rate = scenario_rate(settings, profile, mean_scale)
     slo, max_batch = serving_limits(profile, settings.slo_ms)
     arrivals = arrival_times(settings.trace, len(outputs.final), rate, seed=settings.seed)
-    scenario = Scenario(outputs, CostModel(profile), arrivals, max_batch, lengths, **python_ramps(model))
+    scenario = Scenario(outputs, CostModel(profile), arrivals, max_batch, lengths, **python_ramps(model),
+                        prior=validation_record(tuple(model.site_names), model.validation))
     info = {"model": settings.model, "workload": settings.workload_label, "trace": settings.trace,
             **({"data": own.record, "bundle": str(own.bundle)} if own else {}),
             "rate_rps": rate, "load": rate * mean_scale / batch1_capacity_rps(profile), "slo_ms": slo,
@@ -481,7 +484,7 @@ def run_sim(settings: SimSettings, progress: Callable[[str], None] = lambda _: N
         return replay(scenario_, config, stop=stop, feedback_share=0.0, seed=settings.seed)
 
     def managed(settings_: ControllerSettings, scenario_: Scenario = scenario) -> SystemRun:
-        controller = Controller(scenario_.costs.profile, settings_)
+        controller = Controller(scenario_.costs.profile, settings_, scenario_.prior)
         return replay(scenario_, controller.configuration(), controller, stop, settings_.kept_share, settings.seed)
 
     with _stage("static hindsight", seconds, progress):

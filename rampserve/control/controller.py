@@ -69,7 +69,10 @@ class DecisionTimes:
 
 
 class Controller:
-    def __init__(self, profile: LatencyProfile, settings: ControllerSettings = ControllerSettings()) -> None:
+    def __init__(self, profile: LatencyProfile, settings: ControllerSettings = ControllerSettings(),
+                 prior: BatchRecord | None = None) -> None:
+        """`prior`: inputs served before this controller, every ramp evaluated (a bundle's validation inputs,
+        `records.validation_record`); with `settings.prime`, the first configuration is decided on them."""
         self.settings = settings
         self.costs = CostModel(profile, settings.stops)
         # What a client waits for (release times) whatever the exit mode; in stop mode `costs` also counts the
@@ -116,6 +119,24 @@ class Controller:
         self._certifying = False  # the decision under way publishes newly tuned thresholds
         self.scale = 1.0  # rolling risk control's scale on the thresholds tuning chose (see `risk`)
         self._ceiling = np.array(first.thresholds)  # the thresholds tuning chose, served times the scale
+        if prior is not None and prior.inputs and settings.prime and (
+                self.searches or (settings.threshold_tuning and sites)):
+            self._prime(prior)
+
+    def _prime(self, prior: BatchRecord) -> None:
+        """Learn from `prior` as from a warm-up's shadow batches (its waits unknown), and decide at once. A prior
+        smaller than the warm-up leaves the rest of it to gather, every batch a shadow batch, before the next search:
+        the search judges sets on shadow inputs alone, which after the warm-up come one batch in ten."""
+        known = [i for i, site in enumerate(prior.sites) if site in self.costs.position]
+        prior = replace(prior, sites=tuple(prior.sites[i] for i in known), labels=prior.labels[:, known],
+                        errors=prior.errors[:, known])
+        first = self._observed
+        self._observed += prior.inputs
+        self.recent.add(prior, first, wait_serves=False)
+        if self.searches:
+            self.shadow.add(prior, first, wait_serves=False)
+        self._warm = self._gathered() >= self.settings.warmup
+        self._round(f" on {prior.inputs} inputs served before (the bundle's validation inputs)")
 
     def configuration(self) -> Configuration:
         return self.decisions[-1].configuration
@@ -204,8 +225,7 @@ class Controller:
         self._since_round += record.inputs
         settings = self.settings
         if not self._warm:
-            gathered = self.shadow.size if self.searches else len(self.recent.rows(self.configuration().sites))
-            if gathered < settings.warmup:
+            if self._gathered() < settings.warmup:
                 return None
             self._warm = True
         elif self._since_round < min(settings.search_every, self._observed - self._since_round):
@@ -213,11 +233,20 @@ class Controller:
             # its thresholds loosen as fast as that grows (minilm-rt on a replay's first 2,700 inputs, simulated:
             # p50 0.89x with one round at 1,024 inputs, 0.81x with another at 2,048)
             return None
+        return self._round()
+
+    def _gathered(self) -> int:
+        """Inputs the warm-up has gathered: shadow inputs, or without search those that saw the deployed set."""
+        return self.shadow.size if self.searches else len(self.recent.rows(self.configuration().sites))
+
+    def _round(self, on: str = "") -> Configuration | None:
+        """A search (or, with search off, a retune of the deployed set) on what the histories hold (`on`: said of
+        them in the decision's reason)."""
         self._since_round = 0
         if self.searches:
-            return self._decide(self.times.adjust_ms, self._search, "search")
-        if settings.threshold_tuning:
-            return self._decide(self.times.tune_ms, self._recertify, "periodic retune")
+            return self._decide(self.times.adjust_ms, self._search, "search" + on)
+        if self.settings.threshold_tuning:
+            return self._decide(self.times.tune_ms, self._recertify, "periodic retune" + on)
         return None
 
     def _decide(self, timings: list[float], decide, reason: str) -> Configuration | None:

@@ -197,3 +197,14 @@ class RecordJoiner:
 def _joined(arrays: tuple[np.ndarray, ...]) -> np.ndarray:
     return arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
 
+
+def validation_record(sites: tuple[str, ...], validation: dict[str, np.ndarray] | None) -> BatchRecord | None:
+    """A bundle's validation outputs (`PreparedModel.validation`: every one of `sites`' ramps' top labels and error
+    scores, and the model's own labels) as the record of inputs no configuration served: every ramp evaluated, none
+    exited, each in a batch of its own (as they were run). None where the bundle has none."""
+    if validation is None:
+        return None
+    final = np.asarray(validation["final"])
+    return BatchRecord(0, tuple(sites), np.asarray(validation["labels"]), np.asarray(validation["errors"]), final,
+                       np.full(len(final), NO_EXIT), served_in=np.ones(len(final), dtype=np.int64))
+

@@ -1,9 +1,9 @@
 """Prepared-model bundles on disk: a JSON manifest (with the model's v2 signature), the model's weights
 (safetensors) or graph (ONNX), the ramps' weights, two example inputs (safetensors), a text model's tokenizer as it
-made the token inputs, and what rebuilds the architecture without the model's source (a Hugging Face checkpoint's
-config.json and tokenizer.json). Loading never
-unpickles anything, and checks every file's digest. Reading a bundle's manifest and signature alone, without torch, is
-`runtime.manifest`'s."""
+made the token inputs, the ramps' and the model's answers on the inputs the ramps were validated on, and what
+rebuilds the architecture without the model's source (a Hugging Face checkpoint's config.json and tokenizer.json).
+Loading never unpickles anything, and checks every file's digest. Reading a bundle's manifest and signature alone,
+without torch, is `runtime.manifest`'s."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import safetensors.numpy
 import safetensors.torch
 from torch import nn
@@ -31,10 +32,13 @@ from rampserve.runtime.manifest import (
     RAMPS_FILE,
     TEXT_TOKENIZER_FILE,
     TORCH_WEIGHTS,
+    VALIDATION_ARRAYS,
+    VALIDATION_FILE,
     BundleError,
     file_digest,
     read_manifest,
     read_signature,
+    read_validation,
 )
 from rampserve.runtime.prepared import PreparedModel, SiteInfo
 from rampserve.runtime.signature import ModelSignature
@@ -63,6 +67,8 @@ def save_bundle(model: PreparedModel, out_dir: Path) -> Path:
                       for k, v in ramp.state_dict().items()}
         safetensors.torch.save_file(ramp_state, tmp / RAMPS_FILE)
         signature_files = _signature_files(model.signature)
+        if model.validation is not None:
+            signature_files[VALIDATION_FILE] = _validation_bytes(model.validation)
         for name, data in signature_files.items():
             (tmp / name).write_bytes(data)
         carried = [] if "source" not in model.meta else architecture_files(ModelSource.from_json(model.meta["source"]))
@@ -105,6 +111,20 @@ def _signature_files(signature: ModelSignature) -> dict[str, bytes]:
     if signature.text is not None:
         files[TEXT_TOKENIZER_FILE] = signature.text.tokenizer.to_str().encode()
     return files
+
+
+def _validation_bytes(validation: dict[str, np.ndarray]) -> bytes:
+    return safetensors.numpy.save({name: np.ascontiguousarray(validation[name]) for name in VALIDATION_ARRAYS})
+
+
+def write_validation(bundle_dir: Path, validation: dict[str, np.ndarray]) -> None:
+    """Give a bundle prepared before bundles kept their validation outputs those outputs (weights untouched; the
+    file is written before the manifest that names it, each atomically, as `write_signature` does)."""
+    bundle_dir = Path(bundle_dir)
+    manifest = read_manifest(bundle_dir)
+    write_atomically(bundle_dir / VALIDATION_FILE, _validation_bytes(validation))
+    manifest["files"][VALIDATION_FILE] = file_digest(bundle_dir / VALIDATION_FILE)
+    _rewrite_manifest(bundle_dir, manifest)
 
 
 def write_signature(bundle_dir: Path, signature: ModelSignature) -> None:
@@ -172,4 +192,5 @@ def load_bundle(bundle_dir: Path) -> PreparedModel:
     profile = LatencyProfile.from_json(manifest["profile"]) if manifest.get("profile") else None
     return PreparedModel(backend=backend, sites=sites, ramps=ramps, profile=profile, meta=manifest["meta"],
                          error_score=manifest.get("error_score", "max_prob"),
-                         signature=read_signature(bundle_dir, manifest), bundle_dir=bundle_dir)
+                         signature=read_signature(bundle_dir, manifest),
+                         validation=read_validation(bundle_dir, manifest), bundle_dir=bundle_dir)

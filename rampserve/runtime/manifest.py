@@ -9,6 +9,7 @@ import json
 from collections.abc import Collection
 from pathlib import Path
 
+import numpy as np
 import safetensors.numpy
 
 from rampserve.runtime.signature import ModelSignature
@@ -26,6 +27,11 @@ EXAMPLE_FILE = "example.safetensors"
 # A text model's tokenizer as its token inputs were made (`runtime.text`); an hf checkpoint's own tokenizer.json, which
 # its bundle carries too, is the file as the user saved it
 TEXT_TOKENIZER_FILE = "text-tokenizer.json"
+# Every site's ramp's top label and error score, and the model's own label, on the inputs the ramps were validated on:
+# a server's controller takes its first thresholds from them (`control.records.validation_record`). Bundles came
+# without it before, without a new format version: a reader that predates it ignores it
+VALIDATION_FILE = "validation.safetensors"
+VALIDATION_ARRAYS = ("labels", "errors", "final")  # (inputs, sites) in the manifest's site order, twice; (inputs,)
 
 
 class BundleError(ValueError):
@@ -82,9 +88,23 @@ def read_signature(bundle_dir: Path, manifest: dict) -> ModelSignature | None:
                           ) from exc
 
 
+def read_validation(bundle_dir: Path, manifest: dict) -> dict[str, np.ndarray] | None:
+    """The bundle's validation outputs (`VALIDATION_FILE`), or None for a bundle prepared before bundles kept them."""
+    if VALIDATION_FILE not in manifest.get("files", {}):
+        return None
+    arrays = safetensors.numpy.load_file(Path(bundle_dir) / VALIDATION_FILE)
+    sites, inputs = len(manifest["sites"]), len(arrays.get("final", ()))
+    shapes = {"labels": (inputs, sites), "errors": (inputs, sites), "final": (inputs,)}
+    if sorted(arrays) != sorted(VALIDATION_ARRAYS) or any(arrays[k].shape != shapes[k] for k in VALIDATION_ARRAYS):
+        raise BundleError(f"{bundle_dir}/{VALIDATION_FILE} does not hold {shapes} for its {sites} sites: "
+                          f"{ {k: v.shape for k, v in arrays.items()} }")
+    return arrays
+
+
 def bundle_digest(bundle_dir: Path) -> str:
     """What a bundle's compiled serving paths depend on: the sha256 of its model and ramp files and of the example
-    inputs they are traced and checked with (a new profile leaves them as they are), as its manifest records them
-    (whatever loads those files checks them: hashing them again here cost a start 0.1-0.2 s)."""
+    inputs they are traced and checked with (a new profile or validation outputs leave them as they are), as its
+    manifest records them (whatever loads those files checks them: hashing them again here cost a start 0.1-0.2 s)."""
     files = read_manifest(bundle_dir, digests=()).get("files", {})
+    files = {name: digest for name, digest in files.items() if name != VALIDATION_FILE}
     return hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()

@@ -16,7 +16,9 @@ from rampserve.graph.sites import SitePolicy
 from rampserve.ramps.cache import CacheSpec, static_threshold
 from rampserve.ramps.kinds import DENSE_KINDS, MLP_HIDDEN, spec_for
 from rampserve.ramps.oracle import NO_EXIT, earliest_correct_exit, exit_latency
-from rampserve.ramps.train import Features, TrainConfig, TrainReport, build_cache_ramps, collect_features, train_ramps
+from rampserve.ramps.train import (
+    Features, TrainConfig, TrainReport, build_cache_ramps, collect_features, split_indices, train_ramps,
+)
 from rampserve.runtime.backends import Backend, TorchBackend
 from rampserve.runtime.engines import AUTO, ENGINE_BUDGET_S, EngineChoice, check_engine, serving_backend
 from rampserve.runtime.latency import LatencyProfile
@@ -483,6 +485,33 @@ def train_site_ramps(kind: str, features: Features, specs_of: Callable[[str], di
     return ramps, report, outputs
 
 
+def validation_outputs(model: PreparedModel, source: ModelSource, config: PrepareConfig) -> dict[str, np.ndarray]:
+    """`PreparedModel.validation` made again for a model prepared from `source` with `config` before bundles kept it:
+    the same split of the same ramp data, its validation part run through the model with every site's ramp
+    evaluated (the eager path, the reference the served ramps are tested against)."""
+    data = ramp_data(source, config)
+    recorded = model.meta.get("training", {}).get("config", {})  # the split as it was made
+    train = replace(config.train, **{k: recorded[k] for k in ("seed", "val_fraction", "validation") if k in recorded})
+    if data.data is not None:
+        train = replace(train, validation="tail")
+    items = data.items
+    _, val = split_indices(len(items), train)
+    chosen = [items[i] for i in val] if isinstance(items, list) else items[val]
+    sites = model.site_names
+    column = {s: i for i, s in enumerate(sites)}
+    labels, errors = np.zeros((len(val), len(sites)), dtype=np.int64), np.zeros((len(val), len(sites)), np.float32)
+    final = np.zeros(len(val), dtype=np.int64)
+    for start in range(0, len(val), config.batch_size):
+        rows = slice(start, start + config.batch_size)
+
+        def collect(site: str, top: np.ndarray, error: np.ndarray, rows: slice = rows) -> None:
+            labels[rows, column[site]], errors[rows, column[site]] = top, error
+
+        logits = model.run(feeds_for(model.backend, data.bootstrap.encoder, chosen[rows]), sites, collect)
+        final[rows] = np.asarray(logits).argmax(axis=1)
+    return {"labels": labels, "errors": errors, "final": final}
+
+
 def prepare(source: ModelSource, config: PrepareConfig = PrepareConfig(),
             policy: SitePolicy | None = None) -> PreparedModel:
     torch_backend = torch_backend_of(source, policy)
@@ -528,6 +557,8 @@ def prepare(source: ModelSource, config: PrepareConfig = PrepareConfig(),
                                     budget_s=config.profile_budget_s)
     val_targets = features.targets.numpy()[report.val_indices]
     ramp_labels = np.stack([val_outputs[s][0] for s in model.site_names], axis=1)
+    model.validation = {"labels": ramp_labels, "final": val_targets,
+                        "errors": np.stack([val_outputs[s][1] for s in model.site_names], axis=1)}
     model.meta = {
         "source": source.to_json(),
         "zoo_revision": zoo_revision(source),

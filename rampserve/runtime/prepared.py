@@ -134,6 +134,10 @@ class PreparedModel:
     # The v2 tensor signature clients see and the example the serving path is compiled with (prepare derives it,
     # a bundle keeps it); None for a bundle prepared before bundles carried it
     signature: ModelSignature | None = None
+    # On the inputs the ramps were validated on: every site's ramp's top label ("labels") and error score ("errors"),
+    # (inputs, sites) in `site_names` order, and the model's own label ("final"); None for a bundle prepared before
+    # bundles kept them (`runtime.manifest.VALIDATION_FILE`)
+    validation: dict[str, np.ndarray] | None = None
 
     @property
     def site_names(self) -> list[str]:

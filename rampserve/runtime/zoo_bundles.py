@@ -8,12 +8,12 @@ from pathlib import Path
 
 from rampserve.paths import bundles_dir
 from rampserve.ramps.pooling import TOKEN_REDUCTIONS
-from rampserve.runtime.bundle import load_bundle, save_bundle, write_signature
+from rampserve.runtime.bundle import load_bundle, save_bundle, write_signature, write_validation
 from rampserve.runtime.engines import AUTO, CHOSEN_BY_TIMING, ONNX_SERVING, EngineChoice, choose_engine
-from rampserve.runtime.manifest import BundleError, read_manifest, read_signature
+from rampserve.runtime.manifest import VALIDATION_FILE, BundleError, read_manifest, read_signature
 from rampserve.runtime.prepare import (
     PrepareConfig, model_encoder, prepare, ramp_data, ramp_kind, signature_from_workload, token_reduction,
-    zoo_revision,
+    validation_outputs, zoo_revision,
 )
 from rampserve.runtime.sources import ModelSource
 
@@ -23,7 +23,8 @@ def zoo_bundle(model: str, small: bool = False, config: PrepareConfig = PrepareC
     preparing it (and training the model, if needed) when missing, broken, made from another revision of the zoo
     entry, made with other ramps, with ramps trained on other data, or on an engine other than the one `config`
     names or served otherwise on ONNX Runtime (a bundle from before bundles recorded these counts as such), and
-    giving it its signature (a text model's, its tokenizer) when it was prepared before bundles carried one."""
+    giving it its signature (a text model's, its tokenizer) and its validation outputs when it was prepared before
+    bundles carried them."""
     bundle = bundles_dir() / (model + ("-small" if small else "") + (f"-{variant}" if variant else ""))
     source = ModelSource.parse(model, small=small)
     try:
@@ -50,6 +51,8 @@ def zoo_bundle(model: str, small: bool = False, config: PrepareConfig = PrepareC
     elif manifest["meta"].get("task") == "text" and "text" not in manifest["signature"]:
         signature = replace(read_signature(bundle, manifest), text=model_encoder(source, "text"))
         write_signature(bundle, signature)
+    if VALIDATION_FILE not in manifest["files"]:
+        write_validation(bundle, validation_outputs(load_bundle(bundle), source, config))
     return bundle
 
 

@@ -102,6 +102,10 @@ class ModelOptions(BaseModel):
     history: int = Field(ControllerSettings.history, description="recent inputs threshold tuning judges")
     shadow_share: float = Field(ControllerSettings.shadow_share,
                                 description="share of batches that also run inactive ramps, to measure them")
+    prime: bool = Field(ControllerSettings.prime,
+                        description="take the first ramps and thresholds from the inputs the bundle was validated "
+                                    "on, so that exits begin with the first requests (--no-prime: after the "
+                                    "warm-up's shadow inputs)")
 
     @field_validator("*")
     @classmethod

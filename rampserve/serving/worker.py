@@ -33,7 +33,9 @@ import numpy as np
 import torch
 
 from rampserve.control.controller import Controller
-from rampserve.control.records import NO_EXIT, NO_LABEL, BatchRecord, Configuration, RecordJoiner
+from rampserve.control.records import (
+    NO_EXIT, NO_LABEL, BatchRecord, Configuration, RecordJoiner, validation_record,
+)
 from rampserve.control.settings import STOP_MODE_BATCH_LIMIT
 from rampserve.ramps import kernel
 from rampserve.ramps.scores import top_label_and_error
@@ -120,7 +122,9 @@ class ModelWorker:
         self.batch_time = BatchTimeEstimate(profile.full(self.max_batch))
         self.queue = RequestQueue(served.name, settings, profile, self.batch_size, self.batch_time, metrics)
         if control is None and not settings.vanilla:
-            control = LocalControl(Controller(profile, controller_settings))
+            model = served.model
+            prior = validation_record(tuple(model.site_names), model.validation)
+            control = LocalControl(Controller(profile, controller_settings, prior))
         self.control = control
         # The configuration in force and the compiled set it runs (None: eager), swapped as one reference
         initial = Configuration(0, (), ()) if control is None else control.configuration()
