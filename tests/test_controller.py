@@ -185,6 +185,10 @@ def test_a_primed_controller_exits_from_its_first_request_on_what_its_bundle_val
                      Controller(profile(ramp_ms=0.006), replace(settings_, prime=False),
                                 validation_record(SITES, validation))):
         assert unprimed.configuration().sites == () and unprimed.configuration().shadow_every == 1
+    # thresholds given to start from are served as given
+    given = replace(settings_, initial=("s1",), start_thresholds={"s1": 0.5})
+    assert Controller(profile(ramp_ms=0.006), given, validation_record(SITES, validation)).configuration() == \
+        Controller(profile(ramp_ms=0.006), given).configuration()
     # live inputs join the evidence: the next search comes once as many have been served, on both together
     live = two_kinds_of_input(np.random.default_rng(2), settings_.warmup, 0.0, 0.8)
     shadowed_drive(primed, live[:-1])

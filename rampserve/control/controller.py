@@ -72,7 +72,8 @@ class Controller:
     def __init__(self, profile: LatencyProfile, settings: ControllerSettings = ControllerSettings(),
                  prior: BatchRecord | None = None) -> None:
         """`prior`: inputs served before this controller, every ramp evaluated (a bundle's validation inputs,
-        `records.validation_record`); with `settings.prime`, the first configuration is decided on them."""
+        `records.validation_record`); with `settings.prime`, the first configuration is decided on them unless the
+        settings give start thresholds."""
         self.settings = settings
         self.costs = CostModel(profile, settings.stops)
         # What a client waits for (release times) whatever the exit mode; in stop mode `costs` also counts the
@@ -119,7 +120,8 @@ class Controller:
         self._certifying = False  # the decision under way publishes newly tuned thresholds
         self.scale = 1.0  # rolling risk control's scale on the thresholds tuning chose (see `risk`)
         self._ceiling = np.array(first.thresholds)  # the thresholds tuning chose, served times the scale
-        if prior is not None and prior.inputs and settings.prime and (
+        # Thresholds given to start from say how to start (a successor taking over a configuration, a test)
+        if prior is not None and prior.inputs and settings.prime and not settings.start_thresholds and (
                 self.searches or (settings.threshold_tuning and sites)):
             self._prime(prior)
 

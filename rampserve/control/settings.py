@@ -67,7 +67,8 @@ class ControllerSettings:
     initial: tuple[str, ...] | None = None  # active ramps to start from; None: none until the first search
     # Take the first ramp set and thresholds from the inputs the bundle was validated on (its ramps' and the
     # model's answers there, `Controller(prior=...)`), so that exits begin with the first requests instead of after
-    # the warm-up's shadow inputs; live inputs replace them in the history as they come
+    # the warm-up's shadow inputs; live inputs replace them in the history as they come. Not where
+    # `start_thresholds` are given: they say how to start
     prime: bool = True
     # Threshold a ramp is served at while tuning is off, or until the first tuning (absent: 0, no exits)
     start_thresholds: dict[str, float] = field(default_factory=dict)
