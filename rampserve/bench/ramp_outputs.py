@@ -16,7 +16,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from rampserve.paths import home
-from rampserve.runtime.manifest import read_manifest
+from rampserve.runtime.manifest import answering_files, read_manifest
 from rampserve.runtime.prepare import feeds_for, prepared_encoder
 from rampserve.runtime.prepared import PreparedModel
 from rampserve.workloads.streams import Stream
@@ -60,7 +60,6 @@ def _compute(model: PreparedModel, stream: Stream, start: int, stop: int, learn_
     labels = np.zeros((len(positions), len(sites)), dtype=np.int64)
     errors = np.zeros((len(positions), len(sites)), dtype=np.float32)
     final = np.zeros(len(positions), dtype=np.int64)
-    column = {s: i for i, s in enumerate(sites)}
     batch = learn_batch or BATCH
     # On ONNX Runtime the set of every site as it is served (the model whole, its ramps inside): faster than a
     # session per site, and it keeps one session's memory instead of each stage's at this batch size
@@ -68,15 +67,9 @@ def _compute(model: PreparedModel, stream: Stream, start: int, stop: int, learn_
         if model.backend.kind == "onnx" and learn_batch is None else None
     for a in tqdm(range(0, len(positions), batch), desc=f"ramp outputs on {stream.name}", unit="batch"):
         chunk = positions[a:a + batch]
-        items = _items_at(stream, chunk)
         rows = slice(a, a + len(chunk))
-
-        def collect(site: str, top: np.ndarray, error: np.ndarray, rows: slice = rows) -> None:
-            labels[rows, column[site]] = top
-            errors[rows, column[site]] = error
-
-        logits = model.run(feeds_for(model.backend, encoder, items), sites, collect, compiled=compiled or False)
-        final[rows] = np.asarray(logits).argmax(axis=1)
+        feeds = feeds_for(model.backend, encoder, _items_at(stream, chunk))
+        labels[rows], errors[rows], final[rows] = model.ramp_answers(feeds, compiled or False)
         if learn_batch is not None:
             model.learn(final[rows])
     if inverse is not None:
@@ -95,12 +88,12 @@ def _contiguous_items(stream: Stream, positions: np.ndarray) -> np.ndarray:
 
 def ramp_outputs(model: PreparedModel, bundle_dir: Path, stream: Stream, start: int, stop: int,
                  learn_batch: int | None = None) -> RampOutputs:
-    """Cached by the bundle's files (their hashes) and error score, the stream and the range: re-profiling a
-    bundle changes its manifest but not what its ramps answer. With `learn_batch`, inputs run in batches of
+    """Cached by the bundle's files (their hashes; `answering_files`) and error score, the stream and the range:
+    re-profiling a bundle, or giving it its validation outputs, changes its manifest but not what its ramps answer. With `learn_batch`, inputs run in batches of
     that size, in stream order, and the cache ramps learn from each batch's final labels (online updates; the
     model's ramps change as it goes, so load the bundle afresh for each such call)."""
     manifest = read_manifest(bundle_dir)
-    key = json.dumps({"files": manifest["files"], "error_score": manifest["error_score"]}
+    key = json.dumps({"files": answering_files(manifest), "error_score": manifest["error_score"]}
                      | ({"learn_batch": learn_batch} if learn_batch else {}), sort_keys=True)
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     path = home() / "sim" / f"{digest}-{stream.name}-{stream.length}-{stream.seed}-{start}-{stop}.npz"

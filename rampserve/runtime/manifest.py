@@ -101,10 +101,16 @@ def read_validation(bundle_dir: Path, manifest: dict) -> dict[str, np.ndarray] |
     return arrays
 
 
+def answering_files(manifest: dict) -> dict[str, str]:
+    """The digests of the files a bundle's answers come from (model, ramps, example inputs, tokenizers): every file
+    its manifest lists but the validation outputs, which are such answers, kept (a bundle given them later answers
+    as before)."""
+    return {name: digest for name, digest in manifest.get("files", {}).items() if name != VALIDATION_FILE}
+
+
 def bundle_digest(bundle_dir: Path) -> str:
     """What a bundle's compiled serving paths depend on: the sha256 of its model and ramp files and of the example
     inputs they are traced and checked with (a new profile or validation outputs leave them as they are), as its
     manifest records them (whatever loads those files checks them: hashing them again here cost a start 0.1-0.2 s)."""
-    files = read_manifest(bundle_dir, digests=()).get("files", {})
-    files = {name: digest for name, digest in files.items() if name != VALIDATION_FILE}
+    files = answering_files(read_manifest(bundle_dir, digests=()))
     return hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()

@@ -497,18 +497,9 @@ def validation_outputs(model: PreparedModel, source: ModelSource, config: Prepar
     items = data.items
     _, val = split_indices(len(items), train)
     chosen = [items[i] for i in val] if isinstance(items, list) else items[val]
-    sites = model.site_names
-    column = {s: i for i, s in enumerate(sites)}
-    labels, errors = np.zeros((len(val), len(sites)), dtype=np.int64), np.zeros((len(val), len(sites)), np.float32)
-    final = np.zeros(len(val), dtype=np.int64)
-    for start in range(0, len(val), config.batch_size):
-        rows = slice(start, start + config.batch_size)
-
-        def collect(site: str, top: np.ndarray, error: np.ndarray, rows: slice = rows) -> None:
-            labels[rows, column[site]], errors[rows, column[site]] = top, error
-
-        logits = model.run(feeds_for(model.backend, data.bootstrap.encoder, chosen[rows]), sites, collect)
-        final[rows] = np.asarray(logits).argmax(axis=1)
+    batches = [model.ramp_answers(feeds_for(model.backend, data.bootstrap.encoder, chunk))
+               for chunk in _batches(chosen, config.batch_size)]
+    labels, errors, final = (np.concatenate(part) for part in zip(*batches))
     return {"labels": labels, "errors": errors, "final": final}
 
 

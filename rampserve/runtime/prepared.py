@@ -174,6 +174,22 @@ class PreparedModel:
                 on_ramp(site, *outputs.scores(column))
         return output
 
+    def ramp_answers(self, feeds: dict[str, np.ndarray], compiled: bool | CompiledSet = False
+                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """One batch run with every site's ramp evaluated: each ramp's top label and error score per input,
+        (inputs, sites) in `site_names` order, and the model's own label per input. `compiled` as for `run`."""
+        sites = self.site_names
+        column = {s: i for i, s in enumerate(sites)}
+        inputs = len(next(iter(feeds.values())))
+        labels = np.zeros((inputs, len(sites)), dtype=np.int64)
+        errors = np.zeros((inputs, len(sites)), dtype=np.float32)
+
+        def collect(site: str, top: np.ndarray, error: np.ndarray) -> None:
+            labels[:, column[site]], errors[:, column[site]] = top, error
+
+        final = np.asarray(self.run(feeds, sites, collect, compiled=compiled)).argmax(axis=1)
+        return labels, errors, final
+
     def run_eager(self, feeds: dict[str, np.ndarray], active: Sequence[str], on_ramp: RampCallback | None
                   ) -> np.ndarray:
         """The reference path: the model's stages as the backend runs them, each active ramp evaluated in Python
