@@ -214,11 +214,14 @@ async def fire_until_managed(url: str, pixels: np.ndarray, generation: int,
 
     async def watch(session: aiohttp.ClientSession) -> None:
         nonlocal since
-        early_since = 0
+        early_since, status = 0, None
         while early_since < 50:
-            assert time.monotonic() < give_up, "not managed in time"
+            # what the server said last says where it stood: which phase, and the executor's view of its controller
+            assert time.monotonic() < give_up, f"not managed in time: {status and status['learning']}, " \
+                                               f"{status and status['models'].get(MODEL)}"
             async with session.get(f"{url}/status") as response:
-                phase = (await response.json())["learning"][MODEL]
+                status = await response.json()
+            phase = status["learning"][MODEL]
             assert phase["phase"] != "failed" and phase["reason"] is None, phase["reason"]
             if since is None and phase["phase"] == "managed" and phase["generation"] == generation:
                 since = max(answers, default=-1) + 1

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
+import time
 from pathlib import Path
 
-from rampserve.threads import OsNamedThread, native_threads_named, set_os_thread_name
+from rampserve.threads import OsNamedThread, RunnableWatch, native_threads_named, set_os_thread_name
 
 
 def _comm(tid: int) -> str:
@@ -87,3 +90,26 @@ def test_a_thread_below_the_pools_runs_idle_where_they_do_and_at_its_niceness_el
     assert policy_and_niceness(False) == (os.SCHED_OTHER, before + 7)
     assert policy_and_niceness(True)[0] == os.SCHED_IDLE
     assert os.sched_getscheduler(0) == os.SCHED_OTHER  # the rest of the process keeps its own
+
+
+def test_a_watch_sees_a_process_want_a_core_while_it_computes_and_not_while_it_waits_or_once_it_ended():
+    """Processes of their own, so that the GIL never makes the computing one wait."""
+    computing = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    waiting = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    watch = RunnableWatch([(waiting.pid, waiting.pid)])
+    try:
+        settled = time.monotonic() + 30
+        while watch.any_runnable():  # starting: the interpreter computes until it sleeps
+            assert time.monotonic() < settled, "the sleeping process never slept"
+            time.sleep(0.01)
+        watch.watch([(computing.pid, computing.pid), (waiting.pid, 1 << 30)])  # no such thread: nothing to watch
+        assert watch.any_runnable()
+        watch.forget([(computing.pid, computing.pid)])
+        assert not watch.any_runnable()
+        watch.watch([(computing.pid, computing.pid)])
+        computing.kill(), waiting.kill()
+        computing.wait(), waiting.wait()
+        assert not watch.any_runnable()  # both ended
+    finally:
+        computing.kill(), waiting.kill()
+        watch.close()

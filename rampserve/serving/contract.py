@@ -77,7 +77,8 @@ class ModelSettings:
     # kernel. A sleeping core wakes late, and to a colder model: on this 2-core VM, minilm-rt served one request at
     # a time took 0.7-1.6 ms longer after 20-50 ms idle when the executor slept than when it polled, and polling
     # cut a request's overhead by 0.13-0.37 ms (one wake-up fewer; DESIGN, the executor process). The price is the
-    # CPU of a core within the window of any frame, given to any other runnable thread first (0: never poll).
+    # CPU of a core within the window of any frame, given to any other runnable thread first (and to the server's
+    # SCHED_IDLE work: see `executor.wait_readable`) (0: never poll).
     idle_poll_ms: float = 50.0
     # The Linux scheduling policy of an executor process's threads. An answer a ramp releases mid-run goes out
     # through the front end while ONNX Runtime's threads run on every core, and under the normal policy the front end
@@ -160,6 +161,10 @@ class Worker(Protocol):
 
     def count_cached(self, labels: np.ndarray) -> None:
         """Answers the prediction cache gave, for the controller's books."""
+
+    def yield_to(self, processes: tuple[int, ...]) -> None:
+        """The server's background processes (under SCHED_IDLE: a training job), which the executor's polling for
+        requests must leave a core to."""
 
     async def current_status(self, latest_decisions: int | None = None) -> dict:
         """The status, with the controller's latest decisions (None: all of them)."""

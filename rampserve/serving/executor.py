@@ -36,13 +36,16 @@ from rampserve.serving import wire
 from rampserve.serving.contract import GIL_SWITCH_INTERVAL_S, Answer, ModelSettings, Shed, freeze_startup_objects
 from rampserve.serving.metrics import ServerMetrics
 from rampserve.serving.models import ServedModel, read_served
-from rampserve.threads import idle_native_threads, schedule_as_idle, thread_ids
+from rampserve.threads import RunnableWatch, idle_native_threads, schedule_as_idle, thread_ids
 
 log = logging.getLogger("rampserve.serving")
 
 # Longest an executor's control thread waits for a controller the front end holds; past it, the record is lost to
 # the controller and the executor serves on with the configuration it has (as a replica that loses its controller)
 CONTROL_CALL_TIMEOUT_S = 30.0
+# How long a poll rests in select at a time while a SCHED_IDLE thread waits for a core (`wait_readable`): a frame
+# wakes it sooner
+POLL_REST_S = 0.001
 # What serving a bundle imports, by its backend (torch, ONNX Runtime and its Python operators, the controller):
 # imported by `main` after the interpreter's start and before the bundle loads, so that the start's log tells the
 # three apart (this module imports none of them at its top)
@@ -73,10 +76,13 @@ class StartLog:
         return {"phases": dict(self.phases), "sets": self.sets, "policy": self.policy}
 
 
-def wait_readable(sock: socket.socket, timeout: float | None, poll_until: float) -> str | None:
+def wait_readable(sock: socket.socket, timeout: float | None, poll_until: float,
+                  others_waiting: Callable[[], bool] = lambda: False) -> str | None:
     """How `sock` became readable within `timeout` seconds (None: no limit): "ready" if it was already, "polled" if
     it became so while the monotonic clock was before `poll_until` (looked at again and again, the core yielded to
-    any other runnable thread between looks), else "slept" (in select); None if it did not."""
+    any other runnable thread between looks), "rested" if it did so while the poll rested in select (as it does
+    while `others_waiting()` says a SCHED_IDLE thread of the server wants a core), else "slept" (in select once the
+    window ended); None if it did not."""
     if select.select([sock], [], [], 0)[0]:
         return "ready"
     if timeout == 0:  # a look between batches, once per batch: no second look
@@ -85,9 +91,16 @@ def wait_readable(sock: socket.socket, timeout: float | None, poll_until: float)
     deadline = None if timeout is None else now + timeout
     stop_polling = poll_until if deadline is None else min(poll_until, deadline)
     while now < stop_polling:
-        os.sched_yield()
-        if select.select([sock], [], [], 0)[0]:
-            return "polled"
+        if others_waiting():
+            # sched_yield hands the core to threads of the normal policy alone: a poll that goes on while requests
+            # keep coming would keep a SCHED_IDLE thread (the controller, the training job) off it for good. In
+            # select the core is theirs, and a frame takes it back at once (this thread's wake preempts them)
+            if select.select([sock], [], [], min(POLL_REST_S, stop_polling - now))[0]:
+                return "rested"
+        else:
+            os.sched_yield()
+            if select.select([sock], [], [], 0)[0]:
+                return "polled"
         now = time.monotonic()
     remaining = None if deadline is None else max(0.0, deadline - now)
     return "slept" if select.select([sock], [], [], remaining)[0] else None
@@ -128,8 +141,10 @@ class Executor:
         self.worker.on_configuration = lambda config: self.send(wire.frame(wire.CONFIGURATION, config.to_json()))
         self.worker.queue.feed = self._read
         self._poll_s = self.worker.settings.idle_poll_ms / 1000.0
+        self._idle_work = RunnableWatch()  # the server's SCHED_IDLE threads, which polling must not starve
+        self._background: list[tuple[int, int]] = []  # those of the front end's background processes
         self._found = {how: self.metrics.executor_frames_found.labels(model=model.name, how=how)
-                       for how in ("ready", "polled", "slept")}
+                       for how in ("ready", "polled", "rested", "slept")}
 
     def send(self, data: bytes) -> None:
         with self._sending:  # the executor, releasing and control threads all answer
@@ -150,12 +165,14 @@ class Executor:
 
     def serve(self) -> None:
         self.worker.start()
+        self._idle_work.watch((os.getpid(), thread) for thread in self.worker.background_threads)
         self.start.phase("sets loaded", self._sets_loaded())
         freeze_startup_objects()
         self.start.phase("ready")
         self.send(wire.frame(wire.READY, {"pid": os.getpid(), "start": self.start.report()}))
         self.worker.wait_stopped()
         self.worker.stop()  # the control thread's last records, the compile worker
+        self._idle_work.close()
 
     def _sets_loaded(self) -> str:
         """The compiled sets held once started, how many were loaded from disk (compiled before, by this process's
@@ -171,7 +188,7 @@ class Executor:
     def _read(self, timeout: float | None) -> None:
         """Whatever the front end sent, waiting at most `timeout` seconds for it (on the executor thread), polling
         for it within `idle_poll_ms` of the last frame (`ModelSettings.idle_poll_ms` says why)."""
-        how = wait_readable(self._sock, timeout, self._last_frame + self._poll_s)
+        how = wait_readable(self._sock, timeout, self._last_frame + self._poll_s, self._idle_work.any_runnable)
         if how is None:
             return
         self._found[how].inc()
@@ -200,6 +217,10 @@ class Executor:
                 future.set_result(header)
         elif kind == wire.QUIT:
             self._quit()
+        elif kind == wire.BACKGROUND:
+            self._idle_work.forget(self._background)
+            self._background = [(pid, pid) for pid in header["pids"]]  # a process's main thread does its work
+            self._idle_work.watch(self._background)
 
     def _quit(self) -> None:
         with self._calls_lock:  # the front end answers no more: the control thread must not wait for it

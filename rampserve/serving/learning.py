@@ -457,7 +457,7 @@ class Learner:
         """Train `generation` on `data` and serve it; whether it serves. A first generation that fails leaves the
         model vanilla (failed); a later one leaves the generation before it serving, saying why."""
         folder = self.model.folder
-        reason = await self._train(data, folder.generation_bundle(generation)) \
+        reason = await self._train(catalogue, data, folder.generation_bundle(generation)) \
             or await self._adopt(catalogue, generation)
         if reason is None:  # a relearning that failed before this one no longer says why the model stands as it does
             self.generation, self.reason = generation, None
@@ -473,7 +473,7 @@ class Learner:
             log.error("model %s: %s (see %s)", self.name, self.reason, folder.training_log)
         return False
 
-    async def _train(self, data: Path, out: Path) -> str | None:
+    async def _train(self, catalogue: Catalogue, data: Path, out: Path) -> str | None:
         """Run the training job on `data` into the bundle `out`; why it failed, or None."""
         folder = self.model.folder
         folder.failure_file.unlink(missing_ok=True)
@@ -489,6 +489,7 @@ class Learner:
             reader = threading.Thread(target=self._read_job, args=(job, log_file, asyncio.get_running_loop()),
                                       name=f"training {self.name}", daemon=True)
             reader.start()
+            catalogue.background_started(job.pid)
             reaped = asyncio.ensure_future(asyncio.to_thread(reap, job))
             try:
                 code, self.job_cpu_s = await asyncio.shield(reaped)
@@ -497,6 +498,7 @@ class Learner:
                 raise
             finally:
                 self._job = None
+                catalogue.background_ended(job.pid)
                 await asyncio.to_thread(reader.join)
         if code == 0 and (out / MANIFEST).is_file():
             return None

@@ -124,7 +124,8 @@ class ServerMetrics:
                                          "theirs died", ["model"], registry=r)
         self.executor_frames_found = Counter(
             "rampserve_executor_frames_found", "Times an executor process found the front end's frames, by how: ready "
-            "(waiting when it looked), polled (within --idle-poll-ms of the last frame) or slept", ["model", "how"],
+            "(waiting when it looked), polled (within --idle-poll-ms of the last frame), rested (within it, while "
+            "the poll left the core to the server's SCHED_IDLE work) or slept", ["model", "how"],
             registry=r)
         self.config_changes = Counter("rampserve_configuration_changes", "Configurations adopted by the executor",
                                       ["model"], registry=r)

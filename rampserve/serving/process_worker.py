@@ -127,6 +127,7 @@ class ProcessWorker:
         # how long the model was unavailable
         self.last_start: dict = {}
         self._labels = {"model": served.name}
+        self._background: tuple[int, ...] = ()  # processes its executors' polling must leave a core to
 
     @property
     def pid(self) -> int | None:
@@ -164,6 +165,8 @@ class ProcessWorker:
             "bundle": str(self.served.bundle_dir), "name": self.served.name, "version": self.served.version,
             "settings": settings.to_json(), "relayed_control": relayed, "spawned": spawned, "restart": restart,
             "slot_bytes": self._arena.slot_bytes, "slots": self._arena.slots}))
+        if self._background:
+            transport.write(wire.frame(wire.BACKGROUND, {"pids": self._background}))
         header = await ready
         channel.ready_at = time.monotonic()
         self.last_start = header["start"]
@@ -197,6 +200,11 @@ class ProcessWorker:
             "i": request, "rows": rows, "final": needs_final, "deadline": deadline_ms, "priority": priority,
             "keep": on_final is not None, "slot": slot, "layout": layout, "arrival": time.monotonic()}, body))
         return future
+
+    def yield_to(self, processes: tuple[int, ...]) -> None:
+        self._background = processes
+        if self._channel is not None:
+            self._channel.transport.write(wire.frame(wire.BACKGROUND, {"pids": processes}))
 
     def count_cached(self, labels: np.ndarray) -> None:
         if self._channel is not None:

@@ -30,6 +30,7 @@ CACHED = ord("C")  # answers the prediction cache gave: labels for the controlle
 STATUS = ord("S")
 METRICS = ord("M")
 QUIT = ord("Q")  # answer everything accepted, then exit
+BACKGROUND = ord("B")  # the server's background processes (a training job), which the executor's polling must not starve
 # Executor -> front end
 READY = ord("Y")
 ANSWER = ord("A")

@@ -192,6 +192,11 @@ class ModelWorker:
         return self._serving[0]
 
     @property
+    def background_threads(self) -> tuple[int, ...]:
+        """The kernel's ids of its threads that run below the model's (the control thread), once started."""
+        return () if self._control is None or self._control.native_id is None else (self._control.native_id,)
+
+    @property
     def compiled(self) -> bool:
         """Whether the configuration in force runs compiled."""
         return self._serving[1] is not None
@@ -433,6 +438,9 @@ class ModelWorker:
             with self._answers_lock:
                 self.answers[path] += inputs
             self.metrics.answers.labels(path=path, **self._labels).inc(inputs)
+
+    def yield_to(self, processes: tuple[int, ...]) -> None:
+        """Nothing to do: this executor thread waits for requests in the kernel, it does not poll."""
 
     def count_cached(self, labels: np.ndarray) -> None:
         """Answers the prediction cache gave (final labels): counted here and, through the control thread, by

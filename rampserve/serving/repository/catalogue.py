@@ -161,6 +161,20 @@ class Catalogue:
         self._initial_apps = tuple(apps)
         self._changing = asyncio.Lock()
         self.started = False
+        self.background: set[int] = set()  # the server's background processes (training jobs), see `Worker.yield_to`
+
+    def background_started(self, process: int) -> None:
+        self.background.add(process)
+        self._tell_background()
+
+    def background_ended(self, process: int) -> None:
+        self.background.discard(process)
+        self._tell_background()
+
+    def _tell_background(self, workers: Iterable[Worker] | None = None) -> None:
+        processes = tuple(sorted(self.background))
+        for worker in self.workers.values() if workers is None else workers:
+            worker.yield_to(processes)
 
     def _index_workers(self) -> None:
         self.workers = {n: p.worker for n, p in self.models.items() if p.worker is not None}
@@ -218,6 +232,8 @@ class Catalogue:
         old = self.models.get(predictor.name)
         self.models[predictor.name] = predictor
         self._index_workers()
+        if predictor.worker is not None and self.background:
+            self._tell_background([predictor.worker])
         if old is not None:
             await old.close()
 
