@@ -151,8 +151,10 @@ def test_an_unprepared_model_answers_at_once_is_managed_and_relearns_when_its_st
         managed = learning(url)
         counted = requests_counted(url)
         model_status = get_json(f"{url}/status/{MODEL}")
-        changed = asyncio.run(fire_until_managed(url, after, generation=2))
+        yielding = []
+        changed = asyncio.run(fire_until_managed(url, after, generation=2, yielding=yielding))
         relearned = learning(url)
+        yielded_after = get_json(f"{url}/status/{MODEL}")["executor"]["yields_to"]
     assert label(first) == own_before[0] and "early" not in first["parameters"]
     assert recording["phase"] == "recording" and recording["recorded"] == 1 and recording["record_target"] == record
     for (answers, sent, since), labels in ((traffic, own_before), (changed, own_after)):
@@ -180,6 +182,11 @@ def test_an_unprepared_model_answers_at_once_is_managed_and_relearns_when_its_st
                                                              "managed"]
     assert relearned["generation"] == 2 and relearned["bundle"] == str(folder / "bundle-2")
     assert not (folder / "bundle").exists()  # the first generation is gone once the second serves
+    # While the second generation trained beside the first's executor, that executor's polling yielded to the job
+    # (in a snapshot taken between the job's start and its end: the status reads the two at slightly different
+    # moments); once the job ended, to nothing
+    assert any(yields_to == [job] for job, yields_to in yielding), yielding
+    assert yielded_after == []
     (drift,) = relearned["drifts"]
     assert all(share < 0.5 * drift["level"] for share in drift["shares"]) and drift["level"] >= 0.1
     lines = (folder / "relearning-2.jsonl").read_bytes().splitlines()
@@ -188,12 +195,13 @@ def test_an_unprepared_model_answers_at_once_is_managed_and_relearns_when_its_st
     assert all((row == after).all(axis=1).any() for row in relearned_on)  # requests sent after the change
 
 
-async def fire_until_managed(url: str, pixels: np.ndarray, generation: int,
-                             clients: int = 4) -> tuple[dict[int, dict], int, int]:
+async def fire_until_managed(url: str, pixels: np.ndarray, generation: int, clients: int = 4,
+                             yielding: list[tuple[int, list[int]]] | None = None) -> tuple[dict[int, dict], int, int]:
     """Requests from `clients` concurrent clients, request i sending image i (cycling), each with an id of its own,
     until the model is managed at bundle `generation`, has answered 50 of the requests sent since at a ramp, and
     its watch on the exits' pay has seen the level they hold: every answer by id, how many were sent, and the
-    first id sent once it was managed."""
+    first id sent once it was managed. `yielding` collects, while a training job runs beside an executor process,
+    the job and the processes that executor's polling yields to (`Worker.yield_to`)."""
     answers: dict[int, dict] = {}
     counter = itertools.count()
     done = asyncio.Event()
@@ -223,6 +231,8 @@ async def fire_until_managed(url: str, pixels: np.ndarray, generation: int,
                 status = await response.json()
             phase = status["learning"][MODEL]
             assert phase["phase"] != "failed" and phase["reason"] is None, phase["reason"]
+            if yielding is not None and phase["job"] is not None and MODEL in status["models"]:
+                yielding.append((phase["job"], status["models"][MODEL]["executor"]["yields_to"]))
             if since is None and phase["phase"] == "managed" and phase["generation"] == generation:
                 since = max(answers, default=-1) + 1
             if since is not None and (phase["early_share_level"] or 0.0) >= 0.1:

@@ -332,7 +332,8 @@ class ProcessWorker:
     async def current_status(self, latest_decisions: int | None = None) -> dict:
         executor = {"kind": "process", "pid": self.pid, "restarts": self.restarts, "in_flight": len(self._in_flight),
                     "available": self.available, "last_start": self.last_start,
-                    "idle_poll_ms": self.settings.idle_poll_ms, "policy": self.last_start.get("policy")}
+                    "idle_poll_ms": self.settings.idle_poll_ms, "policy": self.last_start.get("policy"),
+                    "yields_to": self._background}
         try:
             status = await self._ask(wire.STATUS, decisions=latest_decisions)
         except (ExecutorLost, TimeoutError) as exc:
