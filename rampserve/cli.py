@@ -52,8 +52,8 @@ def field_options(names: Iterable[str], env: bool = False) -> dict[str, object]:
 
 # Controller settings that `serve`, `bench sim` and `bench live` take alike (`controller_options`); None (not
 # given): the controller's own
-CONTROLLER_OPTIONS = field_options(("objective", "guarantee", "risk_target_share", "confidence", "search_every",
-                                    "history", "shadow_share", "prime"))
+CONTROLLER_OPTIONS = field_options(("objective", "guarantee", "promise_window", "windows_below", "risk_target_share",
+                                    "confidence", "search_every", "history", "shadow_share", "prime"))
 # Everything `serve` takes but its models and applications, the server's before the models': each read from
 # RAMPSERVE_<NAME> unless its flag is given
 SERVE_OPTIONS = field_options(sorted(ServeOptions.model_fields, key=lambda name: name in ModelOptions.model_fields),
@@ -429,6 +429,8 @@ def demo(
                                                       "the controller's first ramp-set search comes after its "
                                                       "first 1,024 inputs")] = 1200,
     load: Annotated[float, typer.Option(help=LOAD_HELP)] = DEFAULT_LOAD,
+    rounds: Annotated[int, typer.Option(help="replays of the stream against each system, alternating which goes "
+                                             "first: the rounds' spread says which difference is more than noise")] = 2,
     ramp_budget: Annotated[float, typer.Option(help="what ramps may add to a non-exiting input, as a share of "
                                                      "the model's latency (the controller's default)")] = 0.02,
     json_out: Annotated[Optional[Path], typer.Option("--json", help="write the replay's report here (`bench "
@@ -444,7 +446,7 @@ def demo(
     try:  # before the model is prepared: refused settings should not wait for it
         settings = LiveSettings(model=model, workload=default_workload(ModelSource.parse(model, small=small)),
                                 loads=(load,), duration_s=duration, saturation_s=6.0, warmup_requests=warmup_requests,
-                                sequential_requests=200, inprocess_rounds=200, replay_rounds=1,
+                                sequential_requests=200, inprocess_rounds=200, replay_rounds=rounds,
                                 server_args=("--ramp-budget", str(ramp_budget)))
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
@@ -459,37 +461,58 @@ def demo(
     console.print(f"serving {model} over HTTP on {engine}, the fastest engine here (vanilla is the model on it "
                   f"without ramps), then with early exits (ramp budget {ramp_budget:.0%}), and replaying "
                   f"{duration:g} s of the drifting stream ({settings.workload}) against each at load {load:g} (that "
-                  f"share of vanilla's measured saturation) after {warmup_requests:,} warm-up requests")
+                  f"share of vanilla's measured saturation) after {warmup_requests:,} warm-up requests, {rounds} "
+                  "round(s) alternating which system goes first")
     report = run_live(settings, None, None)
     (entry,) = report["loads"]
     console.print(live_table(report, entry))
-    vanilla, served = entry["systems"]["vanilla"], entry["systems"]["rampserve"]
-    console.print(demo_verdict(vanilla, served))
+    console.print(demo_verdict(entry))
     _write_json(report, json_out)
     console.print(f"To look inside: `rampserve serve {model} --ramp-budget {ramp_budget}`, then "
                   "http://127.0.0.1:8000/metrics (Prometheus) and http://127.0.0.1:8000/status (configuration and "
                   "controller decisions); `rampserve bench live --json OUT --plots DIR` for the full benchmark.")
 
 
-def demo_verdict(vanilla: dict, served: dict, accuracy_constraint: float = 0.01) -> str:
-    """What the demo's replay showed, in words that follow from its numbers: whether early exits saved latency at
-    the median and the tail, at what accuracy (and whether it kept the constraint the server was given), and why
-    not where they did not."""
-    p50, p99 = served["p50_ms"] / vanilla["p50_ms"], served["p99_ms"] / vanilla["p99_ms"]
+def demo_verdict(entry: dict, accuracy_constraint: float = 0.01) -> str:
+    """What the demo's replay rounds showed (`bench live`'s entry for its load), in words that follow from their
+    numbers: whether early exits saved latency at the median, claimed only where the cut is larger than the rounds'
+    spread, whether the tail got worse, at what accuracy (and whether it kept the constraint the server was
+    given), and why not where they did not."""
+    vanilla, served = entry["systems"]["vanilla"], entry["systems"]["rampserve"]  # the median round's
+    versus = entry["versus_vanilla"]
+    p50, p99 = versus["p50_ms"], versus["p99_ms"]
+    rounds = [r for r in p50["ratio_rounds"] if r is not None]
+    spread = max(rounds) - min(rounds)
+
+    def ratios(figure: dict) -> str:
+        known = [r for r in figure["ratio_rounds"] if r is not None]
+        return f"{figure['ratio']:.2f}x" + (f" ({min(known):.2f}-{max(known):.2f})" if len(known) > 1 else "")
+
     lines = [f"rampserve answered {served['exit_share']:.0%} of requests at a ramp, agreeing with the original model "
-             f"on {served['accuracy']:.2%} of answers (worst 1k: {served['worst_window_accuracy']:.2%}).",
-             f"Median latency {served['p50_ms']:.2f} ms against vanilla's {vanilla['p50_ms']:.2f} ms "
-             f"({p50:.2f}x), p99 {served['p99_ms']:.1f} against {vanilla['p99_ms']:.1f} ms ({p99:.2f}x); "
-             f"throughput {served['throughput_rps']:.0f} against {vanilla['throughput_rps']:.0f} rps."]
+             f"on {versus['accuracy']:.2%} of answers in its worst round (worst 1k: "
+             f"{served['worst_window_accuracy']:.2%} in the median round).",
+             f"Over {len(rounds)} round(s), alternating which system went first (median, min-max of the rounds): "
+             f"p50 {ratios(p50)} vanilla's, p99 {ratios(p99)}; in the median round p50 {served['p50_ms']:.2f} "
+             f"against {vanilla['p50_ms']:.2f} ms, throughput {served['throughput_rps']:.0f} against "
+             f"{vanilla['throughput_rps']:.0f} rps."]
+    cut = 1.0 - p50["ratio"]
     if served["exit_share"] == 0:
         lines.append("No answer left at a ramp in this run (no ramp fit the budget, or none was confident enough), "
                      "so early exits saved nothing here; the difference from vanilla is the managed server's own "
                      "cost and this machine's noise.")
-    elif p50 < 1.0:
-        lines.append(f"Early exits cut the median by {1 - p50:.0%} in this run.")
-    else:
+    elif cut <= 0:
         lines.append("Exits happened, but did not lower the median in this run.")
-    if served["accuracy"] < 1.0 - accuracy_constraint:
+    elif len(rounds) < 2:
+        lines.append(f"The median was {cut:.0%} lower in one round, which shows no spread to judge a cut against: "
+                     "run more rounds (--rounds) before trusting it.")
+    elif cut > spread:
+        lines.append(f"Early exits cut the median by {cut:.0%}, more than the rounds' spread ({spread:.2f}).")
+    else:
+        lines.append(f"The median was {cut:.0%} lower, within the rounds' spread ({spread:.2f}): this run claims "
+                     "no cut.")
+    if p99["ratio"] > 1.0:
+        lines.append(f"The tail was worse: p99 {p99['ratio']:.2f}x vanilla's.")
+    if versus["accuracy"] < 1.0 - accuracy_constraint:
         lines.append(f"Agreement fell below the {1.0 - accuracy_constraint:.0%} that the accuracy constraint asks for "
                      "in this run.")
     return "\n".join(lines)

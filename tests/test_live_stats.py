@@ -323,18 +323,31 @@ def test_job_and_result_files_round_trip(tmp_path):
     assert back.early.tolist() == [True, False] and back.shed.tolist() == [False, True]
 
 
-def _system(p50: float, p99: float, exits: float) -> dict:
-    return {"p50_ms": p50, "p99_ms": p99, "exit_share": exits, "accuracy": 0.995, "worst_window_accuracy": 0.99,
-            "throughput_rps": 100.0}
+def _demo_entry(p50_rounds: list[float], p99_rounds: list[float], exits: float, accuracy: float = 0.995) -> dict:
+    """`bench live`'s entry for one load, as the demo reads it: vanilla at 2 ms p50, 10 ms p99."""
+    def paired(rounds: list[float]) -> dict:
+        return {"ratio": float(np.median(rounds)), "ratio_rounds": rounds}
+
+    vanilla = {"p50_ms": 2.0, "p99_ms": 10.0, "exit_share": 0.0, "worst_window_accuracy": 1.0, "throughput_rps": 100.0}
+    served = {"p50_ms": 2.0 * float(np.median(p50_rounds)), "p99_ms": 10.0 * float(np.median(p99_rounds)),
+              "exit_share": exits, "worst_window_accuracy": 0.99, "throughput_rps": 100.0}
+    return {"systems": {"vanilla": vanilla, "rampserve": served},
+            "versus_vanilla": {"p50_ms": paired(p50_rounds), "p99_ms": paired(p99_rounds), "accuracy": accuracy}}
 
 
 def test_the_demo_says_what_its_numbers_show():
     from rampserve.cli import demo_verdict
 
-    vanilla = _system(2.0, 10.0, 0.0)
-    assert "saved nothing" in demo_verdict(vanilla, _system(1.9, 9.0, 0.0))  # no exits: a lower p50 is noise
-    assert "cut the median by 40%" in demo_verdict(vanilla, _system(1.2, 9.0, 0.5))
-    slower = demo_verdict(vanilla, _system(2.4, 12.0, 0.3))
-    assert "did not lower the median" in slower and "(1.20x)" in slower
-    assert "fell below" not in slower
-    assert "fell below the 99%" in demo_verdict(vanilla, _system(1.2, 9.0, 0.5) | {"accuracy": 0.987})
+    # no exits: a lower p50 is noise
+    assert "saved nothing" in demo_verdict(_demo_entry([0.9, 0.95], [0.9, 0.9], 0.0))
+    cut = demo_verdict(_demo_entry([0.58, 0.62], [0.9, 0.95], 0.5))
+    assert "cut the median by 40%" in cut and "0.60x (0.58-0.62)" in cut and "tail was worse" not in cut
+    # a cut no larger than the rounds' spread, or seen in one round, is not claimed
+    within = demo_verdict(_demo_entry([0.8, 1.0], [0.9, 0.9], 0.5))
+    assert "within the rounds' spread" in within and "cut the median" not in within
+    single = demo_verdict(_demo_entry([0.6], [0.9], 0.5))
+    assert "one round" in single and "cut the median" not in single
+    slower = demo_verdict(_demo_entry([1.1, 1.3], [1.2, 1.4], 0.3))
+    assert "did not lower the median" in slower and "p50 1.20x (1.10-1.30)" in slower
+    assert "tail was worse: p99 1.30x" in slower and "fell below" not in slower
+    assert "fell below the 99%" in demo_verdict(_demo_entry([0.6, 0.62], [0.9, 0.9], 0.5, accuracy=0.987))
