@@ -22,12 +22,13 @@ def test_controller_options_reach_the_command_as_controller_settings_fields():
 
     runner = CliRunner()
     assert runner.invoke(demo, ["--name", "y", "--objective", "p95", "--search-every", "1024",
-                                "--shadow-share", "0.1", "--guarantee", "long-run", "--no-prime"]).exit_code == 0
+                                "--shadow-share", "0.1", "--guarantee", "windowed", "--windows-below", "0.1",
+                                "--no-prime"]).exit_code == 0
     assert runner.invoke(demo, []).exit_code == 0
-    assert heard == [{"name": "y", "objective": "p95", "guarantee": "long-run", "search_every": 1024,
-                      "shadow_share": 0.1, "prime": False}, {"name": "x"}]
-    assert set(CONTROLLER_OPTIONS) == {"objective", "guarantee", "risk_target_share", "confidence", "search_every",
-                                       "history", "shadow_share", "prime"}
+    assert heard == [{"name": "y", "objective": "p95", "guarantee": "windowed", "windows_below": 0.1,
+                      "search_every": 1024, "shadow_share": 0.1, "prime": False}, {"name": "x"}]
+    assert set(CONTROLLER_OPTIONS) == {"objective", "guarantee", "promise_window", "windows_below", "risk_target_share",
+                                       "confidence", "search_every", "history", "shadow_share", "prime"}
 
 
 def test_bench_live_gives_the_managed_server_a_flag_as_a_flag():

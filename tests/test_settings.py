@@ -189,7 +189,7 @@ def test_a_repository_serves_each_model_with_its_settings_file_over_the_environm
         process.kill()
     assert answers == {"fast": 200, "slow": 200}
     assert (fast["ramp_budget"], fast["bound"]["constraint"], fast["exit_mode"], fast["guarantee"],
-            fast["max_batch"], fast["deadline_ms"]) == (0.05, 0.02, "stop", "long-run", 2, None)
+            fast["max_batch"], fast["deadline_ms"]) == (0.05, 0.02, "stop", "average", 2, None)  # its former name
     assert (slow["ramp_budget"], slow["bound"]["constraint"], slow["exit_mode"], slow["guarantee"],
             slow["max_batch"], slow["slo_ms"], slow["deadline_ms"]) == (0.07, 0.01, "release", "certified", 4, 40.0,
                                                                         500.0)

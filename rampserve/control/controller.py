@@ -307,8 +307,9 @@ class Controller:
         return ExitData(*(np.concatenate([getattr(older, f), getattr(recent, f)]) for f in fields))
 
     def choose_thresholds(self, data: ExitData, sites: tuple[str, ...], ranking: bool = False) -> np.ndarray:
-        """Thresholds for `sites` from `data`: certified at the configuration's confidence, or tuned at the full
-        constraint (long-run guarantee), or the start thresholds where tuning is off.
+        """Thresholds for `sites` from `data`: certified at the configuration's confidence (certified promise), or
+        tuned at the full constraint (average) or at the windowed promise's rate (windowed), or the start thresholds
+        where tuning is off.
 
         `ranking`: the thresholds a candidate set is ranked at in a search, tuned at the disagreement rolling risk
         control holds answers to. Certifying each candidate instead ranks them by the noise of Learn-then-Test's
@@ -320,8 +321,9 @@ class Controller:
         if not sites or not data.size:
             return np.zeros(len(sites))
         self._work += data.size * len(sites)
-        if ranking or settings.guarantee == "long-run":
-            disagreement = settings.risk_target if ranking else settings.accuracy_constraint
+        if ranking or settings.guarantee != "certified":
+            disagreement = settings.accuracy_constraint if settings.guarantee == "average" and not ranking \
+                else settings.risk_target
             return tune_greedy(data, 1.0 - disagreement, settings.initial_step, settings.min_step).thresholds
         return certified_thresholds(data, settings.accuracy_constraint, self.delta, settings.initial_step,
                                     settings.min_step)

@@ -42,6 +42,17 @@ def binomial_upper(wrong: np.ndarray, n: int, delta: float) -> np.ndarray:
     return np.where(wrong >= n, 1.0, bound)
 
 
+def windowed_rate(constraint: float, window: int, windows_below: float) -> float:
+    """The highest rate of disagreement at which answers that disagree independently break the constraint in at
+    most `windows_below` of windows of `window` answers: more than floor(window * constraint) disagreements in a
+    window of Binomial(window, rate) has probability I_rate(k + 1, window - k), the regularized incomplete beta
+    function, solved for the rate (1,000 answers at 1%, 5% of windows: 0.0062)."""
+    allowed = int(np.floor(window * constraint + 1e-9))
+    if allowed >= window:
+        return 1.0
+    return float(betaincinv(allowed + 1, window - allowed, windows_below))
+
+
 def smallest_certifying(constraint: float, delta: float) -> int:
     """Fewest inputs with no disagreement whose bound is within the constraint: below it nothing can exit."""
     if constraint <= 0:

@@ -90,12 +90,19 @@ class ModelOptions(BaseModel):
     objective: str = Field(ControllerSettings.objective,
                            description="what the ramp-set search minimises or raises: p50, p95, mean or throughput")
     guarantee: str = Field(ControllerSettings.guarantee,
-                           description="how thresholds keep the accuracy constraint: certified (a confidence bound) "
-                                       "or long-run")
+                           description="what the accuracy constraint promises: average (over every answer served, "
+                                       "Apparate's; long-run, its former name), windowed (at most --windows-below of "
+                                       "windows of --promise-window answers break it) or certified (thresholds "
+                                       "certified at --confidence on recent inputs, and held below)")
+    promise_window: int = Field(ControllerSettings.promise_window,
+                                description="the windowed promise: answers per window")
+    windows_below: float = Field(ControllerSettings.windows_below,
+                                 description="the windowed promise: share of windows that may break the constraint")
     risk_target_share: float | None = Field(ControllerSettings.risk_target_share,
                                             description="share of the constraint rolling risk control holds "
                                                         "long-run disagreement to (default 0.65 with the certified "
-                                                        "guarantee, 1 with long-run)")
+                                                        "promise, 1 with average, the windowed promise's rate with "
+                                                        "windowed)")
     confidence: float = Field(ControllerSettings.confidence,
                               description="confidence of the bound on disagreement")
     search_every: int = Field(ControllerSettings.search_every, description="inputs between ramp-set searches")
