@@ -478,22 +478,20 @@ def demo_verdict(entry: dict, accuracy_constraint: float = 0.01) -> str:
     numbers: whether early exits saved latency at the median, claimed only where the cut is larger than the rounds'
     spread, whether the tail got worse, at what accuracy (and whether it kept the constraint the server was
     given), and why not where they did not."""
+    from rampserve.bench.live import paired_cell
+
     vanilla, served = entry["systems"]["vanilla"], entry["systems"]["rampserve"]  # the median round's
     versus = entry["versus_vanilla"]
     p50, p99 = versus["p50_ms"], versus["p99_ms"]
     rounds = [r for r in p50["ratio_rounds"] if r is not None]
     spread = max(rounds) - min(rounds)
 
-    def ratios(figure: dict) -> str:
-        known = [r for r in figure["ratio_rounds"] if r is not None]
-        return f"{figure['ratio']:.2f}x" + (f" ({min(known):.2f}-{max(known):.2f})" if len(known) > 1 else "")
-
     lines = [f"rampserve answered {served['exit_share']:.0%} of requests at a ramp, agreeing with the original model "
              f"on {versus['accuracy']:.2%} of answers in its worst round (worst 1k: "
              f"{served['worst_window_accuracy']:.2%} in the median round).",
              f"Over {len(rounds)} round(s), alternating which system went first (median, min-max of the rounds): "
-             f"p50 {ratios(p50)} vanilla's, p99 {ratios(p99)}; in the median round p50 {served['p50_ms']:.2f} "
-             f"against {vanilla['p50_ms']:.2f} ms, throughput {served['throughput_rps']:.0f} against "
+             f"p50 {paired_cell(p50, 'x')} vanilla's, p99 {paired_cell(p99, 'x')}; in the median round p50 "
+             f"{served['p50_ms']:.2f} against {vanilla['p50_ms']:.2f} ms, throughput {served['throughput_rps']:.0f} against "
              f"{vanilla['throughput_rps']:.0f} rps."]
     cut = 1.0 - p50["ratio"]
     if served["exit_share"] == 0:

@@ -141,8 +141,8 @@ class RunnableWatch:
                 stat = os.pread(fd, 512, 0)
             except OSError:  # ended
                 continue
-            # The state follows the command name, which may hold anything but ends at the last ")"
-            if stat[stat.rindex(b")") + 2:stat.rindex(b")") + 3] == b"R":
+            name_end = stat.rindex(b")")  # the state follows the command name, which may hold anything but this
+            if stat[name_end + 2:name_end + 3] == b"R":
                 return True
         return False
 

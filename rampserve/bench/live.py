@@ -534,13 +534,13 @@ def versus_table(entry: dict) -> Table:
     for index, key in ((1, "p50_ms"), (2, "p99_ms")):
         figure = versus[key]
         table.add_row(key.replace("_", " "), fmt(figure["vanilla"], ".2f"), fmt(figure["rampserve"], ".2f"),
-                      _paired_cell(figure), *verdict(index))
+                      paired_cell(figure), *verdict(index))
     table.add_row("accuracy, answered (all sent)", "", f"{fmt(versus['accuracy'], '.4f')} "
                   f"({fmt(versus['accuracy_over_all_requests'], '.4f')})", "", *verdict(3))
     table.add_row("1k windows below target", "", fmt(versus["windows_below_share"], ".1%"), "", "", "")
     cpu = versus["cpu_ms_per_answer"]
     table.add_row("CPU ms per answer", fmt(cpu["vanilla"], ".3f"), fmt(cpu["rampserve"], ".3f"),
-                  _paired_cell(cpu), *verdict(4))
+                  paired_cell(cpu), *verdict(4))
     same = versus.get("p50_saving_ms_same_requests")
     if same is not None:
         table.add_row("p50 saving ms (live / simulated on the same requests)", "",
@@ -553,11 +553,12 @@ def versus_table(entry: dict) -> Table:
     return table
 
 
-def _paired_cell(figure: dict) -> str:
-    """A ratio paired within rounds: the median, with the rounds' range where there are several."""
+def paired_cell(figure: dict, unit: str = "") -> str:
+    """A ratio paired within rounds: the median (followed by `unit`), with the rounds' range where there are
+    several."""
     known = [r for r in figure["ratio_rounds"] if r is not None]
     spread = f" ({min(known):.2f}-{max(known):.2f})" if len(known) > 1 else ""
-    return fmt(figure["ratio"], ".2f") + spread
+    return fmt(figure["ratio"], ".2f") + unit + spread
 
 
 def live_table(report: dict, entry: dict) -> Table:

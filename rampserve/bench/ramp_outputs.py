@@ -89,9 +89,10 @@ def _contiguous_items(stream: Stream, positions: np.ndarray) -> np.ndarray:
 def ramp_outputs(model: PreparedModel, bundle_dir: Path, stream: Stream, start: int, stop: int,
                  learn_batch: int | None = None) -> RampOutputs:
     """Cached by the bundle's files (their hashes; `answering_files`) and error score, the stream and the range:
-    re-profiling a bundle, or giving it its validation outputs, changes its manifest but not what its ramps answer. With `learn_batch`, inputs run in batches of
-    that size, in stream order, and the cache ramps learn from each batch's final labels (online updates; the
-    model's ramps change as it goes, so load the bundle afresh for each such call)."""
+    re-profiling a bundle, or giving it its validation outputs, changes its manifest but not what its ramps answer.
+    With `learn_batch`, inputs run in batches of that size, in stream order, and the cache ramps learn from each
+    batch's final labels (online updates; the model's ramps change as it goes, so load the bundle afresh for each
+    such call)."""
     manifest = read_manifest(bundle_dir)
     key = json.dumps({"files": answering_files(manifest), "error_score": manifest["error_score"]}
                      | ({"learn_batch": learn_batch} if learn_batch else {}), sort_keys=True)

@@ -57,9 +57,10 @@ class ControllerSettings:
     # of them); the constraint's worth of agreement moves it back as far
     risk_step: float = 0.05
     # Share of the constraint rolling risk control holds the long-run disagreement to (None: 0.65 with the certified
-    # guarantee, 1 with average, the windowed promise's rate with windowed). The constraint is judged on windows of answers too (1,000 in the benches); a
-    # long-run mean at the constraint itself leaves about a third of them above it (static thresholds tuned at 0.99
-    # on resnet18-fmnist: 36% of 1k windows below 0.99), one at 0.65 of it about one in twenty
+    # guarantee, 1 with average, the windowed promise's rate with windowed). The constraint is judged on windows of
+    # answers too (1,000 in the benches); a long-run mean at the constraint itself leaves about a third of them
+    # above it (static thresholds tuned at 0.99 on resnet18-fmnist: 36% of 1k windows below 0.99), one at 0.65 of it
+    # about one in twenty
     risk_target_share: float | None = None
     # "release": every input runs to the end; "stop": exited inputs leave the batch; "auto": stop where batches are
     # small (`resolved`). Unresolved, "auto" is served as release mode

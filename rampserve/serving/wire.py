@@ -30,7 +30,8 @@ CACHED = ord("C")  # answers the prediction cache gave: labels for the controlle
 STATUS = ord("S")
 METRICS = ord("M")
 QUIT = ord("Q")  # answer everything accepted, then exit
-BACKGROUND = ord("B")  # the server's background processes (a training job), which the executor's polling must not starve
+# The server's background processes (a training job), which the executor's polling must not starve
+BACKGROUND = ord("B")
 # Executor -> front end
 READY = ord("Y")
 ANSWER = ord("A")
