@@ -60,6 +60,26 @@ def test_record_releases_the_exit_ramps_label_or_the_final_one():
     np.testing.assert_array_equal(rec.correct(), [True, False, True])
 
 
+@settings(max_examples=50, deadline=None)
+@given(st.integers(0, 10_000), st.lists(st.floats(0.0, 1.0), min_size=1, max_size=4), st.floats(0.1, 1.0))
+def test_the_disagreement_at_the_served_thresholds_is_the_served_answers(seed, thresholds, feedback_share):
+    """What the monitor tests at the thresholds a batch was served at is the estimate of its served answers' own
+    disagreement, in stop mode too (the exits the feedback draw left out stopped: NaN scores after their exit)."""
+    rng = np.random.default_rng(seed)
+    sites = SITES[:len(thresholds)]
+    config = Configuration(1, sites, tuple(thresholds))
+    n = 12
+    labels, errors, final = rng.integers(0, 2, (n, len(sites))), rng.random((n, len(sites))), rng.integers(0, 2, n)
+    exits = config.exits(errors)
+    stopped = (exits != NO_EXIT) & (rng.random(n) >= feedback_share)
+    after_exit = np.arange(len(sites))[None, :] > exits[:, None]
+    errors = np.where(stopped[:, None] & after_exit, np.nan, errors)
+    labels = np.where(stopped[:, None] & after_exit, NO_LABEL, labels)
+    served = BatchRecord(1, sites, labels, errors, np.where(stopped, NO_LABEL, final), exits,
+                         feedback_share=feedback_share)
+    np.testing.assert_allclose(served.wrong_estimate_at(sites, np.array(thresholds)), served.wrong_estimate())
+
+
 def test_accuracy_window_slides_and_keeps_totals():
     window = AccuracyWindow(4)
     window.add(np.array([True, False, False, False, False]))  # whether each answer is wrong
@@ -348,11 +368,57 @@ def test_disagreements_scale_the_thresholds_down_and_agreement_scales_them_back(
 
 def test_the_monitor_retunes_when_released_answers_break_the_constraint():
     """16 confident wrong answers in a row are evidence beyond 1 / delta that the certified thresholds no longer
-    hold: they are certified again at once on the history, which now holds those answers."""
+    hold: the stream changed. The inputs before the monitor's test began are forgotten and the thresholds certified
+    again at once on those since, which hold the wrong answers."""
     controller, certified, _ = certified_on_confident_right_answers()
+    test_start = controller.decisions[-1].observed
     drive(controller, [(np.ones((16, 8), int), np.full((16, 8), 0.15), np.zeros(16, dtype=int))])
     assert controller.decisions[-1].reason.startswith("monitor")
     assert controller.configuration().thresholds[0] < 0.15 and controller.monitor.answers == 0
+    status = controller.status()
+    assert status["stream_changes"] == 1 and status["forgotten_before"] == test_start
+    assert controller.tuning_data(("s3",)).sequence.min() >= test_start
+
+
+def served_disagreement(controller: Controller, batches: list) -> float:
+    """`shadowed_drive`, returning the share of released answers that differ from the final ones."""
+    served, wrong = {}, 0
+    for labels, errors, final in batches:
+        config = controller.configuration()
+        index = served.get(config.version, 0)
+        served[config.version] = index + 1
+        if config.is_shadow_batch(index):
+            config = config.shadowed()
+        columns = [SITES.index(s) for s in config.sites]
+        answered = record(config, labels[:, columns], errors[:, columns], final)
+        wrong += int((~answered.correct()).sum())
+        controller.observe(answered)
+    return wrong / sum(len(final) for *_, final in batches)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_after_the_stream_changes_the_controller_forgets_the_old_one_and_finds_the_set_of_the_new(seed):
+    """Until input 3,000, s1 answers 80% of inputs confidently and right; after it, s1 is as confident and wrong on
+    half of those (inputs of a kind its ramp never saw), while s6 answers 70% confidently and right. One ramp fits
+    the budget. The monitor finds the change within a few answers; the controller forgets the inputs before it,
+    gathers a new warm-up and deploys s6: the answers after the change stay within the constraint."""
+    rng = np.random.default_rng(seed)
+    settings_ = ControllerSettings(ramp_budget=0.01)
+    controller = Controller(profile(ramp_ms=0.006), settings_)
+    before = two_kinds_of_input(rng, 3000, 0.8, 0.0)
+    assert served_disagreement(controller, before) <= settings_.accuracy_constraint
+    assert controller.configuration().sites == ("s1",)
+    after = two_kinds_of_input(rng, 3000, 0.0, 0.7)
+    for labels, errors, _ in after:
+        if rng.random() < 0.8:
+            errors[0, 1], labels[0, 1] = 0.05, int(rng.random() < 0.5)
+    assert served_disagreement(controller, after) <= settings_.accuracy_constraint
+    status = controller.status()
+    # forgotten: what came before the monitor's test that found the change (begun at the last round before it)
+    assert status["stream_changes"] >= 1 and 3000 - settings_.search_every <= status["forgotten_before"] <= 3000
+    deployed = controller.configuration()
+    assert deployed.sites == ("s6",) and deployed.thresholds[0] > 0.05
+    assert deployed.shadow_every == settings_.shadow_every
 
 
 def test_records_of_a_replaced_configuration_teach_their_ramps_outputs_but_not_the_monitor():

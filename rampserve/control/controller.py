@@ -11,7 +11,9 @@ it. What it does:
   hysteresis and was not left recently. The kept or new set's thresholds are then certified on every recent
   input that saw its ramps (one look per round).
 - Between rounds, rolling risk control scales the certified thresholds (drift), and an anytime-valid monitor of
-  the released answers' disagreement triggers a recertification when it finds them above the constraint.
+  the released answers' disagreement finds when they break the constraint. That is taken as a change of the
+  stream: the inputs before the monitor's test began are forgotten, thresholds are tuned again on those since, and
+  a new warm-up (every batch a shadow batch) gathers the changed stream's inputs for the next search.
 """
 
 from __future__ import annotations
@@ -110,6 +112,9 @@ class Controller:
         self._observed = 0  # inputs learned from (their sequence numbers)
         self._since_round = 0
         self._warm = False
+        self._test_start = 0  # the first input (sequence number) the monitor's running test judged
+        self._since = 0  # inputs numbered below this came before a change of the stream: tuning and search forget them
+        self._changes = 0  # changes of the stream the monitor found
         self._left: dict[tuple[str, ...], int] = {}  # sets replaced, and when (inputs observed)
         self._set_changes = 0  # decisions that changed the ramp set (the others moved thresholds alone)
         self._work = 0  # cells read by threshold choices in the decision under way
@@ -165,6 +170,7 @@ class Controller:
                           "certifications": self._looks, "monitor_log_evidence": self.monitor.log_evidence()},
                 "risk_scale": served_scale(self.scale),
                 "shadow": {"every": self.configuration().shadow_every, "inputs": self.shadow.size},
+                "stream_changes": self._changes, "forgotten_before": self._since,
                 "search": [e.to_json() for e in self.last_search[:5]],
                 "decisions_made": len(self.decisions), "set_changes": self._set_changes,
                 "threshold_changes": len(self.decisions) - 1 - self._set_changes,
@@ -197,7 +203,7 @@ class Controller:
         disagreement = record.wrong_estimate()
         self.window.add(disagreement)
         if record.version == current.version:
-            self.monitor.add(disagreement)
+            self.monitor.add(self._tested(record))
         if record.unverified:
             # Answers nobody can check count against the constraint; until the next configuration, thresholds
             # may only tighten: a failure must never be what loosens them
@@ -210,11 +216,22 @@ class Controller:
         change = None
         if not (record.cached or record.unverified):
             change = self._learn(record)
-        if change is None and settings.threshold_tuning and self._warm and self.monitor.alarm:
-            change = self._decide(self.times.tune_ms, self._recertify, "monitor: released answers above the constraint")
+        if change is None and settings.threshold_tuning and self._looks and self.monitor.alarm:
+            change = self._decide(self.times.tune_ms, self._after_change, "monitor: released answers above the constraint")
         if change is None and rescaled:
             change = self._decide(self.times.tune_ms, self._rescale, "risk control")
         return change
+
+    def _tested(self, record: BatchRecord) -> np.ndarray:
+        """What the monitor tests of a batch of the deployed configuration: the disagreement of the answers its
+        thresholds as tuned would have released, before risk control's scale. Served at a lower scale, the answers
+        that broke the constraint stop exiting after a few disagreements, while thresholds tuned on a stream that
+        has since changed go on being what every later round starts from (the last ramp set kept, at thresholds
+        0, an hour after another set began to pay, when the monitor watched the answers served)."""
+        sites = self.configuration().sites
+        if not sites:
+            return record.wrong_estimate()
+        return record.wrong_estimate_at(sites, self._ceiling)
 
     def _learn(self, record: BatchRecord) -> Configuration | None:
         """Add a batch's ramp outputs to the history (whatever configuration served them: outputs do not depend
@@ -230,16 +247,19 @@ class Controller:
             if self._gathered() < settings.warmup:
                 return None
             self._warm = True
-        elif self._since_round < min(settings.search_every, self._observed - self._since_round):
-            # A young server's history doubles between its first rounds: each certifies on twice the evidence, so
-            # its thresholds loosen as fast as that grows (minilm-rt on a replay's first 2,700 inputs, simulated:
-            # p50 0.89x with one round at 1,024 inputs, 0.81x with another at 2,048)
+        elif self._since_round < min(settings.search_every, self._observed - self._since - self._since_round):
+            # A young server's history (or one since a change of the stream) doubles between its first rounds: each
+            # certifies on twice the evidence, so its thresholds loosen as fast as that grows (minilm-rt on a
+            # replay's first 2,700 inputs, simulated: p50 0.89x with one round at 1,024 inputs, 0.81x with another
+            # at 2,048)
             return None
         return self._round()
 
     def _gathered(self) -> int:
         """Inputs the warm-up has gathered: shadow inputs, or without search those that saw the deployed set."""
-        return self.shadow.size if self.searches else len(self.recent.rows(self.configuration().sites))
+        if self.searches:
+            return len(self.shadow.rows((), since=self._since))
+        return len(self.recent.rows(self.configuration().sites, since=self._since))
 
     def _round(self, on: str = "") -> Configuration | None:
         """A search (or, with search off, a retune of the deployed set) on what the histories hold (`on`: said of
@@ -268,8 +288,9 @@ class Controller:
         self._ceiling = np.asarray(ceiling, dtype=float)
         if self._certifying:
             self.monitor.reset()  # the thresholds it watched are replaced, or certified anew
-        # every batch is a shadow batch until the warm-up is over, whatever decides before (risk control may)
-        shadow_every = self.settings.shadow_every if self._warm and self.searches else current.shadow_every
+            self._test_start = self._observed
+        # every batch is a shadow batch until a warm-up is over, whatever decides before (risk control may)
+        shadow_every = (self.settings.shadow_every if self._warm else 1) if self.searches else current.shadow_every
         if sites == current.sites and tuple(thresholds) == current.thresholds and \
                 shadow_every == current.shadow_every:
             return None
@@ -299,10 +320,10 @@ class Controller:
             # Stop mode's other batches see an exit only through the feedback sample, a stratified design whose
             # bound stays wide (30% exits at accuracy 0.9987 on resnet18-fmnist); shadow batches run every input
             # to the end, a uniform sample as large as the ring
-            return self._data(self.shadow.rows(sites), self.shadow, sites)
-        recent = self._data(self.recent.rows(sites), self.recent, sites)
+            return self._data(self.shadow.rows(sites, since=self._since), self.shadow, sites)
+        recent = self._data(self.recent.rows(sites, since=self._since), self.recent, sites)
         oldest = self.recent.oldest()
-        older = self._data(self.shadow.rows(sites, before=oldest), self.shadow, sites)
+        older = self._data(self.shadow.rows(sites, before=oldest, since=self._since), self.shadow, sites)
         fields = ("correct", "errors", "saved_ms", "strata", "weights", "sequence")
         return ExitData(*(np.concatenate([getattr(older, f), getattr(recent, f)]) for f in fields))
 
@@ -336,6 +357,19 @@ class Controller:
         sites = self.configuration().sites
         return sites, self._tuned(sites), "thresholds retuned"
 
+    def _after_change(self) -> tuple[tuple[str, ...], np.ndarray, str]:
+        """The monitor found the released answers above the constraint: the stream is taken to have changed by the
+        start of the monitor's test. What came before is forgotten; the deployed set is tuned on what came since (on
+        few inputs, tuning exits few of them), and with search a new warm-up gathers shadow inputs of the changed
+        stream before the next search judges sets on them."""
+        self._since = self._test_start
+        self._changes += 1
+        if self.searches:
+            self._warm = False
+            self._since_round = 0
+        sites = self.configuration().sites
+        return sites, self._tuned(sites), f"thresholds retuned on the inputs since {self._since}, older ones forgotten"
+
     def _rescale(self) -> tuple[tuple[str, ...], np.ndarray, str]:
         return self.configuration().sites, self._ceiling, \
             f"thresholds served at {served_scale(self.scale):.2f} of tuned"
@@ -351,7 +385,7 @@ class Controller:
         set by the hysteresis, then tune the deployed set's thresholds on all it has."""
         settings = self.settings
         current = self.configuration().sites
-        rows = self.shadow.rows(())[-settings.search_rows:]
+        rows = self.shadow.rows((), since=self._since)[-settings.search_rows:]
         batch = self.shadow.design(rows)[0]
         # What a request waits for is its queueing too: where a third of them wait behind another batch, a set
         # that exits 68% of inputs still leaves the median request a non-exiting one (resnet18-fmnist, bursty

@@ -108,12 +108,15 @@ class ExitHistory:
         self._next = int((rows[-1] + 1) % self.capacity)
         self.size = min(self.capacity, self.size + len(rows))
 
-    def rows(self, sites: tuple[str, ...], before: int | None = None) -> np.ndarray:
-        """Ring positions, oldest first, of the inputs every one of `sites` saw (numbered below `before`)."""
+    def rows(self, sites: tuple[str, ...], before: int | None = None, since: int = 0) -> np.ndarray:
+        """Ring positions, oldest first, of the inputs every one of `sites` saw (numbered from `since` and below
+        `before`)."""
         rows = (self._next - self.size + np.arange(self.size)) % self.capacity
         seen = self._seen[rows][:, [self.column[s] for s in sites]].all(axis=1)
         if before is not None:
             seen &= self._sequence[rows] < before
+        if since:
+            seen &= self._sequence[rows] >= since
         return rows[seen]
 
     def oldest(self) -> int | None:

@@ -141,6 +141,18 @@ class BatchRecord:
             return np.ones(self.inputs)
         return np.where(self.observed(), (self.released() != self.final) * self.weights(), 0.0)
 
+    def wrong_estimate_at(self, sites: tuple[str, ...], thresholds: np.ndarray) -> np.ndarray:
+        """(n,) `wrong_estimate` of the answers that `sites` (among the record's) at `thresholds` would have
+        released. Thresholds at least as high as those served exit every input the served ones did, at the same
+        ramp or an earlier one, so each input that stopped there is stood for by the feedback sample as before."""
+        if self.unverified:
+            return np.ones(self.inputs)
+        columns = [self.sites.index(s) for s in sites]
+        labels = self.labels[:, columns]
+        exits = first_exits(self.errors[:, columns], np.asarray(thresholds, dtype=float))
+        released = np.where(exits == NO_EXIT, self.final, labels[np.arange(self.inputs), exits])
+        return np.where(self.observed(), (released != self.final) * self.weights(), 0.0)
+
 
 class RecordJoiner:
     """Joins consecutive batches of one configuration and kind into one record, in order (each input keeps the size
