@@ -368,16 +368,36 @@ def test_disagreements_scale_the_thresholds_down_and_agreement_scales_them_back(
 
 def test_the_monitor_retunes_when_released_answers_break_the_constraint():
     """16 confident wrong answers in a row are evidence beyond 1 / delta that the certified thresholds no longer
-    hold: the stream changed. The inputs before the monitor's test began are forgotten and the thresholds certified
-    again at once on those since, which hold the wrong answers."""
+    hold, and far above the constraint: the stream changed where the wrong answers began. The inputs before are
+    forgotten and the thresholds certified again at once on those since."""
     controller, certified, _ = certified_on_confident_right_answers()
-    test_start = controller.decisions[-1].observed
+    change_point = controller.window.served
     drive(controller, [(np.ones((16, 8), int), np.full((16, 8), 0.15), np.zeros(16, dtype=int))])
     assert controller.decisions[-1].reason.startswith("monitor")
     assert controller.configuration().thresholds[0] < 0.15 and controller.monitor.answers == 0
     status = controller.status()
-    assert status["stream_changes"] == 1 and status["forgotten_before"] == test_start
-    assert controller.tuning_data(("s3",)).sequence.min() >= test_start
+    assert status["stream_changes"] == 1 and status["forgotten_before"] == change_point
+    assert controller.tuning_data(("s3",)).sequence.min() >= change_point
+
+
+@pytest.mark.parametrize(("wrong_every", "changed"), [(6, False), (4, True)])
+def test_an_alarm_forgets_the_history_only_where_answers_break_the_constraint_far(wrong_every, changed):
+    """At a constraint of 10%, thresholds certified on confident right answers; then one answer in `wrong_every` is
+    as confident and wrong. At 1 in 6 (1.7 times the constraint) the alarm certifies again on the whole history, as
+    for a slow drift; at 1 in 4 (2.5 times) the stream changed: the inputs before the first wrong one are
+    forgotten."""
+    controller = Controller(profile(), ControllerSettings(initial=("s3",), ramp_adjustment=False, warmup=1024,
+                                                          accuracy_constraint=0.1))
+    drive(controller, [(np.zeros((4, 8), int), np.full((4, 8), 0.1), np.zeros(4, dtype=int))] * 300)
+    assert controller.configuration().thresholds[0] > 0.1
+    wrong = (np.arange(800) % wrong_every == 0).reshape(200, 4)
+    drive(controller, [(np.repeat(w[:, None], 8, axis=1).astype(int), np.full((4, 8), 0.1), np.zeros(4, dtype=int))
+                       for w in wrong])
+    alarms = [d.reason for d in controller.decisions if d.reason.startswith("monitor")]
+    assert alarms and ("stream changed" in alarms[0]) == changed
+    status = controller.status()
+    assert status["stream_changes"] == int(changed)
+    assert status["forgotten_before"] == (1200 if changed else 0)
 
 
 def served_disagreement(controller: Controller, batches: list) -> float:
@@ -414,8 +434,8 @@ def test_after_the_stream_changes_the_controller_forgets_the_old_one_and_finds_t
             errors[0, 1], labels[0, 1] = 0.05, int(rng.random() < 0.5)
     assert served_disagreement(controller, after) <= settings_.accuracy_constraint
     status = controller.status()
-    # forgotten: what came before the monitor's test that found the change (begun at the last round before it)
-    assert status["stream_changes"] >= 1 and 3000 - settings_.search_every <= status["forgotten_before"] <= 3000
+    # forgotten: what came before the change point the change detector found
+    assert status["stream_changes"] == 1 and abs(status["forgotten_before"] - 3000) <= 50, status["forgotten_before"]
     deployed = controller.configuration()
     assert deployed.sites == ("s6",) and deployed.thresholds[0] > 0.05
     assert deployed.shadow_every == settings_.shadow_every

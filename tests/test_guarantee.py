@@ -6,11 +6,12 @@ from __future__ import annotations
 from dataclasses import replace
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rampserve.control.guarantee import (
-    FULLY_OBSERVED, SAMPLED, DisagreementMonitor, binomial_upper, smallest_certifying, windowed_rate,
+    FULLY_OBSERVED, SAMPLED, ChangeDetector, DisagreementMonitor, binomial_upper, smallest_certifying, windowed_rate,
 )
 from rampserve.control.settings import ControllerSettings
 from rampserve.control.monitor import ExitHistory
@@ -271,3 +272,39 @@ def test_the_monitor_starts_over_when_reset():
     assert monitor.alarm and monitor.answers == 20
     monitor.reset()
     assert not monitor.alarm and monitor.log_evidence() == 0.0 and monitor.answers == 0
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.sampled_from([0.0, 0.0, 0.0, 1.0, 10.0]), min_size=1, max_size=120), st.integers(1, 7),
+       st.integers(0, 1000))
+def test_the_change_detector_reads_the_same_answers_alike_however_they_are_batched(answers, size, first):
+    """Page's CUSUM, computed a batch at a time, is the one computed an answer at a time: the statistic and the
+    change point (numbered from `first`)."""
+    whole, one_by_one = ChangeDetector(0.01, 3.0), ChangeDetector(0.01, 3.0)
+    for start in range(0, len(answers), size):
+        whole.add(np.array(answers[start:start + size]), first + start)
+    statistic, change_point, stake = 0.0, 0, 2.0 / 0.99  # no change point yet: from the start
+    for i, x in enumerate(answers):
+        one_by_one.add(np.array([x]), first + i)
+        statistic += np.log1p(stake * (x - 0.01))
+        if statistic <= 0:
+            statistic, change_point = 0.0, first + i + 1
+    assert whole.statistic == pytest.approx(one_by_one.statistic, abs=1e-9)
+    assert whole.statistic == pytest.approx(statistic, abs=1e-9)
+    assert whole.start == one_by_one.start == change_point
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.integers(0, 2000), st.integers(5, 40), st.integers(0, 10_000))
+def test_the_change_detector_finds_where_answers_began_to_disagree(agreeing, wrong, seed):
+    """Answers that agree, then a run of wrong ones: the change point is the first wrong answer, and a few wrong
+    answers in a row are evidence far beyond 1 / delta of a rate three times the constraint."""
+    detector = ChangeDetector(0.01, 3.0)
+    rng = np.random.default_rng(seed)
+    answers = np.concatenate([np.zeros(agreeing), np.ones(wrong)])
+    cuts = np.sort(rng.choice(np.arange(1, len(answers)), size=min(5, len(answers) - 1), replace=False))
+    for part, start in zip(np.split(answers, cuts), [0, *cuts]):
+        detector.add(part, int(start))
+    assert detector.start == agreeing
+    assert detector.statistic >= np.log(20)
+

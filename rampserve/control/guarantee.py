@@ -139,3 +139,37 @@ class DisagreementMonitor:
         """Start a new test (the thresholds it watched were replaced)."""
         self._log_wealth[:] = 0.0
         self.answers = 0
+
+
+class ChangeDetector:
+    """Page's CUSUM of the log-likelihood ratio of disagreement at `ratio` times the constraint against the
+    constraint: the evidence that the answers since the likeliest change point disagree at the higher rate, and
+    where that point is. A companion of `DisagreementMonitor`, which says that the constraint is broken and by
+    what test; this says whether the stream changed (a rate many times the constraint, begun at `start`) or
+    drifted past it slowly. Its statistic is not a test with a false alarm rate: the controller reads it only
+    when the monitor's test has alarmed."""
+
+    def __init__(self, constraint: float, ratio: float) -> None:
+        self.constraint = constraint
+        self._stake = (ratio - 1.0) / (1.0 - constraint) if 0 < ratio * constraint < 1.0 else 0.0
+        self.statistic = 0.0  # log-likelihood ratio of the answers since `start`
+        self.start = 0  # sequence number of the first answer after the likeliest change point
+
+    def add(self, disagreement: np.ndarray, first: int) -> None:
+        """Answers' disagreement estimates, numbered from `first` (any values >= 0, as the monitor takes)."""
+        x = np.asarray(disagreement, dtype=np.float64)
+        if not len(x) or not self._stake:
+            return
+        prefix = np.cumsum(np.log1p(self._stake * (x - self.constraint)))
+        # S_t = prefix_t - the least of (-S before the batch, prefix_1 .. prefix_t): the change point is after the
+        # answer where that least value was last reached
+        lows = np.concatenate([[-self.statistic], prefix])
+        low = len(lows) - 1 - int(np.argmin(lows[::-1]))
+        if low:
+            self.start = first + low
+        self.statistic = float(prefix[-1] - lows[low])
+
+    def reset(self, start: int) -> None:
+        self.statistic = 0.0
+        self.start = start
+
