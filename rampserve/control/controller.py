@@ -12,9 +12,9 @@ it. What it does:
   input that saw its ramps (one look per round).
 - Between rounds, rolling risk control scales the certified thresholds (drift), and an anytime-valid monitor of
   the disagreement of the thresholds as tuned finds when they break the constraint: they are certified again at
-  once, and where the answers point to a rate far above it, that is taken as a change of the stream: the inputs
-  before the monitor's test began are forgotten, thresholds are tuned again on those since, and a new warm-up
-  (every batch a shadow batch) gathers the changed stream's inputs for the next search.
+  once, and where a change detector finds them far above it since some input, the stream is taken to have changed
+  there: the inputs before are forgotten, thresholds are tuned again on those since, and a new warm-up (every batch
+  a shadow batch) gathers the changed stream's inputs for the next search.
 """
 
 from __future__ import annotations
@@ -47,11 +47,11 @@ DECISION_BASE_MS = 0.05
 # inputs). Certifying every candidate so costs ~24 s of modelled decision time a round, which left configurations stale
 RERANKED_SETS = 5
 RANKING_SPLITS = 4
-# An alarm is taken as a change of the stream when the answers since the likeliest change point are as likely at
-# this many times the constraint as 1 / delta times at the constraint (`ChangeDetector`): inputs before that point
-# are forgotten. Otherwise the thresholds are certified again on the whole history. Forgetting at every alarm cost
-# lite0-fmnist's drifting stream a fifth of its median saving (oracle share 0.40 to 0.32 over 3 seeds: in stop mode
-# the shadow rows tuning reads refill at one input in ten)
+# An alarm is taken as a change of the stream when the answers since the likeliest change point are 1 / delta times
+# as likely at this many times the constraint as at the constraint (`ChangeDetector`); otherwise the thresholds are
+# certified again on the whole history. Forgetting at every alarm cost lite0-fmnist's drifting stream a fifth of its
+# median saving (oracle share 0.40 to 0.32 over 3 seeds: in stop mode the shadow rows tuning reads refill at one
+# input in ten)
 CHANGE_RATIO = 3.0
 
 
@@ -245,10 +245,10 @@ class Controller:
         """What the monitor tests of a batch of the deployed configuration: the disagreement of the answers its
         thresholds as tuned would have released, before risk control's scale. Served at a lower scale, the answers
         that broke the constraint stop exiting after a few disagreements, while thresholds tuned on a stream that
-        has since changed go on being what every later round starts from (the last ramp set kept, at thresholds
-        0, an hour after another set began to pay, when the monitor watched the answers served)."""
+        has since changed go on being what every later round starts from (a synthetic class change, when the
+        monitor watched the answers served: the old set kept at thresholds 0 while another paid on the new stream)."""
         sites = self.configuration().sites
-        if not set(sites) <= set(record.sites) or not sites:  # a cached answer's record has no ramp outputs
+        if not sites or not set(sites) <= set(record.sites):  # a cached answer's record has no ramp outputs
             return record.wrong_estimate()
         return record.wrong_estimate_at(sites, self._ceiling)
 
