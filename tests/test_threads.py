@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -113,3 +114,63 @@ def test_a_watch_sees_a_process_want_a_core_while_it_computes_and_not_while_it_w
     finally:
         computing.kill(), waiting.kill()
         watch.close()
+
+
+POOLS_BESIDE_BACKGROUND = """
+import json, os
+import onnx
+import onnxruntime as ort
+from onnx import TensorProto, helper
+from rampserve import threads
+
+def policies():
+    found = []
+    for task in os.listdir("/proc/self/task"):
+        if open(f"/proc/self/task/{task}/comm").read().strip() == "onnxruntime":
+            found.append(os.sched_getscheduler(int(task)))
+    return found
+
+assert threads.idle_native_threads()
+graph = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "g",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4])])
+model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+options = ort.SessionOptions()
+options.intra_op_num_threads = 3
+with threads.native_threads_named("onnxruntime"):
+    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+alone = policies()
+beside = (threads.idle_pools_while_alone(False), threads.idle_pools_while_alone(False), policies())
+with threads.native_threads_named("onnxruntime"):  # a pool started while background work runs
+    later = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+beside_both = policies()
+after = (threads.idle_pools_while_alone(True), policies())
+try:  # whether this process may leave SCHED_IDLE at all (CAP_SYS_NICE, or RLIMIT_NICE of 20)
+    os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+    may_leave = True
+except OSError:
+    may_leave = False
+print(json.dumps({"alone": alone, "beside": beside, "beside_both": beside_both, "after": after,
+                  "may_leave": may_leave}))
+"""
+
+
+def test_idle_pools_leave_sched_idle_while_the_servers_background_work_runs_and_go_back_once_it_ends():
+    """Under "idle-pools" the pools' threads run SCHED_IDLE; a training job is SCHED_IDLE too and would share their
+    cores alike, so while one runs they run under the normal policy (a pool started meanwhile too), and once it ended
+    under SCHED_IDLE again. Where the process may not leave SCHED_IDLE, nothing moves and the call says so."""
+    out = subprocess.run([sys.executable, "-c", POOLS_BESIDE_BACKGROUND], capture_output=True, text=True,
+                         timeout=120, check=True)
+    seen = json.loads(out.stdout)
+    idle, normal = os.SCHED_IDLE, os.SCHED_OTHER
+    pools = len(seen["alone"])
+    assert pools == 2 and set(seen["alone"]) == {idle}
+    moved, again, beside = seen["beside"]
+    assert again == 0  # the pools are where the call asks already
+    if seen["may_leave"]:
+        assert moved == pools and set(beside) == {normal}
+        assert len(seen["beside_both"]) == 2 * pools and set(seen["beside_both"]) == {normal}
+        assert seen["after"][0] == 2 * pools and set(seen["after"][1]) == {idle}
+    else:
+        assert moved == 0 and set(beside) == {idle} and set(seen["after"][1]) == {idle}

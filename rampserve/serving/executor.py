@@ -36,7 +36,9 @@ from rampserve.serving import wire
 from rampserve.serving.contract import GIL_SWITCH_INTERVAL_S, Answer, ModelSettings, Shed, freeze_startup_objects
 from rampserve.serving.metrics import ServerMetrics
 from rampserve.serving.models import ServedModel, read_served
-from rampserve.threads import RunnableWatch, idle_native_threads, schedule_as_idle, thread_ids
+from rampserve.threads import (
+    RunnableWatch, idle_native_threads, idle_pools_while_alone, schedule_as_idle, thread_ids,
+)
 
 log = logging.getLogger("rampserve.serving")
 
@@ -221,6 +223,7 @@ class Executor:
             self._idle_work.forget(self._background)
             self._background = [(pid, pid) for pid in header["pids"]]  # a process's main thread does its work
             self._idle_work.watch(self._background)
+            idle_pools_while_alone(not self._background)
 
     def _quit(self) -> None:
         with self._calls_lock:  # the front end answers no more: the control thread must not wait for it
