@@ -46,7 +46,7 @@ def native_threads_named(name: str) -> Iterator[None]:
             kept = name.encode()[:COMM_BYTES].decode(errors="ignore")  # the name as the kernel keeps it
             for thread in thread_ids() - existing:
                 if _comm_of(thread) == kept:
-                    _idle_pool_threads.add(thread)
+                    _idle_pool_threads[thread] = kept
                     if _pools_idle:
                         schedule_as_idle(thread)
 
@@ -63,18 +63,19 @@ def idle_pools_while_alone(alone: bool) -> int:
         return 0
     _pools_idle = alone
     moved = 0
-    for thread in sorted(_idle_pool_threads):
+    for thread, name in list(_idle_pool_threads.items()):
+        if _comm_of(thread) != name:  # the pool ended with its session (and its id may be another thread's now)
+            del _idle_pool_threads[thread]
+            continue
         try:
             os.sched_setscheduler(thread, os.SCHED_IDLE if alone else os.SCHED_OTHER, os.sched_param(0))
             moved += 1
-        except ProcessLookupError:  # the pool ended with its session
-            _idle_pool_threads.discard(thread)
         except OSError:
             pass
     return moved
 
 
-_idle_pool_threads: set[int] = set()  # the pools' threads `native_threads_named` scheduled under "idle-pools"
+_idle_pool_threads: dict[int, str] = {}  # the pools' threads `native_threads_named` scheduled under "idle-pools"
 _pools_idle = True  # whether they run SCHED_IDLE now (`idle_pools_while_alone`)
 
 

@@ -96,11 +96,15 @@ def test_a_thread_below_the_pools_runs_idle_where_they_do_and_at_its_niceness_el
 def test_a_watch_sees_a_process_want_a_core_while_it_computes_and_not_while_it_waits_or_once_it_ended():
     """Processes of their own, so that the GIL never makes the computing one wait."""
     computing = subprocess.Popen([sys.executable, "-c", "while True: pass"])
-    waiting = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    # It says when it is about to sleep: an interpreter starting up waits on its files now and then, and a watch
+    # that caught it between two of those waits saw it runnable again a moment later (the suite on a loaded machine)
+    waiting = subprocess.Popen([sys.executable, "-c", "import time; print('sleeping', flush=True); time.sleep(600)"],
+                               stdout=subprocess.PIPE, text=True)
     watch = RunnableWatch([(waiting.pid, waiting.pid)])
     try:
+        assert waiting.stdout.readline() == "sleeping\n"
         settled = time.monotonic() + 30
-        while watch.any_runnable():  # starting: the interpreter computes until it sleeps
+        while watch.any_runnable():  # from the print to the sleep
             assert time.monotonic() < settled, "the sleeping process never slept"
             time.sleep(0.01)
         watch.watch([(computing.pid, computing.pid), (waiting.pid, 1 << 30)])  # no such thread: nothing to watch
@@ -113,6 +117,7 @@ def test_a_watch_sees_a_process_want_a_core_while_it_computes_and_not_while_it_w
         assert not watch.any_runnable()  # both ended
     finally:
         computing.kill(), waiting.kill()
+        waiting.stdout.close()
         watch.close()
 
 
