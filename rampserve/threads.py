@@ -13,6 +13,8 @@ from pathlib import Path
 
 COMM_BYTES = 15  # the kernel keeps at most this much of a name
 _idle_native_threads = False  # set by `idle_native_threads`
+_idle_pool_threads: dict[int, str] = {}  # the pools' threads `native_threads_named` scheduled under "idle-pools"
+_pools_idle = True  # whether they run SCHED_IDLE now (`idle_pools_while_alone`)
 
 
 def _comm(thread: int | None = None) -> Path:
@@ -67,16 +69,8 @@ def idle_pools_while_alone(alone: bool) -> int:
         if _comm_of(thread) != name:  # the pool ended with its session (and its id may be another thread's now)
             del _idle_pool_threads[thread]
             continue
-        try:
-            os.sched_setscheduler(thread, os.SCHED_IDLE if alone else os.SCHED_OTHER, os.sched_param(0))
-            moved += 1
-        except OSError:
-            pass
+        moved += _scheduled(thread, os.SCHED_IDLE if alone else os.SCHED_OTHER)
     return moved
-
-
-_idle_pool_threads: dict[int, str] = {}  # the pools' threads `native_threads_named` scheduled under "idle-pools"
-_pools_idle = True  # whether they run SCHED_IDLE now (`idle_pools_while_alone`)
 
 
 def idle_native_threads() -> bool:
@@ -115,10 +109,13 @@ def schedule_as_idle(thread: int = 0) -> bool:
     """Put `thread` (0: the calling one), and every thread and process it starts from then on, under Linux's
     SCHED_IDLE: a thread of any other policy that wakes takes its core at once. Whether it could (not on other
     systems)."""
-    if not hasattr(os, "SCHED_IDLE"):
-        return False
+    return hasattr(os, "SCHED_IDLE") and _scheduled(thread, os.SCHED_IDLE)
+
+
+def _scheduled(thread: int, policy: int) -> bool:
+    """Put `thread` under `policy`; whether it could (leaving SCHED_IDLE takes CAP_SYS_NICE or RLIMIT_NICE)."""
     try:
-        os.sched_setscheduler(thread, os.SCHED_IDLE, os.sched_param(0))
+        os.sched_setscheduler(thread, policy, os.sched_param(0))
     except OSError:
         return False
     return True

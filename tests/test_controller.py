@@ -128,9 +128,10 @@ def test_the_search_judges_only_sets_within_the_budget_and_returns_the_best_firs
     assert found[0].sites == ("s5", "s6", "s7")  # reached by growing ("s6",), although ("s7",) was excluded
 
 
-def shadowed_drive(controller: Controller, batches: list) -> None:
-    """Serve hand-made batches as a server would: each configuration's shadow batches evaluate every site."""
-    served = {}
+def shadowed_drive(controller: Controller, batches: list) -> float:
+    """Serve hand-made batches as a server would: each configuration's shadow batches evaluate every site. Returns
+    the share of released answers that differ from the final ones."""
+    served, wrong = {}, 0
     for labels, errors, final in batches:
         config = controller.configuration()
         index = served.get(config.version, 0)
@@ -138,7 +139,10 @@ def shadowed_drive(controller: Controller, batches: list) -> None:
         if config.is_shadow_batch(index):
             config = config.shadowed()
         columns = [SITES.index(s) for s in config.sites]
-        controller.observe(record(config, labels[:, columns], errors[:, columns], final))
+        answered = record(config, labels[:, columns], errors[:, columns], final)
+        wrong += int((~answered.correct()).sum())
+        controller.observe(answered)
+    return wrong / sum(len(final) for *_, final in batches)
 
 
 def two_kinds_of_input(rng: np.random.Generator, count: int, early_share: float, late_share: float) -> list:
@@ -400,22 +404,6 @@ def test_an_alarm_forgets_the_history_only_where_answers_break_the_constraint_fa
     assert status["forgotten_before"] == (1200 if changed else 0)
 
 
-def served_disagreement(controller: Controller, batches: list) -> float:
-    """`shadowed_drive`, returning the share of released answers that differ from the final ones."""
-    served, wrong = {}, 0
-    for labels, errors, final in batches:
-        config = controller.configuration()
-        index = served.get(config.version, 0)
-        served[config.version] = index + 1
-        if config.is_shadow_batch(index):
-            config = config.shadowed()
-        columns = [SITES.index(s) for s in config.sites]
-        answered = record(config, labels[:, columns], errors[:, columns], final)
-        wrong += int((~answered.correct()).sum())
-        controller.observe(answered)
-    return wrong / sum(len(final) for *_, final in batches)
-
-
 @pytest.mark.parametrize("seed", [0, 1])
 def test_after_the_stream_changes_the_controller_forgets_the_old_one_and_finds_the_set_of_the_new(seed):
     """Until input 3,000, s1 answers 80% of inputs confidently and right; after it, s1 is as confident and wrong on
@@ -426,13 +414,13 @@ def test_after_the_stream_changes_the_controller_forgets_the_old_one_and_finds_t
     settings_ = ControllerSettings(ramp_budget=0.01)
     controller = Controller(profile(ramp_ms=0.006), settings_)
     before = two_kinds_of_input(rng, 3000, 0.8, 0.0)
-    assert served_disagreement(controller, before) <= settings_.accuracy_constraint
+    assert shadowed_drive(controller, before) <= settings_.accuracy_constraint
     assert controller.configuration().sites == ("s1",)
     after = two_kinds_of_input(rng, 3000, 0.0, 0.7)
     for labels, errors, _ in after:
         if rng.random() < 0.8:
             errors[0, 1], labels[0, 1] = 0.05, int(rng.random() < 0.5)
-    assert served_disagreement(controller, after) <= settings_.accuracy_constraint
+    assert shadowed_drive(controller, after) <= settings_.accuracy_constraint
     status = controller.status()
     # forgotten: what came before the change point the change detector found
     assert status["stream_changes"] == 1 and abs(status["forgotten_before"] - 3000) <= 50, status["forgotten_before"]

@@ -307,4 +307,3 @@ def test_the_change_detector_finds_where_answers_began_to_disagree(agreeing, wro
         detector.add(part, int(start))
     assert detector.start == agreeing
     assert detector.statistic >= np.log(20)
-

@@ -172,4 +172,3 @@ class ChangeDetector:
     def reset(self, start: int) -> None:
         self.statistic = 0.0
         self.start = start
-

@@ -108,10 +108,14 @@ class BatchRecord:
 
     def released(self) -> np.ndarray:
         """The label each input was answered with."""
-        if not self.sites:
+        return self._released_by(self.labels, self.exits)
+
+    def _released_by(self, labels: np.ndarray, exits: np.ndarray) -> np.ndarray:
+        """The label each input gets where it exits at `exits` (indices into `labels`' columns, or NO_EXIT)."""
+        if not labels.shape[1]:
             return self.final
-        at_ramp = self.labels[np.arange(len(self.exits)), self.exits]  # NO_EXIT picks the last column, unused
-        return np.where(self.exits == NO_EXIT, self.final, at_ramp)
+        at_ramp = labels[np.arange(len(exits)), exits]  # NO_EXIT picks the last column, unused
+        return np.where(exits == NO_EXIT, self.final, at_ramp)
 
     def correct(self) -> np.ndarray:
         if self.unverified:
@@ -137,20 +141,19 @@ class BatchRecord:
         """(n,) an unbiased estimate of whether each released answer differs from the original model's: a sampled
         input's disagreement counts its weight (the exits not sampled count 0); an unverified answer counts as a
         disagreement."""
-        if self.unverified:
-            return np.ones(self.inputs)
-        return np.where(self.observed(), (self.released() != self.final) * self.weights(), 0.0)
+        return self._wrong_estimate_of(self.released())
 
     def wrong_estimate_at(self, sites: tuple[str, ...], thresholds: np.ndarray) -> np.ndarray:
         """(n,) `wrong_estimate` of the answers that `sites` (among the record's) at `thresholds` would have
         released. Thresholds at least as high as those served exit every input the served ones did, at the same
         ramp or an earlier one, so each input that stopped there is stood for by the feedback sample as before."""
+        columns = [self.sites.index(s) for s in sites]
+        exits = first_exits(self.errors[:, columns], np.asarray(thresholds, dtype=float))
+        return self._wrong_estimate_of(self._released_by(self.labels[:, columns], exits))
+
+    def _wrong_estimate_of(self, released: np.ndarray) -> np.ndarray:
         if self.unverified:
             return np.ones(self.inputs)
-        columns = [self.sites.index(s) for s in sites]
-        labels = self.labels[:, columns]
-        exits = first_exits(self.errors[:, columns], np.asarray(thresholds, dtype=float))
-        released = np.where(exits == NO_EXIT, self.final, labels[np.arange(self.inputs), exits])
         return np.where(self.observed(), (released != self.final) * self.weights(), 0.0)
 
 
