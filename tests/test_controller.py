@@ -172,6 +172,24 @@ def test_the_set_is_chosen_for_the_objective_asked(objective, chosen):
     assert controller.status()["set_changes"] == 1
 
 
+@pytest.mark.parametrize(("search_span", "holds"), [(ControllerSettings.search_span, True), (300, False)])
+def test_a_phase_that_cannot_move_the_median_does_not_take_the_set_from_the_one_that_moves_the_streams(
+        search_span, holds):
+    """Phases of 3,000 inputs alternate: in the easy ones s1 answers 80% of inputs early, in the hard ones 35%, where
+    s6 answers 75% late. One ramp fits the budget. Over the stream s1 answers 57.5%: the best fixed set for the
+    median, which a hard phase alone (its own median moved only by s6) would give up. Judged over a span of the
+    stream, the search holds s1 through the hard phases; judged on the newest 300 shadow inputs (a phase's, too few
+    to certify thresholds on: the average promise), it leaves it."""
+    rng = np.random.default_rng(0)
+    settings_ = ControllerSettings(ramp_budget=0.01, search_span=search_span, search_every=1024, guarantee="average")
+    controller = Controller(profile(ramp_ms=0.006), settings_)
+    for phase in range(6):
+        shadowed_drive(controller, two_kinds_of_input(rng, 3000, *((0.8, 0.8) if phase % 2 == 0 else (0.35, 0.75))))
+    deployed = [d.configuration.sites for d in controller.decisions[1:]]
+    assert deployed[0] == ("s1",)
+    assert (set(deployed) == {("s1",)}) == holds, set(deployed)
+
+
 def test_a_ramp_that_pays_gets_exits_right_after_the_warm_up():
     """The first search runs once `warmup` shadow inputs are in: a ramp that pays from the start is deployed then,
     with certified thresholds, never at threshold 0 to gather outputs first."""
@@ -253,7 +271,7 @@ def test_a_prior_unlike_the_live_stream_cannot_break_the_long_run_bound(seed, wr
             labels[0, 6] = 1
     shadowed_drive(controller, live)
     served = controller.window.served
-    bound = settings_.risk_target + (1 + settings_.risk_step) / (settings_.risk_step * served)
+    bound = settings_.risk_target + (1 + settings_.rolling_step) / (settings_.rolling_step * served)
     assert served == len(live) and 1.0 - controller.window.cumulative <= bound
 
 
@@ -427,6 +445,23 @@ def test_after_the_stream_changes_the_controller_forgets_the_old_one_and_finds_t
     deployed = controller.configuration()
     assert deployed.sites == ("s6",) and deployed.thresholds[0] > 0.05
     assert deployed.shadow_every == settings_.shadow_every
+
+
+@pytest.mark.parametrize(("guarantee", "exit_mode", "moved"), [
+    ("average", "stop", 0.05), ("certified", "stop", 0.05), ("windowed", "stop", 0.5), ("average", "release", 0.05)])
+def test_one_wrong_answer_observed_moves_the_scale_by_the_step_except_where_windows_need_the_estimate(
+        guarantee, exit_mode, moved):
+    """Stop mode: an exit sampled to run to the end stands for 1 / feedback share (10) answers. Under the average and
+    certified promises one such wrong answer moves rolling risk control's scale by `risk_step` (0.05), as one wrong
+    answer does in release mode; under the windowed promise, by its estimate (0.5)."""
+    settings_ = ControllerSettings(initial=("s3",), ramp_adjustment=False, guarantee=guarantee, exit_mode=exit_mode,
+                                   start_thresholds={"s3": 0.5}, threshold_tuning=False)
+    controller = Controller(profile(), settings_)
+    share = settings_.kept_share
+    wrong_exit = BatchRecord(0, ("s3",), np.ones((1, 1), int), np.full((1, 1), 0.1), np.zeros(1, int),
+                             np.zeros(1, int), feedback_share=share)
+    controller.observe(wrong_exit)
+    assert controller.scale == pytest.approx(1.0 - moved + settings_.rolling_step * settings_.risk_target)
 
 
 def test_records_of_a_replaced_configuration_teach_their_ramps_outputs_but_not_the_monitor():

@@ -102,7 +102,7 @@ class Controller:
                               self.shadow_sites, int(self.searches))
         self.window = AccuracyWindow(settings.window)
         self.recent = ExitHistory(every, settings.history)
-        self.shadow = ExitHistory(every, settings.history)
+        self.shadow = ExitHistory(every, max(settings.history, settings.search_span))
         self.delta = 1.0 - settings.confidence
         self.monitor = DisagreementMonitor(settings.accuracy_constraint, self.delta)
         self.changes = ChangeDetector(settings.accuracy_constraint, CHANGE_RATIO)
@@ -225,7 +225,7 @@ class Controller:
             self._tighten_only = True
         settings = self.settings
         served = served_scale(self.scale)
-        self.scale = rolled_scale(self.scale, disagreement, settings.risk_target, settings.risk_step)
+        self.scale = rolled_scale(self.scale, disagreement, settings.risk_target, settings.rolling_step)
         rescaled = settings.threshold_tuning and served_scale(self.scale) != served
         change = None
         if not (record.cached or record.unverified):
@@ -338,10 +338,11 @@ class Controller:
             # Stop mode's other batches see an exit only through the feedback sample, a stratified design whose
             # bound stays wide (30% exits at accuracy 0.9987 on resnet18-fmnist); shadow batches run every input
             # to the end, a uniform sample as large as the ring
-            return self._data(self.shadow.rows(sites, since=self._since), self.shadow, sites)
+            return self._data(self.shadow.rows(sites, since=self._since)[-self.settings.history:], self.shadow, sites)
         recent = self._data(self.recent.rows(sites, since=self._since), self.recent, sites)
         oldest = self.recent.oldest()
-        older = self._data(self.shadow.rows(sites, before=oldest, since=self._since), self.shadow, sites)
+        older = self._data(self.shadow.rows(sites, before=oldest, since=self._since)[-self.settings.history:],
+                           self.shadow, sites)
         fields = ("correct", "errors", "saved_ms", "strata", "weights", "sequence")
         return ExitData(*(np.concatenate([getattr(older, f), getattr(recent, f)]) for f in fields))
 
@@ -405,7 +406,8 @@ class Controller:
         set by the hysteresis, then tune the deployed set's thresholds on all it has."""
         settings = self.settings
         current = self.configuration().sites
-        rows = self.shadow.rows((), since=self._since)[-settings.search_rows:]
+        rows = self.shadow.rows((), since=self._since)[-settings.search_span:]
+        rows = rows[np.unique(np.linspace(0, len(rows) - 1, min(len(rows), settings.search_rows)).round().astype(int))]
         batch = self.shadow.design(rows)[0]
         # What a request waits for is its queueing too: where a third of them wait behind another batch, a set
         # that exits 68% of inputs still leaves the median request a non-exiting one (resnet18-fmnist, bursty
