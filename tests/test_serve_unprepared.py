@@ -29,10 +29,12 @@ from test_serving import get_json
 
 MODEL = "digits"
 # The training job kept short (the engine named, not timed; a short latency profile), and the controller let spend
-# what a ramp costs this small a model (ONNX Runtime's fixed cost of a ramp, about 25 us, is 5% of its 0.5 ms) and
-# search every 512 inputs: the test is about the model's path to managed, not what its exits save
+# whatever a ramp costs this small a model and search every 512 inputs: the test is about the model's path to
+# managed, not what its exits save. ONNX Runtime's fixed cost of a ramp, about 25 us, is 5% of its 0.5 ms, but a
+# 0.05 s profile taken under the suite's load measured one at 21% of the model at batch 1 (and 39% at batch 8): at a
+# budget of 0.2 no set fitted, and the second generation served vanilla, certifying, until the test gave up
 QUICK = ("--prepare-arg=--engine", "--prepare-arg=onnxruntime-1thread", "--prepare-arg=--profile-budget",
-         "--prepare-arg=0.05", "--ramp-budget", "0.2", "--search-every", "512")
+         "--prepare-arg=0.05", "--ramp-budget", "1.0", "--search-every", "512")
 RECORD = 600  # `prepare --data` asks for 500 distinct inputs at least
 RELEARN_WINDOW = 100  # answers per window of the watch on the exits' pay: a test's stream is short
 DEADLINE_S = 600.0  # the longest a phase may take to come on this shared machine before the test fails
