@@ -40,7 +40,7 @@ class ControllerSettings:
     warmup: int = 1024  # shadow inputs gathered before the first search (or, without search, the first tuning)
     shadow_share: float = 0.1  # after warm-up, the share of batches that evaluate every ramp (0: no search)
     search_rows: int = 2048  # shadow inputs the search judges sets on, evenly spaced over ...
-    search_span: int = 16384  # ... the newest this many (held as long as `history` is)
+    search_span: int = 16384  # ... the newest this many (the shadow ring holds the larger of it and `history`)
     beam: int = 3  # sets of each size the search keeps growing
     # A set replaces the deployed one only when its estimated objective is lower by this share (or equal, with the
     # mean lower by this share): estimates from a few thousand inputs differ by noise alone, and a new set starts
