@@ -361,6 +361,23 @@ def test_shadow_batches_evaluate_only_the_ramps_a_search_could_deploy(seed, ramp
         assert len(controller.decisions) == 1 and controller.shadow.size == 0 and not controller.times.adjust_ms
 
 
+@pytest.mark.parametrize("served_batch, fits", [(1, False), (4, True)])
+def test_status_says_when_no_ramp_fits_the_batch_size_served(served_batch, fits):
+    """Every ramp costs 5% of the model at batch 1 and 2% at batch 4, against a 3% budget: the controller shadows
+    them (some batch size fits), and its search at the batch size served says whether any set fits there."""
+    segment = 1.0 / (len(SITES) + 1)
+    costly = LatencyProfile(batch_sizes=(1, 4), sites=SITES, full_ms=(1.0, 2.0),
+                            segment_ms={s: (segment, 2 * segment) for s in (*SITES, "output")},
+                            ramp_ms={s: (0.05, 0.04) for s in SITES})
+    controller = Controller(costly, ControllerSettings(ramp_budget=0.03, history=128, search_every=32, warmup=64,
+                                                       search_rows=128))
+    assert controller.searches and controller.status()["ramps_fit"]  # no search yet
+    shadowed_drive(controller, random_batches(0, count=400 // served_batch, size=served_batch))
+    status = controller.status()
+    assert controller.last_search and status["budget_batch"] == served_batch
+    assert status["ramps_fit"] is fits and (len(controller.last_search) > 1) is fits
+
+
 def certified_on_confident_right_answers() -> tuple[Controller, Configuration, tuple]:
     settings_ = ControllerSettings(initial=("s3",), window=16, ramp_adjustment=False, warmup=1024)
     controller = Controller(profile(), settings_)

@@ -10,10 +10,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rampserve.serving.learning import (
+    CERTIFYING_DETAIL,
     PROFILING,
     TRAINING,
     RequestRecorder,
     certified,
+    certifying_detail,
     failure_reason,
     job_stage,
     request_line,
@@ -99,6 +101,13 @@ def test_a_model_is_managed_once_its_configuration_has_an_exit() -> None:
     assert not certified({"configuration": {"sites": ["a", "b"], "thresholds": [0.0, 0.0]}})
     assert certified({"configuration": {"sites": ["a", "b"], "thresholds": [0.0, 0.12]}})
     assert not certified({"unavailable": "the executor process is restarting"})
+
+
+def test_a_certifying_model_says_when_no_ramp_fits_the_batch_size_it_serves() -> None:
+    assert certifying_detail({"ramps_fit": True, "ramp_budget": 0.2, "budget_batch": 1}) == CERTIFYING_DETAIL
+    assert certifying_detail({"unavailable": "the executor process is restarting"}) == CERTIFYING_DETAIL
+    detail = certifying_detail({"ramps_fit": False, "ramp_budget": 0.2, "budget_batch": 8})
+    assert detail.startswith("no ramp fits the ramp budget (20% of the model) at batch 8")
 
 
 def test_which_models_are_served_unprepared_and_where_they_keep_their_state(tmp_path: Path) -> None:

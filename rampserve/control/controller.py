@@ -179,6 +179,8 @@ class Controller:
                 "shadow": {"every": self.configuration().shadow_every, "inputs": self.shadow.size},
                 "stream_changes": self._changes, "forgotten_before": self._since,
                 "search": [e.to_json() for e in self.last_search[:5]],
+                # False once the latest search judged no set but "no ramp" (none fits at the budget's batch size, below)
+                "ramps_fit": bool(self.searches) and len(self.last_search) != 1, "budget_batch": self.budget_batch(),
                 "decisions_made": len(self.decisions), "set_changes": self._set_changes,
                 "threshold_changes": len(self.decisions) - 1 - self._set_changes,
                 "decisions": [d.to_json() for d in self.decisions[-latest_decisions if latest_decisions else 0:]]}
@@ -461,6 +463,10 @@ class Controller:
                       f"({best.exit_share:.0%} exits) against {deployed.objective_ms:.3f} ms for {list(current)}, "
                       f"on {len(rows)} shadow inputs")
             return best.sites, self._tuned(best.sites), detail
+        if len(self.last_search) == 1:  # only "no ramp" was judged
+            return current, self._tuned(current), (
+                f"no ramp fits the ramp budget ({settings.ramp_budget:.0%} of the model) at batch "
+                f"{self.budget_batch()}, the median batch served: the original model answers every input")
         return current, self._tuned(current), "set kept, thresholds retuned"
 
     def _gains(self, candidate: SetEstimate, deployed: SetEstimate) -> bool:

@@ -1,7 +1,7 @@
 """Rolling risk control (Feldman, Ringel, Bates and Romano, "Achieving Risk Control in Online Learning Settings",
 TMLR 2023): a scale on the certified thresholds that every released answer moves, so that the long-run share of
-answers that differ from the original model's stays within a target (the controller's: half the constraint)
-whatever the stream does.
+answers that differ from the original model's stays within a target (`ControllerSettings.risk_target`: the
+constraint under the average promise, less under the others) whatever the stream does.
 
 After each batch, scale <- min(1, scale + step * sum over its answers of (target - disagreement)), where an
 answer's disagreement is its unbiased estimate (`BatchRecord.wrong_estimate`: 1 / feedback share for a sampled

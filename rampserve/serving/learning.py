@@ -73,6 +73,7 @@ VANILLA, RECORDING, TRAINING, PROFILING, CERTIFYING, MANAGED, FAILED = (
     "vanilla", "recording", "training", "profiling", "certifying", "managed", "failed")
 PHASES = (VANILLA, RECORDING, TRAINING, PROFILING, CERTIFYING, MANAGED, FAILED)
 MODEL_FILE = "model.onnx"  # a folder holding this alone is a model to serve unprepared
+CERTIFYING_DETAIL = "the controller certifies thresholds on live inputs before it serves an exit"
 CERTIFICATION_POLL_S = 1.0  # how often the certifying phase reads the executor's configuration
 STOP_WAIT_S = 10.0  # how long a stopping server waits for its training job to end on SIGTERM before killing it
 RECENT_WINDOWS = 10  # windows of the early-answer share /status shows
@@ -309,6 +310,17 @@ def certified(status: dict) -> bool:
     return configuration is not None and any(t > 0 for t in configuration["thresholds"])
 
 
+def certifying_detail(status: dict) -> str:
+    """What a certifying model waits for: certified thresholds, or (its latest search judged no set but "no ramp")
+    a batch size served at which some ramp fits the budget, with the search's reason; the load decides the batch
+    size, so a later search may find one."""
+    if status.get("ramps_fit", True):
+        return CERTIFYING_DETAIL
+    return (f"no ramp fits the ramp budget ({status['ramp_budget']:.0%} of the model) at batch "
+            f"{status['budget_batch']}, the median batch served: the original model answers until a search at a "
+            "batch size where one fits")
+
+
 def job_stage(line: str) -> str | None:
     """The phase a line of the training job's output shows it in (one of its progress bars), or None."""
     return next((phase for description, phase in JOB_STAGES if line.startswith(description)), None)
@@ -540,7 +552,7 @@ class Learner:
         return None
 
     async def _certify(self, catalogue: Catalogue) -> None:
-        self._enter(CERTIFYING, "the controller certifies thresholds on live inputs before it serves an exit")
+        self._enter(CERTIFYING, CERTIFYING_DETAIL)
         while True:
             predictor = catalogue.models.get(self.name)
             status = None if predictor is None or predictor.worker is None else await predictor.status(1)
@@ -550,6 +562,8 @@ class Learner:
             if status is not None and status.get("controller_idle"):  # it will never change its configuration
                 self._enter(MANAGED, f"no exit: {status['decisions'][-1]['reason']}")
                 return
+            if status is not None:
+                self.detail = certifying_detail(status)
             await asyncio.sleep(CERTIFICATION_POLL_S)
 
     async def _watch(self, catalogue: Catalogue) -> ExitShareWatch:
