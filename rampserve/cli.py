@@ -903,6 +903,7 @@ def bench_live(
         LiveSettings, live_table, load_table, parse_loads, read_simulator_saving, run_live, simulate_replays,
         simulated_replays_table, versus_table,
     )
+    from rampserve.bench.stages import stages_table
     from rampserve.runtime.prepare import PrepareConfig
 
     if from_cold:
@@ -932,6 +933,9 @@ def bench_live(
     for entry in report["loads"]:
         console.print(live_table(report, entry))
         console.print(versus_table(entry))
+        if any(summary.get("stages") for summary in entry["systems"].values()):
+            console.print(stages_table(entry["systems"], f"where a request's time went at load {entry['load']:g}, "
+                                                         f"round {entry['median_round'] + 1}: median (mean) ms"))
     console.print(load_table(report))
 
 

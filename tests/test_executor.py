@@ -27,12 +27,13 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from test_shadow_batches import FixedControl, HeldCompiler
 from rampserve.bench.harness import free_port, http_status
+from rampserve.bench.loadgen import TRACE_STEPS
 from rampserve.graph.onnx_graph import ORT_POOL_NAME
 from rampserve.runtime.bundle import save_bundle
 from rampserve.control.records import Configuration
 from rampserve.serving import wire
 from rampserve.serving.compiler import likely_next_sets
-from rampserve.serving.contract import Answer, ModelSettings
+from rampserve.serving.contract import Answer, ModelSettings, Stamps
 from rampserve.serving.executor import wait_readable
 from rampserve.serving.metrics import ServerMetrics
 from rampserve.serving.models import ServedModel, load_served
@@ -119,14 +120,18 @@ def test_an_answer_survives_the_wire(rows: int, with_logits: bool) -> None:
     rng = np.random.default_rng(rows)
     sites = tuple(None if i % 2 else f"layer{i}" for i in range(rows))
     answer = Answer(rng.integers(0, 10, rows), sites, tuple(None if s is None else 0.25 for s in sites),
-                    rng.random(rows), rng.random((rows, 10)).astype(np.float32) if with_logits else None, 3, 7, 1.5)
+                    rng.random(rows), rng.random((rows, 10)).astype(np.float32) if with_logits else None, 3, 7,
+                    Stamps(1.5, 1.75, 2.0, 2.25))
     [(kind, header, body)] = list(wire.FrameReader().feed(wire.answer_frame(wire.ANSWER, 11, answer)))
+    read_before = time.monotonic()
     back = wire.read_answer(header, body)
     assert kind == wire.ANSWER and header["i"] == 11
     np.testing.assert_array_equal(back.labels, answer.labels)
     np.testing.assert_array_equal(back.confidences, answer.confidences)
-    assert (back.exit_sites, back.error_scores, back.config_version, back.batch_id, back.released_at) == \
-        (answer.exit_sites, answer.error_scores, 3, 7, 1.5)
+    assert (back.exit_sites, back.error_scores, back.config_version, back.batch_id) == \
+        (answer.exit_sites, answer.error_scores, 3, 7)
+    assert back.stamps.to_json() | {"received": 0} == answer.stamps.to_json() | {"received": 0}
+    assert read_before <= back.stamps.received <= time.monotonic()  # the front end's own reading
     if with_logits:
         np.testing.assert_array_equal(back.logits, answer.logits)
     else:
@@ -233,6 +238,27 @@ def test_a_bundle_is_served_by_an_executor_process_with_the_original_answers(ser
         pid = status["executor"]["pid"]
     assert not Path(f"/proc/{pid}").exists() or _is_zombie(pid)
     assert shared_memory_files() <= before
+
+
+def test_a_traced_answer_says_when_it_passed_each_step(served, fmnist_feeds) -> None:
+    """The steps come in the order the request passed them, on the client's clock, which `bench live` reads them on
+    (`loadgen.TRACE_STEPS`); an answer not asked for its trace carries none; a trace asked for wrongly is refused."""
+    state = build_state([served], ModelSettings(), ServerSettings(port=0))
+    with running_server(state) as url:
+        infer = f"{url}/v2/models/{MODEL}/infer"
+        for i in range(4):  # distinct inputs: none is answered from the prediction cache
+            sent = time.perf_counter()
+            code, body = post(infer, infer_body(served, fmnist_feeds[i:i + 1], trace=True))
+            back = time.perf_counter()
+            assert code == 200, body
+            trace = body["parameters"]["trace"]
+            assert tuple(trace) == TRACE_STEPS
+            assert sent <= trace["in"] and trace["answered"] <= back
+            assert all(a <= b for a, b in zip(trace.values(), list(trace.values())[1:])), trace
+        code, body = post(infer, infer_body(served, fmnist_feeds[4:5]))
+        assert code == 200 and "trace" not in body["parameters"]
+        code, body = post(infer, infer_body(served, fmnist_feeds[5:6], trace="yes"))
+        assert code == 400 and "parameter trace must be true or false" in body["error"]
 
 
 @pytest.mark.parametrize("idle_poll_ms", [0.0, 60_000.0])

@@ -26,7 +26,10 @@ from rampserve.bench.live import (
     versus_vanilla,
     with_oracle_share,
 )
-from rampserve.bench.loadgen import CLIENT_ERROR, TIMED_OUT, Job, LoadResult, encode_request, load_job, save_job
+from rampserve.bench.loadgen import (
+    CLIENT_ERROR, TIMED_OUT, TRACE_STEPS, Job, LoadResult, encode_request, load_job, save_job,
+)
+from rampserve.bench.stages import STAGES, stage_costs
 from rampserve.control.controller import ControllerSettings
 from rampserve.workloads.traces import arrival_times
 
@@ -314,6 +317,9 @@ def test_job_and_result_files_round_trip(tmp_path):
     assert [r["ids"].tolist() for r in loaded_requests] == [[[1, 2, 3]], [[4]]]
 
     result = load_result([0, 1], [2, 3], [200, 429], [4, -1], early=[True, False], exit_site=[0, -1], sites=("s",))
+    result.save(tmp_path / "untraced.npz")
+    assert LoadResult.load(tmp_path / "untraced.npz").trace_ms is None
+    result.trace_ms = np.arange(2.0 * len(TRACE_STEPS)).reshape(2, -1)
     result.errors = {"HTTP 429: busy": 1}
     result.status_after = {"models": {}}
     result.save(tmp_path / "out.npz")
@@ -321,6 +327,39 @@ def test_job_and_result_files_round_trip(tmp_path):
     assert back.sites == ("s",) and back.errors == result.errors and back.status_after == {"models": {}}
     np.testing.assert_array_equal(back.latency_ms, [2, 2])
     assert back.early.tolist() == [True, False] and back.shed.tolist() == [False, True]
+    np.testing.assert_array_equal(back.trace_ms, result.trace_ms)
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.integers(0, 10_000), st.integers(1, 40))
+def test_stage_costs_cut_each_traced_answer_s_latency_into_stages_that_add_up(seed, n):
+    """Over the answers whose trace has every step, the stages' means add up to the mean latency, each path apart;
+    a refused request, one without a trace and one without the executor's steps (a cached answer) are left out."""
+    rng = np.random.default_rng(seed)
+    steps = np.cumsum(rng.exponential(1.0, (n, len(TRACE_STEPS) + 3)), axis=1)  # scheduled, sent, ..., done
+    status = np.where(rng.random(n) < 0.8, 200, 503)
+    early = rng.random(n) < 0.5
+    trace = steps[:, 2:-1].copy()
+    untraced = rng.random(n) < 0.2
+    trace[untraced] = np.nan
+    cached = rng.random(n) < 0.2
+    trace[cached, 1:-1] = np.nan  # in and answered alone
+    result = load_result(steps[:, 0], steps[:, -1], status, np.zeros(n, int), early=early, sent=steps[:, 1])
+    result.trace_ms = trace
+    costs = stage_costs(result)
+    counted = (status == 200) & ~untraced & ~cached
+    for path, taken in (("early", early), ("final", ~early)):
+        rows = counted & taken
+        if not rows.any():
+            assert costs[path] is None
+            continue
+        cost = costs[path]
+        assert cost["requests"] == rows.sum()
+        whole = steps[rows, -1] - steps[rows, 0]
+        assert cost["latency_ms"]["mean"] == pytest.approx(whole.mean())
+        assert sum(s["mean"] for s in cost["stages_ms"].values()) == pytest.approx(whole.mean())
+        assert list(cost["stages_ms"]) == [stage for stage, _, _ in STAGES]
+        assert all(s["median"] > 0 for s in cost["stages_ms"].values())
 
 
 def _demo_entry(p50_rounds: list[float], p99_rounds: list[float], exits: float, accuracy: float = 0.995) -> dict:

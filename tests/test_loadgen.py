@@ -69,7 +69,7 @@ def test_each_request_ends_once_and_a_failure_does_not_stop_the_ones_after_it(pe
         recorder = asyncio.run(client.open_loop(_bodies(kinds), np.arange(len(kinds)) * 20.0))
     finally:
         client.close()
-    result = recorder.result(None, None)
+    result = recorder.result(client.origin, None, None)
     expected = {"label": 200, "close": CLIENT_ERROR, "hang": TIMED_OUT, "refuse": 503}
     assert result.status.tolist() == [expected[kind] for kind in kinds]
     assert result.label.tolist() == [i if kind == "label" else -1 for i, kind in enumerate(kinds)]
@@ -87,7 +87,7 @@ def test_a_closed_loop_sends_each_request_once_and_stops_at_its_count(peer, kind
     job = Job(peer, (), "label", None, timeout_s=5.0, clients=clients, requests=len(kinds), lean=True)
     client = LeanHttpClient(job)
     try:
-        result = asyncio.run(client.closed_loop(_bodies(kinds))).result(None, None)
+        result = asyncio.run(client.closed_loop(_bodies(kinds))).result(client.origin, None, None)
     finally:
         client.close()
     assert len(result.status) == len(kinds)

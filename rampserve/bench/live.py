@@ -55,6 +55,7 @@ from rampserve.bench.harness import (
     median_ratio, most_frequent, percentiles, rampserve_serve, ratio, renamed, require_answers, run_loadgen, write_json,
 )
 from rampserve.bench.loadgen import Job, LoadResult
+from rampserve.bench.stages import stage_costs
 from rampserve.bench.own_data import OwnDataSettings
 from rampserve.bench.ramp_outputs import RampOutputs, ramp_outputs
 from rampserve.bench.load import DEFAULT_LOAD, rate_at_load
@@ -135,6 +136,9 @@ class LiveSettings(OwnDataSettings):
     # Replays of each load per system, alternating which goes first: ratios are paired within a round, and the
     # median over rounds is what the goals judge
     replay_rounds: int = 3
+    # The replays ask both servers for each answer's trace (`loadgen.Job.trace`): where each request's time went
+    # (`stages`), in both systems alike
+    traced: bool = True
 
     def __post_init__(self) -> None:
         if self.saturation_s <= self.saturation_settle_s:
@@ -300,6 +304,7 @@ def summarize_live(result: LoadResult, reference: np.ndarray, worst_window: int,
         "duration_s": float(result.done_ms.max()) / 1000.0 if len(ok) else 0.0,
         **percentiles(result.sent_ms - result.scheduled_ms, prefix="client_lateness_"),
         "errors": most_frequent(result.errors),
+        "stages": None if result.trace_ms is None else stage_costs(result),
     }
 
 
@@ -871,7 +876,8 @@ def run_live(settings: LiveSettings, json_out: Path | None, plots_dir: Path | No
                 for is_vanilla in (True, False) if round_index % 2 == 0 else (False, True):
                     name = "vanilla" if is_vanilla else "rampserve"
                     with server(is_vanilla, workdir, tag) as srv:
-                        runs[name] = run_loadgen(job(srv), requests[:schedule.warmup_requests + schedule.requests],
+                        runs[name] = run_loadgen(job(srv, trace=settings.traced),
+                                                 requests[:schedule.warmup_requests + schedule.requests],
                                                  workdir, f"{name} at {tag}", schedule.expected_s, progress,
                                                  schedule.arrivals_ms, schedule.warmup_arrivals_ms)
                         # after the last replay: the replays meet the servers as they always did, the probe a

@@ -14,7 +14,9 @@ HTTP/2 connection), and writes what happened to each request (`LoadResult`).
   latency with nothing else queued.
 
 Every request body is encoded before the clock starts. Times are `time.perf_counter` milliseconds from the
-start of the measured run.
+start of the measured run. A job that traces (`Job.trace`) asks the server for each answer's trace and keeps its
+steps (`TRACE_STEPS`) on the same clock: on Linux the server's `time.monotonic()` and this process's
+`time.perf_counter()` are one clock, CLOCK_MONOTONIC.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import gc
 import heapq
 import itertools
 import json
+import math
 import re
 import select
 import socket
@@ -59,6 +62,8 @@ NUMBER = re.compile(r"\d+(\.\d+)?")  # error messages are counted with their fig
 # never written to a connection the server is closing at that moment (a POST is not retried).
 CLIENT_KEEPALIVE_S = 3.0
 LEAN_CONNECTIONS = 512  # the lean client waits with select(), which takes descriptors below 1024
+# The steps of a traced answer (rampserve's `plane.traced`), in the order a request passes them
+TRACE_STEPS = ("in", "submitted", "admitted", "started", "signalled", "released", "received", "resumed", "answered")
 GRPC_SCHEME = "grpc://"
 GRPC_INFER = "/inference.GRPCInferenceService/ModelInfer"
 # gRPC refusals as the HTTP statuses the results count: RESOURCE_EXHAUSTED is shed, as 429 is; UNAVAILABLE is the
@@ -93,6 +98,8 @@ class Job:
     # HTTP from one thread on blocking sockets (`LeanHttpClient`) instead of aiohttp on the event loop: the
     # server's time with as little of the client's own as Python allows, as a native client measures it
     lean: bool = False
+    # Ask the server for each answer's trace (a rampserve server's `trace` parameter) and keep it (`LoadResult.trace_ms`)
+    trace: bool = False
 
     def __post_init__(self) -> None:
         if self.lean and self.over_grpc:
@@ -121,6 +128,9 @@ class LoadResult:
     cpu_before: dict | None = None  # the server's CPU (`cpu.read_tree`) read with status_before
     cpu_after: dict | None = None  # ... and with status_after
     wall_origin_s: float | None = None  # the measured run's time 0 as time.time(): to set its requests beside events
+    # A traced job's: per request, when its answer passed each of `TRACE_STEPS` (ms on the clock of `sent_ms`; NaN
+    # where the answer has no such step, or no trace); None for a job that does not trace
+    trace_ms: np.ndarray | None = None
 
     @property
     def ok(self) -> np.ndarray:
@@ -148,6 +158,7 @@ class LoadResult:
         with np.load(path) as data:
             meta = json.loads(str(data["meta"]))
             arrays = {k: data[k] for k in data.files if k != "meta"}
+        arrays.setdefault("trace_ms", None)
         return cls(**arrays, sites=tuple(meta["sites"]), errors=meta["errors"], status_before=meta["status_before"],
                    status_after=meta["status_after"], cpu_before=meta.get("cpu_before"),
                    cpu_after=meta.get("cpu_after"), wall_origin_s=meta.get("wall_origin_s"))
@@ -203,6 +214,7 @@ def encode_request(job: Job, request: dict[str, np.ndarray]) -> tuple[bytes, dic
         "inputs": [{"name": name, "shape": list(t.shape), "datatype": datatype,
                     "parameters": {"binary_data_size": t.nbytes}} for (name, datatype), t in zip(job.inputs, tensors)],
         "outputs": [{"name": job.output, "parameters": {"binary_data": False}}],
+        **request_parameters(job),
     }
     head = json.dumps(header).encode()
     body = head + b"".join(t.tobytes() for t in tensors)
@@ -215,8 +227,13 @@ def encode_json_request(job: Job, request: dict[str, np.ndarray]) -> tuple[bytes
         tensor = np.asarray(request[name], dtype=V2_DTYPES[datatype])
         inputs.append({"name": name, "shape": list(tensor.shape), "datatype": datatype,
                        "data": tensor.ravel().tolist()})
-    return json.dumps({"inputs": inputs, "outputs": [{"name": job.output}]}).encode(), \
+    return json.dumps({"inputs": inputs, "outputs": [{"name": job.output}], **request_parameters(job)}).encode(), \
         {"Content-Type": "application/json"}
+
+
+def request_parameters(job: Job) -> dict:
+    """What a v2 request's `parameters` hold for `job`: the trace where it asks for one."""
+    return {"parameters": {"trace": True}} if job.trace else {}
 
 
 def encode_grpc_request(job: Job, request: dict[str, np.ndarray]) -> bytes:
@@ -226,11 +243,14 @@ def encode_grpc_request(job: Job, request: dict[str, np.ndarray]) -> bytes:
         message.inputs.add(name=name, datatype=datatype, shape=tensor.shape)
         message.raw_input_contents.append(tensor.tobytes())
     message.outputs.add(name=job.output)
+    if job.trace:
+        message.parameters["trace"].bool_param = True
     return message.SerializeToString()
 
 
-def read_grpc_answer(payload: bytes, output: str) -> tuple[int, bool, str | None]:
-    """(label, early, exit site) from a ModelInferResponse, its outputs raw or typed (MLServer answers typed)."""
+def read_grpc_answer(payload: bytes, output: str) -> tuple[int, bool, str | None, dict | None]:
+    """(label, early, exit site, trace) from a ModelInferResponse, its outputs raw or typed (MLServer answers
+    typed)."""
     answer = pb.ModelInferResponse.FromString(payload)
     index = next(i for i, o in enumerate(answer.outputs) if o.name == output)
     tensor = answer.outputs[index]
@@ -241,15 +261,16 @@ def read_grpc_answer(payload: bytes, output: str) -> tuple[int, bool, str | None
     parameters = answer.parameters
     early = "early" in parameters and parameters["early"].bool_param
     site = parameters["exit_site"].string_param if "exit_site" in parameters else None  # none: the final layer
-    return label, early, site
+    trace = orjson.loads(parameters["trace"].string_param) if "trace" in parameters else None  # a dict goes as JSON
+    return label, early, site, trace
 
 
-def read_answer(payload: bytes, output: str) -> tuple[int, bool, str | None]:
-    """(label, early, exit site) from a v2 infer response."""
+def read_answer(payload: bytes, output: str) -> tuple[int, bool, str | None, dict | None]:
+    """(label, early, exit site, trace) from a v2 infer response."""
     answer = orjson.loads(payload)
     data = next(o for o in answer["outputs"] if o["name"] == output)["data"]
     parameters = answer.get("parameters") or {}
-    return int(data[0]), bool(parameters.get("early", False)), parameters.get("exit_site")
+    return int(data[0]), bool(parameters.get("early", False)), parameters.get("exit_site"), parameters.get("trace")
 
 
 def fetch_status(url: str | None) -> dict | str | None:
@@ -277,11 +298,14 @@ class _Recorder:
         self.rows: list[tuple[int, float, float, float, int, int, bool, int]] = []
         self.sites: dict[str, int] = {}
         self.errors: Counter[str] = Counter()
+        self.traces: dict[int, tuple[float, ...]] = {}  # per request answered with a trace: its steps, in seconds
 
     def add(self, index: int, scheduled_ms: float, sent_ms: float, done_ms: float, status: int, label: int = -1,
-            early: bool = False, site: str | None = None) -> None:
+            early: bool = False, site: str | None = None, trace: dict | None = None) -> None:
         site_index = -1 if site is None else self.sites.setdefault(site, len(self.sites))
         self.rows.append((index, scheduled_ms, sent_ms, done_ms, status, label, early, site_index))
+        if trace is not None:
+            self.traces[index] = tuple(math.nan if trace.get(step) is None else trace[step] for step in TRACE_STEPS)
 
     def answered(self, index: int, scheduled_ms: float, sent_ms: float, done_ms: float, status: int, payload: bytes
                  ) -> int:
@@ -292,12 +316,12 @@ class _Recorder:
             self.add(index, scheduled_ms, sent_ms, done_ms, status)
             return status
         try:
-            label, early, site = self.read(payload, self.job.output)
+            label, early, site, trace = self.read(payload, self.job.output)
         except (ValueError, KeyError, IndexError, TypeError, StopIteration) as exc:
             self.errors[f"unreadable answer ({type(exc).__name__}: {exc}): {payload[:200]!r}"] += 1
             self.add(index, scheduled_ms, sent_ms, done_ms, CLIENT_ERROR)
             return CLIENT_ERROR
-        self.add(index, scheduled_ms, sent_ms, done_ms, status, label, early, site)
+        self.add(index, scheduled_ms, sent_ms, done_ms, status, label, early, site, trace)
         return status
 
     def failed(self, index: int, scheduled_ms: float, sent_ms: float, done_ms: float, exc: BaseException) -> int:
@@ -311,15 +335,21 @@ class _Recorder:
         self.add(index, scheduled_ms, sent_ms, done_ms, status)
         return status
 
-    def result(self, status_before: dict | str | None, status_after: dict | str | None,
+    def result(self, origin_s: float, status_before: dict | str | None, status_after: dict | str | None,
                cpu_before: dict | None = None, cpu_after: dict | None = None) -> LoadResult:
+        """`origin_s`: the measured run's time 0, `time.perf_counter()` seconds."""
         rows = sorted(self.rows)
         columns = list(zip(*rows)) if rows else [()] * 8
         as_array = [np.array(c, dtype=t) for c, t in zip(columns, (np.int64, np.float64, np.float64, np.float64,
                                                                    np.int64, np.int64, bool, np.int64))]
+        trace_ms = None
+        if self.job.trace:
+            nothing = (math.nan,) * len(TRACE_STEPS)
+            trace_ms = (np.array([self.traces.get(int(i), nothing) for i in as_array[0]], dtype=np.float64)
+                        .reshape(-1, len(TRACE_STEPS)) - origin_s) * 1000.0
         return LoadResult(*as_array[1:], sites=tuple(self.sites), errors=dict(self.errors),
                           status_before=status_before, status_after=status_after, cpu_before=cpu_before,
-                          cpu_after=cpu_after)
+                          cpu_after=cpu_after, trace_ms=trace_ms)
 
 
 class _Client:
@@ -573,7 +603,7 @@ async def run_job(job: Job, requests: list[dict[str, np.ndarray]], arrivals_ms: 
             client = _Client(job, http_sender(job, await stack.enter_async_context(session)))
         if job.clients > 0:
             recorder = await client.closed_loop(bodies)
-            return recorder.result(None, fetch_status(job.status_url))
+            return recorder.result(client.origin, None, fetch_status(job.status_url))
         warmup = len(warmup_arrivals_ms)
         if len(bodies) != warmup + len(arrivals_ms):
             raise ValueError(f"{len(bodies)} requests for {warmup} warm-up and {len(arrivals_ms)} measured arrivals")
@@ -583,7 +613,7 @@ async def run_job(job: Job, requests: list[dict[str, np.ndarray]], arrivals_ms: 
         recorder = await client.open_loop(bodies[warmup:], arrivals_ms)
         origin = time.time() - (time.perf_counter() - client.origin)
         cpu_after = read_cpu(job.cpu_pid)  # before the status request, which costs the server CPU of its own
-        result = recorder.result(before, fetch_status(job.status_url), cpu_before, cpu_after)
+        result = recorder.result(client.origin, before, fetch_status(job.status_url), cpu_before, cpu_after)
         result.wall_origin_s = origin
         return result
 

@@ -17,7 +17,7 @@ import numpy as np
 from rampserve.control.records import NO_EXIT, NO_LABEL, Configuration
 from rampserve.ramps import exit_rule
 from rampserve.runtime.column_handlers import hand_columns_to
-from rampserve.serving.contract import Answer
+from rampserve.serving.contract import Answer, Stamps
 from rampserve.serving.request_queue import Pending
 from rampserve.threads import OsNamedThread
 
@@ -31,6 +31,8 @@ class BatchState:
 
     def __init__(self, config: Configuration, batch: list[Pending], batch_id: int, answer_time: object) -> None:
         self.config, self.batch, self.batch_id, self.answer_time = config, batch, batch_id, answer_time
+        self.started = time.monotonic()
+        self.signalled = self.started  # when the latest ramp column (or the run's end) reached the batch
         self.starts = np.cumsum([0] + [p.rows for p in batch])[:-1]
         self.n = int(self.starts[-1] + batch[-1].rows)
         r = len(config.sites)
@@ -52,6 +54,7 @@ class BatchState:
     def ramp(self, j: int, ramp_labels: np.ndarray, ramp_errors: np.ndarray) -> None:
         """Ramp j's outputs: inputs not answered yet whose error score is under its threshold exit there, and
         requests whose every input has exited are answered (unless they wait for the logits)."""
+        self.signalled = time.monotonic()
         self.labels[:, j], self.errors[:, j] = ramp_labels, ramp_errors
         self.scored[j] = True
         leaving = (self.exits == NO_EXIT) & exit_rule.exits(ramp_errors, self.thresholds[j]) & self._open_rows()
@@ -88,6 +91,10 @@ class BatchState:
         """Inputs of requests not answered yet (a request answered with the final layer's labels keeps them)."""
         return np.repeat([not p.settled for p in self.batch], [p.rows for p in self.batch])
 
+    def run_ended(self) -> None:
+        """The model's run is over: what is released from here on was signalled now."""
+        self.signalled = time.monotonic()
+
     def finish(self, final: np.ndarray, final_errors: np.ndarray, logits: np.ndarray) -> None:
         """Answer every request still open with the final layer's answers (in stop mode, an input that left the
         batch has none, NO_LABEL: it keeps the answer it left with)."""
@@ -122,7 +129,8 @@ class BatchState:
             error_scores=tuple(None if j == NO_EXIT else float(self.errors[i, j]) for i, j in zip(rows, at)),
             confidences=1.0 - released_errors,
             logits=None if logits is None or not pending.needs_final else logits[rows],
-            config_version=config.version, batch_id=self.batch_id, released_at=now))
+            config_version=config.version, batch_id=self.batch_id,
+            stamps=Stamps(pending.admitted, self.started, self.signalled, now)))
         self.answer_time.observe(now - pending.arrival)
 
 

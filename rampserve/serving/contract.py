@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import gc
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
@@ -193,6 +194,23 @@ class ExecutorLost(Exception):
 
 
 @dataclass(frozen=True)
+class Stamps:
+    """When a request's answer passed each step in the executor, as `time.monotonic()`, one clock for every process
+    of the machine (the front end's and a client's `time.perf_counter` read it too): its request admitted to the
+    queue, its batch started, its exit signalled (the column of the ramp it left at reached the batch, or the run
+    ended), the answer released, and the answer read back by the front end (NaN for an executor in its process)."""
+
+    admitted: float
+    started: float
+    signalled: float
+    released: float
+    received: float = math.nan
+
+    def to_json(self) -> dict[str, float]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
 class Answer:
     labels: np.ndarray  # (rows,) released label per input
     exit_sites: tuple[str | None, ...]  # per input: the ramp that answered, None for the final layer
@@ -202,7 +220,7 @@ class Answer:
     logits: np.ndarray | None  # the original model's, when the request asked for them
     config_version: int
     batch_id: int
-    released_at: float  # time.monotonic() in the server when the answer was released
+    stamps: Stamps
 
     @property
     def early(self) -> bool:

@@ -114,7 +114,7 @@ def handlers(plane: DataPlane, ready: Callable[[], bool]) -> dict[str, grpc.RpcM
             await abort(context, Refusal(exc.status, exc.message, "invalid"))
 
     async def model_infer(body: bytes, context: grpc.aio.ServicerContext) -> bytes:
-        arrived = time.perf_counter()
+        arrived = time.monotonic()
         # Parsed here rather than by grpcio, which answers a message it cannot parse with INTERNAL
         try:
             message = pb.ModelInferRequest.FromString(body)

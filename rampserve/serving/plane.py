@@ -88,16 +88,35 @@ def http_refusal(refusal: Refusal) -> InferResult:
     return InferResult(refusal.status, error_body(refusal.message), {**retry, "Content-Type": JSON}, refusal.outcome)
 
 
-def request_options(parameters: dict) -> tuple[float | None, int]:
-    """The request's own deadline (ms from arrival) and priority (higher is served first), if it sets them."""
+def request_options(parameters: dict) -> tuple[float | None, int, bool]:
+    """The request's own deadline (ms from arrival) and priority (higher is served first), if it sets them, and
+    whether it asks for its answer's trace (`traced`)."""
     deadline = parameters.get("deadline_ms")
     priority = parameters.get("priority", 0)
+    trace = parameters.get("trace", False)
+    if not isinstance(trace, bool):
+        raise ProtocolError(f"parameter trace must be true or false, got {trace!r}")
     if deadline is not None and (isinstance(deadline, bool) or not isinstance(deadline, (int, float))
                                  or not deadline > 0):
         raise ProtocolError(f"parameter deadline_ms must be a positive number of milliseconds, got {deadline!r}")
     if isinstance(priority, bool) or not isinstance(priority, int):
         raise ProtocolError(f"parameter priority must be an integer, got {priority!r}")
-    return (None if deadline is None else float(deadline)), priority
+    return (None if deadline is None else float(deadline)), priority, trace
+
+
+def traced(arrived: float, submitted: float | None, prediction: Prediction | None, resumed: float | None) -> dict:
+    """When a request passed each step of the server, `time.monotonic()` seconds (the clock a client on the same
+    machine reads as `time.perf_counter`): in (the route's handler began), submitted (decoded, handed to the model),
+    the executor's steps (`contract.Stamps`: admitted, started, signalled, released, received), resumed (the
+    request's coroutine had the answer) and answered (the response's encoding began). A cached answer has in and
+    answered alone; a model without an executor has no executor steps."""
+    steps = {"in": arrived}
+    if submitted is not None:
+        steps["submitted"] = submitted
+        if prediction is not None and prediction.stamps is not None:
+            steps |= prediction.stamps.to_json()
+        steps["resumed"] = resumed
+    return steps | {"answered": time.monotonic()}
 
 
 class DataPlane:
@@ -145,13 +164,13 @@ class DataPlane:
         the model's inputs (or a text model's texts in their place, which are tokenized here, so that the prediction
         cache, the queue and the controller see the token inputs whichever a client sent), `encode` turns the answer
         into what the transport sends (a ProtocolError from either refuses the request).
-        `arrived` (time.perf_counter()) starts the latency the metrics observe, at the request's arrival rather
+        `arrived` (time.monotonic()) starts the latency the metrics observe, at the request's arrival rather
         than once its body was read; default now."""
-        arrived = time.perf_counter() if arrived is None else arrived
+        arrived = time.monotonic() if arrived is None else arrived
         try:
             # The model is looked up only now, after the transport's last await before it is asked: a swap in
             # between cannot hand this request to a version that is draining.
-            answered = await self._answer(self.find(model, version), decode)
+            answered = await self._answer(self.find(model, version), decode, arrived)
             result: Encoded | Refusal = encode(answered)
         except ProtocolError as exc:
             result = Refusal(exc.status, exc.message, "invalid")
@@ -181,14 +200,14 @@ class DataPlane:
         """A request its transport refused before the plane could read it (a body over the limit, a malformed
         binary header length, a message that does not parse), counted as the plane counts the invalid requests it
         refuses itself."""
-        self._count(model, "invalid", transport, time.perf_counter())
+        self._count(model, "invalid", transport, time.monotonic())
         return Refusal(error.status, error.message, "invalid")
 
     def refused(self, model: str, error: ProtocolError) -> InferResult:
         """`refuse` for HTTP."""
         return http_refusal(self.refuse(model, error, HTTP))
 
-    async def _answer(self, predictor: Predictor, decode: Decoder) -> Answer:
+    async def _answer(self, predictor: Predictor, decode: Decoder, arrived: float) -> Answer:
         inputs, text = predictor.inputs, predictor.text
         if inputs is None:
             raise ProtocolError(f"model '{predictor.name}' has no known input signature", 503)
@@ -201,7 +220,7 @@ class DataPlane:
         wanted = output_names_to_send(parsed, [spec.name for spec in predictor.outputs])
         if parsed.outputs is None:  # no outputs named: the label only, which a bundle can release early
             wanted = [output for output in wanted if output.name == LABEL_OUTPUT]
-        deadline_ms, priority = request_options(parsed.parameters)
+        deadline_ms, priority, trace = request_options(parsed.parameters)
         request = PredictRequest(parsed.inputs, deadline_ms, priority, tuple(output.name for output in wanted),
                                  parsed.parameters)
         cache = self.cache(predictor.name) if predictor.cacheable else None
@@ -209,14 +228,19 @@ class DataPlane:
         cached = cache.get(key) if cache is not None else None
         if cache is not None:
             self.metrics.cache.labels(model=predictor.name, result="hit" if cached else "miss").inc()
+        submitted = prediction = resumed = None
         if cached is not None and all(name in cached.outputs for name in request.outputs):
             predictor.count_cached(cached.outputs[LABEL_OUTPUT])
             tensors, parameters, outcome = cached.outputs, {**cached.parameters, "cached": True}, "cached"
         else:
             if cache is not None:
                 request = replace(request, on_final=final_answer_keeper(cache, key))
+            submitted = time.monotonic()
             prediction = await predictor.infer(request)
+            resumed = time.monotonic()
             tensors, parameters, outcome = prediction.outputs, prediction.parameters, prediction.outcome
+        if trace:
+            parameters = {**parameters, "trace": traced(arrived, submitted, prediction, resumed)}
         datatypes = {spec.name: spec.datatype for spec in predictor.outputs}
         return Answer(predictor.name, predictor.version, parsed.id,
                       [(output, datatypes[output.name], tensors[output.name]) for output in wanted], parameters, outcome)
@@ -226,7 +250,7 @@ class DataPlane:
         label = model if model in catalogue.models or model in catalogue.apps else "unknown"
         self.metrics.requests.labels(model=label, outcome=outcome, transport=transport).inc()
         if outcome != "invalid":
-            self.metrics.latency.labels(model=label).observe(time.perf_counter() - arrived)
+            self.metrics.latency.labels(model=label).observe(time.monotonic() - arrived)
 
 
 def http_answer(answer: Answer) -> InferResult:

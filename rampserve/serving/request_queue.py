@@ -10,7 +10,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -35,6 +35,7 @@ class Pending:
     # When the response carries the final answer, this is called before `reply` gets it
     on_final: Callable[[Answer], None] | None = None
     settled: bool = False
+    admitted: float = field(default_factory=time.monotonic)  # when the queue took it (`contract.Stamps`)
 
     def settle(self, result: Answer | BaseException) -> None:
         self.settled = True

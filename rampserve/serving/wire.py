@@ -13,12 +13,13 @@ import math
 import mmap
 import os
 import struct
+import time
 from collections.abc import Mapping
 import numpy as np
 import orjson
 
 from rampserve.control.records import BatchRecord
-from rampserve.serving.contract import Answer, ExecutionFailed, Shed
+from rampserve.serving.contract import Answer, ExecutionFailed, Shed, Stamps
 
 FRAME = struct.Struct("<IB")  # bytes after this prefix, kind
 HEADER = struct.Struct("<I")  # bytes of the JSON header
@@ -150,7 +151,8 @@ class SlotArena:
 def answer_frame(kind: int, request: int, answer: Answer) -> bytes:
     logits = None if answer.logits is None else np.ascontiguousarray(answer.logits, dtype=np.float32)
     header = {"i": request, "s": answer.exit_sites, "e": answer.error_scores, "v": answer.config_version,
-              "b": answer.batch_id, "t": answer.released_at, "c": None if logits is None else logits.shape[1]}
+              "b": answer.batch_id,
+              "t": [answer.stamps.admitted, answer.stamps.started, answer.stamps.signalled, answer.stamps.released], "c": None if logits is None else logits.shape[1]}
     buffers = [np.ascontiguousarray(answer.labels, dtype=np.int64).tobytes(),
                np.ascontiguousarray(answer.confidences, dtype=np.float64).tobytes()]
     if logits is not None:
@@ -166,7 +168,7 @@ def read_answer(header: dict, body: memoryview) -> Answer:
     logits = None if classes is None else np.frombuffer(body, np.float32, rows * classes, rows * 16).reshape(
         rows, classes)
     return Answer(labels, tuple(header["s"]), tuple(header["e"]), confidences, logits, header["v"], header["b"],
-                  header["t"])
+                  Stamps(*header["t"], received=time.monotonic()))
 
 
 def refused_frame(request: int, error: BaseException) -> bytes:

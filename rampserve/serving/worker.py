@@ -44,7 +44,7 @@ from rampserve.runtime.prepared import COMPILED_SETS_KEPT
 from rampserve.serving.batch import Answered, BatchState, RampSignals
 from rampserve.serving.batching import AdaptiveBatchSize, BatchTimeEstimate
 from rampserve.serving.compiler import CompileOutcome, CompileService, likely_next_sets
-from rampserve.serving.contract import Answer, ControlLink, ExecutionFailed, ModelSettings, future_reply
+from rampserve.serving.contract import Answer, ControlLink, ExecutionFailed, ModelSettings, Stamps, future_reply
 from rampserve.serving.exit_modes import RELEASE, Finals, StopStrategy
 from rampserve.serving.metrics import ServerMetrics
 from rampserve.serving.models import ServedModel, stack_inputs
@@ -277,7 +277,7 @@ class ModelWorker:
         state = BatchState(config, batch, self.batches, self._series.answer)
         self.batches += 1
         strategy = self._stop if compiled is not None and compiled.stops else RELEASE
-        started = time.monotonic()
+        started = state.started
         for pending in batch:
             self._series.queue.observe(started - pending.arrival)
         try:
@@ -292,6 +292,7 @@ class ModelWorker:
         except Exception:
             self._record_unverified(state, started)
             raise
+        state.run_ended()
         # A request still open is answered now with its batch's final answer: that answer is kept (the prediction
         # cache) before the response that carries it is sent, so a repeat sent once the response is back finds it.
         # A request released early at a ramp got the ramp's label; its final answer, known only now, is kept after
@@ -332,7 +333,7 @@ class ModelWorker:
                 continue
             pending.on_final(Answer(finals.labels[rows], (None,) * pending.rows, (None,) * pending.rows,
                                     1.0 - finals.errors[rows], finals.logits[rows], state.config.version,
-                                    state.batch_id, now))
+                                    state.batch_id, Stamps(pending.admitted, state.started, state.signalled, now)))
 
     def _shadow_batch(self, config: Configuration) -> tuple[Configuration, CompiledSet | None] | None:
         """Count the batch about to run under `config`; where it is a shadow batch whose set is loaded, what it runs

@@ -51,7 +51,7 @@ class V2Endpoints:
     async def infer(self, request: Request) -> Response:
         """A plain Starlette handler (the request alone): FastAPI's parameter resolution adds nothing the hot
         path needs."""
-        arrived = time.perf_counter()
+        arrived = time.monotonic()
         model, version = request.path_params["model"], request.path_params.get("version")
         try:
             body = await read_body(request, self.max_body_bytes)

@@ -28,7 +28,7 @@ import numpy as np
 import orjson
 
 from rampserve.ramps.scores import top_label_and_error
-from rampserve.serving.contract import Answer, Worker
+from rampserve.serving.contract import Answer, Stamps, Worker
 from rampserve.serving.models import LABEL_OUTPUT, LOGITS_OUTPUT, V2_DATATYPES, ServedModel, TextInput
 from rampserve.serving.protocol import TensorSpec
 
@@ -61,6 +61,7 @@ class Prediction:
     parameters: dict  # the response's parameters: how the answer was reached (confidence, exit sites, ...)
     outcome: str = "final"  # how requests are counted (rampserve_requests_total): early, final, answered, default
     logits: np.ndarray | None = None  # a bundle's, when the request asked for them
+    stamps: Stamps | None = None  # a bundle's: when its answer passed each step in the executor
 
     @classmethod
     def of_labels(cls, labels: np.ndarray, confidences: np.ndarray) -> Prediction:
@@ -181,7 +182,7 @@ def bundle_prediction(answer: Answer) -> Prediction:
          "confidence": per_input(answer.confidences.tolist()), "config_version": answer.config_version,
          "batch_id": answer.batch_id},
         "early" if answer.early else "final",
-        None if answer.logits is None else answer.logits.astype(np.float32))
+        None if answer.logits is None else answer.logits.astype(np.float32), answer.stamps)
 
 
 class WorkerPredictor(Predictor):

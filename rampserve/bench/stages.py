@@ -1,0 +1,73 @@
+"""Where a request's time goes, from the traces `bench live` asks both servers for (`loadgen.Job.trace`): each
+request's latency cut into stages between the steps its answer passed (the client's clock and the server's are one,
+CLOCK_MONOTONIC), for exited answers and final ones apart. Means add up to the mean latency; medians do not, but say
+what a typical request paid at each stage."""
+
+from __future__ import annotations
+
+import numpy as np
+from rich.table import Table
+
+from rampserve.bench.loadgen import TRACE_STEPS, LoadResult
+
+# (stage, the step it starts at, the step it ends at); "scheduled", "sent" and "done" are the client's
+STAGES = (
+    ("client late", "scheduled", "sent"),
+    ("to the handler", "sent", "in"),
+    ("decode, hand-off", "in", "submitted"),
+    ("to the executor", "submitted", "admitted"),
+    ("queued", "admitted", "started"),
+    ("model to the exit", "started", "signalled"),
+    ("release", "signalled", "released"),
+    ("back to the front end", "released", "received"),
+    ("front end wakes", "received", "resumed"),
+    ("response built", "resumed", "answered"),
+    ("encoded, to the client", "answered", "done"),
+)
+PATHS = ("early", "final")  # answers released at a ramp, and those the last layer gave
+
+
+def step_times(result: LoadResult) -> dict[str, np.ndarray]:
+    """Per request, when it passed each step (ms on the run's clock; NaN where it has no such step)."""
+    if result.trace_ms is None:
+        raise ValueError("the run kept no traces (a job that traces: `Job.trace`)")
+    steps = {"scheduled": result.scheduled_ms, "sent": result.sent_ms, "done": result.done_ms}
+    return steps | {step: result.trace_ms[:, k] for k, step in enumerate(TRACE_STEPS)}
+
+
+def stage_costs(result: LoadResult) -> dict[str, dict | None]:
+    """Per path (`PATHS`), over the answered requests whose trace has every step: how many, and per stage (and the
+    whole latency) the median and mean ms. None for a path no such request took."""
+    steps = step_times(result)
+    durations = {stage: steps[end] - steps[start] for stage, start, end in STAGES}
+    whole = steps["done"] - steps["scheduled"]
+    complete = result.ok & ~np.any(np.isnan(np.stack(list(durations.values()))), axis=0)
+    costs: dict[str, dict | None] = {}
+    for path, taken in zip(PATHS, (result.early, ~result.early)):
+        rows = complete & taken
+        if not rows.any():
+            costs[path] = None
+            continue
+        costs[path] = {"requests": int(rows.sum()),
+                       "latency_ms": {"median": float(np.median(whole[rows])), "mean": float(whole[rows].mean())},
+                       "stages_ms": {stage: {"median": float(np.median(d[rows])), "mean": float(d[rows].mean())}
+                                     for stage, d in durations.items()}}
+    return costs
+
+
+def stages_table(systems: dict[str, dict], title: str) -> Table:
+    """Median (mean) ms per stage of each system's answers by path, from `stage_costs` in each system's `stages`."""
+    columns = [(name, path, summary["stages"][path]) for name, summary in systems.items()
+               if summary.get("stages") for path in PATHS if summary["stages"][path] is not None]
+    table = Table(title=title)
+    table.add_column("stage")
+    for name, path, cost in columns:
+        table.add_column(f"{name} {path} ({cost['requests']:,})", justify="right")
+    for stage, _, _ in STAGES:
+        table.add_row(stage, *(_cell(cost["stages_ms"][stage]) for _, _, cost in columns))
+    table.add_row("whole latency", *(_cell(cost["latency_ms"]) for _, _, cost in columns))
+    return table
+
+
+def _cell(figure: dict) -> str:
+    return f"{figure['median']:.3f} ({figure['mean']:.3f})"
