@@ -930,6 +930,9 @@ def bench_live(
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
     report = run_live(settings, json_out, plots, simulator=simulator)
+    if report.get("low_load_stages"):
+        console.print(stages_table({"vanilla": {"stages": report["low_load_stages"]}},
+                                   "where the time went, one request at a time: median (mean) ms"))
     for entry in report["loads"]:
         console.print(live_table(report, entry))
         console.print(versus_table(entry))

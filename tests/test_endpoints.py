@@ -17,7 +17,7 @@ from rampserve.serving.endpoints.admin import AdminToken
 from rampserve.serving.endpoints.applications import ApplicationEndpoints
 from rampserve.serving.endpoints.observability import ObservabilityEndpoints
 from rampserve.serving.endpoints.repository import RepositoryEndpoints
-from rampserve.serving.endpoints.v2 import V2Endpoints
+from rampserve.serving.endpoints.v2 import InferRoute, V2Endpoints
 from rampserve.serving.plane import DataPlane
 from rampserve.serving.protocol import ProtocolError, TensorSpec
 from rampserve.serving.repository.catalogue import CatalogueError
@@ -119,13 +119,55 @@ def test_infer_answers_a_body_and_refuses_one_past_the_limit() -> None:
     async def scenario() -> tuple:
         async with started() as (state, plane):
             v2 = V2Endpoints(plane, state.is_ready, len(orjson.dumps(body)))
-            answered = await v2.infer(request(body, model=MODEL))
-            refused = await v2.infer(request({**body, "id": "longer"}, model=MODEL))
-            return decoded(answered), decoded(refused)
+            answered = await v2.infer(MODEL, None, [], request(body).receive)
+            refused = await v2.infer(MODEL, None, [], request({**body, "id": "longer"}).receive)
+            return answered, refused
 
-    (status, answer), (refused_status, refused) = asyncio.run(scenario())
-    assert status == 200 and answer["outputs"][0]["data"] == [1, 0]
-    assert refused_status == 413 and "exceeds the limit" in refused["error"]
+    answered, refused = asyncio.run(scenario())
+    assert answered.status == 200 and orjson.loads(answered.body)["outputs"][0]["data"] == [1, 0]
+    assert refused.status == 413 and "exceeds the limit" in orjson.loads(refused.body)["error"]
+
+
+def test_the_infer_route_answers_its_path_ahead_of_the_app_and_hands_on_every_other() -> None:
+    """`InferRoute` as ASGI calls it: a POST to a model's infer path (with or without a version) is answered with
+    its length; another method there is refused with 405; any other path, and the lifespan, reach the app."""
+    body = {"inputs": [{"name": "x", "shape": [1, 3], "datatype": "FP32", "data": [1, 2, 3]}]}
+    handed_on: list[str] = []
+
+    async def app(scope, _receive, _send) -> None:
+        handed_on.append(scope["path"] if scope["type"] == "http" else scope["type"])
+
+    async def call(route: InferRoute, method: str, path: str) -> list[dict]:
+        sent: list[dict] = []
+
+        async def send(message: dict) -> None:
+            sent.append(message)
+
+        await route({"type": "http", "method": method, "path": path, "headers": []}, request(body).receive, send)
+        return sent
+
+    async def scenario() -> tuple:
+        async with started() as (state, plane):
+            route = InferRoute(app, V2Endpoints(plane, state.is_ready, LIMIT))
+            answers = [await call(route, "POST", f"/v2/models/{MODEL}/infer"),
+                       await call(route, "POST", f"/v2/models/{MODEL}/versions/1/infer"),
+                       await call(route, "POST", f"/v2/models/{MODEL}/versions/9/infer"),
+                       await call(route, "GET", f"/v2/models/{MODEL}/infer")]
+            others = [await call(route, "POST", "/v2/models/a/b/infer"), await call(route, "GET", "/v2")]
+            await route({"type": "lifespan"}, request().receive, None)
+            return answers, others
+
+    answers, others = asyncio.run(scenario())
+    statuses = [start["status"] for start, _ in answers]
+    assert statuses == [200, 200, 404, 405]
+    for start, message in answers:
+        headers = dict(start["headers"])
+        assert headers[b"content-length"] == str(len(message["body"])).encode()
+        assert headers[b"content-type"] == b"application/json"
+    assert orjson.loads(answers[0][1]["body"])["outputs"][0]["data"] == [1]
+    assert "no version '9'" in orjson.loads(answers[2][1]["body"])["error"]
+    assert dict(answers[3][0]["headers"])[b"allow"] == b"POST"
+    assert others == [[], []] and handed_on == ["/v2/models/a/b/infer", "/v2", "lifespan"]
 
 
 def test_applications_are_registered_and_queried_through_their_endpoints() -> None:

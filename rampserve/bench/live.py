@@ -606,19 +606,24 @@ def measure_overhead(jobs: dict[str, Job], probe: list[dict[str, np.ndarray]], m
                      progress: bool) -> dict:
     """The server's own cost: its median latency with one request at a time, less the model's batch-1 time here
     (timed while the server idles); for each of `jobs` (one client each): Triton's binary tensors
-    (`server_overhead_ms`), plain JSON bodies (`server_overhead_json_ms`) and gRPC (`server_overhead_grpc_ms`)."""
+    (`server_overhead_ms`), plain JSON bodies (`server_overhead_json_ms`) and gRPC (`server_overhead_grpc_ms`). A
+    job that traces (binary tensors, each answer's trace asked for: `server_overhead_traced_ms`, what the trace
+    costs beside binary's) also says where the time went (`low_load_stages`, `stages.stage_costs`)."""
     expected_s = settings.sequential_requests * slo_ms / 1000.0  # for the progress bar: each well within the SLO
-    low_load_p50 = {}
+    low_load_p50, stages = {}, None
     for encoding, job in jobs.items():
         sequential = require_answers(run_loadgen(job, probe, workdir, f"one at a time ({encoding})", expected_s,
                                                  progress), "one at a time")
         low_load_p50[encoding] = float(np.median(sequential.latency_ms[sequential.ok]))
+        if job.trace:
+            stages = stage_costs(sequential)
     batch1 = batch1_inprocess_ms(model, feeds, settings.inprocess_rounds)
     named = {encoding: "" if encoding == "binary" else f"_{encoding}" for encoding in jobs}
     return {**{f"server_overhead{suffix}_ms": low_load_p50[encoding] - batch1 for encoding, suffix in named.items()},
             "batch1_inprocess_ms": batch1,
             **{f"low_load_p50{suffix}_ms": low_load_p50[encoding] for encoding, suffix in named.items()},
-            "low_load_requests": int(sequential.ok.sum()), "inprocess_torch_threads": torch.get_num_threads()}
+            "low_load_requests": int(sequential.ok.sum()), "inprocess_torch_threads": torch.get_num_threads(),
+            "low_load_stages": stages}
 
 
 def simulated_replay(plan: LivePlan, settings: LiveSettings, schedule: ReplaySchedule, outputs: RampOutputs
@@ -839,6 +844,8 @@ def run_live(settings: LiveSettings, json_out: Path | None, plots_dir: Path | No
             one_at_a_time = {"binary": job(vanilla, "http", clients=1, requests=settings.sequential_requests)}
             one_at_a_time |= {"json": replace(one_at_a_time["binary"], json_bodies=True),
                               "grpc": job(vanilla, "grpc", clients=1, requests=settings.sequential_requests)}
+            if settings.traced:
+                one_at_a_time["traced"] = replace(one_at_a_time["binary"], trace=True)
             overhead = measure_overhead(one_at_a_time, probe, model, probe_feeds, settings, slo, workdir, progress)
             note(f"one request at a time: p50 {overhead['low_load_p50_ms']:.3f} ms (binary), "
                  f"{overhead['low_load_p50_json_ms']:.3f} ms (JSON), {overhead['low_load_p50_grpc_ms']:.3f} ms (gRPC); "

@@ -6,14 +6,13 @@ from __future__ import annotations
 import orjson
 from fastapi import Request, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
+from starlette.types import Receive
 
 from rampserve.serving.apps.state_store import StoreError
-from rampserve.serving.plane import InferResult, error_body
+from rampserve.serving.plane import error_body
 from rampserve.serving.protocol import ProtocolError
 from rampserve.serving.repository.catalogue import CatalogueError
-
-HEADER_LENGTH = "inference-header-content-length"
-
 
 def error(status: int, message: str, headers: dict[str, str] | None = None) -> Response:
     return Response(error_body(message), status, headers, media_type="application/json")
@@ -23,15 +22,21 @@ def json_response(data: object, status: int = 200) -> Response:
     return Response(orjson.dumps(data, option=orjson.OPT_SERIALIZE_NUMPY), status, media_type="application/json")
 
 
-def http_response(result: InferResult) -> Response:
-    return Response(result.body, result.status, result.headers)
-
-
 async def read_body(request: Request, limit: int) -> bytes:
-    """The body, refused with 413 past `limit` bytes. The rest of a refused body is read and dropped (memory
-    stays bounded): a client still sending would otherwise fail on a closed connection, never seeing the 413."""
-    chunks, size = [], 0
-    async for chunk in request.stream():
+    """The body, refused with 413 past `limit` bytes (`receive_body`)."""
+    return await receive_body(request.receive, limit)
+
+
+async def receive_body(receive: Receive, limit: int) -> bytes:
+    """The body of an ASGI request, refused with 413 past `limit` bytes. The rest of a refused body is read and
+    dropped (memory stays bounded): a client still sending would otherwise fail on a closed connection, never
+    seeing the 413. Raises `ClientDisconnect` if the client leaves first."""
+    chunks, size, more = [], 0, True
+    while more:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientDisconnect()
+        chunk, more = message.get("body", b""), message.get("more_body", False)
         size += len(chunk)
         if size <= limit:
             chunks.append(chunk)

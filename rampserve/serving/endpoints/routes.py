@@ -11,7 +11,7 @@ from rampserve.serving.endpoints.admin import AdminToken
 from rampserve.serving.endpoints.applications import ApplicationEndpoints
 from rampserve.serving.endpoints.observability import ObservabilityEndpoints
 from rampserve.serving.endpoints.repository import RepositoryEndpoints
-from rampserve.serving.endpoints.v2 import V2Endpoints
+from rampserve.serving.endpoints.v2 import InferRoute, V2Endpoints
 
 
 @dataclass(frozen=True)
@@ -34,7 +34,7 @@ def register_endpoints(app: FastAPI, endpoints: Endpoints) -> None:
     for model in ("/v2/models/{model}", "/v2/models/{model}/versions/{version}"):
         app.add_api_route(model, v2.model_metadata, methods=["GET"])
         app.add_api_route(f"{model}/ready", v2.model_ready, methods=["GET"])
-        app.add_route(f"{model}/infer", v2.infer, methods=["POST"])
+    app.add_middleware(InferRoute, v2=v2)  # {model}/infer: bare ASGI, ahead of the router
 
     applications = endpoints.applications
     app.add_api_route("/{app_name}/predict", applications.predict, methods=["POST"])
