@@ -29,7 +29,7 @@ from rampserve.bench.live import (
 from rampserve.bench.loadgen import (
     CLIENT_ERROR, TIMED_OUT, TRACE_STEPS, Job, LoadResult, encode_request, load_job, save_job,
 )
-from rampserve.bench.stages import STAGES, stage_costs
+from rampserve.bench.stages import PATHS, STAGES, paired_stage_costs, stage_costs
 from rampserve.control.controller import ControllerSettings
 from rampserve.workloads.traces import arrival_times
 
@@ -360,6 +360,46 @@ def test_stage_costs_cut_each_traced_answer_s_latency_into_stages_that_add_up(se
         assert sum(s["mean"] for s in cost["stages_ms"].values()) == pytest.approx(whole.mean())
         assert list(cost["stages_ms"]) == [stage for stage, _, _ in STAGES]
         assert all(s["median"] > 0 for s in cost["stages_ms"].values())
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(0, 10_000), st.integers(2, 40))
+def test_paired_stage_costs_are_the_differences_on_the_same_requests(seed, n):
+    """Managed answers that took vanilla's steps plus a known extra per stage: each path's paired medians are those
+    extras exactly, and the whole latency's their sum; a request either system left untraced is not paired."""
+    rng = np.random.default_rng(seed)
+    width = len(TRACE_STEPS) + 3  # scheduled, sent, the server's steps, done
+    gaps = rng.exponential(1.0, (n, width))
+    gaps[:, 0] = 0.0
+    early = rng.random(n) < 0.5
+    extra = {path: rng.uniform(-0.5, 0.5, width - 1) for path in PATHS}
+    shifted = gaps.copy()
+    shifted[:, 1:] += np.where(early[:, None], extra["early"], extra["final"])
+    shifted = np.maximum(shifted, 0.0)
+    steps_vanilla, steps_managed = np.cumsum(gaps, axis=1), np.cumsum(shifted, axis=1)
+    results = []
+    for steps, early_ in ((steps_managed, early), (steps_vanilla, np.zeros(n, bool))):
+        result = load_result(steps[:, 0], steps[:, -1], np.full(n, 200), np.zeros(n, int), early=early_,
+                             sent=steps[:, 1])
+        result.trace_ms = steps[:, 2:-1].copy()
+        results.append(result)
+    untraced = rng.integers(n)
+    results[1].trace_ms[untraced] = np.nan
+    paired = paired_stage_costs(*results)
+    for path, taken in (("early", early), ("final", ~early)):
+        rows = taken.copy()
+        rows[untraced] = False
+        if not rows.any():
+            assert paired[path] is None
+            continue
+        assert paired[path]["requests"] == rows.sum()
+        differences = shifted[:, 1:] - gaps[:, 1:]
+        for k, (stage, _, _) in enumerate(STAGES):
+            assert paired[path]["difference_ms"][stage] == pytest.approx(np.median(differences[rows, k]))
+        whole = differences[rows].sum(axis=1)
+        assert paired[path]["difference_ms"]["whole latency"] == pytest.approx(np.median(whole))
+    with pytest.raises(ValueError, match="different requests"):
+        paired_stage_costs(results[0], load_result([0.0], [1.0], [200], [0]))
 
 
 def _demo_entry(p50_rounds: list[float], p99_rounds: list[float], exits: float, accuracy: float = 0.995) -> dict:

@@ -55,7 +55,7 @@ from rampserve.bench.harness import (
     median_ratio, most_frequent, percentiles, rampserve_serve, ratio, renamed, require_answers, run_loadgen, write_json,
 )
 from rampserve.bench.loadgen import Job, LoadResult
-from rampserve.bench.stages import stage_costs
+from rampserve.bench.stages import paired_stage_costs, stage_costs
 from rampserve.bench.own_data import OwnDataSettings
 from rampserve.bench.ramp_outputs import RampOutputs, ramp_outputs
 from rampserve.bench.load import DEFAULT_LOAD, rate_at_load
@@ -936,6 +936,8 @@ def score_load(plan: LivePlan, settings: LiveSettings, schedule: ReplaySchedule,
             systems[name] |= {"saturation_rps": measured["throughput_rps"], "saturation": measured}
         systems["rampserve"] |= managed_exit_mode(settings, plan.max_batch, results["rampserve"].status_after,
                                                   plan.name)
+        if results["rampserve"].trace_ms is not None and results["vanilla"].trace_ms is not None:
+            systems["rampserve"]["stages_paired"] = paired_stage_costs(results["rampserve"], results["vanilla"])
         scored.append(with_oracle_share(systems, oracle["p50_savings"]))
     versus = versus_vanilla([(systems["vanilla"], systems["rampserve"]) for systems in scored], schedule.load)
     median = median_round(versus["p50_ms"]["ratio_rounds"])

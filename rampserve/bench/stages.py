@@ -55,17 +55,49 @@ def stage_costs(result: LoadResult) -> dict[str, dict | None]:
     return costs
 
 
+def paired_stage_costs(managed: LoadResult, vanilla: LoadResult) -> dict[str, dict | None]:
+    """The same requests in both systems (a replay sends each system the same requests in the same order): per path
+    of the managed answers, the median of managed minus vanilla per stage and for the whole latency, over the
+    requests both answered with every step traced. The unpaired medians of `stage_costs` compare different inputs
+    where paths select them (a text that runs to the end is a longer one: its model time is longer in either
+    system); these do not."""
+    if len(managed.ok) != len(vanilla.ok):
+        raise ValueError(f"the runs sent different requests ({len(managed.ok)} and {len(vanilla.ok)})")
+    ours, theirs = step_times(managed), step_times(vanilla)
+
+    def durations(steps: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return {stage: steps[end] - steps[start] for stage, start, end in STAGES} | \
+            {"whole latency": steps["done"] - steps["scheduled"]}
+
+    mine, base = durations(ours), durations(theirs)
+    complete = managed.ok & vanilla.ok & ~np.any(np.isnan(np.stack([*mine.values(), *base.values()])), axis=0)
+    paired: dict[str, dict | None] = {}
+    for path, taken in zip(PATHS, (managed.early, ~managed.early)):
+        rows = complete & taken
+        paired[path] = None if not rows.any() else {
+            "requests": int(rows.sum()),
+            "difference_ms": {stage: float(np.median(mine[stage][rows] - base[stage][rows])) for stage in mine}}
+    return paired
+
+
 def stages_table(systems: dict[str, dict], title: str) -> Table:
-    """Median (mean) ms per stage of each system's answers by path, from `stage_costs` in each system's `stages`."""
+    """Median (mean) ms per stage of each system's answers by path, from `stage_costs` in each system's `stages`,
+    and the managed system's paired differences from vanilla where it has them (`stages_paired`)."""
     columns = [(name, path, summary["stages"][path]) for name, summary in systems.items()
                if summary.get("stages") for path in PATHS if summary["stages"][path] is not None]
     table = Table(title=title)
     table.add_column("stage")
     for name, path, cost in columns:
         table.add_column(f"{name} {path} ({cost['requests']:,})", justify="right")
+    paired = [(path, cost) for path, cost in (systems.get("rampserve", {}).get("stages_paired") or {}).items()
+              if cost is not None]
+    for path, _ in paired:
+        table.add_column(f"rampserve {path} - vanilla, same requests", justify="right")
     for stage, _, _ in STAGES:
-        table.add_row(stage, *(_cell(cost["stages_ms"][stage]) for _, _, cost in columns))
-    table.add_row("whole latency", *(_cell(cost["latency_ms"]) for _, _, cost in columns))
+        table.add_row(stage, *(_cell(cost["stages_ms"][stage]) for _, _, cost in columns),
+                      *(f"{cost['difference_ms'][stage]:+.3f}" for _, cost in paired))
+    table.add_row("whole latency", *(_cell(cost["latency_ms"]) for _, _, cost in columns),
+                  *(f"{cost['difference_ms']['whole latency']:+.3f}" for _, cost in paired))
     return table
 
 
