@@ -100,7 +100,7 @@ def test_json_request_is_plain_v2_and_what_the_json_peers_read(inputs):
     assert text["input_ids"].dtype == np.int64
     np.testing.assert_array_equal(text["input_ids"], tokens)
     answer = orjson.dumps(v2_json_labels("m", np.array([3, 1], dtype=np.int64)))
-    assert read_answer(answer, "label") == (3, False, None)  # the client reads the JSON peers' answers
+    assert read_answer(answer, "label") == (3, False, None, None)  # the client reads the JSON peers' answers (no trace)
 
 
 def test_every_peer_runs_an_onnx_bundles_own_file_at_its_engines_threads(onnx_bundle, inputs, tmp_path):
