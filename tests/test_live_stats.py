@@ -398,6 +398,17 @@ def test_paired_stage_costs_are_the_differences_on_the_same_requests(seed, n):
             assert paired[path]["difference_ms"][stage] == pytest.approx(np.median(differences[rows, k]))
         whole = differences[rows].sum(axis=1)
         assert paired[path]["difference_ms"]["whole latency"] == pytest.approx(np.median(whole))
+    assert paired["model_share_by_exit_site"] == {}  # no answer names its exit site here
+    results[0].sites, results[0].exit_site = ("s",), np.where(early, 0, -1)
+    model = [k for k, (stage, _, _) in enumerate(STAGES) if stage == "model to the exit"][0]
+    at = early.copy()
+    at[untraced] = False
+    shares = paired_stage_costs(*results)["model_share_by_exit_site"]
+    if at.any():
+        ratio = np.median(shifted[at, 1 + model] / gaps[at, 1 + model])
+        assert shares == {"s": pytest.approx(ratio)}
+    else:
+        assert shares == {}
     with pytest.raises(ValueError, match="different requests"):
         paired_stage_costs(results[0], load_result([0.0], [1.0], [200], [0]))
 

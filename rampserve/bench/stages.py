@@ -60,7 +60,8 @@ def paired_stage_costs(managed: LoadResult, vanilla: LoadResult) -> dict[str, di
     of the managed answers, the median of managed minus vanilla per stage and for the whole latency, over the
     requests both answered with every step traced. The unpaired medians of `stage_costs` compare different inputs
     where paths select them (a text that runs to the end is a longer one: its model time is longer in either
-    system); these do not."""
+    system); these do not. `model_share_by_exit_site`: per ramp that answered, the median of the managed model's
+    time to it over vanilla's whole run, on the same requests."""
     if len(managed.ok) != len(vanilla.ok):
         raise ValueError(f"the runs sent different requests ({len(managed.ok)} and {len(vanilla.ok)})")
     ours, theirs = step_times(managed), step_times(vanilla)
@@ -77,6 +78,12 @@ def paired_stage_costs(managed: LoadResult, vanilla: LoadResult) -> dict[str, di
         paired[path] = None if not rows.any() else {
             "requests": int(rows.sum()),
             "difference_ms": {stage: float(np.median(mine[stage][rows] - base[stage][rows])) for stage in mine}}
+    # Per exit site, the model's time to it as a share of vanilla's whole run on the same inputs: what the latency
+    # profile's cost to that site says it should be
+    model = "model to the exit"
+    paired["model_share_by_exit_site"] = {
+        site: float(np.median(mine[model][at] / base[model][at]))
+        for k, site in enumerate(managed.sites) if (at := complete & (managed.exit_site == k)).any()}
     return paired
 
 
@@ -90,7 +97,7 @@ def stages_table(systems: dict[str, dict], title: str) -> Table:
     for name, path, cost in columns:
         table.add_column(f"{name} {path} ({cost['requests']:,})", justify="right")
     paired = [(path, cost) for path, cost in (systems.get("rampserve", {}).get("stages_paired") or {}).items()
-              if cost is not None]
+              if path in PATHS and cost is not None]
     for path, _ in paired:
         table.add_column(f"rampserve {path} - vanilla, same requests", justify="right")
     for stage, _, _ in STAGES:
