@@ -25,6 +25,7 @@ STAGES = (
     ("encoded, to the client", "answered", "done"),
 )
 PATHS = ("early", "final")  # answers released at a ramp, and those the last layer gave
+WHOLE = "whole latency"  # beside the stages: from the scheduled send to the answer read
 
 
 def step_times(result: LoadResult) -> dict[str, np.ndarray]:
@@ -35,13 +36,24 @@ def step_times(result: LoadResult) -> dict[str, np.ndarray]:
     return steps | {step: result.trace_ms[:, k] for k, step in enumerate(TRACE_STEPS)}
 
 
+def stage_durations(result: LoadResult) -> dict[str, np.ndarray]:
+    """Per request, ms spent in each of `STAGES` and its whole latency (`WHOLE`); NaN where a step is missing."""
+    steps = step_times(result)
+    return {stage: steps[end] - steps[start] for stage, start, end in STAGES} | \
+        {WHOLE: steps["done"] - steps["scheduled"]}
+
+
+def traced_in_full(durations: dict[str, np.ndarray]) -> np.ndarray:
+    """The requests whose every stage is known."""
+    return ~np.any(np.isnan(np.stack(list(durations.values()))), axis=0)
+
+
 def stage_costs(result: LoadResult) -> dict[str, dict | None]:
     """Per path (`PATHS`), over the answered requests whose trace has every step: how many, and per stage (and the
     whole latency) the median and mean ms. None for a path no such request took."""
-    steps = step_times(result)
-    durations = {stage: steps[end] - steps[start] for stage, start, end in STAGES}
-    whole = steps["done"] - steps["scheduled"]
-    complete = result.ok & ~np.any(np.isnan(np.stack(list(durations.values()))), axis=0)
+    durations = stage_durations(result)
+    whole = durations.pop(WHOLE)
+    complete = result.ok & traced_in_full(durations)
     costs: dict[str, dict | None] = {}
     for path, taken in zip(PATHS, (result.early, ~result.early)):
         rows = complete & taken
@@ -64,14 +76,8 @@ def paired_stage_costs(managed: LoadResult, vanilla: LoadResult) -> dict[str, di
     time to it over vanilla's whole run, on the same requests."""
     if len(managed.ok) != len(vanilla.ok):
         raise ValueError(f"the runs sent different requests ({len(managed.ok)} and {len(vanilla.ok)})")
-    ours, theirs = step_times(managed), step_times(vanilla)
-
-    def durations(steps: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        return {stage: steps[end] - steps[start] for stage, start, end in STAGES} | \
-            {"whole latency": steps["done"] - steps["scheduled"]}
-
-    mine, base = durations(ours), durations(theirs)
-    complete = managed.ok & vanilla.ok & ~np.any(np.isnan(np.stack([*mine.values(), *base.values()])), axis=0)
+    mine, base = stage_durations(managed), stage_durations(vanilla)
+    complete = managed.ok & vanilla.ok & traced_in_full(mine) & traced_in_full(base)
     paired: dict[str, dict | None] = {}
     for path, taken in zip(PATHS, (managed.early, ~managed.early)):
         rows = complete & taken
@@ -103,8 +109,8 @@ def stages_table(systems: dict[str, dict], title: str) -> Table:
     for stage, _, _ in STAGES:
         table.add_row(stage, *(_cell(cost["stages_ms"][stage]) for _, _, cost in columns),
                       *(f"{cost['difference_ms'][stage]:+.3f}" for _, cost in paired))
-    table.add_row("whole latency", *(_cell(cost["latency_ms"]) for _, _, cost in columns),
-                  *(f"{cost['difference_ms']['whole latency']:+.3f}" for _, cost in paired))
+    table.add_row(WHOLE, *(_cell(cost["latency_ms"]) for _, _, cost in columns),
+                  *(f"{cost['difference_ms'][WHOLE]:+.3f}" for _, cost in paired))
     return table
 
 

@@ -28,7 +28,7 @@ from rampserve.control.costs import CostModel
 from rampserve.control.guarantee import ChangeDetector, DisagreementMonitor, RiskBound
 from rampserve.control.monitor import AccuracyWindow, ExitHistory
 from rampserve.control.objective import serving_waits
-from rampserve.control.ramps import SetEstimate, affordable_sites, estimate, ordered, search_sets
+from rampserve.control.ramps import SetEstimate, affordable_sites, estimate, no_ramp_fits, ordered, search_sets
 from rampserve.control.records import BatchRecord, Configuration
 from rampserve.control.settings import ControllerSettings
 from rampserve.control.risk import rolled_scale, served_scale
@@ -465,8 +465,7 @@ class Controller:
             return best.sites, self._tuned(best.sites), detail
         if len(self.last_search) == 1:  # only "no ramp" was judged
             return current, self._tuned(current), (
-                f"no ramp fits the ramp budget ({settings.ramp_budget:.0%} of the model) at batch "
-                f"{self.budget_batch()}, the median batch served: the original model answers every input")
+                f"{no_ramp_fits(settings.ramp_budget, self.budget_batch())}: the original model answers every input")
         return current, self._tuned(current), "set kept, thresholds retuned"
 
     def _gains(self, candidate: SetEstimate, deployed: SetEstimate) -> bool:

@@ -22,6 +22,12 @@ def fits_budget(costs: CostModel, sites: Sequence[str], budget: float, batch_siz
     return costs.overhead_fraction(ordered(costs, sites), batch_size) <= budget + 1e-12
 
 
+def no_ramp_fits(budget: float, batch_size: int) -> str:
+    """Why a search judged no set but "no ramp", in the words the controller's decision and a certifying model's
+    status give it."""
+    return f"no ramp fits the ramp budget ({budget:.0%} of the model) at batch {batch_size}, the median batch served"
+
+
 def affordable_sites(costs: CostModel, budget: float, batch_size: int | None = None) -> tuple[str, ...]:
     """The sites whose ramp alone fits the budget at `batch_size`, or at some batch size the profile holds where it
     is None (the budget is then judged at the median batch served, which may be any). A set holding any other site

@@ -50,6 +50,7 @@ import numpy as np
 import orjson
 
 from rampserve.background import job_command, job_environment
+from rampserve.control.ramps import no_ramp_fits
 from rampserve.control.relearning import ExitShareWatch, RelearnRule
 from rampserve.paths import home
 from rampserve.runtime.manifest import MANIFEST
@@ -312,13 +313,12 @@ def certified(status: dict) -> bool:
 
 def certifying_detail(status: dict) -> str:
     """What a certifying model waits for: certified thresholds, or (its latest search judged no set but "no ramp")
-    a batch size served at which some ramp fits the budget, with the search's reason; the load decides the batch
-    size, so a later search may find one."""
+    a batch size served at which some ramp fits the budget; the load decides the batch size, so a later search may
+    find one."""
     if status.get("ramps_fit", True):
         return CERTIFYING_DETAIL
-    return (f"no ramp fits the ramp budget ({status['ramp_budget']:.0%} of the model) at batch "
-            f"{status['budget_batch']}, the median batch served: the original model answers until a search at a "
-            "batch size where one fits")
+    return (f"{no_ramp_fits(status['ramp_budget'], status['budget_batch'])}: the original model answers until a "
+            "search at a batch size where one fits")
 
 
 def job_stage(line: str) -> str | None:

@@ -14,6 +14,7 @@ from rampserve.serving.plane import error_body
 from rampserve.serving.protocol import ProtocolError
 from rampserve.serving.repository.catalogue import CatalogueError
 
+
 def error(status: int, message: str, headers: dict[str, str] | None = None) -> Response:
     return Response(error_body(message), status, headers, media_type="application/json")
 

@@ -13,7 +13,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 import rampserve
 from rampserve.serving.endpoints.messages import binary_header_length, error, json_response, receive_body
-from rampserve.serving.plane import DataPlane, InferResult, error_body
+from rampserve.serving.plane import JSON, DataPlane, InferResult, error_body
 from rampserve.serving.protocol import ProtocolError, server_metadata
 
 # The v2 infer path, with or without a version (`InferRoute`)
@@ -79,7 +79,7 @@ class InferRoute:
             return
         if scope["method"] != "POST":
             result = InferResult(405, error_body("Method Not Allowed: inference takes POST"),
-                                 {"Allow": "POST", "Content-Type": "application/json"}, "invalid")
+                                 {"Allow": "POST", "Content-Type": JSON}, "invalid")
         else:
             try:
                 result = await self.v2.infer(route["model"], route["version"], scope["headers"], receive)
