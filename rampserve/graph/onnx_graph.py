@@ -450,9 +450,10 @@ def nchwc_block_size() -> int:
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     found = ort.InferenceSession(optimized.SerializeToString(), options, providers=["CPUExecutionProvider"]).run(
         [blocked], {"x": x})[0]
+    # blocked: channel blocks, each pixel by pixel, a block's channels side by side
     return next(block for block in (4, 8, 16, 32, 64)
-                if np.array_equal(found.reshape(channels // block, block, side * side).transpose(0, 2, 1).ravel(),
-                                  x.reshape(channels // block, side * side, block).ravel()))
+                if np.array_equal(found.reshape(channels // block, side * side, block),
+                                  x.reshape(channels // block, block, side * side).transpose(0, 2, 1)))
 
 
 def optimize_for_machine(model: onnx.ModelProto, intra_op_threads: int, cuts: Sequence[str], block: int,

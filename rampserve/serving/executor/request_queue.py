@@ -1,0 +1,158 @@
+"""One served model's request queue and batcher: admission (the queue's bound, requests' deadlines), shedding, and
+forming the next batch for the executor thread. It runs nothing; `worker.ModelWorker` runs the batches it forms.
+Requests wait in priority order, then in the order they came."""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from rampserve.bundle_format.latency import LatencyProfile
+from rampserve.serving.executor.batching import AdaptiveBatchSize, BatchTimeEstimate, expected_wait_ms
+from rampserve.serving.shared.contract import Answer, ModelSettings, Shed
+from rampserve.serving.shared.metrics import ServerMetrics
+
+
+@dataclass(eq=False)
+class Pending:
+    inputs: Mapping[str, np.ndarray]
+    rows: int
+    arrival: float  # time.monotonic()
+    deadline: float
+    needs_final: bool  # asked for the logits: answered at the end of its batch
+    # Called once, on the executor's or the releasing thread, with the request's answer or what failed it:
+    # resolves an event loop's future (`future_reply`), or writes to the front end's channel (`executor`)
+    reply: Callable[[Answer | BaseException], None]
+    # Called on the executor thread with the request's final answer (every row's final label and the logits)
+    # once its batch has run to the end, however early its response left: what a prediction cache may keep.
+    # When the response carries the final answer, this is called before `reply` gets it
+    on_final: Callable[[Answer], None] | None = None
+    settled: bool = False
+    admitted: float = field(default_factory=time.monotonic)  # when the queue took it (`contract.Stamps`)
+
+    def settle(self, result: Answer | BaseException) -> None:
+        self.settled = True
+        self.reply(result)
+
+
+class RequestQueue:
+    """Admits requests from any thread and hands the executor thread its batches: full at the current batch size,
+    or once the oldest input has waited `max_delay_ms`."""
+
+    def __init__(self, name: str, settings: ModelSettings, profile: LatencyProfile, batch_size: AdaptiveBatchSize,
+                 batch_time: BatchTimeEstimate, metrics: ServerMetrics) -> None:
+        self.name, self.settings, self.profile = name, settings, profile
+        self.batch_size, self.batch_time, self.metrics = batch_size, batch_time, metrics
+        # In an executor process, what the executor thread calls while it waits for work (at most the given seconds;
+        # None: until something comes): it reads the front end's requests and admits them itself, so that a request
+        # reaching an idle executor starts at once, without waking a thread (a condition's wake-up took 130 us)
+        self.feed: Callable[[float | None], None] | None = None
+        self._heap: list[tuple[int, int, Pending]] = []
+        self._order = itertools.count()
+        self._rows_queued = 0
+        self._running = False
+        self._stopping = False
+        self._cond = threading.Condition()
+        self._labels = {"model": name}
+        self._queued = metrics.queued.labels(**self._labels)
+
+    @property
+    def rows_queued(self) -> int:
+        return self._rows_queued
+
+    def admit(self, inputs: Mapping[str, np.ndarray], rows: int, needs_final: bool,
+              reply: Callable[[Answer | BaseException], None], deadline_ms: float | None = None, priority: int = 0,
+              on_final: Callable[[Answer], None] | None = None, arrival: float | None = None) -> None:
+        """Queue a request from any thread; `reply` gets its answer once. Raises `Shed` if refused. `arrival`: when
+        it reached the server (`time.monotonic()`, the same clock in every process), if before now."""
+        now = time.monotonic()
+        arrival = now if arrival is None else min(arrival, now)
+        budget_ms = self.settings.deadline_ms if deadline_ms is None else deadline_ms
+        with self._cond:
+            if self._stopping:
+                raise Shed(503, "shutdown", "the server is shutting down")
+            if self._rows_queued + rows > self.settings.max_queue:
+                self._shed("queue_full")
+                raise Shed(503, "queue_full", f"model {self.name}: queue full "
+                           f"({self._rows_queued} inputs waiting, at most {self.settings.max_queue})", 1)
+            if self._rows_queued or self._running:
+                wait_ms = expected_wait_ms(self._rows_queued, self.batch_size.size, self.batch_time.ms,
+                                           self._running)
+            else:
+                # Idle: the profiled time, not the running estimate, which learns only from batches that run
+                # and, once one slow batch raised it past the deadline, would otherwise refuse forever.
+                wait_ms = self.profile.full(rows)
+            wait_ms += (now - arrival) * 1000.0  # already spent on the way here
+            if budget_ms is not None and wait_ms > budget_ms:
+                self._shed("deadline")
+                raise Shed(429, "deadline", f"model {self.name}: expected answer in {wait_ms:.1f} ms, "
+                           f"after the request's deadline of {budget_ms:.1f} ms",
+                           max(1, math.ceil(wait_ms / 1000.0)))
+            deadline = math.inf if budget_ms is None else arrival + budget_ms / 1000.0
+            pending = Pending(inputs, rows, arrival, deadline, needs_final, reply, on_final)
+            heapq.heappush(self._heap, (-priority, next(self._order), pending))
+            self._rows_queued += rows
+            self._queued.set(self._rows_queued)
+            self._cond.notify()
+
+    def _shed(self, reason: str) -> None:
+        self.metrics.shed.labels(reason=reason, **self._labels).inc()
+
+    def next_batch(self) -> list[Pending] | None:
+        """Wait for a batch: full at the current size, or the oldest input's delay spent, or shutting down (None
+        once stopping with nothing queued). Requests whose deadline passed while they waited are shed here. The
+        batch counts as running until `batch_done`."""
+        with self._cond:
+            if self.feed is not None:
+                self.feed(0.0)  # what came while the last batch ran
+            while True:
+                if self._heap:
+                    size = self.batch_size.size
+                    oldest = min(p.arrival for _, _, p in self._heap)
+                    wait = oldest + self.settings.max_delay_ms / 1000.0 - time.monotonic()
+                    if self._rows_queued >= size or wait <= 0 or self._stopping:
+                        break
+                    self._wait_for_work(wait)
+                elif self._stopping:
+                    return None
+                else:
+                    self._wait_for_work(None)
+            batch, rows, now = [], 0, time.monotonic()
+            while self._heap and (not batch or rows + self._heap[0][2].rows <= size):
+                pending = heapq.heappop(self._heap)[2]
+                self._rows_queued -= pending.rows
+                if pending.deadline < now:
+                    self._shed("expired")
+                    pending.settle(Shed(503, "expired", f"model {self.name}: the request's deadline "
+                                        "passed while it waited in the queue"))
+                    continue
+                batch.append(pending)
+                rows += pending.rows
+            self._running = bool(batch)
+            self._queued.set(self._rows_queued)
+        return batch
+
+    def batch_done(self) -> None:
+        with self._cond:
+            self._running = False
+
+    def _wait_for_work(self, timeout: float | None) -> None:
+        """Wait (holding the queue's lock, which the executor's own admissions take again) for requests, or the
+        given time: the front end's, read here where a feed is set, else queued by another thread's `admit`."""
+        if self.feed is not None:
+            self.feed(timeout)
+        else:
+            self._cond.wait(timeout)
+
+    def request_stop(self) -> None:
+        """Refuse new requests; the executor answers those queued, then ends."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
