@@ -6,8 +6,8 @@ import functools
 import json
 import sys
 from collections.abc import Callable, Iterable
-from inspect import Parameter, signature
 from dataclasses import replace
+from inspect import Parameter, signature
 from pathlib import Path
 from types import NoneType
 from typing import Annotated, Optional, get_args
@@ -18,7 +18,7 @@ from rich.table import Table
 
 from rampserve.bench.load import DEFAULT_LOAD
 from rampserve.control.relearning import RelearnRule
-from rampserve.serving.settings import DEFAULT_RECORD, ENV_PREFIX, ModelOptions, ServeOptions
+from rampserve.serving.shared.settings import DEFAULT_RECORD, ENV_PREFIX, ModelOptions, ServeOptions
 
 app = typer.Typer(help="rampserve: serve models with managed early exits.", no_args_is_help=True)
 bench_app = typer.Typer(help="Benchmarks: print a table and write JSON.", no_args_is_help=True)
@@ -204,7 +204,7 @@ def data_options(data_field: str | None = None, image_size: str | None = None, i
 
 
 def inspect_bundle(bundle: Path) -> dict:
-    from rampserve.runtime.manifest import read_manifest
+    from rampserve.bundle_format.manifest import read_manifest
 
     manifest = read_manifest(bundle)
     profile = manifest["profile"]
@@ -322,7 +322,7 @@ def inspect(
     as_json: Annotated[bool, typer.Option("--json", help="print JSON instead of a table")] = False,
 ) -> None:
     """Sites, ramps, their accuracy against the original model, latencies, and the oracle's exits."""
-    from rampserve.runtime.manifest import BundleError
+    from rampserve.bundle_format.manifest import BundleError
 
     try:
         report = inspect_bundle(bundle)
@@ -343,8 +343,8 @@ def profile(
 ) -> None:
     """Measure a bundle's latency profile again on this machine, at the batch sizes it was profiled at (run it
     on a quiet machine: the controller and the simulator take every ramp's cost from it)."""
+    from rampserve.bundle_format.manifest import BundleError
     from rampserve.runtime.bundle import load_bundle, write_profile
-    from rampserve.runtime.manifest import BundleError
     from rampserve.runtime.prepare import PrepareConfig, reprofile
     from rampserve.runtime.profile import DEFAULT_BATCH_SIZES
 
@@ -411,7 +411,7 @@ def serve(
 
 
 def read_applications(path: Path) -> list:
-    from rampserve.serving.apps.applications import ApplicationSpec
+    from rampserve.serving.frontend.apps.applications import ApplicationSpec
 
     try:
         data = json.loads(path.read_text())
@@ -900,8 +900,15 @@ def bench_live(
     """Real servers, real HTTP (or gRPC): vanilla and rampserve on the same model, stream (or your own inputs,
     --data) and open-loop trace, at each load."""
     from rampserve.bench.live import (
-        LiveSettings, live_table, load_table, parse_loads, read_simulator_saving, run_live, simulate_replays,
-        simulated_replays_table, versus_table,
+        LiveSettings,
+        live_table,
+        load_table,
+        parse_loads,
+        read_simulator_saving,
+        run_live,
+        simulate_replays,
+        simulated_replays_table,
+        versus_table,
     )
     from rampserve.bench.stages import stages_table
     from rampserve.runtime.prepare import PrepareConfig

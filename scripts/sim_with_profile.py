@@ -14,9 +14,9 @@ import tempfile
 from pathlib import Path
 
 from rampserve.bench.sim import SimSettings, run_seeds
+from rampserve.bundle_format.latency import LatencyProfile
+from rampserve.bundle_format.manifest import read_manifest
 from rampserve.runtime.bundle import write_profile
-from rampserve.runtime.latency import LatencyProfile
-from rampserve.runtime.manifest import read_manifest
 
 
 def main(own: Path, profiled: Path, data: Path, out: Path, seeds: int = 3) -> None:

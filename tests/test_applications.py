@@ -18,21 +18,20 @@ import torch
 from sklearn.linear_model import LogisticRegression
 from test_serving import get_json, post
 
-from rampserve.serving.app import ServerState
-from rampserve.serving.apps.applications import ApplicationSpec
-from rampserve.serving.models import load_served
-from rampserve.serving.protocol import TensorSpec
-from rampserve.serving.repository.predictors import (
+from rampserve.serving.executor.loading import load_served, loaded
+from rampserve.serving.frontend.app import ServerState
+from rampserve.serving.frontend.apps.applications import ApplicationSpec
+from rampserve.serving.frontend.repository.predictors import (
     FunctionPredictor,
     ModelUnavailable,
     Predictor,
     RemotePredictor,
-    onnx_predictor,
     sklearn_predictor,
-    torch_predictor,
 )
+from rampserve.serving.plain_models import onnx_predictor, torch_predictor
 from rampserve.serving.server import ServerSettings, build_state, check_admin_access, running_server
-from rampserve.serving.contract import ModelSettings
+from rampserve.serving.shared.contract import ModelSettings
+from rampserve.serving.shared.protocol import TensorSpec
 from rampserve.workloads.fashion_mnist import load_fashion_mnist, to_model_input
 
 IMAGE = TensorSpec("x", "FP32", (-1, 1, 28, 28))
@@ -142,7 +141,7 @@ def wait_for(condition: Callable[[], bool], what: str, limit_s: float = 30.0) ->
 def test_models_of_every_kind_answer_through_v2(resnet_bundle, fmnist, logreg, tmp_path) -> None:
     _, _, x, _ = fmnist
     x = x[:6]
-    served = load_served(str(resnet_bundle))
+    served = loaded(load_served(str(resnet_bundle)))
     from model_factories import tiny_resnet
 
     module = tiny_resnet()
@@ -167,7 +166,7 @@ def test_models_of_every_kind_answer_through_v2(resnet_bundle, fmnist, logreg, t
     np.testing.assert_array_equal(labels_of(answers["sklearn"][1]), logreg.predict(x.reshape(6, -1)))
     np.testing.assert_array_equal(labels_of(answers["python"][1]), centroid({"x": x}).argmax(axis=1))
     # The remote server runs the original model (vanilla), so its labels are the model's own.
-    expected = served.model.run({"x": x}).argmax(axis=1)
+    expected = served.prepared.run({"x": x}).argmax(axis=1)
     np.testing.assert_array_equal(labels_of(answers["remote"][1]), expected)
     assert metadata["inputs"] == [IMAGE.to_json()] and metadata["platform"] == "rampserve_remote"
     confidences = answers["sklearn"][1]["parameters"]["confidence"]

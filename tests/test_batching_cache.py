@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from rampserve.serving.batching import AdaptiveBatchSize, expected_wait_ms
-from rampserve.serving.cache import CachedAnswer, PredictionCache, cache_key
+from rampserve.serving.executor.batching import AdaptiveBatchSize, expected_wait_ms
+from rampserve.serving.frontend.cache import CachedAnswer, PredictionCache, cache_key
 
 
 @given(st.integers(1, 64), st.lists(st.tuples(st.integers(1, 64), st.floats(0.0, 20.0)), max_size=60))

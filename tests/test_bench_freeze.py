@@ -80,8 +80,8 @@ def test_ramps_and_caches_put_each_cache_beside_its_sites_ramp_at_its_share_of_t
     from rampserve.bench.freeze import ramps_and_caches
     from rampserve.bench.ramp_outputs import RampOutputs
     from rampserve.bench.sim import Scenario
+    from rampserve.bundle_format.latency import LatencyProfile
     from rampserve.control.costs import CostModel
-    from rampserve.runtime.latency import LatencyProfile
 
     sites = ("a", "b")
 

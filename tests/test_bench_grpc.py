@@ -8,20 +8,20 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-
 from test_serving import MODEL, fixed_exits
+
 from rampserve.bench.harness import ServerProcess, rampserve_serve, run_loadgen
 from rampserve.bench.live import LiveSettings
 from rampserve.bench.loadgen import Job, grpc_url
 from rampserve.bench.peers import BASELINE, EXITS, GRPC, JSON, PeerSettings, transport_of
-from rampserve.serving.models import load_served
+from rampserve.serving.executor.loading import load_served, loaded
 from rampserve.serving.server import ServerSettings, build_state, running_server
 
 
 def test_the_load_generator_gets_the_same_answers_over_grpc_as_over_http(resnet_bundle, fmnist_feeds,
                                                                           tmp_path) -> None:
-    served = load_served(str(resnet_bundle))
-    site = served.model.site_names[0]
+    served = loaded(load_served(str(resnet_bundle)))
+    site = served.prepared.site_names[0]
     settings = fixed_exits(served, 0, 1.0, executor="thread", torchscript=False)  # threshold 1: every row exits
     server_settings = ServerSettings(port=0, grpc_port=0)
     state = build_state([served], settings, server_settings)

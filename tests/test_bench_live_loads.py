@@ -15,15 +15,25 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 from rampserve.bench.live import (
-    LiveSettings, SimulatorSaving, beside_simulator, latency_by_load, load_table, parse_loads, read_simulator_saving, replay_rate,
-    replay_schedule, versus_table, versus_vanilla, write_report,
+    LiveSettings,
+    SimulatorSaving,
+    beside_simulator,
+    latency_by_load,
+    load_table,
+    parse_loads,
+    read_simulator_saving,
+    replay_rate,
+    replay_schedule,
+    versus_table,
+    versus_vanilla,
+    write_report,
 )
 from rampserve.bench.live_plots import write_load_plot
 from rampserve.bench.load import DEFAULT_LOAD, batch1_capacity_rps
 from rampserve.bench.loadgen import LoadResult
 from rampserve.bench.sim import SimSettings, scenario_rate
+from rampserve.bundle_format.latency import LatencyProfile
 from rampserve.cli import app
-from rampserve.runtime.latency import LatencyProfile
 from rampserve.workloads.streams import get_stream
 
 

@@ -30,7 +30,7 @@ from rampserve.bench.race import (
     seeds_summary,
     seeds_table,
 )
-from rampserve.serving.models import load_served
+from rampserve.runtime.bundle import load_bundle
 from rampserve.workloads.fashion_mnist import load_fashion_mnist, to_model_input
 
 QUERIES = 8
@@ -96,7 +96,7 @@ def test_accuracy_and_wins_agree_with_the_recorded_answers(report, resnet_bundle
     labels = report["labels"]
     assert labels == pixels_labels[report["images"]].tolist() and len(labels) == QUERIES
     # the original model's own accuracy on the same images, computed here once more
-    original = load_served(str(resnet_bundle)).model.run({"x": to_model_input(pixels[report["images"]])})
+    original = load_bundle(resnet_bundle).run({"x": to_model_input(pixels[report["images"]])})
     for info in report["models"].values():
         assert info["offline_accuracy"] == pytest.approx(np.mean(original.argmax(axis=1) == labels))
     for c in report["configurations"].values():

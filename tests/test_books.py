@@ -8,14 +8,14 @@ import time
 
 import numpy as np
 import pytest
+from test_serving import MODEL, get_json, infer_body, post, server
 
 from rampserve.control.controller import ControllerSettings
-from rampserve.serving.models import load_served
+from rampserve.serving.executor.loading import load_served, loaded
 from rampserve.serving.server import ServerSettings
-from rampserve.serving.contract import ModelSettings
+from rampserve.serving.shared.contract import ModelSettings
 from rampserve.workloads.fashion_mnist import to_model_input
 from rampserve.workloads.streams import get_stream
-from test_serving import MODEL, get_json, infer_body, post, server
 
 REQUESTS = 600
 LOOK_CHANGES_AT = 300  # from here on every image is inverted: a look the ramps were not trained on
@@ -48,16 +48,16 @@ def _surest_threshold(labels: np.ndarray, errors: np.ndarray, original: np.ndarr
 
 
 def test_every_released_answer_is_counted_and_the_books_match_what_clients_saw(resnet_bundle) -> None:
-    served = load_served(str(resnet_bundle))
+    served = loaded(load_served(str(resnet_bundle)))
     feeds, order = _stream()
     seen: dict[str, tuple[np.ndarray, np.ndarray]] = {}
-    original = served.model.run({served.model.backend.input_names[0]: feeds}, served.model.site_names,
+    original = served.prepared.run({served.prepared.backend.input_names[0]: feeds}, served.prepared.site_names,
                                 lambda site, labels, errors: seen.setdefault(site, (labels, errors))).argmax(axis=1)
     # The small test model's ramps agree with it only where they are surest: one ramp starts at a threshold that
     # lets out its most confident answers before the look changes, as long as they agree (at most 20), on a site
     # where no inverted input is that sure (on layer 4, inverted images saturate the ramp into wrong answers). A
     # stream this short never certifies a threshold: the ramp answers at the threshold it starts at.
-    candidates = {site: _surest_threshold(*seen[site], original) for site in served.model.site_names}
+    candidates = {site: _surest_threshold(*seen[site], original) for site in served.prepared.site_names}
     candidates = {site: (k, t) for site, (t, k) in candidates.items() if seen[site][1][LOOK_CHANGES_AT:].min() > t}
     site = max(candidates, key=lambda s: candidates[s][0])
     threshold = candidates[site][1]
@@ -93,11 +93,11 @@ def test_the_executor_releases_every_row_once_consistently_and_records_the_paths
     from hypothesis import strategies as st
 
     from rampserve.control.records import NO_EXIT, Configuration
-    from rampserve.serving.metrics import ServerMetrics
-    from rampserve.serving.models import served as make_served
-    from rampserve.serving.contract import future_reply
-    from rampserve.serving.request_queue import Pending
-    from rampserve.serving.worker import ModelWorker
+    from rampserve.serving.executor.loading import served as make_served
+    from rampserve.serving.executor.request_queue import Pending
+    from rampserve.serving.executor.worker import ModelWorker
+    from rampserve.serving.shared.contract import future_reply
+    from rampserve.serving.shared.metrics import ServerMetrics
 
     model = replace(resnet_prepared)
     served = make_served("m", model)
@@ -147,9 +147,9 @@ def test_a_controller_that_can_change_nothing_hears_of_no_batch_while_the_books_
     controller's count is final when read."""
     from dataclasses import replace
 
-    from rampserve.serving.metrics import ServerMetrics
-    from rampserve.serving.models import served as make_served
-    from rampserve.serving.worker import ModelWorker
+    from rampserve.serving.executor.loading import served as make_served
+    from rampserve.serving.executor.worker import ModelWorker
+    from rampserve.serving.shared.metrics import ServerMetrics
 
     model = replace(resnet_prepared)
     settings = ModelSettings(controller=ControllerSettings(ramp_budget=ramp_budget))

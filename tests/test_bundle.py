@@ -12,9 +12,9 @@ import safetensors.torch
 import torch
 from typer.testing import CliRunner
 
+from rampserve.bundle_format.manifest import VALIDATION_ARRAYS, BundleError, read_manifest
 from rampserve.cli import app
 from rampserve.runtime.bundle import load_bundle, write_validation
-from rampserve.runtime.manifest import VALIDATION_ARRAYS, BundleError, read_manifest
 from rampserve.runtime.prepare import validation_outputs
 from rampserve.runtime.sources import ModelSource
 
@@ -103,7 +103,7 @@ def test_missing_weights_file(bundle_copy) -> None:
 
 def test_weights_of_another_architecture(bundle_copy) -> None:
     """Same format, consistent digests, but weights that do not fit the declared model."""
-    from rampserve.runtime.manifest import file_digest
+    from rampserve.bundle_format.manifest import file_digest
 
     path = bundle_copy / "model.safetensors"
     state = safetensors.torch.load_file(path)

@@ -20,7 +20,7 @@ from rampserve.runtime.compiled import (
     set_key,
     write_entry,
 )
-from rampserve.serving.compiler import CompileOutcome, CompileService, likely_next_sets
+from rampserve.serving.executor.compiler import CompileOutcome, CompileService, likely_next_sets
 
 WAIT_S = 180.0
 
@@ -153,10 +153,10 @@ def test_a_refused_set_is_remembered_and_served_eagerly(bundle_copy, fmnist_feed
 
 
 def test_a_worker_adopts_a_configuration_only_once_its_set_is_compiled(bundle_copy, fmnist_feeds) -> None:
-    from rampserve.serving.metrics import ServerMetrics
-    from rampserve.serving.models import served
-    from rampserve.serving.contract import ModelSettings
-    from rampserve.serving.worker import ModelWorker
+    from rampserve.serving.executor.loading import served
+    from rampserve.serving.executor.worker import ModelWorker
+    from rampserve.serving.shared.contract import ModelSettings
+    from rampserve.serving.shared.metrics import ServerMetrics
 
     model = load_bundle(bundle_copy)
     worker = ModelWorker(served("m", model), ModelSettings(), ServerMetrics())

@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from rampserve.bundle_format.latency import LatencyProfile
 from rampserve.control.controller import Controller, ControllerSettings
 from rampserve.control.costs import CostModel
 from rampserve.control.monitor import AccuracyWindow, ExitHistory
@@ -23,10 +24,14 @@ from rampserve.control.ramps import (
     search_sets,
 )
 from rampserve.control.records import (
-    NO_EXIT, NO_LABEL, BatchRecord, Configuration, RecordJoiner, validation_record,
+    NO_EXIT,
+    NO_LABEL,
+    BatchRecord,
+    Configuration,
+    RecordJoiner,
+    validation_record,
 )
 from rampserve.control.risk import served_scale
-from rampserve.runtime.latency import LatencyProfile
 
 SITES = tuple(f"s{i}" for i in range(8))
 

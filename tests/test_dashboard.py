@@ -19,14 +19,19 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rampserve.control.controller import ControllerSettings
-from rampserve.serving.apps.applications import ApplicationSpec
-from rampserve.serving.dashboard.sampler import LATENCY_BOUNDS
-from rampserve.serving.dashboard.series import (
-    ModelReading, SampleRing, bucket_deltas, counter_delta, histogram_quantile, model_point,
+from rampserve.serving.executor.loading import load_served, loaded
+from rampserve.serving.frontend.apps.applications import ApplicationSpec
+from rampserve.serving.frontend.dashboard.sampler import LATENCY_BOUNDS
+from rampserve.serving.frontend.dashboard.series import (
+    ModelReading,
+    SampleRing,
+    bucket_deltas,
+    counter_delta,
+    histogram_quantile,
+    model_point,
 )
-from rampserve.serving.models import load_served
 from rampserve.serving.server import ServerSettings, build_state, running_server
-from rampserve.serving.contract import ModelSettings
+from rampserve.serving.shared.contract import ModelSettings
 
 MODEL = "resnet18-small"
 APP = "watched"
@@ -259,10 +264,10 @@ def save_small_png(png: bytes, path: Path) -> None:
 
 def test_the_dashboard_shows_in_a_browser_what_the_server_served(resnet_bundle, fmnist_feeds, tmp_path) -> None:
     screenshot = Path(os.environ.get(SCREENSHOT_ENV) or tmp_path / "dashboard.png")
-    served = load_served(str(resnet_bundle))
-    sites = served.model.site_names
+    served = loaded(load_served(str(resnet_bundle)))
+    sites = served.prepared.site_names
     seen: dict[str, tuple[np.ndarray, np.ndarray]] = {}
-    final = served.model.run({served.inputs[0].name: fmnist_feeds}, sites,
+    final = served.prepared.run({served.inputs[0].name: fmnist_feeds}, sites,
                              lambda site, labels, errors: seen.setdefault(site, (labels, errors))).argmax(axis=1)
     # The ramp that agrees best with the final layer on these inputs, at a threshold among their error scores
     # there (some exit, some run to the end), under a constraint loose enough for the small test model's weak

@@ -12,18 +12,18 @@ import orjson
 import pytest
 from fastapi import Request, Response
 
-from rampserve.serving.app import ServerState
-from rampserve.serving.endpoints.admin import AdminToken
-from rampserve.serving.endpoints.applications import ApplicationEndpoints
-from rampserve.serving.endpoints.observability import ObservabilityEndpoints
-from rampserve.serving.endpoints.repository import RepositoryEndpoints
-from rampserve.serving.endpoints.v2 import InferRoute, V2Endpoints
-from rampserve.serving.plane import DataPlane
-from rampserve.serving.protocol import ProtocolError, TensorSpec
-from rampserve.serving.repository.catalogue import CatalogueError
-from rampserve.serving.repository.predictors import FunctionPredictor
+from rampserve.serving.frontend.app import ServerState
+from rampserve.serving.frontend.endpoints.admin import AdminToken
+from rampserve.serving.frontend.endpoints.applications import ApplicationEndpoints
+from rampserve.serving.frontend.endpoints.observability import ObservabilityEndpoints
+from rampserve.serving.frontend.endpoints.repository import RepositoryEndpoints
+from rampserve.serving.frontend.endpoints.v2 import InferRoute, V2Endpoints
+from rampserve.serving.frontend.plane import DataPlane
+from rampserve.serving.frontend.repository.catalogue import CatalogueError
+from rampserve.serving.frontend.repository.predictors import FunctionPredictor
 from rampserve.serving.server import ServerSettings, build_state
-from rampserve.serving.contract import ModelSettings
+from rampserve.serving.shared.contract import ModelSettings
+from rampserve.serving.shared.protocol import ProtocolError, TensorSpec
 
 MODEL = "positive"
 ROW = TensorSpec("x", "FP32", (-1, 3))

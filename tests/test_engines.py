@@ -12,14 +12,21 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
+from rampserve.bundle_format.manifest import read_manifest
 from rampserve.cli import app
 from rampserve.runtime.bundle import load_bundle, save_bundle
-from rampserve.runtime.manifest import read_manifest
 from rampserve.runtime.engines import (
-    CHOSEN_BY_TIMING, CHOSEN_BY_USER, ENGINES, EngineChoice, EngineTiming, check_engine, choose_engine,
+    CHOSEN_BY_TIMING,
+    CHOSEN_BY_USER,
+    ENGINES,
+    EngineChoice,
+    EngineTiming,
+    check_engine,
+    choose_engine,
 )
 from rampserve.runtime.prepare import prepare
 from rampserve.runtime.sources import ModelSource
+
 
 @st.composite
 def timings(draw) -> list[EngineTiming]:

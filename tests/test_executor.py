@@ -24,29 +24,30 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 from prometheus_client.parser import text_string_to_metric_families
-
 from test_shadow_batches import FixedControl, HeldCompiler
+
 from rampserve.bench.harness import free_port, http_status
 from rampserve.bench.loadgen import TRACE_STEPS
+from rampserve.control.records import Configuration
 from rampserve.graph.onnx_graph import ORT_POOL_NAME
 from rampserve.runtime.bundle import save_bundle
-from rampserve.control.records import Configuration
-from rampserve.serving import wire
-from rampserve.serving.compiler import likely_next_sets
-from rampserve.serving.contract import Answer, ModelSettings, Stamps
-from rampserve.serving.executor import wait_readable
-from rampserve.serving.metrics import ServerMetrics
-from rampserve.serving.models import ServedModel, load_served
-from rampserve.serving.models import served as make_served
+from rampserve.serving.executor.compiler import likely_next_sets
+from rampserve.serving.executor.core import wait_readable
+from rampserve.serving.executor.loading import load_served, loaded
+from rampserve.serving.executor.loading import served as make_served
+from rampserve.serving.executor.worker import ModelWorker
 from rampserve.serving.server import ServerSettings, build_state, running_server
-from rampserve.serving.worker import ModelWorker
+from rampserve.serving.shared import wire
+from rampserve.serving.shared.contract import Answer, ModelSettings, Stamps
+from rampserve.serving.shared.metrics import ServerMetrics
+from rampserve.serving.shared.models import ServedModel
 
 MODEL = "resnet18-small"
 
 
 @pytest.fixture(scope="module")
 def served(resnet_bundle) -> ServedModel:
-    return load_served(str(resnet_bundle))
+    return loaded(load_served(str(resnet_bundle)))
 
 
 def infer_body(served: ServedModel, x: np.ndarray, **parameters) -> bytes:
@@ -225,7 +226,7 @@ def test_a_bundle_is_served_by_an_executor_process_with_the_original_answers(ser
             "outputs": [{"name": "logits"}]}).encode())
         assert code == 200, body
         logits = np.asarray(body["outputs"][0]["data"], dtype=np.float32).reshape(len(big), -1)
-        want = served.model.run({served.inputs[0].name: big})
+        want = served.prepared.run({served.inputs[0].name: big})
         np.testing.assert_allclose(logits, want, rtol=0, atol=1e-5)
         deadline = time.monotonic() + 30  # the books are kept after the answers are out
         while get_json(url + "/status")["models"][MODEL]["inputs"] < len(x) + len(big):

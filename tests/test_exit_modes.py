@@ -1,5 +1,5 @@
 """The exit modes' strategies release what the exit rule says, on generated batches: in release mode a request is
-answered at its ramps when every input of it exits there by the rule (`ramps.exit_rule.first_exits`) and does not
+answered at its ramps when every input of it exits there by the rule (`control.exit_rule.first_exits`) and does not
 want the logits, else with the final layer's answers; stop mode answers the same, except that an input that left the
 batch keeps the answer it left with. A scripted model stands in for the compiled run and applies the ramp operators'
 contract (`exit_rule.exit_floor`), which `test_exit_rule` checks against the operators themselves."""
@@ -13,17 +13,17 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
-
 from test_exit_rule import batches, scored
+
+from rampserve.control.exit_rule import EXIT_MARGIN, STOP_MARGIN, exit_floor, first_exits
 from rampserve.control.records import NO_EXIT, Configuration
-from rampserve.ramps.exit_rule import EXIT_MARGIN, STOP_MARGIN, exit_floor, first_exits
-from rampserve.ramps.scores import top_label_and_error
+from rampserve.control.scores import top_label_and_error
 from rampserve.runtime.compiled import RampBuffers
 from rampserve.runtime.prepared import RampOutputs
-from rampserve.serving.batch import BatchState
-from rampserve.serving.contract import Answer
-from rampserve.serving.exit_modes import RELEASE, StopStrategy
-from rampserve.serving.request_queue import Pending
+from rampserve.serving.executor.batch import BatchState
+from rampserve.serving.executor.exit_modes import RELEASE, StopStrategy
+from rampserve.serving.executor.request_queue import Pending
+from rampserve.serving.shared.contract import Answer
 
 
 @dataclass

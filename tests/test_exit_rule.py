@@ -1,5 +1,5 @@
 """One exit rule: the worker's release test, threshold tuning's evaluation and the compiled ramps' exit floors
-all agree with `ramps.exit_rule`, on error scores scored from float32 logits as the serving path scores them;
+all agree with `control.exit_rule`, on error scores scored from float32 logits as the serving path scores them;
 and the controller's package imports no torch."""
 
 from __future__ import annotations
@@ -22,19 +22,26 @@ from hypothesis.extra.numpy import arrays
 from onnx import TensorProto, helper
 
 import rampserve.control
+from rampserve.control.exit_rule import (
+    EXIT_MARGIN,
+    NEVER_STOP,
+    NO_EXIT,
+    ONNX_EXIT_MARGIN,
+    STOP_MARGIN,
+    exit_floor,
+    exits,
+    first_exits,
+)
 from rampserve.control.records import Configuration
+from rampserve.control.scores import ERROR_SCORES, top_label_and_error
 from rampserve.control.thresholds import ExitData, evaluate
 from rampserve.ramps import kernel
-from rampserve.ramps.exit_rule import (
-    EXIT_MARGIN, NEVER_STOP, NO_EXIT, ONNX_EXIT_MARGIN, STOP_MARGIN, exit_floor, exits, first_exits,
-)
 from rampserve.ramps.fused import fused_ramp
 from rampserve.ramps.kinds import Ramp, RampSpec
 from rampserve.ramps.onnx_fused import ramp_tap
-from rampserve.ramps.scores import ERROR_SCORES, top_label_and_error
 from rampserve.runtime.compiled import CompiledSet
-from rampserve.serving.batch import BatchState
-from rampserve.serving.request_queue import Pending
+from rampserve.serving.executor.batch import BatchState
+from rampserve.serving.executor.request_queue import Pending
 
 REPO = Path(__file__).resolve().parent.parent
 # Where a threshold is put relative to an observed error score: at it, a rounding away, around the margins
@@ -233,7 +240,7 @@ def test_an_onnx_tap_signals_every_input_the_rule_releases(batch: tuple[np.ndarr
 def test_the_controller_imports_no_torch() -> None:
     """Every module of `rampserve.control`, and the torch-free modules it reads, imported in a fresh process."""
     modules = ["rampserve.control", *(f"rampserve.control.{m.name}" for m in pkgutil.iter_modules(
-        rampserve.control.__path__)), "rampserve.ramps.exit_rule", "rampserve.runtime.latency"]
+        rampserve.control.__path__)), "rampserve.control.exit_rule", "rampserve.bundle_format.latency"]
     code = ("import importlib, sys\n"
             "for name in sys.argv[1:]:\n"
             "    importlib.import_module(name)\n"

@@ -10,10 +10,10 @@ import subprocess
 import sys
 
 import numpy as np
-
 from test_executor import get_json, infer_body, post
+
 from rampserve.bench.startup import mapped_libraries
-from rampserve.serving.models import load_served
+from rampserve.serving.executor.loading import load_served
 
 MODEL = "resnet18-small"
 
@@ -23,14 +23,14 @@ def test_building_a_server_for_a_bundle_imports_no_torch(resnet_bundle) -> None:
     (which does import torch, so the check is not blind to it)."""
     script = f"""
 import json, sys
-from rampserve.serving.contract import ModelSettings
-from rampserve.serving.models import load_served
+from rampserve.serving.shared.contract import ModelSettings
+from rampserve.serving.executor.loading import load_served, loaded
 from rampserve.serving.server import ServerSettings, build_state
 
 served = load_served({str(resnet_bundle)!r})
 state = build_state([served], ModelSettings(), ServerSettings(port=0))
 front_end = [name for name in ("torch", "onnxruntime") if name in sys.modules]
-served.model.site_names
+loaded(served).prepared.site_names
 print(json.dumps({{"front_end": front_end, "after_loading": "torch" in sys.modules,
                    "workers": sorted(type(w).__name__ for w in state.catalogue.workers.values())}}))
 """

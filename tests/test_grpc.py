@@ -21,22 +21,23 @@ import grpc
 import numpy as np
 import pytest
 import tritonclient.grpc as triton
+from test_serving import MODEL, fixed_exits, get_json, infer_body, original_logits, post
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc
 
-from test_serving import MODEL, fixed_exits, get_json, infer_body, original_logits, post
-from rampserve.serving.app import ServerState
-from rampserve.serving.dashboard.sampler import front_end_readings
-from rampserve.serving.apps.applications import ApplicationSpec
-from rampserve.serving.apps.state_store import StoreError
-from rampserve.serving.contract import ExecutionFailed, ExecutorLost, ModelSettings, Shed
-from rampserve.serving.grpc_codec import set_parameters
-from rampserve.serving.grpc_server import GrpcFrontEnd
-from rampserve.serving.models import ServedModel, load_served
-from rampserve.serving.plane import DataPlane
-from rampserve.serving.protocol import TensorSpec
-from rampserve.serving.repository.predictors import FunctionPredictor, ModelUnavailable, Predictor
+from rampserve.serving.executor.loading import load_served, loaded
+from rampserve.serving.frontend.app import ServerState
+from rampserve.serving.frontend.apps.applications import ApplicationSpec
+from rampserve.serving.frontend.apps.state_store import StoreError
+from rampserve.serving.frontend.dashboard.sampler import front_end_readings
+from rampserve.serving.frontend.grpc_codec import set_parameters
+from rampserve.serving.frontend.grpc_server import GrpcFrontEnd
+from rampserve.serving.frontend.plane import DataPlane
+from rampserve.serving.frontend.repository.predictors import FunctionPredictor, ModelUnavailable, Predictor
 from rampserve.serving.server import ServerSettings, build_state, running_server
+from rampserve.serving.shared.contract import ExecutionFailed, ExecutorLost, ModelSettings, Shed
+from rampserve.serving.shared.models import ServedModel
+from rampserve.serving.shared.protocol import TensorSpec
 
 INVALID, NOT_FOUND = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND
 EXHAUSTED, UNAVAILABLE = grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE
@@ -45,7 +46,7 @@ THREAD = ModelSettings(vanilla=True, executor="thread", torchscript=False)
 
 @pytest.fixture(scope="module")
 def served(resnet_bundle) -> ServedModel:
-    return load_served(str(resnet_bundle))
+    return loaded(load_served(str(resnet_bundle)))
 
 
 @contextmanager
@@ -145,7 +146,7 @@ def test_health_metadata_and_the_original_models_logits_raw_and_typed(served, fm
 
 
 def test_labels_leave_at_the_ramp_and_asking_for_logits_waits_for_the_original_models(served, fmnist_feeds) -> None:
-    x, site = fmnist_feeds[:8], served.model.site_names[0]
+    x, site = fmnist_feeds[:8], served.prepared.site_names[0]
     settings = fixed_exits(served, 0, 1.0, executor="thread", torchscript=False)  # threshold 1: every row exits
     with grpc_server([served], settings) as (url, address, _):
         client = triton.InferenceServerClient(address)

@@ -10,15 +10,21 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from rampserve.control.exit_rule import NO_EXIT, first_exits
 from rampserve.control.guarantee import (
-    FULLY_OBSERVED, SAMPLED, ChangeDetector, DisagreementMonitor, binomial_upper, smallest_certifying, windowed_rate,
+    FULLY_OBSERVED,
+    SAMPLED,
+    ChangeDetector,
+    DisagreementMonitor,
+    binomial_upper,
+    smallest_certifying,
+    windowed_rate,
 )
-from rampserve.control.settings import ControllerSettings
 from rampserve.control.monitor import ExitHistory
 from rampserve.control.records import NO_LABEL, BatchRecord
 from rampserve.control.risk import SCALE_STEP, rolled_scale, served_scale
+from rampserve.control.settings import ControllerSettings
 from rampserve.control.thresholds import ExitData, certified_thresholds, tune_greedy
-from rampserve.ramps.exit_rule import NO_EXIT, first_exits
 
 CONSTRAINT, DELTA, TRIALS = 0.01, 0.05, 150
 

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import torch
 import tritonclient.http as triton
-from safetensors.torch import load_file, save_file
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from safetensors.torch import load_file, save_file
 from transformers import (
     AutoModelForSequenceClassification,
     BertConfig,
@@ -32,9 +32,9 @@ from rampserve.cli import app
 from rampserve.runtime.backends import TorchBackend
 from rampserve.runtime.prepare import model_encoder, prepared_encoder
 from rampserve.runtime.sources import ModelSource
-from rampserve.serving.models import load_served
+from rampserve.serving.executor.loading import load_served, loaded
 from rampserve.serving.server import ServerSettings, build_state, running_server
-from rampserve.serving.contract import ModelSettings
+from rampserve.serving.shared.contract import ModelSettings
 from rampserve.zoo import hf_encoders
 from rampserve.zoo.minilm import model_dir as minilm_dir
 
@@ -163,10 +163,10 @@ def test_prepare_hf_dir_writes_a_self_contained_bundle_that_serves_over_v2(tmp_p
     assert manifest["meta"]["source"] == {"kind": "hf", "ref": str(checkpoint.resolve()), "small": False}
     shutil.rmtree(checkpoint)  # the bundle carries what it needs
 
-    served = load_served(str(bundle))
+    served = loaded(load_served(str(bundle)))
     assert [i.name for i in served.inputs] == ["input_ids", "attention_mask"]
     # the benches and `rampserve profile` encode the workload's texts with the tokenizer the bundle carries
-    carried = prepared_encoder(served.model, "text")(TEXTS)
+    carried = prepared_encoder(served.prepared, "text")(TEXTS)
     assert all(np.array_equal(carried[k], encoded[k]) for k in encoded)
     with torch.inference_mode():
         expected = model(**{k: torch.from_numpy(v) for k, v in encoded.items()}).logits.numpy()

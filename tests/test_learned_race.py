@@ -9,8 +9,8 @@ import pytest
 from test_applications import IMAGE, Gate, admin, constant, live, query, wait_for
 from test_serving import get_json
 
-from rampserve.serving.apps.applications import ApplicationSpec
-from rampserve.serving.repository.predictors import FunctionPredictor
+from rampserve.serving.frontend.apps.applications import ApplicationSpec
+from rampserve.serving.frontend.repository.predictors import FunctionPredictor
 from rampserve.workloads.fashion_mnist import load_fashion_mnist, to_model_input
 
 SLO_MS = 1000.0

@@ -21,7 +21,7 @@ from rampserve.serving.learning import (
     request_line,
     unprepared_model,
 )
-from rampserve.serving.protocol import TensorSpec, parse_infer_request
+from rampserve.serving.shared.protocol import TensorSpec, parse_infer_request
 
 SPECS = (TensorSpec("pixels", "FP32", (-1, 3)), TensorSpec("mask", "INT64", (-1, -1)))
 

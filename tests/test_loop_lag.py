@@ -14,10 +14,10 @@ from bounded import run_bounded
 from prometheus_client import generate_latest
 
 from rampserve.bench.live import TABLE_COLUMNS, server_figures, table_rows
-from rampserve.serving.metrics import SLOW_LAG_S, LagTracker, ServerMetrics, watch_loop_lag
-from rampserve.serving.models import load_served
+from rampserve.serving.executor.loading import load_served
 from rampserve.serving.server import ServerSettings, build_state, running_server
-from rampserve.serving.contract import ModelSettings
+from rampserve.serving.shared.contract import ModelSettings
+from rampserve.serving.shared.metrics import SLOW_LAG_S, LagTracker, ServerMetrics, watch_loop_lag
 
 STARTUP_GUARD_S = 30  # bounds a wait for the server's first samples: a hang fails instead of stalling the run
 

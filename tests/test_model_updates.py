@@ -11,9 +11,9 @@ import pytest
 from test_applications import IMAGE, admin, const_onnx, constant, infer, labels_of, live, query, wait_for
 from test_serving import get_json
 
-from rampserve.serving.apps.applications import ApplicationSpec
-from rampserve.serving.apps.update_stream import ModelUpdate, publish_update
-from rampserve.serving.repository.predictors import FunctionPredictor
+from rampserve.serving.frontend.apps.applications import ApplicationSpec
+from rampserve.serving.frontend.apps.update_stream import ModelUpdate, publish_update
+from rampserve.serving.frontend.repository.predictors import FunctionPredictor
 
 
 @pytest.fixture

@@ -29,7 +29,14 @@ from rampserve.runtime.bundle import load_bundle, save_bundle
 from rampserve.runtime.prepare import PrepareConfig, min_own_inputs, prepare, prepared_encoder, reprofile
 from rampserve.runtime.sources import ModelSource
 from rampserve.runtime.user_data import (
-    DataError, DataOptions, ExpectedInput, ImageOptions, ModelInputs, TensorRows, UserData, read_request_log,
+    DataError,
+    DataOptions,
+    ExpectedInput,
+    ImageOptions,
+    ModelInputs,
+    TensorRows,
+    UserData,
+    read_request_log,
     read_user_data,
 )
 from rampserve.zoo.hf_encoders import text_encoder
@@ -279,10 +286,10 @@ def test_a_request_log_of_token_ids_and_texts_prepares_a_text_model_that_serves(
     """The log a server records: each line a v2 body as the HTTP route accepts it (checked with the server's own
     parser), some with token ids of their own length (nested or flat data, batches of one to three), some with
     the texts themselves."""
-    from rampserve.serving.contract import ModelSettings
-    from rampserve.serving.models import load_served
-    from rampserve.serving.protocol import parse_infer_request
+    from rampserve.serving.executor.loading import load_served
     from rampserve.serving.server import ServerSettings, build_state, running_server
+    from rampserve.serving.shared.contract import ModelSettings
+    from rampserve.serving.shared.protocol import parse_infer_request
 
     encode = text_encoder(text_model)
     lines, start = [], 0

@@ -14,14 +14,15 @@ import pytest
 import torch
 
 from rampserve.control.controller import ControllerSettings
-from rampserve.serving.apps.applications import ApplicationSpec
-from rampserve.serving.apps.state_store import StoreError
-from rampserve.serving.contract import ExecutionFailed, ExecutorLost, ModelSettings, Shed
-from rampserve.serving.models import ServedModel, load_served
-from rampserve.serving.plane import DataPlane, InferResult
-from rampserve.serving.protocol import DATATYPES, TensorSpec
-from rampserve.serving.repository.predictors import FunctionPredictor, ModelUnavailable, Predictor
+from rampserve.serving.executor.loading import load_served, loaded
+from rampserve.serving.frontend.apps.applications import ApplicationSpec
+from rampserve.serving.frontend.apps.state_store import StoreError
+from rampserve.serving.frontend.plane import DataPlane, InferResult
+from rampserve.serving.frontend.repository.predictors import FunctionPredictor, ModelUnavailable, Predictor
 from rampserve.serving.server import ServerSettings, build_state
+from rampserve.serving.shared.contract import ExecutionFailed, ExecutorLost, ModelSettings, Shed
+from rampserve.serving.shared.models import ServedModel
+from rampserve.serving.shared.protocol import DATATYPES, TensorSpec
 
 MODEL = "resnet18-small"
 IMAGE = TensorSpec("x", "FP32", (-1, 1, 28, 28))
@@ -29,7 +30,7 @@ IMAGE = TensorSpec("x", "FP32", (-1, 1, 28, 28))
 
 @pytest.fixture(scope="module")
 def served(resnet_bundle) -> ServedModel:
-    return load_served(str(resnet_bundle))
+    return loaded(load_served(str(resnet_bundle)))
 
 
 @contextlib.asynccontextmanager
@@ -79,7 +80,7 @@ def decoded(result: InferResult) -> tuple[dict, dict[str, np.ndarray]]:
 
 def original_logits(served: ServedModel, x: np.ndarray) -> np.ndarray:
     with torch.inference_mode():
-        return served.model.backend.module(torch.from_numpy(x)).numpy()
+        return served.prepared.backend.module(torch.from_numpy(x)).numpy()
 
 
 def requests_counted(state, model: str, outcome: str) -> float:
@@ -118,7 +119,7 @@ def test_a_bundle_answers_through_the_plane_with_its_labels_and_logits(served, f
 
 
 def test_an_early_label_leaves_at_its_ramp_and_the_cache_keeps_the_final_answer(served, fmnist_feeds) -> None:
-    site = served.model.site_names[0]
+    site = served.prepared.site_names[0]
     # Threshold 1: every input exits at the ramp; release mode: each still runs to the end, whose answer is cached
     controller = ControllerSettings(initial=(site,), start_thresholds={site: 1.0}, threshold_tuning=False,
                                     ramp_adjustment=False, exit_mode="release")

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from rampserve.serving.protocol import (
+from rampserve.serving.shared.protocol import (
     BINARY_DATA_EXTENSION,
     DATATYPES,
     InferRequest,

@@ -11,8 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from rampserve.bundle_format.manifest import read_manifest
 from rampserve.runtime.engines import AUTO, CHOSEN_BY_TIMING, EngineChoice, EngineTiming, choose_engine
-from rampserve.runtime.manifest import read_manifest
 from rampserve.runtime.prepare import PrepareConfig, ramp_data
 from rampserve.runtime.sources import ModelSource
 from rampserve.workloads.fashion_mnist import load_fashion_mnist

@@ -10,9 +10,9 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 from torch import nn
 
+from rampserve.control.scores import top_label_and_error
 from rampserve.ramps.kinds import Ramp, RampSpec, spec_for
 from rampserve.ramps.oracle import NO_EXIT, earliest_correct_exit
-from rampserve.ramps.scores import top_label_and_error
 from rampserve.ramps.train import Features, TrainConfig, train_ramps
 
 

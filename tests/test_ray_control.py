@@ -9,17 +9,17 @@ import numpy as np
 import ray
 
 from rampserve.control.controller import ControllerSettings
-from rampserve.serving.metrics import ServerMetrics
-from rampserve.serving.models import load_served
+from rampserve.serving.executor.loading import load_served, loaded
+from rampserve.serving.executor.worker import ModelWorker
 from rampserve.serving.ray.control import RayControl, controller_name
-from rampserve.serving.contract import Answer, ModelSettings
-from rampserve.serving.worker import ModelWorker
+from rampserve.serving.shared.contract import Answer, ModelSettings
+from rampserve.serving.shared.metrics import ServerMetrics
 
 
 def replicas(served, settings: ModelSettings, model: str) -> list[ModelWorker]:
     """Two workers of one model, as two replicas would run them, each linked to the model's one controller."""
     return [ModelWorker(served, settings, ServerMetrics(),
-                        RayControl(model, served.model.profile, settings.controller)) for _ in range(2)]
+                        RayControl(model, served.prepared.profile, settings.controller)) for _ in range(2)]
 
 
 async def serve_all(workers: list[ModelWorker], feeds: np.ndarray, rounds: int) -> list[Answer]:
@@ -32,8 +32,8 @@ async def serve_all(workers: list[ModelWorker], feeds: np.ndarray, rounds: int) 
 
 
 def test_replicas_share_one_controller_and_apply_what_it_publishes(local_ray, resnet_bundle, fmnist_feeds) -> None:
-    served = load_served(str(resnet_bundle))
-    site = served.model.site_names[0]
+    served = loaded(load_served(str(resnet_bundle)))
+    site = served.prepared.site_names[0]
     # A threshold so high that early answers disagree: the controller must lower it, from both replicas' records.
     controller = ControllerSettings(initial=(site,), start_thresholds={site: 0.95}, window=32)
     settings = ModelSettings(controller=controller)
@@ -62,7 +62,7 @@ def test_replicas_share_one_controller_and_apply_what_it_publishes(local_ray, re
 
 
 def test_killing_the_controller_fails_no_request(local_ray, resnet_bundle, fmnist_feeds) -> None:
-    served = load_served(str(resnet_bundle))
+    served = loaded(load_served(str(resnet_bundle)))
     workers = replicas(served, ModelSettings(), "killed")
     for worker in workers:
         worker.start()
@@ -75,7 +75,7 @@ def test_killing_the_controller_fails_no_request(local_ray, resnet_bundle, fmnis
         for worker in workers:
             worker.stop()
     assert len(before) + len(after) == 3 * 2 * len(fmnist_feeds)
-    original = served.model.run({"x": fmnist_feeds}).argmax(axis=1)
+    original = served.prepared.run({"x": fmnist_feeds}).argmax(axis=1)
     final_answers = [a for a in after if not a.early]
     assert all(a.labels[0] in range(10) for a in after) and final_answers
     assert {int(a.labels[0]) for a in final_answers} <= set(original.tolist())

@@ -15,11 +15,11 @@ from test_applications import wait_for
 from test_serving import get_json
 
 from rampserve.control.controller import ControllerSettings
-from rampserve.serving.models import load_served
+from rampserve.serving.executor.loading import load_served, loaded
 from rampserve.serving.ray.control import controller_name
 from rampserve.serving.ray.serve import RayDeployment, application
 from rampserve.serving.server import ServerSettings
-from rampserve.serving.contract import ModelSettings
+from rampserve.serving.shared.contract import ModelSettings
 from rampserve.workloads.fashion_mnist import to_model_input
 from rampserve.workloads.streams import get_stream
 
@@ -93,8 +93,8 @@ def infer_all(url: str, model: str, feeds: np.ndarray, threads: int = 4) -> list
 
 
 def test_two_replicas_serve_tritonclient_and_share_one_controller(deployed, resnet_bundle) -> None:
-    served = load_served(str(resnet_bundle))
-    site = served.model.site_names[0]
+    served = loaded(load_served(str(resnet_bundle)))
+    site = served.prepared.site_names[0]
     # A threshold so permissive that early answers disagree: the controller must change it.
     controller = ControllerSettings(initial=(site,), start_thresholds={site: 0.95}, window=32)
     url, model = deployed(ModelSettings(controller=controller))
@@ -122,11 +122,11 @@ def test_two_replicas_serve_tritonclient_and_share_one_controller(deployed, resn
 def test_killing_the_controller_fails_no_request_and_the_configuration_holds(deployed, resnet_bundle) -> None:
     """After the controller is killed, the replicas serve on with the configuration it published (the successor
     starts from it): every answer is the one that configuration gives, before the kill and after."""
-    served = load_served(str(resnet_bundle))
-    site = served.model.site_names[3]
+    served = loaded(load_served(str(resnet_bundle)))
+    site = served.prepared.site_names[3]
     feeds = stream_inputs(400)
     ramp: list[tuple[np.ndarray, np.ndarray]] = []
-    original = served.model.run({"x": feeds}, [site], lambda _, labels, errors: ramp.append((labels, errors)))
+    original = served.prepared.run({"x": feeds}, [site], lambda _, labels, errors: ramp.append((labels, errors)))
     (ramp_labels, errors), = ramp
     threshold = float(np.median(errors))  # about half the inputs leave at the ramp
     controller = ControllerSettings(initial=(site,), start_thresholds={site: threshold}, threshold_tuning=False,

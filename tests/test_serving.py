@@ -14,11 +14,11 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from dataclasses import replace
-from functools import partial
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from email.message import Message
+from functools import partial
 
 import aiohttp
 import numpy as np
@@ -27,18 +27,19 @@ import torch
 import tritonclient.http as triton
 
 from rampserve.control.controller import ControllerSettings
-from rampserve.serving.app import ServerState
-from rampserve.serving.models import ServedModel, load_served
-from rampserve.serving.models import served as make_served
+from rampserve.serving.executor.loading import load_served, loaded
+from rampserve.serving.executor.loading import served as make_served
+from rampserve.serving.frontend.app import ServerState
 from rampserve.serving.server import ServerSettings, build_state, running_server
-from rampserve.serving.contract import ModelSettings
+from rampserve.serving.shared.contract import ModelSettings
+from rampserve.serving.shared.models import ServedModel
 
 MODEL = "resnet18-small"
 
 
 @pytest.fixture(scope="module")
 def served(resnet_bundle) -> ServedModel:
-    return load_served(str(resnet_bundle))
+    return loaded(load_served(str(resnet_bundle)))
 
 
 @contextmanager
@@ -52,7 +53,7 @@ def server(served: ServedModel, settings: ModelSettings = ModelSettings(),
 def fixed_exits(served: ServedModel, site_index: int, threshold: float, exit_mode: str = "auto",
                 **overrides) -> ModelSettings:
     """One ramp active at a fixed threshold, the controller only watching: exits are predictable."""
-    site = served.model.site_names[site_index]
+    site = served.prepared.site_names[site_index]
     controller = ControllerSettings(initial=(site,), start_thresholds={site: threshold}, threshold_tuning=False,
                                     ramp_adjustment=False, exit_mode=exit_mode)
     return ModelSettings(controller=controller, **overrides)
@@ -71,16 +72,16 @@ def books_after(url: str, requests: int) -> dict:
 def mixing_threshold(served: ServedModel, site_index: int, feeds: np.ndarray) -> float:
     """A threshold for the ramp at `site_index` between these inputs' error scores there: about half exit at
     it, whatever the small test model's ramps learnt."""
-    site = served.model.site_names[site_index]
+    site = served.prepared.site_names[site_index]
     seen: list[np.ndarray] = []
-    served.model.run({served.inputs[0].name: feeds}, [site], lambda _, labels, errors: seen.append(errors))
+    served.prepared.run({served.inputs[0].name: feeds}, [site], lambda _, labels, errors: seen.append(errors))
     return float(np.median(seen[0]))
 
 
 def original_logits(served: ServedModel, feeds: np.ndarray) -> np.ndarray:
     """The original torch module's output, bypassing every serving path (stages, TorchScript)."""
     with torch.inference_mode():
-        return served.model.backend.module(torch.from_numpy(feeds)).numpy()
+        return served.prepared.backend.module(torch.from_numpy(feeds)).numpy()
 
 
 def original_labels(served: ServedModel, feeds: np.ndarray) -> np.ndarray:
@@ -230,7 +231,7 @@ def test_many_concurrent_clients_each_get_exactly_one_answer(served, fmnist_feed
     early = [(i, a) for i, _, a in results if a["parameters"]["early"]]
     assert early, f"a ramp at threshold {threshold} answers some inputs"
     for _, answer in early:
-        assert answer["parameters"]["exit_site"] == served.model.site_names[1]
+        assert answer["parameters"]["exit_site"] == served.prepared.site_names[1]
         assert answer["parameters"]["error_score"] < threshold
     late = [(i, a) for i, _, a in results if not a["parameters"]["early"]]
     for index, answer in late:  # the final answers are the original model's
@@ -282,7 +283,7 @@ def test_an_exited_answer_arrives_before_its_batch_finishes(served, fmnist_feeds
         worker._serving = (config, compiled)
     assert held.answered_in_time is True, "the answer came only after its batch stopped being held"
     assert status == 200 and answer["parameters"]["early"] is True
-    assert set(answer["parameters"]["exit_site"]) == {served.model.site_names[0]}
+    assert set(answer["parameters"]["exit_site"]) == {served.prepared.site_names[0]}
     assert batch["size"] == len(x) and batch["early"] == len(x)
 
 
@@ -413,7 +414,7 @@ def test_a_repeat_sent_after_its_response_is_a_cache_hit_under_load(served, fmni
 def test_controller_adapts_live_and_status_shows_its_history(served, fmnist_feeds) -> None:
     """Thresholds start at 1 on a ramp of the small model (too eager: accuracy breaks), so the controller must
     scale them down live; the configuration it publishes reaches the executor and the status endpoint."""
-    site = served.model.site_names[0]
+    site = served.prepared.site_names[0]
     controller = ControllerSettings(initial=(site,), start_thresholds={site: 1.0}, ramp_adjustment=False)
     bodies = [infer_body(served, fmnist_feeds[i % 16: i % 16 + 1]) for i in range(200)]
     with server(served, ModelSettings(controller=controller, deadline_ms=60_000.0)) as (url, _):
@@ -566,10 +567,10 @@ def test_status_counts_every_answer_by_the_path_it_took(served, fmnist_feeds) ->
 
 @pytest.mark.parametrize("updates", [True, False])
 def test_served_cache_ramp_answers_early_and_learns_from_final_answers(cache_bundle, fmnist_feeds, updates) -> None:
-    served = load_served(str(cache_bundle))  # a fresh copy per case: learning changes it
-    last = len(served.model.site_names) - 1
-    site = served.model.site_names[last]
-    ramp = served.model.ramps[site]
+    served = loaded(load_served(str(cache_bundle)))  # a fresh copy per case: learning changes it
+    last = len(served.prepared.site_names) - 1
+    site = served.prepared.site_names[last]
+    ramp = served.prepared.ramps[site]
     usage, memory = ramp.usage.clone(), ramp.memory_bytes()
     # The test reads the ramp's own memory: its executor runs in this process
     with server(served, fixed_exits(served, last, 1.0, cache_updates=updates, executor="thread")) as (url, _):
@@ -590,13 +591,13 @@ def test_an_onnx_bundle_serves_its_ramps_signalled_from_one_session(onnx_prepare
     label, the others get the model's, and the logits a client asks for are the whole model's, bit for bit."""
     from rampserve.runtime.bundle import save_bundle
 
-    served = load_served(str(save_bundle(onnx_prepared, tmp_path / MODEL)))
-    site, x = served.model.site_names[1], fmnist_feeds
+    served = loaded(load_served(str(save_bundle(onnx_prepared, tmp_path / MODEL))))
+    site, x = served.prepared.site_names[1], fmnist_feeds
     threshold = mixing_threshold(served, 1, x)
     seen: list[tuple[np.ndarray, np.ndarray]] = []
-    served.model.run({served.inputs[0].name: x}, [site], lambda _, *scored: seen.append(scored))
+    served.prepared.run({served.inputs[0].name: x}, [site], lambda _, *scored: seen.append(scored))
     (ramp_labels, errors), = seen
-    logits = served.model.run({served.inputs[0].name: x}, [])
+    logits = served.prepared.run({served.inputs[0].name: x}, [])
     with server(served, fixed_exits(served, 1, threshold)) as (url, _):
         answers = [post(f"{url}/v2/models/{MODEL}/infer", infer_body(served, x[i:i + 1]))[2] for i in range(len(x))]
         client = triton.InferenceServerClient(url.removeprefix("http://"))
@@ -617,7 +618,7 @@ def test_the_controller_learns_each_ramps_error_in_the_models_own_score(served, 
     """A ramp no input exited at is scored after the answers are out: with the entropy as the model's error score,
     the controller's history holds each input's entropy at the ramp, as the eager ramp scores it."""
     # Compiled in this process: a compile worker would load the bundle, whose ramps score by max_prob
-    model = replace(served.model, error_score="entropy", bundle_dir=None)
+    model = replace(served.prepared, error_score="entropy", bundle_dir=None)
     entropic = make_served(served.name, model)
     x = fmnist_feeds[:8]
     seen: list[np.ndarray] = []

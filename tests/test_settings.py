@@ -15,17 +15,17 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from test_applications import const_onnx, infer
+from test_serving import get_json
 from typer.testing import CliRunner
 
 import rampserve.serving.server as server_module
 from rampserve.cli import app
 from rampserve.control.controller import ControllerSettings
-from rampserve.serving.server import ServerSettings, build_state
-from rampserve.serving.settings import ENV_PREFIX, MODEL_SETTINGS_FILE, ServeOptions
-from rampserve.serving.contract import ModelSettings
 from rampserve.serving.learning import LearningSettings
-from test_applications import const_onnx, infer
-from test_serving import get_json
+from rampserve.serving.server import ServerSettings, build_state
+from rampserve.serving.shared.contract import ModelSettings
+from rampserve.serving.shared.settings import ENV_PREFIX, MODEL_SETTINGS_FILE, ServeOptions
 
 # What the server under test runs with, whatever the test sets: executors in the server's process and no waiting
 # for compiled sets, so that it starts in seconds; and lines wide enough that rich does not fold an error's words

@@ -17,11 +17,11 @@ from rampserve.control.controller import ControllerSettings
 from rampserve.control.records import NO_EXIT, BatchRecord, Configuration
 from rampserve.runtime.compiled import CompiledSet
 from rampserve.runtime.prepared import PreparedModel
-from rampserve.serving.metrics import ServerMetrics
-from rampserve.serving.models import served as make_served
-from rampserve.serving.contract import Answer, ModelSettings
-from rampserve.serving.request_queue import Pending
-from rampserve.serving.worker import ModelWorker
+from rampserve.serving.executor.loading import served as make_served
+from rampserve.serving.executor.request_queue import Pending
+from rampserve.serving.executor.worker import ModelWorker
+from rampserve.serving.shared.contract import Answer, ModelSettings
+from rampserve.serving.shared.metrics import ServerMetrics
 
 WAIT_S = 60.0
 SHARE = 0.1  # stop mode's feedback share: most exits leave their plain batch

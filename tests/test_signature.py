@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 import safetensors.numpy
 
+from rampserve.bundle_format.manifest import EXAMPLE_FILE, BundleError, read_manifest
+from rampserve.bundle_format.signature import ModelSignature, TensorSignature
 from rampserve.runtime.bundle import load_bundle, save_bundle
-from rampserve.runtime.manifest import EXAMPLE_FILE, BundleError, read_manifest
-from rampserve.runtime.signature import ModelSignature, TensorSignature
-from rampserve.serving.models import load_served, served
-from rampserve.serving.protocol import TensorSpec
+from rampserve.serving.executor.loading import load_served, served
+from rampserve.serving.shared.protocol import TensorSpec
 from rampserve.workloads.fashion_mnist import to_model_input
 from rampserve.workloads.streams import get_stream
 

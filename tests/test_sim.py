@@ -14,14 +14,24 @@ from hypothesis import strategies as st
 
 from rampserve.bench.ramp_outputs import RampOutputs
 from rampserve.bench.sim import (
-    SEED_FIGURES, Scenario, SimSettings, hindsight_configuration, measured_part, replay, replay_oracle, run_seeds,
-    run_sim, seed_figures, seed_summary, sets_within,
+    SEED_FIGURES,
+    Scenario,
+    SimSettings,
+    hindsight_configuration,
+    measured_part,
+    replay,
+    replay_oracle,
+    run_seeds,
+    run_sim,
+    seed_figures,
+    seed_summary,
+    sets_within,
 )
+from rampserve.bundle_format.latency import LatencyProfile
 from rampserve.control.controller import Controller, ControllerSettings
 from rampserve.control.costs import CostModel
 from rampserve.control.ramps import beam_search
 from rampserve.control.records import Configuration
-from rampserve.runtime.latency import LatencyProfile
 
 SITES = ("a", "b", "c")
 

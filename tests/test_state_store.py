@@ -9,11 +9,10 @@ import socket
 import numpy as np
 import pytest
 import redis
-
 from bounded import run_bounded
 
 from rampserve.control.selection import EXPLORATION_FLOOR, Forgetting, SelectionState, exp3_update, exp4_update
-from rampserve.serving.apps.state_store import (
+from rampserve.serving.frontend.apps.state_store import (
     MemoryStore,
     RedisStore,
     StateStore,
@@ -21,7 +20,6 @@ from rampserve.serving.apps.state_store import (
     StoreUnavailable,
     open_store,
 )
-
 
 
 @pytest.fixture(params=["memory", "redis"])

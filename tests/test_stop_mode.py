@@ -14,14 +14,14 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from rampserve.control.controller import ControllerSettings
+from rampserve.control.exit_rule import STOP_MARGIN, first_exits
 from rampserve.control.records import NO_EXIT, NO_LABEL, Configuration
-from rampserve.ramps.exit_rule import STOP_MARGIN, first_exits
 from rampserve.runtime.compiled import set_key
-from rampserve.serving.metrics import ServerMetrics
-from rampserve.serving.models import served as make_served
-from rampserve.serving.contract import ModelSettings, future_reply
-from rampserve.serving.request_queue import Pending
-from rampserve.serving.worker import ModelWorker
+from rampserve.serving.executor.loading import served as make_served
+from rampserve.serving.executor.request_queue import Pending
+from rampserve.serving.executor.worker import ModelWorker
+from rampserve.serving.shared.contract import ModelSettings, future_reply
+from rampserve.serving.shared.metrics import ServerMetrics
 
 
 class _Counted(Pending):
@@ -55,7 +55,7 @@ def _serve(worker: ModelWorker, config: Configuration, mode: str, name: str, fee
            requests: list[tuple[int, bool]]):
     """One batch of `requests` (inputs, wants the logits) through the worker's executor, on the compiled set of
     `mode`; returns the requests, their answers and the batch's books (record, state)."""
-    model = worker.served.model
+    model = worker.served.prepared
     worker._serving = (config, model.compiled_set(config.sites, mode))
     loop = asyncio.new_event_loop()
     try:
@@ -298,15 +298,16 @@ def test_a_server_in_stop_mode_answers_every_request_exactly_once(resnet_bundle,
     import json
     import urllib.request
 
-    from rampserve.serving.models import load_served
     from test_serving import MODEL, _concurrent, books_after, get_json, infer_body, mixing_threshold, server
 
-    served = load_served(str(resnet_bundle))
-    site = served.model.site_names[1]
+    from rampserve.serving.executor.loading import load_served, loaded
+
+    served = loaded(load_served(str(resnet_bundle)))
+    site = served.prepared.site_names[1]
     x = fmnist_feeds
     threshold = mixing_threshold(served, 1, x)
     seen: list[tuple[np.ndarray, np.ndarray]] = []
-    original = served.model.run({served.inputs[0].name: x}, [site], lambda _, *scored: seen.append(scored))
+    original = served.prepared.run({served.inputs[0].name: x}, [site], lambda _, *scored: seen.append(scored))
     (ramp_labels, ramp_errors), = seen
     controller = ControllerSettings(initial=(site,), start_thresholds={site: threshold}, threshold_tuning=False,
                                     ramp_adjustment=False, exit_mode="stop", feedback_share=0.2)

@@ -23,22 +23,23 @@ import tritonclient.grpc as triton_grpc
 import tritonclient.http as triton_http
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_hf_prepare import random_classifier
+from test_serving import get_json, post
 from tokenizers import Tokenizer
 from transformers import PreTrainedModel
 
-from test_hf_prepare import random_classifier
-from test_serving import get_json, post
+from rampserve.bundle_format.manifest import MANIFEST, TEXT_TOKENIZER_FILE, read_manifest, read_signature
+from rampserve.bundle_format.text import TextEncoder
 from rampserve.runtime.bundle import save_bundle, write_signature
-from rampserve.runtime.manifest import MANIFEST, TEXT_TOKENIZER_FILE, read_manifest, read_signature
 from rampserve.runtime.prepare import model_encoder, prepare
 from rampserve.runtime.sources import ModelSource
-from rampserve.runtime.text import TextEncoder
-from rampserve.serving.contract import ModelSettings
-from rampserve.serving.models import load_served
-from rampserve.serving.protocol import ProtocolError, TensorSpec, parse_infer_request
+from rampserve.serving.executor.loading import load_served
 from rampserve.serving.server import ServerSettings, build_state, running_server
+from rampserve.serving.shared.contract import ModelSettings
+from rampserve.serving.shared.protocol import ProtocolError, TensorSpec, parse_infer_request
 from rampserve.zoo import hf_encoders
-from rampserve.zoo.minilm import encode_texts, model_dir as minilm_dir
+from rampserve.zoo.minilm import encode_texts
+from rampserve.zoo.minilm import model_dir as minilm_dir
 
 MODEL = "my-bert"
 TEXTS = ["a wonderful film", "not good at all, sadly, and far too long for what it has to say " * 4, "fine", ""]
@@ -229,8 +230,8 @@ def test_a_bundle_prepared_before_bundles_kept_the_tokenizer_is_given_it_in_plac
 def test_serving_a_text_bundle_loads_neither_torch_nor_onnxruntime_in_the_front_end(text_model) -> None:
     script = f"""
 import json, sys
-from rampserve.serving.contract import ModelSettings
-from rampserve.serving.models import load_served
+from rampserve.serving.shared.contract import ModelSettings
+from rampserve.serving.executor.loading import load_served
 from rampserve.serving.server import ServerSettings, build_state
 
 served = load_served({str(text_model[0])!r})

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from rampserve.control.exit_rule import NO_EXIT, first_exits
 from rampserve.control.thresholds import MAX_THRESHOLD, ExitData, evaluate, tune_greedy, tune_grid
-from rampserve.ramps.exit_rule import NO_EXIT, first_exits
 
 
 def exit_data(correct, errors, saved_per_ramp) -> ExitData:

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rampserve.bench.queueing import BatchOutcome, fixed_cost, run_queue
-from rampserve.runtime.latency import max_batch_for_slo
+from rampserve.bundle_format.latency import max_batch_for_slo
 from rampserve.workloads.traces import TRACES, arrival_times, rate_over_time
 
 

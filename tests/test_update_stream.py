@@ -9,19 +9,17 @@ from collections.abc import Callable
 
 import pytest
 import redis.asyncio as aioredis
+from bounded import run_bounded
 from hypothesis import given
 from hypothesis import strategies as st
 
-from bounded import run_bounded
-
-from rampserve.serving.apps.update_stream import (
+from rampserve.serving.frontend.apps.update_stream import (
     UPDATE_STREAM,
     ModelUpdate,
     UpdateListener,
     UpdateStreamError,
     publish_update,
 )
-
 
 
 async def _until(condition: Callable[[], bool]) -> None:

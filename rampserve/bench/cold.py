@@ -39,7 +39,15 @@ from rich.table import Table
 
 from rampserve.bench.figures import ACCURACY_WINDOW
 from rampserve.bench.harness import (
-    ServerProcess, fmt, get_json, measure_saturation, median_ratio, percentiles, run_loadgen, v2_inputs, write_json,
+    ServerProcess,
+    fmt,
+    get_json,
+    measure_saturation,
+    median_ratio,
+    percentiles,
+    run_loadgen,
+    v2_inputs,
+    write_json,
 )
 from rampserve.bench.live import live_arrivals
 from rampserve.bench.load import DEFAULT_LOAD
@@ -49,7 +57,7 @@ from rampserve.runtime.prepare import PrepareConfig, model_encoder, read_own_dat
 from rampserve.runtime.sources import ModelSource, onnx_file
 from rampserve.runtime.user_data import DataOptions, rows_encoder
 from rampserve.serving.learning import MANAGED, PROFILING, TRAINING, unprepared_model
-from rampserve.serving.settings import DEFAULT_RECORD
+from rampserve.serving.shared.settings import DEFAULT_RECORD
 
 # The issue's bars for a model served from cold (issue 49)
 MANAGED_GOAL_S = 600.0  # from the server's start to managed mode, at the default --record

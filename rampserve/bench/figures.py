@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from rampserve.control.controller import ControllerSettings
-from rampserve.ramps.exit_rule import EXIT_MODES
+from rampserve.control.exit_rule import EXIT_MODES
 
 ACCURACY_WINDOW = 1000  # requests per window of `windows_below_share`
 

@@ -30,18 +30,28 @@ from rampserve.bench.figures import ACCURACY_WINDOW, controller_exit_mode, windo
 from rampserve.bench.load import DEFAULT_LOAD
 from rampserve.bench.ramp_outputs import RampOutputs, ramp_outputs
 from rampserve.bench.sim import (
-    SATURATION_HIGH, SATURATION_LOW, Scenario, SimSettings, SystemRun, load_scenario, mean_rate_rps, python_ramps,
-    replay, replay_oracle, summarize, trace_saturation,
+    SATURATION_HIGH,
+    SATURATION_LOW,
+    Scenario,
+    SimSettings,
+    SystemRun,
+    load_scenario,
+    mean_rate_rps,
+    python_ramps,
+    replay,
+    replay_oracle,
+    summarize,
+    trace_saturation,
 )
+from rampserve.bundle_format.latency import serving_limits
+from rampserve.bundle_format.manifest import read_manifest
 from rampserve.control.controller import Controller, ControllerSettings
 from rampserve.control.costs import CostModel
+from rampserve.control.exit_rule import first_exits
 from rampserve.control.records import BatchRecord, Configuration
 from rampserve.ramps.cache import CacheRamp, CacheSpec
-from rampserve.ramps.exit_rule import first_exits
 from rampserve.ramps.oracle import NO_EXIT, answerable_share
 from rampserve.runtime.bundle import load_bundle
-from rampserve.runtime.latency import serving_limits
-from rampserve.runtime.manifest import read_manifest
 from rampserve.runtime.prepare import PrepareConfig, default_workload, feeds_for, prepared_encoder
 from rampserve.runtime.prepared import PreparedModel
 from rampserve.runtime.sources import ModelSource

@@ -51,25 +51,47 @@ from tqdm.auto import tqdm
 from rampserve.bench.cpu import cpu_used
 from rampserve.bench.figures import ACCURACY_WINDOW, configuration_changes, exit_mode_figures, windows_below_share
 from rampserve.bench.harness import (
-    QUANTILES, TRANSPORTS, ServerProcess, encode_items, fmt, get_json, mean_batch_size, measure_saturation,
-    median_ratio, most_frequent, percentiles, rampserve_serve, ratio, renamed, require_answers, run_loadgen, write_json,
+    QUANTILES,
+    TRANSPORTS,
+    ServerProcess,
+    encode_items,
+    fmt,
+    get_json,
+    mean_batch_size,
+    measure_saturation,
+    median_ratio,
+    most_frequent,
+    percentiles,
+    rampserve_serve,
+    ratio,
+    renamed,
+    require_answers,
+    run_loadgen,
+    write_json,
 )
+from rampserve.bench.load import DEFAULT_LOAD, rate_at_load
 from rampserve.bench.loadgen import Job, LoadResult
-from rampserve.bench.stages import paired_stage_costs, stage_costs
 from rampserve.bench.own_data import OwnDataSettings
 from rampserve.bench.ramp_outputs import RampOutputs, ramp_outputs
-from rampserve.bench.load import DEFAULT_LOAD, rate_at_load
 from rampserve.bench.sim import (
-    Scenario, _rolling_min_mean, input_lengths, measured_part, replay, replay_oracle, summarize, with_savings,
+    Scenario,
+    _rolling_min_mean,
+    input_lengths,
+    measured_part,
+    replay,
+    replay_oracle,
+    summarize,
+    with_savings,
 )
-from rampserve.runtime.timing import interleaved_medians
+from rampserve.bench.stages import paired_stage_costs, stage_costs
+from rampserve.bundle_format.latency import serving_limits
 from rampserve.control.controller import Controller, ControllerSettings
 from rampserve.control.costs import CostModel
 from rampserve.control.records import Configuration, validation_record
 from rampserve.control.settings import EXIT_MODE_CHOICES
 from rampserve.runtime.bundle import load_bundle
-from rampserve.runtime.latency import serving_limits
 from rampserve.runtime.prepared import PreparedModel
+from rampserve.runtime.timing import interleaved_medians
 from rampserve.workloads.streams import DEFAULT_LENGTH, Stream, get_stream
 from rampserve.workloads.traces import MAF_MINUTE_S, arrival_times
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the command line imports this module for its default: no numpy on the way
-    from rampserve.runtime.latency import LatencyProfile
+    from rampserve.bundle_format.latency import LatencyProfile
 
 # 0.2: on the bursty maf trace vanilla meets its SLO there in the simulator and is far from overload live, where a
 # latency-first comparison belongs (at 0.5 of its live saturation, vanilla's own p95 was 930 ms)

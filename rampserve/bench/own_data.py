@@ -19,11 +19,16 @@ from pathlib import Path
 
 import numpy as np
 
+from rampserve.bundle_format.manifest import BundleError, read_manifest
 from rampserve.paths import bundles_dir
 from rampserve.runtime.bundle import load_bundle, save_bundle
-from rampserve.runtime.manifest import BundleError, read_manifest
 from rampserve.runtime.prepare import (
-    PrepareConfig, own_bootstrap, prepare, read_own_data, reread_own_data, torch_backend_of,
+    PrepareConfig,
+    own_bootstrap,
+    prepare,
+    read_own_data,
+    reread_own_data,
+    torch_backend_of,
 )
 from rampserve.runtime.sources import ModelSource
 from rampserve.runtime.user_data import DataError, DataOptions, UserData

@@ -580,9 +580,9 @@ def remote_server(ref: str, model: object, vanilla: bool, start_timeout_s: float
     """`rampserve serve` for one model in a process of its own, with the settings the first server gives its own
     models (SLO twice the profiled batch-1 latency, the largest batch within it, no queue delay)."""
     from rampserve.bench.harness import ServerProcess, rampserve_serve
-    from rampserve.runtime.latency import serving_limits
+    from rampserve.bundle_format.latency import serving_limits
 
-    slo_ms, max_batch = serving_limits(model.model.profile)
+    slo_ms, max_batch = serving_limits(model.profile)
     workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="rampserve-race-")))
     return ServerProcess(rampserve_serve(ref, slo_ms, max_batch, 0.0, vanilla), workdir / "remote-server.log",
                          start_timeout_s)
@@ -590,8 +590,10 @@ def remote_server(ref: str, model: object, vanilla: bool, start_timeout_s: float
 
 def offline_labels(model: object, images: np.ndarray, batch: int = 250) -> np.ndarray:
     """The original model's labels (its final layer, no ramps) for the queries, run here in batches."""
-    name = model.inputs[0].name
-    return np.concatenate([model.model.run({name: images[i:i + batch]}).argmax(axis=1)
+    from rampserve.serving.executor.loading import loaded
+
+    name, prepared = model.inputs[0].name, loaded(model).prepared
+    return np.concatenate([prepared.run({name: images[i:i + batch]}).argmax(axis=1)
                            for i in range(0, len(images), batch)])
 
 
@@ -610,11 +612,12 @@ def _warm_up_accuracy(answers: dict[str, Answers], labels: np.ndarray) -> dict:
 
 def run_race(settings: RaceSettings, json_out: Path | None = None, note: Callable[[str], None] = lambda _: None,
              progress: bool = True) -> dict:
-    from rampserve.serving.apps.applications import ApplicationSpec
-    from rampserve.serving.models import ServedModel, load_served
-    from rampserve.serving.contract import GIL_SWITCH_INTERVAL_S, ModelSettings
-    from rampserve.serving.repository.predictors import RemotePredictor
+    from rampserve.serving.executor.loading import load_served
+    from rampserve.serving.frontend.apps.applications import ApplicationSpec
+    from rampserve.serving.frontend.repository.predictors import RemotePredictor
     from rampserve.serving.server import ServerSettings, build_state, running_server
+    from rampserve.serving.shared.contract import GIL_SWITCH_INTERVAL_S, ModelSettings
+    from rampserve.serving.shared.models import ServedModel
 
     queries = query_images(settings)
     calibration_index, calibration_images, calibration_labels = queries.phase("calibration")
@@ -751,7 +754,7 @@ def run_race(settings: RaceSettings, json_out: Path | None = None, note: Callabl
     report = {
         "serving": "vanilla" if settings.vanilla else "early exits",
         "models": {m.name: {"ref": ref, "where": "remote" if m.name == settings.remote else "local",
-                            "backend": m.model.backend.kind,
+                            "backend": m.backend,
                             "offline_accuracy": float(np.mean(offline[m.name] == measured_labels)),
                             "serving": serving[m.name], "applications": asks[m.name]}
                    for ref, m in zip(settings.models, served)},

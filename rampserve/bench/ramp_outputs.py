@@ -15,8 +15,8 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
+from rampserve.bundle_format.manifest import answering_files, read_manifest
 from rampserve.paths import home
-from rampserve.runtime.manifest import answering_files, read_manifest
 from rampserve.runtime.prepare import feeds_for, prepared_encoder
 from rampserve.runtime.prepared import PreparedModel
 from rampserve.workloads.streams import Stream

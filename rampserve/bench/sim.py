@@ -30,6 +30,7 @@ from rampserve.bench.load import DEFAULT_LOAD, batch1_capacity_rps, rate_at_load
 from rampserve.bench.own_data import OwnDataSettings, own_stream_of_bundle
 from rampserve.bench.queueing import BatchOutcome, QueueResult, max_rate_within_slo, run_queue
 from rampserve.bench.ramp_outputs import RampOutputs, ramp_outputs
+from rampserve.bundle_format.latency import LatencyProfile, serving_limits
 from rampserve.control.controller import Controller, ControllerSettings
 from rampserve.control.costs import CostModel
 from rampserve.control.ramps import RampSet, beam_search, fits_budget, initial_sites
@@ -39,7 +40,6 @@ from rampserve.ramps.kinds import Ramp
 from rampserve.ramps.onnx_fused import can_tap
 from rampserve.ramps.oracle import earliest_correct_exit
 from rampserve.runtime.bundle import load_bundle
-from rampserve.runtime.latency import LatencyProfile, serving_limits
 from rampserve.runtime.prepare import prepared_encoder
 from rampserve.runtime.prepared import PreparedModel
 from rampserve.workloads.streams import Stream, get_stream

@@ -33,8 +33,9 @@ from tqdm.auto import tqdm
 from rampserve.bench.harness import ServerProcess, get_json, http_status, median_cell, v2_inputs, write_json
 from rampserve.bench.loadgen import Job, save_job
 from rampserve.bench.peers import over_rounds, round_orders
-from rampserve.serving.models import LABEL_OUTPUT, read_served
-from rampserve.serving.process_worker import QUICK_DEATH_S
+from rampserve.serving.executor.loading import read_served
+from rampserve.serving.executor.process_worker import QUICK_DEATH_S
+from rampserve.serving.shared.models import LABEL_OUTPUT
 
 READY_POLL_S = 0.02  # how often readiness is asked for: the start time's resolution
 LIBRARIES = {"torch": "/torch/", "onnxruntime": "/onnxruntime/"}  # where each library's native code lies

@@ -24,16 +24,16 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from rampserve.bundle_format.latency import LatencyProfile
 from rampserve.control.costs import CostModel
 from rampserve.control.guarantee import ChangeDetector, DisagreementMonitor, RiskBound
 from rampserve.control.monitor import AccuracyWindow, ExitHistory
 from rampserve.control.objective import serving_waits
 from rampserve.control.ramps import SetEstimate, affordable_sites, estimate, no_ramp_fits, ordered, search_sets
 from rampserve.control.records import BatchRecord, Configuration
-from rampserve.control.settings import ControllerSettings
 from rampserve.control.risk import rolled_scale, served_scale
+from rampserve.control.settings import ControllerSettings
 from rampserve.control.thresholds import ExitData, certified_thresholds, tune_greedy
-from rampserve.runtime.latency import LatencyProfile
 
 # Modelled cost of a decision: tuning reads every row of every active ramp some hundred times. Charged per row and
 # ramp of the data each threshold choice reads (certifying 4,096 inputs at 4 ramps took 70 ms on this 2-core

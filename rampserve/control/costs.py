@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from rampserve.runtime.latency import LatencyProfile
+from rampserve.bundle_format.latency import LatencyProfile
 
 
 @dataclass(frozen=True)

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from rampserve.control.costs import CostModel
+from rampserve.control.exit_rule import NO_EXIT, first_exits
 from rampserve.control.objective import objective_ms
 from rampserve.control.thresholds import ExitData
-from rampserve.ramps.exit_rule import NO_EXIT, first_exits
 
 
 def fits_budget(costs: CostModel, sites: Sequence[str], budget: float, batch_size: int) -> bool:

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from rampserve.ramps.exit_rule import NO_EXIT, first_exits
+from rampserve.control.exit_rule import NO_EXIT, first_exits
 
 NO_LABEL = -1  # a final label that is not known (the batch failed before its last layer)
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from rampserve.control.exit_rule import EXIT_MODES
 from rampserve.control.objective import OBJECTIVES
-from rampserve.ramps.exit_rule import EXIT_MODES
 
 # What the accuracy constraint promises (docs/control.md shows what each costs):
 # average (Apparate's): the disagreement over every answer served stays within the constraint; thresholds tuned on

@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from rampserve.control import exit_rule
+from rampserve.control.exit_rule import NO_EXIT, first_exits
 from rampserve.control.guarantee import FULLY_OBSERVED, STRATA, RiskBound
-from rampserve.ramps import exit_rule
-from rampserve.ramps.exit_rule import NO_EXIT, first_exits
 
 # Thresholds are placed just above an observed error score so that input exits (errors must be below it).
 _ABOVE = 1e-9

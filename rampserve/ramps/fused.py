@@ -23,11 +23,11 @@ import numpy as np
 import torch
 from torch import nn
 
+from rampserve.control.scores import ERROR_SCORES
 from rampserve.ramps import kernel
 from rampserve.ramps.cache import CacheRamp
 from rampserve.ramps.kinds import Ramp
 from rampserve.ramps.pooling import POOLING_REDUCTIONS, pooling_matrix, sampled, sampling_stride
-from rampserve.ramps.scores import ERROR_SCORES
 
 
 class FusedRamp(nn.Module):

@@ -13,10 +13,17 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from rampserve.control.scores import top_label_and_error
 from rampserve.ramps.cache import CacheRamp, CacheSpec
-from rampserve.ramps.pooling import (DEEP_CNN_GRID, LINEAR_CNN_GRID, POOLING_REDUCTIONS, PooledLinear, grid_reduction,
-                                     reduce_activation)
-from rampserve.ramps.scores import top_label_and_error
+from rampserve.ramps.pooling import (
+    DEEP_CNN_GRID,
+    LINEAR_CNN_GRID,
+    POOLING_REDUCTIONS,
+    PooledLinear,
+    grid_reduction,
+    reduce_activation,
+)
+
 
 @dataclass(frozen=True)
 class RampSpec:

@@ -20,11 +20,17 @@ import hashlib
 import numpy as np
 from onnx import TensorProto, helper, numpy_helper
 
+from rampserve.control.scores import ERROR_SCORES
 from rampserve.graph.onnx_graph import Tap
 from rampserve.ramps.kinds import DENSE_KINDS, Ramp
-from rampserve.ramps.pooling import (POOLING_REDUCTIONS, TOKEN_REDUCTIONS, pooling_matrix, sampled, sampling_stride,
-                                     separable_pooling)
-from rampserve.ramps.scores import ERROR_SCORES
+from rampserve.ramps.pooling import (
+    POOLING_REDUCTIONS,
+    TOKEN_REDUCTIONS,
+    pooling_matrix,
+    sampled,
+    sampling_stride,
+    separable_pooling,
+)
 
 # The reductions a tap computes; a ramp with another (a deep head's grid) is evaluated in Python
 TAPPED_REDUCTIONS = (*POOLING_REDUCTIONS, "identity", *TOKEN_REDUCTIONS)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from rampserve.ramps.exit_rule import NO_EXIT
+from rampserve.control.exit_rule import NO_EXIT
 
 
 def earliest_correct_exit(ramp_labels: np.ndarray, final_labels: np.ndarray) -> np.ndarray:

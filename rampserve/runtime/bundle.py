@@ -3,7 +3,7 @@
 made the token inputs, the ramps' and the model's answers on the inputs the ramps were validated on, and what
 rebuilds the architecture without the model's source (a Hugging Face checkpoint's config.json and tokenizer.json).
 Loading never unpickles anything, and checks every file's digest. Reading a bundle's manifest and signature alone,
-without torch, is `runtime.manifest`'s."""
+without torch, is `bundle_format.manifest`'s."""
 
 from __future__ import annotations
 
@@ -18,12 +18,8 @@ import safetensors.torch
 from torch import nn
 
 from rampserve import __version__
-from rampserve.ramps.kinds import make_ramp
-from rampserve.runtime.backends import OnnxBackend, TorchBackend
-from rampserve.runtime.compiled import write_atomically
-from rampserve.runtime.engines import engine_of
-from rampserve.runtime.latency import LatencyProfile
-from rampserve.runtime.manifest import (
+from rampserve.bundle_format.latency import LatencyProfile
+from rampserve.bundle_format.manifest import (
     EXAMPLE_FILE,
     FORMAT,
     FORMAT_VERSION,
@@ -40,8 +36,12 @@ from rampserve.runtime.manifest import (
     read_signature,
     read_validation,
 )
+from rampserve.bundle_format.signature import ModelSignature
+from rampserve.ramps.kinds import make_ramp
+from rampserve.runtime.backends import OnnxBackend, TorchBackend
+from rampserve.runtime.compiled import write_atomically
+from rampserve.runtime.engines import engine_of
 from rampserve.runtime.prepared import PreparedModel, SiteInfo
-from rampserve.runtime.signature import ModelSignature
 from rampserve.runtime.sources import ModelSource, architecture_files, build_architecture
 
 

@@ -1,7 +1,7 @@
 """Where a ramp that runs Python mid-run hands its column when the batch in progress can take it on the same thread.
 
 A compiled run tells the executor which ramp may release inputs by writing the ramp's column to a pipe, read by a
-releasing thread (`serving.batch.RampSignals`): the torch operator runs in C++ and cannot call Python. A ramp in
+releasing thread (`serving.executor.batch.RampSignals`): the torch operator runs in C++ and cannot call Python. A ramp in
 an ONNX Runtime session signals through a Python operator, which runs on the thread that called the session (the
 executor's), between the model's layers: there the column is handed straight to the batch in progress, and its
 early answers leave without waking another thread. On 2 cores whose both threads run the model, that wake-up

@@ -9,7 +9,7 @@ ramps themselves (10 us at batch 1 and 45-60 us at batch 16 on resnet18-fmnist, 
 So a `SetRunner` never stops: each fused ramp (one `rampserve::ramp_exit` call, see `ramps.fused`) writes its
 logits into the batch's ramp buffer and, where some row's confidence clears the exit floor it was given, writes
 its column to a pipe; a releasing thread reads it, scores the column and releases those rows while the model
-runs on (`serving.batch`). A ramp that runs in Python is stashed (its activation copied) for that thread.
+runs on (`serving.executor.batch`). A ramp that runs in Python is stashed (its activation copied) for that thread.
 
 In the "stop" exit mode a set's runner is a `StopSetRunner` instead: the rows a fused ramp exits leave the batch
 there (`rampserve::ramp_stop`), the others run on, and it returns the final output of the rows that ran to the
@@ -22,7 +22,7 @@ fuses, the whole model in one session whose ramps signal (`runtime.onnx_signals`
 machine, is kept on disk beside the torch sets once built (0.1-1.7 s on the zoo's models, the check against the
 model included) and loaded with ONNX Runtime's optimizations off.
 
-A compiled set is made once (in a compile worker process, see `serving.compiler`) and loaded by every server
+A compiled set is made once (in a compile worker process, see `serving.executor.compiler`) and loaded by every server
 that serves the same bundle with the same torch and ramp operator: an entry is keyed by the bundle's digest, the
 set, the error score, the torch version and the operator's build, and its sha256 is checked before it is
 loaded. A corrupt entry is never loaded.
@@ -46,10 +46,10 @@ import numpy as np
 import torch
 from torch import nn
 
+from rampserve.control.exit_rule import EXIT_MARGIN, EXIT_MODES, NEVER_STOP, STOP_MARGIN, exit_floor
 from rampserve.graph.torch_graph import torchscript_quietly
 from rampserve.paths import home
 from rampserve.ramps import kernel
-from rampserve.ramps.exit_rule import EXIT_MARGIN, EXIT_MODES, NEVER_STOP, STOP_MARGIN, exit_floor
 
 if TYPE_CHECKING:
     from rampserve.runtime.onnx_signals import OnnxSignalledRunner

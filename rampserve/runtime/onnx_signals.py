@@ -37,10 +37,10 @@ import numpy as np
 import onnxruntime
 import torch
 
+from rampserve.control.exit_rule import NEVER_STOP
+from rampserve.control.scores import top_label_and_error
 from rampserve.graph.onnx_graph import SignalledRunner
-from rampserve.ramps.exit_rule import NEVER_STOP
 from rampserve.ramps.kernel import cpu_flags
-from rampserve.ramps.scores import top_label_and_error
 from rampserve.runtime.column_handlers import column_handler
 from rampserve.runtime.compiled import FORMAT
 

@@ -12,25 +12,40 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from rampserve.bundle_format.latency import LatencyProfile
+from rampserve.bundle_format.manifest import BundleError
+from rampserve.bundle_format.signature import ModelSignature
+from rampserve.bundle_format.text import TextEncoder
 from rampserve.graph.sites import SitePolicy
 from rampserve.ramps.cache import CacheSpec, static_threshold
 from rampserve.ramps.kinds import DENSE_KINDS, MLP_HIDDEN, spec_for
 from rampserve.ramps.oracle import NO_EXIT, earliest_correct_exit, exit_latency
 from rampserve.ramps.train import (
-    Features, TrainConfig, TrainReport, build_cache_ramps, collect_features, split_indices, train_ramps,
+    Features,
+    TrainConfig,
+    TrainReport,
+    build_cache_ramps,
+    collect_features,
+    split_indices,
+    train_ramps,
 )
 from rampserve.runtime.backends import Backend, TorchBackend
 from rampserve.runtime.engines import AUTO, ENGINE_BUDGET_S, EngineChoice, check_engine, serving_backend
-from rampserve.runtime.latency import LatencyProfile
-from rampserve.runtime.manifest import BundleError
 from rampserve.runtime.prepared import PreparedModel, SiteInfo
 from rampserve.runtime.profile import DEFAULT_BATCH_SIZES, PROFILE_BUDGET_S, measure_profile
-from rampserve.runtime.signature import ModelSignature
 from rampserve.runtime.sources import ModelSource, load_trained, zoo_entry
-from rampserve.runtime.text import TextEncoder
 from rampserve.runtime.user_data import (
-    TENSORS, DataError, DataOptions, ExpectedInput, ModelInputs, Preprocessing, UserData, example_inputs, onnx_inputs,
-    read_user_data, rows_encoder,
+    TENSORS,
+    DataError,
+    DataOptions,
+    ExpectedInput,
+    ModelInputs,
+    Preprocessing,
+    UserData,
+    example_inputs,
+    onnx_inputs,
+    read_user_data,
+    rows_encoder,
 )
 from rampserve.workloads.streams import get_stream
 

@@ -13,13 +13,16 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from rampserve.bundle_format.latency import LatencyProfile
+from rampserve.bundle_format.manifest import bundle_digest
+from rampserve.bundle_format.signature import ModelSignature
+from rampserve.control.exit_rule import EXIT_MODES, ONNX_EXIT_MARGIN
+from rampserve.control.scores import top_label_and_error
 from rampserve.graph.torch_graph import TRACE_GUARD, torchscript_quietly
 from rampserve.ramps import kernel
 from rampserve.ramps.cache import CacheRamp
-from rampserve.ramps.exit_rule import EXIT_MODES, ONNX_EXIT_MARGIN
 from rampserve.ramps.fused import FusedRamp, fused_ramp
 from rampserve.ramps.kinds import Ramp, RampSpec
-from rampserve.ramps.scores import top_label_and_error
 from rampserve.runtime.backends import Backend
 from rampserve.runtime.compiled import (
     CompiledSet,
@@ -34,9 +37,6 @@ from rampserve.runtime.compiled import (
     remove_compiled,
     write_entry,
 )
-from rampserve.runtime.latency import LatencyProfile
-from rampserve.runtime.manifest import bundle_digest
-from rampserve.runtime.signature import ModelSignature
 
 if TYPE_CHECKING:
     from rampserve.runtime.onnx_signals import OnnxSignalledRunner
@@ -136,7 +136,7 @@ class PreparedModel:
     signature: ModelSignature | None = None
     # On the inputs the ramps were validated on: every site's ramp's top label ("labels") and error score ("errors"),
     # (inputs, sites) in `site_names` order, and the model's own label ("final"); None for a bundle prepared before
-    # bundles kept them (`runtime.manifest.VALIDATION_FILE`)
+    # bundles kept them (`bundle_format.manifest.VALIDATION_FILE`)
     validation: dict[str, np.ndarray] | None = None
 
     @property

@@ -1,4 +1,4 @@
-"""Measuring a prepared model's latency profile (`runtime.latency.LatencyProfile`) on the serving machine.
+"""Measuring a prepared model's latency profile (`bundle_format.latency.LatencyProfile`) on the serving machine.
 
 Per batch size: the whole model in one piece, every segment between consecutive sites, and every ramp.
 """
@@ -13,11 +13,11 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from rampserve.bundle_format.latency import LatencyProfile
+from rampserve.control.exit_rule import NEVER_STOP
 from rampserve.graph.torch_graph import torchscript_quietly
-from rampserve.ramps.exit_rule import NEVER_STOP
 from rampserve.ramps.fused import StashedRamp, fused_ramp
 from rampserve.runtime.compiled import CompiledSet
-from rampserve.runtime.latency import LatencyProfile
 from rampserve.runtime.timing import interleaved_samples, paired_median
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from rampserve.runtime.signature import ANY_SIZE, V2_DATATYPES
+from rampserve.bundle_format.signature import ANY_SIZE, V2_DATATYPES
 
 TEXT = "text"  # the items are texts, which the model's tokenizer encodes
 TENSORS = "tensors"  # the items are `TensorRows`: the model's inputs already

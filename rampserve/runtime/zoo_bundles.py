@@ -6,14 +6,21 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+from rampserve.bundle_format.manifest import VALIDATION_FILE, BundleError, read_manifest, read_signature
 from rampserve.paths import bundles_dir
 from rampserve.ramps.pooling import TOKEN_REDUCTIONS
 from rampserve.runtime.bundle import load_bundle, save_bundle, write_signature, write_validation
 from rampserve.runtime.engines import AUTO, CHOSEN_BY_TIMING, ONNX_SERVING, EngineChoice, choose_engine
-from rampserve.runtime.manifest import VALIDATION_FILE, BundleError, read_manifest, read_signature
 from rampserve.runtime.prepare import (
-    PrepareConfig, model_encoder, prepare, ramp_data, ramp_kind, signature_from_workload, token_reduction,
-    validation_outputs, zoo_revision,
+    PrepareConfig,
+    model_encoder,
+    prepare,
+    ramp_data,
+    ramp_kind,
+    signature_from_workload,
+    token_reduction,
+    validation_outputs,
+    zoo_revision,
 )
 from rampserve.runtime.sources import ModelSource
 
@@ -74,7 +81,7 @@ def _other_ramps(manifest: dict, source: ModelSource, config: PrepareConfig) -> 
 
 def main(argv: list[str]) -> None:
     """`python -m rampserve.runtime.zoo_bundles MODEL`: print the directory of the zoo model's bundle, prepared if
-    needed (a server finds its zoo models' bundles this way, `serving.models.zoo_bundle_dir`)."""
+    needed (a server finds its zoo models' bundles this way, `serving.shared.models.zoo_bundle_dir`)."""
     try:
         print(zoo_bundle(argv[0]))
     except ValueError as exc:  # not a zoo model: say so without a traceback

@@ -50,22 +50,26 @@ import numpy as np
 import orjson
 
 from rampserve.background import job_command, job_environment
+from rampserve.bundle_format.manifest import MANIFEST
 from rampserve.control.ramps import no_ramp_fits
 from rampserve.control.relearning import ExitShareWatch, RelearnRule
 from rampserve.paths import home
-from rampserve.runtime.manifest import MANIFEST
-from rampserve.serving.contract import ModelSettings
-from rampserve.serving.metrics import ServerMetrics
-from rampserve.serving.models import read_served
-from rampserve.serving.process_worker import make_worker
-from rampserve.serving.protocol import TensorSpec
-from rampserve.serving.repository.predictors import (
-    Prediction, PredictRequest, Predictor, WorkerPredictor, onnx_predictor,
+from rampserve.serving.executor.loading import read_served
+from rampserve.serving.executor.process_worker import make_worker
+from rampserve.serving.frontend.repository.predictors import (
+    Prediction,
+    Predictor,
+    PredictRequest,
+    WorkerPredictor,
 )
-from rampserve.serving.settings import DEFAULT_RECORD
+from rampserve.serving.plain_models import onnx_predictor
+from rampserve.serving.shared.contract import ModelSettings
+from rampserve.serving.shared.metrics import ServerMetrics
+from rampserve.serving.shared.protocol import TensorSpec
+from rampserve.serving.shared.settings import DEFAULT_RECORD
 
 if TYPE_CHECKING:
-    from rampserve.serving.repository.catalogue import Catalogue
+    from rampserve.serving.frontend.repository.catalogue import Catalogue
 
 log = logging.getLogger("rampserve.serving")
 

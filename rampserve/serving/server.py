@@ -8,46 +8,26 @@ import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from functools import partial
-from pathlib import Path
 
 import uvicorn
 from tqdm.auto import tqdm
 
-from rampserve.serving.app import ServerState, create_app
-from rampserve.serving.apps.applications import ApplicationSpec
-from rampserve.serving.apps.state_store import RedisStore, open_store
-from rampserve.serving.apps.update_stream import ModelUpdate, UpdateListener
-from rampserve.serving.contract import GIL_SWITCH_INTERVAL_S, ControlLink, ModelSettings, freeze_startup_objects
-from rampserve.serving.grpc_server import GrpcFrontEnd, address
+from rampserve.serving.executor.loading import load_served, read_served
+from rampserve.serving.executor.process_worker import make_worker
+from rampserve.serving.frontend.app import ServerState, create_app
+from rampserve.serving.frontend.apps.applications import ApplicationSpec
+from rampserve.serving.frontend.apps.state_store import RedisStore, open_store
+from rampserve.serving.frontend.apps.update_stream import ModelUpdate, UpdateListener
+from rampserve.serving.frontend.grpc_server import GrpcFrontEnd, address
+from rampserve.serving.frontend.repository.catalogue import Catalogue, CatalogueError, ModelLoaders, ModelRepository
+from rampserve.serving.frontend.repository.predictors import Predictor, WorkerPredictor
 from rampserve.serving.learning import LearningSettings, UnpreparedModel, open_unprepared, unprepared_model
-from rampserve.serving.metrics import ServerMetrics
-from rampserve.serving.models import ServedModel, load_served
-from rampserve.serving.process_worker import make_worker
-from rampserve.serving.repository.catalogue import Catalogue, CatalogueError, ModelRepository
-from rampserve.serving.repository.predictors import Predictor, WorkerPredictor
-
-LOOPBACK = "127.0.0.1"
-
-
-@dataclass(frozen=True)
-class ServerSettings:
-    host: str = LOOPBACK  # loopback unless told otherwise
-    port: int = 8000
-    grpc_port: int | None = None  # KServe v2 over gRPC on the same host (0: any free port); None: no gRPC
-    max_body_mb: float = 64.0
-    cache_mb: float = 0.0  # prediction cache per model; 0: off
-    # Longest the server waits, once told to stop, for requests in flight before it closes their connections.
-    graceful_timeout_s: float = 30.0
-    # Admin endpoints (applications, model loading) need `Authorization: Bearer <token>` when set; a server
-    # bound beyond loopback refuses to start without one.
-    admin_token: str | None = None
-    store: str | None = None  # selection state and applications: None in memory, or a redis:// URL
-    store_prefix: str = "rampserve"  # Redis keys' prefix: servers sharing it share applications and state
-    repository: Path | None = None  # versioned models on disk, all loaded at start (latest version)
-    update_stream: bool = False  # follow model updates pushed to the Redis Stream (needs a redis store)
-    dashboard: bool = True  # /dashboard, and the sampler behind it (once a second, in the front end)
+from rampserve.serving.plain_models import onnx_predictor
+from rampserve.serving.shared.contract import GIL_SWITCH_INTERVAL_S, ControlLink, ModelSettings, freeze_startup_objects
+from rampserve.serving.shared.metrics import ServerMetrics
+from rampserve.serving.shared.models import ServedModel
+from rampserve.serving.shared.settings import ServerSettings
 
 
 def is_loopback(host: str) -> bool:
@@ -75,8 +55,12 @@ def build_state(models: Sequence[ServedModel | Predictor | UnpreparedModel], mod
     a bundle to its controller (default: one of its own in this process)."""
     check_admin_access(settings)
     metrics = ServerMetrics()
+    loaders = ModelLoaders(
+        bundle=lambda folder, name, version, settings: WorkerPredictor(
+            make_worker(read_served(folder, name, version), settings, metrics)),
+        onnx=onnx_predictor)
     repository = None if settings.repository is None else ModelRepository(settings.repository, model_settings,
-                                                                             metrics)
+                                                                             loaders)
     if repository is not None:
         repository.check()
     predictors, learners = [], []

@@ -25,7 +25,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModel, AutoModelForSequenceClassification, PretrainedConfig, PreTrainedModel
 from transformers.models.mpnet.modeling_mpnet import MPNetEncoder
 
-from rampserve.runtime.text import TextEncoder
+from rampserve.bundle_format.text import TextEncoder
 
 CONFIG_FILE = "config.json"
 TOKENIZER_FILE = "tokenizer.json"

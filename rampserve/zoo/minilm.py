@@ -22,7 +22,7 @@ from torch import nn
 from transformers import BertConfig
 from transformers.models.bert.modeling_bert import BertEmbeddings, BertLayer
 
-from rampserve.runtime.text import TextEncoder
+from rampserve.bundle_format.text import TextEncoder
 from rampserve.zoo.hf_encoders import MAX_LENGTH, EncoderLayer, additive_mask, packaged_config
 
 NUM_CLASSES = 2

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from torch import nn
 from transformers import MPNetConfig
 
-from rampserve.runtime.text import TextEncoder
+from rampserve.bundle_format.text import TextEncoder
 from rampserve.zoo.hf_encoders import EncoderChain, build_encoder, packaged_config
 from rampserve.zoo.hf_encoders import text_encoder as checkpoint_text_encoder
 from rampserve.zoo.mpnet_weights import WEIGHTS_FILE, model_dir

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from rampserve.runtime.text import TOKEN_INPUTS, TextEncoder
+from rampserve.bundle_format.text import TOKEN_INPUTS, TextEncoder
 from rampserve.workloads.fashion_mnist import to_model_input
 from rampserve.workloads.streams import fmnist_drift_lighting
 from rampserve.zoo import cnn
@@ -65,7 +65,7 @@ class ZooEntry:
     # ramps prepare gives it), so that its bundles prepared before are prepared again; its trained weights are kept
     revision: int = 0
     # A text model's tokenizer, loaded when called (`encode` is the same on texts): what its bundles carry, so that it
-    # takes text as well as token ids (`runtime.text`)
+    # takes text as well as token ids (`bundle_format.text`)
     text_encoder: Callable[[], TextEncoder] | None = None
 
 

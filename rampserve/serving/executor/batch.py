@@ -14,11 +14,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from rampserve.control.records import NO_EXIT, NO_LABEL, Configuration
 from rampserve.control import exit_rule
+from rampserve.control.records import NO_EXIT, NO_LABEL, Configuration
 from rampserve.runtime.column_handlers import hand_columns_to
-from rampserve.serving.shared.contract import Answer, Stamps
 from rampserve.serving.executor.request_queue import Pending
+from rampserve.serving.shared.contract import Answer, Stamps
 from rampserve.threads import OsNamedThread
 
 log = logging.getLogger("rampserve.serving")

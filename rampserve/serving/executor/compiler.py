@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from rampserve.bundle_format.manifest import bundle_digest
 from rampserve.runtime.compiled import (
     CompiledSet,
     CorruptEntry,
@@ -33,7 +34,6 @@ from rampserve.runtime.compiled import (
     save_compiled,
     set_key,
 )
-from rampserve.bundle_format.manifest import bundle_digest
 from rampserve.runtime.prepared import PreparedModel
 from rampserve.threads import OsNamedThread
 

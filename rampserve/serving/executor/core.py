@@ -32,13 +32,17 @@ import numpy as np
 from prometheus_client import CollectorRegistry
 
 from rampserve.control.records import BatchRecord, Configuration
+from rampserve.serving.executor.loading import loaded, read_served
 from rampserve.serving.shared import wire
 from rampserve.serving.shared.contract import GIL_SWITCH_INTERVAL_S, Answer, ModelSettings, Shed, freeze_startup_objects
 from rampserve.serving.shared.metrics import ServerMetrics
 from rampserve.serving.shared.models import ServedModel
-from rampserve.serving.executor.loading import loaded, read_served
 from rampserve.threads import (
-    RunnableWatch, idle_native_threads, idle_pools_while_alone, schedule_as_idle, thread_ids,
+    RunnableWatch,
+    idle_native_threads,
+    idle_pools_while_alone,
+    schedule_as_idle,
+    thread_ids,
 )
 
 log = logging.getLogger("rampserve.serving")

@@ -34,22 +34,27 @@ import torch
 
 from rampserve.control.controller import Controller
 from rampserve.control.records import (
-    NO_EXIT, NO_LABEL, BatchRecord, Configuration, RecordJoiner, validation_record,
+    NO_EXIT,
+    NO_LABEL,
+    BatchRecord,
+    Configuration,
+    RecordJoiner,
+    validation_record,
 )
+from rampserve.control.scores import top_label_and_error
 from rampserve.control.settings import STOP_MODE_BATCH_LIMIT
 from rampserve.ramps import kernel
-from rampserve.control.scores import top_label_and_error
 from rampserve.runtime.compiled import CompiledSet
 from rampserve.runtime.prepared import COMPILED_SETS_KEPT
 from rampserve.serving.executor.batch import Answered, BatchState, RampSignals
 from rampserve.serving.executor.batching import AdaptiveBatchSize, BatchTimeEstimate, stack_inputs
-from rampserve.serving.executor.loading import loaded
 from rampserve.serving.executor.compiler import CompileOutcome, CompileService, likely_next_sets
-from rampserve.serving.shared.contract import Answer, ControlLink, ExecutionFailed, ModelSettings, Stamps, future_reply
 from rampserve.serving.executor.exit_modes import RELEASE, Finals, StopStrategy
+from rampserve.serving.executor.loading import loaded
+from rampserve.serving.executor.request_queue import Pending, RequestQueue
+from rampserve.serving.shared.contract import Answer, ControlLink, ExecutionFailed, ModelSettings, Stamps, future_reply
 from rampserve.serving.shared.metrics import ServerMetrics
 from rampserve.serving.shared.models import ServedModel
-from rampserve.serving.executor.request_queue import Pending, RequestQueue
 from rampserve.threads import OsNamedThread
 
 log = logging.getLogger("rampserve.serving")

@@ -17,7 +17,6 @@ from fastapi import FastAPI
 import rampserve
 from rampserve.serving.frontend.apps.update_stream import UpdateListener
 from rampserve.serving.frontend.cache import PredictionCache
-from rampserve.serving.shared.contract import Worker
 from rampserve.serving.frontend.dashboard import DashboardEndpoints, DashboardSampler
 from rampserve.serving.frontend.endpoints.admin import AdminToken
 from rampserve.serving.frontend.endpoints.applications import ApplicationEndpoints
@@ -26,9 +25,10 @@ from rampserve.serving.frontend.endpoints.observability import ObservabilityEndp
 from rampserve.serving.frontend.endpoints.repository import RepositoryEndpoints
 from rampserve.serving.frontend.endpoints.routes import Endpoints, register_endpoints
 from rampserve.serving.frontend.endpoints.v2 import V2Endpoints
-from rampserve.serving.shared.metrics import ServerMetrics, watch_loop_lag
 from rampserve.serving.frontend.plane import DataPlane
 from rampserve.serving.frontend.repository.catalogue import Catalogue
+from rampserve.serving.shared.contract import Worker
+from rampserve.serving.shared.metrics import ServerMetrics, watch_loop_lag
 
 if TYPE_CHECKING:
     from rampserve.serving.frontend.grpc_server import GrpcFrontEnd

@@ -17,6 +17,8 @@ import orjson
 from rampserve.serving.frontend.apps.applications import ApplicationPredictor
 from rampserve.serving.frontend.apps.state_store import StoreError
 from rampserve.serving.frontend.cache import CachedAnswer, PredictionCache, cache_key
+from rampserve.serving.frontend.repository.catalogue import Catalogue
+from rampserve.serving.frontend.repository.predictors import ModelUnavailable, Prediction, Predictor, PredictRequest
 from rampserve.serving.shared.contract import ExecutionFailed, ExecutorLost, Shed
 from rampserve.serving.shared.metrics import ServerMetrics
 from rampserve.serving.shared.models import LABEL_OUTPUT
@@ -30,8 +32,6 @@ from rampserve.serving.shared.protocol import (
     output_names_to_send,
     parse_infer_request,
 )
-from rampserve.serving.frontend.repository.catalogue import Catalogue
-from rampserve.serving.frontend.repository.predictors import ModelUnavailable, Prediction, PredictRequest, Predictor
 
 JSON = "application/json"
 # rampserve_requests_total's transport label: what brought the request

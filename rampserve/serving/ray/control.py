@@ -17,9 +17,9 @@ from dataclasses import replace
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
+from rampserve.bundle_format.latency import LatencyProfile
 from rampserve.control.controller import Controller, ControllerSettings
 from rampserve.control.records import BatchRecord, Configuration
-from rampserve.runtime.latency import LatencyProfile
 
 log = logging.getLogger("rampserve.serving")
 

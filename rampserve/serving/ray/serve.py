@@ -17,12 +17,13 @@ import ray
 from fastapi import FastAPI
 from ray import serve
 
-from rampserve.serving.app import create_app
-from rampserve.serving.apps.applications import ApplicationSpec
-from rampserve.serving.models import ServedModel, load_served
+from rampserve.serving.executor.loading import load_served
+from rampserve.serving.frontend.app import create_app
+from rampserve.serving.frontend.apps.applications import ApplicationSpec
 from rampserve.serving.ray.control import RayControl
-from rampserve.serving.contract import GIL_SWITCH_INTERVAL_S, ControlLink, ModelSettings, freeze_startup_objects
 from rampserve.serving.server import ServerSettings, build_state, check_admin_access
+from rampserve.serving.shared.contract import GIL_SWITCH_INTERVAL_S, ControlLink, ModelSettings, freeze_startup_objects
+from rampserve.serving.shared.models import ServedModel
 
 
 @dataclass(frozen=True)

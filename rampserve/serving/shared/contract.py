@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
-from rampserve.control.settings import ControllerSettings
-from rampserve.control.records import BatchRecord, Configuration
 from rampserve.bundle_format.latency import serving_limits
+from rampserve.control.records import BatchRecord, Configuration
+from rampserve.control.settings import ControllerSettings
 
 if TYPE_CHECKING:
     from rampserve.bundle_format.latency import LatencyProfile

@@ -4,8 +4,8 @@ watch on its event loop's lag."""
 from __future__ import annotations
 
 import asyncio
-import time
 import math
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 

@@ -13,13 +13,19 @@ import numpy as np
 
 from rampserve.bundle_format.latency import LatencyProfile
 from rampserve.bundle_format.manifest import (
-    EXAMPLE_FILE, MANIFEST, TEXT_TOKENIZER_FILE, BundleError, read_manifest, read_signature,
+    EXAMPLE_FILE,
+    MANIFEST,
+    TEXT_TOKENIZER_FILE,
+    BundleError,
+    read_manifest,
+    read_signature,
 )
+from rampserve.bundle_format.signature import ANY_SIZE, ModelSignature, TensorSignature
+
 # Re-exported: the server names its answers (app) and other predictors' tensors (predictors) as served models do
 from rampserve.bundle_format.signature import LABEL_OUTPUT as LABEL_OUTPUT
 from rampserve.bundle_format.signature import LOGITS_OUTPUT as LOGITS_OUTPUT
 from rampserve.bundle_format.signature import V2_DATATYPES as V2_DATATYPES
-from rampserve.bundle_format.signature import ANY_SIZE, ModelSignature, TensorSignature
 from rampserve.bundle_format.text import TEXT_INPUT, TextEncoder
 from rampserve.serving.shared.protocol import ProtocolError, TensorSpec
 

@@ -15,6 +15,7 @@ import os
 import struct
 import time
 from collections.abc import Mapping
+
 import numpy as np
 import orjson
 

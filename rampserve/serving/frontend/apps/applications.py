@@ -33,9 +33,9 @@ from rampserve.control.deciders import Candidate, Decision, Trust, first, learn,
 from rampserve.control.selection import SelectionState, exp3_choose, exp3_update, exp4_update, exp4_votes
 from rampserve.serving.frontend.apps.state_store import StateStore
 from rampserve.serving.frontend.cache import cache_key
+from rampserve.serving.frontend.repository.predictors import Prediction, Predictor, PredictRequest
 from rampserve.serving.shared.metrics import ServerMetrics
 from rampserve.serving.shared.protocol import DATATYPES, ProtocolError, TensorSpec
-from rampserve.serving.frontend.repository.predictors import Prediction, PredictRequest, Predictor
 
 POLICIES = ("exp3", "exp4", "race")
 # Learning rates of the bandits. Exp3 divides the loss by the chosen model's probability, so one mistake of a

@@ -15,8 +15,8 @@ from collections import deque
 from dataclasses import dataclass
 
 from rampserve.serving.frontend.dashboard.series import ModelReading, SampleRing, counter_delta, model_point
-from rampserve.serving.shared.metrics import LATENCY_BUCKETS, ServerMetrics
 from rampserve.serving.frontend.repository.catalogue import Catalogue
+from rampserve.serving.shared.metrics import LATENCY_BUCKETS, ServerMetrics
 
 log = logging.getLogger("rampserve.serving")
 

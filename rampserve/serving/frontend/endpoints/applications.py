@@ -8,8 +8,8 @@ from fastapi import Request, Response
 
 from rampserve.serving.frontend.apps.applications import Application, ApplicationSpec, context_of, parse_query_input
 from rampserve.serving.frontend.endpoints.messages import json_body, json_response
-from rampserve.serving.shared.protocol import ProtocolError
 from rampserve.serving.frontend.repository.catalogue import Catalogue
+from rampserve.serving.shared.protocol import ProtocolError
 
 
 def query_parts(app: Application, body: dict) -> tuple[dict[str, np.ndarray], str]:

@@ -11,8 +11,8 @@ from starlette.types import Receive
 
 from rampserve.serving.frontend.apps.state_store import StoreError
 from rampserve.serving.frontend.plane import error_body
-from rampserve.serving.shared.protocol import ProtocolError
 from rampserve.serving.frontend.repository.catalogue import CatalogueError
+from rampserve.serving.shared.protocol import ProtocolError
 
 
 def error(status: int, message: str, headers: dict[str, str] | None = None) -> Response:

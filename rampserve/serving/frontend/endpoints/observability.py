@@ -12,8 +12,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from rampserve.serving.frontend.apps.update_stream import UpdateListener
 from rampserve.serving.frontend.endpoints.messages import json_response
-from rampserve.serving.shared.metrics import MergedRegistry
 from rampserve.serving.frontend.plane import DataPlane
+from rampserve.serving.shared.metrics import MergedRegistry
 
 
 class ObservabilityEndpoints:

@@ -6,8 +6,8 @@ from __future__ import annotations
 from fastapi import Request, Response
 
 from rampserve.serving.frontend.endpoints.messages import json_body, json_response
-from rampserve.serving.shared.protocol import ProtocolError
 from rampserve.serving.frontend.repository.catalogue import Catalogue
+from rampserve.serving.shared.protocol import ProtocolError
 
 
 class RepositoryEndpoints:

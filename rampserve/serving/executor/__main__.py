@@ -1,0 +1,5 @@
+import sys
+
+from rampserve.serving.executor.core import main
+
+main(sys.argv[1:])
