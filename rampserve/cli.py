@@ -398,12 +398,13 @@ def serve(
         options = ServeOptions.read(flags)
         model_settings, settings = options.model_settings(), options.server_settings()
         specs = [spec for path in apps or () for spec in read_applications(path)]
-        if options.ray:
+        on_ray = options.ray_options()
+        if on_ray.ray:
             from rampserve.serving.ray.serve import RayDeployment, serve_on_ray
 
-            scaling = None if options.autoscaling is None else json.loads(options.autoscaling)
+            scaling = None if on_ray.autoscaling is None else json.loads(on_ray.autoscaling)
             serve_on_ray(models or [], model_settings, settings, specs,
-                         RayDeployment(replicas=options.replicas, autoscaling=scaling))
+                         RayDeployment(replicas=on_ray.replicas, autoscaling=scaling))
             return
         run_server(models or [], model_settings, settings, specs, learning)
     except ValueError as exc:

@@ -30,8 +30,8 @@ from rampserve.serving.frontend.repository.predictors import (
 )
 from rampserve.serving.plain_models import onnx_predictor, torch_predictor
 from rampserve.serving.server import ServerSettings, build_state, check_admin_access, running_server
-from rampserve.serving.shared.contract import ModelSettings
 from rampserve.serving.shared.protocol import TensorSpec
+from rampserve.serving.shared.settings import ModelSettings
 from rampserve.workloads.fashion_mnist import load_fashion_mnist, to_model_input
 
 IMAGE = TensorSpec("x", "FP32", (-1, 1, 28, 28))
@@ -101,7 +101,7 @@ def const_onnx(path, label: int) -> None:
 @contextmanager
 def live(models: Sequence, apps: Sequence[ApplicationSpec] = (), settings: ModelSettings = ModelSettings(),
          **server_settings) -> Iterator[tuple[str, ServerState]]:
-    settings_ = ServerSettings(port=0, **server_settings)
+    settings_ = ServerSettings(port=0, grpc=False, **server_settings)
     state = build_state(models, settings, settings_, apps)
     with running_server(state, settings_) as url:
         yield url, state

@@ -13,7 +13,7 @@ from test_serving import MODEL, get_json, infer_body, post, server
 from rampserve.control.controller import ControllerSettings
 from rampserve.serving.executor.loading import load_served, loaded
 from rampserve.serving.server import ServerSettings
-from rampserve.serving.shared.contract import ModelSettings
+from rampserve.serving.shared.settings import ModelSettings
 from rampserve.workloads.fashion_mnist import to_model_input
 from rampserve.workloads.streams import get_stream
 
@@ -64,7 +64,7 @@ def test_every_released_answer_is_counted_and_the_books_match_what_clients_saw(r
     assert threshold > 0, "no ramp's most confident answer before the change agrees with the model"
     settings = ModelSettings(controller=ControllerSettings(initial=(site,), start_thresholds={site: threshold},
                                                            ramp_adjustment=False))
-    with server(served, settings, ServerSettings(port=0, cache_mb=4.0)) as (url, _):
+    with server(served, settings, ServerSettings(port=0, grpc=False, cache_mb=4.0)) as (url, _):
         responses = [post(f"{url}/v2/models/{MODEL}/infer", infer_body(served, feeds[i:i + 1]))[2] for i in order]
         deadline = time.monotonic() + 60  # the last batches reach the controller after their answers
         while (model := get_json(url + "/status")["models"][MODEL])["inputs_observed"] < REQUESTS:

@@ -155,8 +155,8 @@ def test_a_refused_set_is_remembered_and_served_eagerly(bundle_copy, fmnist_feed
 def test_a_worker_adopts_a_configuration_only_once_its_set_is_compiled(bundle_copy, fmnist_feeds) -> None:
     from rampserve.serving.executor.loading import served
     from rampserve.serving.executor.worker import ModelWorker
-    from rampserve.serving.shared.contract import ModelSettings
     from rampserve.serving.shared.metrics import ServerMetrics
+    from rampserve.serving.shared.settings import ModelSettings
 
     model = load_bundle(bundle_copy)
     worker = ModelWorker(served("m", model), ModelSettings(), ServerMetrics())

@@ -504,7 +504,7 @@ def test_settings_are_validated():
         ControllerSettings(objective="p42")
     with pytest.raises(ValueError, match="guarantee"):
         ControllerSettings(guarantee="hopeful")
-    with pytest.raises(ValueError, match="accuracy constraint"):
+    with pytest.raises(ValueError, match="accuracy_constraint must be < 1"):
         ControllerSettings(accuracy_constraint=1.5)
     with pytest.raises(ValueError, match="not sites"):
         Controller(profile(), ControllerSettings(initial=("nope",)))

@@ -31,7 +31,7 @@ from rampserve.serving.frontend.dashboard.series import (
     model_point,
 )
 from rampserve.serving.server import ServerSettings, build_state, running_server
-from rampserve.serving.shared.contract import ModelSettings
+from rampserve.serving.shared.settings import ModelSettings
 
 MODEL = "resnet18-small"
 APP = "watched"
@@ -278,7 +278,7 @@ def test_the_dashboard_shows_in_a_browser_what_the_server_served(resnet_bundle, 
                                     accuracy_constraint=0.3, ramp_adjustment=False)
     # Eager stages: the executor process starts without compiling (tens of seconds on a busy 2-core machine)
     model_settings = ModelSettings(controller=controller, preload_s=0.0, deadline_ms=60_000.0, torchscript=False)
-    state = build_state([served], model_settings, ServerSettings(port=0), [ApplicationSpec(APP, (MODEL,), "exp4")])
+    state = build_state([served], model_settings, ServerSettings(port=0, grpc=False), [ApplicationSpec(APP, (MODEL,), "exp4")])
     driver = None
     with running_server(state) as url:
         try:
@@ -372,7 +372,7 @@ def test_the_dashboard_shows_in_a_browser_what_the_server_served(resnet_bundle, 
 
 
 def test_a_server_without_the_dashboard_says_so() -> None:
-    state = build_state([], ModelSettings(), ServerSettings(port=0, dashboard=False))
+    state = build_state([], ModelSettings(), ServerSettings(port=0, grpc=False, dashboard=False))
     with running_server(state) as url:
         for path in ("/dashboard", "/dashboard/data", "/dashboard/static/dashboard.js"):
             status, _, body = get(url + path)

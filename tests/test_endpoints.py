@@ -22,8 +22,8 @@ from rampserve.serving.frontend.plane import DataPlane
 from rampserve.serving.frontend.repository.catalogue import CatalogueError
 from rampserve.serving.frontend.repository.predictors import FunctionPredictor
 from rampserve.serving.server import ServerSettings, build_state
-from rampserve.serving.shared.contract import ModelSettings
 from rampserve.serving.shared.protocol import ProtocolError, TensorSpec
+from rampserve.serving.shared.settings import ModelSettings
 
 MODEL = "positive"
 ROW = TensorSpec("x", "FP32", (-1, 3))
@@ -43,7 +43,7 @@ class Restarting(FunctionPredictor):
 @contextlib.asynccontextmanager
 async def started(*more: FunctionPredictor) -> AsyncIterator[tuple[ServerState, DataPlane]]:
     state = build_state([FunctionPredictor(MODEL, is_positive, (ROW,)), *more], ModelSettings(vanilla=True),
-                        ServerSettings(port=0))
+                        ServerSettings(port=0, grpc=False))
     await state.catalogue.start()
     try:
         yield state, DataPlane(state.catalogue, state.metrics, state.cache)

@@ -38,9 +38,10 @@ from rampserve.serving.executor.loading import served as make_served
 from rampserve.serving.executor.worker import ModelWorker
 from rampserve.serving.server import ServerSettings, build_state, running_server
 from rampserve.serving.shared import wire
-from rampserve.serving.shared.contract import Answer, ModelSettings, Stamps
+from rampserve.serving.shared.contract import Answer, Stamps
 from rampserve.serving.shared.metrics import ServerMetrics
 from rampserve.serving.shared.models import ServedModel
+from rampserve.serving.shared.settings import ModelSettings
 
 MODEL = "resnet18-small"
 
@@ -211,7 +212,7 @@ def test_while_a_sched_idle_thread_waits_for_a_core_the_poll_rests_in_the_kernel
 def test_a_bundle_is_served_by_an_executor_process_with_the_original_answers(served, fmnist_feeds) -> None:
     x = fmnist_feeds[:6]
     before = shared_memory_files()
-    state = build_state([served], ModelSettings(), ServerSettings(port=0))
+    state = build_state([served], ModelSettings(), ServerSettings(port=0, grpc=False))
     with running_server(state) as url:
         status = get_json(url + "/status")["models"][MODEL]
         assert status["executor"]["kind"] == "process" and status["executor"]["pid"] != os.getpid()
@@ -244,7 +245,7 @@ def test_a_bundle_is_served_by_an_executor_process_with_the_original_answers(ser
 def test_a_traced_answer_says_when_it_passed_each_step(served, fmnist_feeds) -> None:
     """The steps come in the order the request passed them, on the client's clock, which `bench live` reads them on
     (`loadgen.TRACE_STEPS`); an answer not asked for its trace carries none; a trace asked for wrongly is refused."""
-    state = build_state([served], ModelSettings(), ServerSettings(port=0))
+    state = build_state([served], ModelSettings(), ServerSettings(port=0, grpc=False))
     with running_server(state) as url:
         infer = f"{url}/v2/models/{MODEL}/infer"
         for i in range(4):  # distinct inputs: none is answered from the prediction cache
@@ -264,7 +265,7 @@ def test_a_traced_answer_says_when_it_passed_each_step(served, fmnist_feeds) -> 
 
 @pytest.mark.parametrize("idle_poll_ms", [0.0, 60_000.0])
 def test_the_executor_polls_for_requests_only_within_its_window(served, fmnist_feeds, idle_poll_ms) -> None:
-    state = build_state([served], ModelSettings(idle_poll_ms=idle_poll_ms), ServerSettings(port=0))
+    state = build_state([served], ModelSettings(idle_poll_ms=idle_poll_ms), ServerSettings(port=0, grpc=False))
     with running_server(state) as url:
         assert get_json(url + "/status")["models"][MODEL]["executor"]["idle_poll_ms"] == idle_poll_ms
         for i in range(5):
@@ -286,7 +287,7 @@ def test_the_executor_process_runs_under_its_scheduling_policy(onnx_prepared, fm
     thread is (those there when it was set and those started after, the pools among them), under "normal" none; the
     front end's own threads keep theirs."""
     served = load_served(str(save_bundle(onnx_prepared, tmp_path / MODEL)))
-    state = build_state([served], ModelSettings(executor_policy=policy), ServerSettings(port=0))
+    state = build_state([served], ModelSettings(executor_policy=policy), ServerSettings(port=0, grpc=False))
     with running_server(state) as url:
         code, body = post(f"{url}/v2/models/{MODEL}/infer", infer_body(served, fmnist_feeds[:1]))
         assert code == 200, body

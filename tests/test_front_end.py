@@ -23,12 +23,12 @@ def test_building_a_server_for_a_bundle_imports_no_torch(resnet_bundle) -> None:
     (which does import torch, so the check is not blind to it)."""
     script = f"""
 import json, sys
-from rampserve.serving.shared.contract import ModelSettings
+from rampserve.serving.shared.settings import ModelSettings
 from rampserve.serving.executor.loading import load_served, loaded
 from rampserve.serving.server import ServerSettings, build_state
 
 served = load_served({str(resnet_bundle)!r})
-state = build_state([served], ModelSettings(), ServerSettings(port=0))
+state = build_state([served], ModelSettings(), ServerSettings(port=0, grpc=False))
 front_end = [name for name in ("torch", "onnxruntime") if name in sys.modules]
 loaded(served).prepared.site_names
 print(json.dumps({{"front_end": front_end, "after_loading": "torch" in sys.modules,

@@ -35,9 +35,10 @@ from rampserve.serving.frontend.grpc_server import GrpcFrontEnd
 from rampserve.serving.frontend.plane import DataPlane
 from rampserve.serving.frontend.repository.predictors import FunctionPredictor, ModelUnavailable, Predictor
 from rampserve.serving.server import ServerSettings, build_state, running_server
-from rampserve.serving.shared.contract import ExecutionFailed, ExecutorLost, ModelSettings, Shed
+from rampserve.serving.shared.contract import ExecutionFailed, ExecutorLost, Shed
 from rampserve.serving.shared.models import ServedModel
 from rampserve.serving.shared.protocol import TensorSpec
+from rampserve.serving.shared.settings import ModelSettings
 
 INVALID, NOT_FOUND = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND
 EXHAUSTED, UNAVAILABLE = grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE

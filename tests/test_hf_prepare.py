@@ -34,7 +34,7 @@ from rampserve.runtime.prepare import model_encoder, prepared_encoder
 from rampserve.runtime.sources import ModelSource
 from rampserve.serving.executor.loading import load_served, loaded
 from rampserve.serving.server import ServerSettings, build_state, running_server
-from rampserve.serving.shared.contract import ModelSettings
+from rampserve.serving.shared.settings import ModelSettings
 from rampserve.zoo import hf_encoders
 from rampserve.zoo.minilm import model_dir as minilm_dir
 
@@ -170,8 +170,8 @@ def test_prepare_hf_dir_writes_a_self_contained_bundle_that_serves_over_v2(tmp_p
     assert all(np.array_equal(carried[k], encoded[k]) for k in encoded)
     with torch.inference_mode():
         expected = model(**{k: torch.from_numpy(v) for k, v in encoded.items()}).logits.numpy()
-    state = build_state([served], ModelSettings(), ServerSettings(port=0))
-    with running_server(state, ServerSettings(port=0)) as url:
+    state = build_state([served], ModelSettings(), ServerSettings(port=0, grpc=False))
+    with running_server(state, ServerSettings(port=0, grpc=False)) as url:
         client = triton.InferenceServerClient(url.removeprefix("http://"))
         inputs = []
         for name, array in encoded.items():

@@ -16,8 +16,8 @@ from prometheus_client import generate_latest
 from rampserve.bench.live import TABLE_COLUMNS, server_figures, table_rows
 from rampserve.serving.executor.loading import load_served
 from rampserve.serving.server import ServerSettings, build_state, running_server
-from rampserve.serving.shared.contract import ModelSettings
 from rampserve.serving.shared.metrics import SLOW_LAG_S, LagTracker, ServerMetrics, watch_loop_lag
+from rampserve.serving.shared.settings import ModelSettings
 
 STARTUP_GUARD_S = 30  # bounds a wait for the server's first samples: a hang fails instead of stalling the run
 
@@ -83,7 +83,7 @@ def get(url: str) -> bytes:
 
 
 def test_a_running_server_reports_its_loop_lag(resnet_bundle) -> None:
-    settings = ServerSettings(port=0)
+    settings = ServerSettings(port=0, grpc=False)
     state = build_state([load_served(str(resnet_bundle))], ModelSettings(vanilla=True), settings)
     with running_server(state, settings) as url:
         deadline = time.monotonic() + STARTUP_GUARD_S

@@ -288,8 +288,8 @@ def test_a_request_log_of_token_ids_and_texts_prepares_a_text_model_that_serves(
     the texts themselves."""
     from rampserve.serving.executor.loading import load_served
     from rampserve.serving.server import ServerSettings, build_state, running_server
-    from rampserve.serving.shared.contract import ModelSettings
     from rampserve.serving.shared.protocol import parse_infer_request
+    from rampserve.serving.shared.settings import ModelSettings
 
     encode = text_encoder(text_model)
     lines, start = [], 0
@@ -314,8 +314,8 @@ def test_a_request_log_of_token_ids_and_texts_prepares_a_text_model_that_serves(
     probe = sentences[start:start + 2]
     encoded = prepared_encoder(model, "text")(probe)
     expected = transformers_labels(text_model, probe)
-    state = build_state([served], ModelSettings(), ServerSettings(port=0))
-    with running_server(state, ServerSettings(port=0)) as url:  # a request as the log's lines were sent
+    state = build_state([served], ModelSettings(), ServerSettings(port=0, grpc=False))
+    with running_server(state, ServerSettings(port=0, grpc=False)) as url:  # a request as the log's lines were sent
         request = urllib.request.Request(f"{url}/v2/models/{bundle.name}/infer", v2_request(encoded, True).encode(),
                                          {"Content-Type": "application/json"})
         with urllib.request.urlopen(request, timeout=60) as response:

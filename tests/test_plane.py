@@ -20,9 +20,10 @@ from rampserve.serving.frontend.apps.state_store import StoreError
 from rampserve.serving.frontend.plane import DataPlane, InferResult
 from rampserve.serving.frontend.repository.predictors import FunctionPredictor, ModelUnavailable, Predictor
 from rampserve.serving.server import ServerSettings, build_state
-from rampserve.serving.shared.contract import ExecutionFailed, ExecutorLost, ModelSettings, Shed
+from rampserve.serving.shared.contract import ExecutionFailed, ExecutorLost, Shed
 from rampserve.serving.shared.models import ServedModel
 from rampserve.serving.shared.protocol import DATATYPES, TensorSpec
+from rampserve.serving.shared.settings import ModelSettings
 
 MODEL = "resnet18-small"
 IMAGE = TensorSpec("x", "FP32", (-1, 1, 28, 28))
@@ -38,7 +39,7 @@ async def data_plane(models: Sequence[ServedModel | Predictor], settings: ModelS
                      apps: Sequence[ApplicationSpec] = (), cache_mb: float = 0.0
                      ) -> AsyncIterator[tuple[DataPlane, object]]:
     """A server's catalogue, started, and the data plane over it; no HTTP server."""
-    state = build_state(models, settings, ServerSettings(port=0, cache_mb=cache_mb), apps)
+    state = build_state(models, settings, ServerSettings(port=0, grpc=False, cache_mb=cache_mb), apps)
     await state.catalogue.start()
     try:
         yield DataPlane(state.catalogue, state.metrics, state.cache), state

@@ -12,8 +12,9 @@ from rampserve.control.controller import ControllerSettings
 from rampserve.serving.executor.loading import load_served, loaded
 from rampserve.serving.executor.worker import ModelWorker
 from rampserve.serving.ray.control import RayControl, controller_name
-from rampserve.serving.shared.contract import Answer, ModelSettings
+from rampserve.serving.shared.contract import Answer
 from rampserve.serving.shared.metrics import ServerMetrics
+from rampserve.serving.shared.settings import ModelSettings
 
 
 def replicas(served, settings: ModelSettings, model: str) -> list[ModelWorker]:

@@ -19,7 +19,7 @@ from rampserve.serving.executor.loading import load_served, loaded
 from rampserve.serving.ray.control import controller_name
 from rampserve.serving.ray.serve import RayDeployment, application
 from rampserve.serving.server import ServerSettings
-from rampserve.serving.shared.contract import ModelSettings
+from rampserve.serving.shared.settings import ModelSettings
 from rampserve.workloads.fashion_mnist import to_model_input
 from rampserve.workloads.streams import get_stream
 
@@ -38,7 +38,7 @@ def deployed(local_ray, resnet_bundle):
     model = load_served(str(resnet_bundle)).name
 
     def deploy(settings: ModelSettings) -> tuple[str, str]:
-        serve.run(application([str(resnet_bundle)], settings, ServerSettings(port=0),
+        serve.run(application([str(resnet_bundle)], settings, ServerSettings(port=0, grpc=False),
                               deployment=RayDeployment(replicas=2)), route_prefix="/")
         return f"http://127.0.0.1:{port}", model
 

@@ -31,8 +31,8 @@ from rampserve.serving.executor.loading import load_served, loaded
 from rampserve.serving.executor.loading import served as make_served
 from rampserve.serving.frontend.app import ServerState
 from rampserve.serving.server import ServerSettings, build_state, running_server
-from rampserve.serving.shared.contract import ModelSettings
 from rampserve.serving.shared.models import ServedModel
+from rampserve.serving.shared.settings import ModelSettings
 
 MODEL = "resnet18-small"
 
@@ -44,7 +44,7 @@ def served(resnet_bundle) -> ServedModel:
 
 @contextmanager
 def server(served: ServedModel, settings: ModelSettings = ModelSettings(),
-           server_settings: ServerSettings = ServerSettings(port=0)) -> Iterator[tuple[str, ServerState]]:
+           server_settings: ServerSettings = ServerSettings(port=0, grpc=False)) -> Iterator[tuple[str, ServerState]]:
     state = build_state([served], settings, server_settings)
     with running_server(state, server_settings) as url:
         yield url, state
@@ -191,7 +191,7 @@ def test_every_bad_request_gets_its_4xx_and_the_server_keeps_serving(served, fmn
         "bad deadline": (f"/v2/models/{MODEL}/infer", infer_body(served, x, deadline_ms=-1), 400, "deadline_ms"),
         "body too large": (f"/v2/models/{MODEL}/infer", good + b" " * (1 << 20), 413, "limit"),
     }
-    with server(served, ModelSettings(vanilla=True), ServerSettings(port=0, max_body_mb=0.5)) as (url, _):
+    with server(served, ModelSettings(vanilla=True), ServerSettings(port=0, grpc=False, max_body_mb=0.5)) as (url, _):
         for case, (path, payload, status, mentioned) in cases.items():
             got, _, answer = post(url + path, payload)
             assert (got, mentioned.lower() in answer["error"].lower()) == (status, True), (case, answer)
@@ -304,7 +304,7 @@ def test_shedding_is_explicit_and_loses_nothing(served, fmnist_feeds) -> None:
 
 
 def test_prediction_cache_answers_repeats_without_the_queue(served, fmnist_feeds) -> None:
-    with server(served, ModelSettings(vanilla=True), ServerSettings(port=0, cache_mb=1.0)) as (url, state):
+    with server(served, ModelSettings(vanilla=True), ServerSettings(port=0, grpc=False, cache_mb=1.0)) as (url, state):
         first = post(f"{url}/v2/models/{MODEL}/infer", infer_body(served, fmnist_feeds[:1]))[2]
         again = post(f"{url}/v2/models/{MODEL}/infer", infer_body(served, fmnist_feeds[:1]))[2]
         other = post(f"{url}/v2/models/{MODEL}/infer", infer_body(served, fmnist_feeds[1:2]))[2]
@@ -397,7 +397,7 @@ def test_a_repeat_sent_after_its_response_is_a_cache_hit_under_load(served, fmni
                     executor=executor)
     settings = (fixed_exits(served, 1, mixing_threshold(served, 1, fmnist_feeds), **batching) if ramps
                 else ModelSettings(vanilla=True, **batching))
-    with server(served, settings, ServerSettings(port=0, cache_mb=16.0)) as (url, state):
+    with server(served, settings, ServerSettings(port=0, grpc=False, cache_mb=16.0)) as (url, state):
         pairs, sent = asyncio.run(_repeats_under_load(url, probes, load, clients))
         metrics = urllib.request.urlopen(url + "/metrics").read().decode()
     assert len(pairs) == rounds
@@ -473,7 +473,7 @@ def test_the_cache_keeps_final_answers_never_a_ramps(served, fmnist_feeds) -> No
     """An answer released at a ramp is cached as the original model's final answer, so a repeat gets that (in
     release mode: in stop mode an input that left has no final answer to keep)."""
     x = fmnist_feeds[:8]
-    with server(served, fixed_exits(served, 0, 1.0, "release"), ServerSettings(port=0, cache_mb=1.0)) as (url, state):
+    with server(served, fixed_exits(served, 0, 1.0, "release"), ServerSettings(port=0, grpc=False, cache_mb=1.0)) as (url, state):
         first = post(f"{url}/v2/models/{MODEL}/infer", infer_body(served, x))[2]
         deadline = time.monotonic() + 30  # the early answer leaves before its batch ends and is cached
         while len(state.caches[MODEL]) == 0:
@@ -534,7 +534,7 @@ def test_status_counts_every_answer_by_the_path_it_took(served, fmnist_feeds) ->
     # A threshold among this ramp's error scores mixes exits and finals
     threshold = mixing_threshold(served, 2, fmnist_feeds)
     # Release mode, so that every input of the first requests has a final answer for the cache to keep
-    with server(served, fixed_exits(served, 2, threshold, "release"), ServerSettings(port=0, cache_mb=1.0)) as (url, _):
+    with server(served, fixed_exits(served, 2, threshold, "release"), ServerSettings(port=0, grpc=False, cache_mb=1.0)) as (url, _):
         def ask(first: int, last: int) -> list[dict]:
             return [post(f"{url}/v2/models/{MODEL}/infer", infer_body(served, fmnist_feeds[a:a + n]))[2]
                     for a, n in zip(starts[first:last], sizes[first:last])]

@@ -11,8 +11,10 @@ import re
 import signal
 import subprocess
 import sys
-from dataclasses import replace
+import typing
+from dataclasses import dataclass, replace
 from pathlib import Path
+from types import NoneType
 
 import pytest
 from test_applications import const_onnx, infer
@@ -22,10 +24,19 @@ from typer.testing import CliRunner
 import rampserve.serving.server as server_module
 from rampserve.cli import app
 from rampserve.control.controller import ControllerSettings
+from rampserve.options import option, options_of
 from rampserve.serving.learning import LearningSettings
-from rampserve.serving.server import ServerSettings, build_state
-from rampserve.serving.shared.contract import ModelSettings
-from rampserve.serving.shared.settings import ENV_PREFIX, MODEL_SETTINGS_FILE, ServeOptions
+from rampserve.serving.server import build_state
+from rampserve.serving.shared.settings import (
+    ENV_PREFIX,
+    MODEL_SETTINGS_FILE,
+    ModelOptions,
+    ModelSettings,
+    RayOptions,
+    ServeOptions,
+    ServerSettings,
+    declared_fields,
+)
 
 # What the server under test runs with, whatever the test sets: executors in the server's process and no waiting
 # for compiled sets, so that it starts in seconds; and lines wide enough that rich does not fold an error's words
@@ -61,8 +72,8 @@ def words(output: str) -> str:
 def test_the_defaults_are_the_settings_classes_own() -> None:
     options = ServeOptions.read({})
     assert options.model_settings() == ModelSettings()
-    assert replace(options.server_settings(), grpc_port=None) == ServerSettings()
-    assert options.server_settings().grpc_port == 8001  # the command serves gRPC unless told not to
+    assert options.server_settings() == ServerSettings()
+    assert options.ray_options() == RayOptions()
 
 
 def test_environment_variables_set_the_server_and_its_models(served_with) -> None:
@@ -74,9 +85,9 @@ def test_environment_variables_set_the_server_and_its_models(served_with) -> Non
     assert result.exit_code == 0, result.output
     ((models, model_settings, settings, apps, learning),) = served_with
     assert models == ["m"] and apps == [] and learning == LearningSettings()
-    assert settings == ServerSettings(host="::1", port=9000, grpc_port=None, admin_token="s3cret", dashboard=False)
+    assert settings == ServerSettings(host="::1", port=9000, grpc_port=0, admin_token="s3cret", dashboard=False)
     assert model_settings == ModelSettings(
-        executor="thread", max_batch=8, torch_threads=None,
+        executor="thread", max_batch=8, torch_threads=0,
         controller=ControllerSettings(ramp_budget=0.05, guarantee="long-run"))
 
 
@@ -117,7 +128,7 @@ def bundle_folder(folder: Path, bundle: Path, settings: dict | None = None) -> P
 
 @pytest.mark.parametrize(("contents", "named"), [
     ({"ramp_budjet": 0.05}, "unknown key 'ramp_budjet'"),
-    ({"exit_mode": "halt"}, "exit_mode='halt': exit mode must be one of"),
+    ({"exit_mode": "halt"}, "exit_mode='halt': exit_mode must be one of"),
     ({"max_batch": "many"}, "max_batch='many'"),
     ({"slo_ms": -1}, "slo_ms=-1"),
     ([1, 2], "Input should be an object"),
@@ -128,7 +139,7 @@ def test_a_bad_settings_file_stops_the_server_naming_the_file_and_key(tmp_path, 
     folder = bundle_folder(tmp_path / "repo" / "good", resnet_bundle, {"ramp_budget": 0.05})
     bad = bundle_folder(tmp_path / "repo" / "bad", resnet_bundle)
     (bad / MODEL_SETTINGS_FILE).write_text(json.dumps(contents))
-    settings = ServerSettings(port=0, repository=folder.parent)
+    settings = ServerSettings(port=0, grpc=False, repository=folder.parent)
     with pytest.raises(ValueError) as refused:
         build_state([], ModelSettings(), settings)
     assert f"{bad / MODEL_SETTINGS_FILE}: " in str(refused.value) and named in str(refused.value)
@@ -138,14 +149,14 @@ def test_a_model_folder_without_a_model_stops_the_server(tmp_path, resnet_bundle
     bundle_folder(tmp_path / "repo" / "good", resnet_bundle)
     (tmp_path / "repo" / "empty").mkdir()
     with pytest.raises(ValueError, match=re.escape(f"{tmp_path / 'repo' / 'empty'} holds no model")):
-        build_state([], ModelSettings(), ServerSettings(port=0, repository=tmp_path / "repo"))
+        build_state([], ModelSettings(), ServerSettings(port=0, grpc=False, repository=tmp_path / "repo"))
 
 
 def test_settings_beside_a_model_that_takes_none_are_refused(tmp_path) -> None:
     const_onnx(tmp_path / "repo" / "clf" / "model.onnx", 1)
     (tmp_path / "repo" / "clf" / MODEL_SETTINGS_FILE).write_text('{"ramp_budget": 0.05}')
     with pytest.raises(ValueError, match="settings apply to prepared bundles"):
-        build_state([], ModelSettings(), ServerSettings(port=0, repository=tmp_path / "repo"))
+        build_state([], ModelSettings(), ServerSettings(port=0, grpc=False, repository=tmp_path / "repo"))
 
 
 def start(args: list[str], env: dict[str, str]) -> subprocess.Popen:
@@ -162,7 +173,7 @@ def test_the_command_exits_on_a_bad_settings_file_before_serving(tmp_path, resne
         process.kill()
     assert process.returncode == 2
     assert "rampserve: serving" not in out
-    assert f"{MODEL_SETTINGS_FILE}: accuracy_constraint=2: accuracy constraint must lie in [0, 1)" in words(err)
+    assert f"{MODEL_SETTINGS_FILE}: accuracy_constraint=2: Input should be less than 1" in words(err)
 
 
 def test_a_repository_serves_each_model_with_its_settings_file_over_the_environment_and_flags(
@@ -214,3 +225,102 @@ def test_a_served_model_resolves_auto_by_its_batch_limit_and_a_vanilla_one_runs_
     assert ModelSettings(max_batch=8).controller_for(profile).exit_mode == "release"
     assert ModelSettings(max_batch=2, torchscript=False).controller_for(profile).exit_mode == "release"
     assert ModelSettings(max_batch=2, vanilla=True).controller_for(profile).exit_mode == "release"
+
+
+# Tests made from the declaration itself: every option of every settings class, as a user sets it
+DECLARED = {cls: options_of(cls) for cls in (ModelSettings, ControllerSettings, ServerSettings, RayOptions)}
+OPTIONS = [(cls, name) for cls, declared in DECLARED.items() for name in declared]
+TAKES_A_FLAG = [(cls, name) for cls, name in OPTIONS if cls is not RayOptions]  # --ray deploys instead of serving
+
+
+def kinds(cls: type, name: str) -> tuple[type, ...]:
+    """The types an option's value may have (`float | None`: float and NoneType)."""
+    annotation = typing.get_type_hints(cls)[name]
+    return typing.get_args(annotation) or (annotation,)
+
+
+def another_value(cls: type, name: str) -> object:
+    """A value of the option other than its default, that its declaration and its class take."""
+    declared_field, declared = DECLARED[cls][name]
+    kind = next(arg for arg in kinds(cls, name) if arg is not NoneType)
+    default = declared_field.default
+    if declared.choices:
+        return next(choice for choice in declared.choices if choice != default)
+    if kind is bool:
+        return not default
+    if kind is int:
+        return (default if default is not None else declared.ge or 1) + 1
+    if kind is float:
+        return default / 2 if default else 0.5
+    if kind is Path:
+        return Path("/srv/models")
+    return {"host": "::1", "store": "memory", "autoscaling": '{"min_replicas": 1}'}.get(name, f"{default}-other")
+
+
+def as_text(value: object) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def reached(cls: type, name: str, model_settings: ModelSettings, server_settings: ServerSettings) -> object:
+    """The option's value in the settings the server was given."""
+    of = {ModelSettings: model_settings, ControllerSettings: model_settings.controller, ServerSettings: server_settings}
+    return getattr(of[cls], name)
+
+
+def test_every_declared_option_is_one_flag_one_variable_and_one_key_with_its_declared_default_and_help() -> None:
+    assert set(ServeOptions.model_fields) == {name for _, name in OPTIONS}  # nothing declared elsewhere
+    assert set(ModelOptions.model_fields) == set(DECLARED[ModelSettings]) | set(DECLARED[ControllerSettings])
+    for cls, name in OPTIONS:
+        declared_field, declared = DECLARED[cls][name]
+        made = ServeOptions.model_fields[name]
+        assert (made.default, made.description) == (declared_field.default, declared.help), name
+    help_text = words(run_serve(["--help"], {"COLUMNS": "1000", "TERMINAL_WIDTH": "1000"}).output)
+    for _, name in OPTIONS:
+        assert f"--{name.replace('_', '-')}" in help_text and f"{ENV_PREFIX}{name.upper()}" in help_text, name
+
+
+@pytest.mark.parametrize(("cls", "name"), OPTIONS, ids=[name for _, name in OPTIONS])
+def test_each_option_set_by_its_variable_reaches_its_settings_class(cls, name, monkeypatch) -> None:
+    value = another_value(cls, name)
+    monkeypatch.setenv(f"{ENV_PREFIX}{name.upper()}", as_text(value))
+    options = ServeOptions.read({})
+    if cls is RayOptions:
+        assert getattr(options.ray_options(), name) == value
+    else:
+        assert reached(cls, name, options.model_settings(), options.server_settings()) == value
+
+
+@pytest.mark.parametrize(("cls", "name"), TAKES_A_FLAG, ids=[name for _, name in TAKES_A_FLAG])
+def test_each_option_set_by_its_flag_reaches_the_server(cls, name, served_with) -> None:
+    value = another_value(cls, name)
+    flag = f"--{name.replace('_', '-')}"
+    args = [flag if value else f"--no-{flag[2:]}"] if isinstance(value, bool) else [flag, as_text(value)]
+    result = run_serve(["m", *args])
+    assert result.exit_code == 0, result.output
+    ((_, model_settings, server_settings, _, _),) = served_with
+    assert reached(cls, name, model_settings, server_settings) == value
+
+
+BOUNDED = [(cls, name, bound, key) for cls, name in OPTIONS
+           for key, bound in vars(DECLARED[cls][name][1]).items() if key in ("ge", "gt", "le", "lt") and bound is not None]
+
+
+@pytest.mark.parametrize(("cls", "name", "bound", "key"), BOUNDED, ids=[f"{n}-{k}" for _, n, _, k in BOUNDED])
+def test_a_value_outside_its_declared_range_is_refused_by_its_class_and_by_the_command(cls, name, bound, key,
+                                                                                         served_with) -> None:
+    step = 1 if int in kinds(cls, name) else 0.5
+    outside = {"ge": bound - step, "gt": bound, "le": bound + step, "lt": bound}[key]
+    with pytest.raises(ValueError, match=f"{name} must be"):
+        cls(**{name: outside})
+    result = run_serve(["m"], {f"{ENV_PREFIX}{name.upper()}": as_text(outside)})
+    assert result.exit_code == 2 and f"{ENV_PREFIX}{name.upper()}='{as_text(outside)}'" in words(result.output)
+    assert served_with == []
+
+
+def test_the_pydantic_fields_refuse_an_option_declared_twice() -> None:
+    @dataclass(frozen=True)
+    class Twice:
+        port: int = option(1, "again")
+
+    with pytest.raises(TypeError, match="option port is declared twice"):
+        declared_fields(ServerSettings, Twice)

@@ -20,8 +20,9 @@ from rampserve.runtime.prepared import PreparedModel
 from rampserve.serving.executor.loading import served as make_served
 from rampserve.serving.executor.request_queue import Pending
 from rampserve.serving.executor.worker import ModelWorker
-from rampserve.serving.shared.contract import Answer, ModelSettings
+from rampserve.serving.shared.contract import Answer
 from rampserve.serving.shared.metrics import ServerMetrics
+from rampserve.serving.shared.settings import ModelSettings
 
 WAIT_S = 60.0
 SHARE = 0.1  # stop mode's feedback share: most exits leave their plain batch

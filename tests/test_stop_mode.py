@@ -20,8 +20,9 @@ from rampserve.runtime.compiled import set_key
 from rampserve.serving.executor.loading import served as make_served
 from rampserve.serving.executor.request_queue import Pending
 from rampserve.serving.executor.worker import ModelWorker
-from rampserve.serving.shared.contract import ModelSettings, future_reply
+from rampserve.serving.shared.contract import future_reply
 from rampserve.serving.shared.metrics import ServerMetrics
+from rampserve.serving.shared.settings import ModelSettings
 
 
 class _Counted(Pending):

@@ -35,8 +35,8 @@ from rampserve.runtime.prepare import model_encoder, prepare
 from rampserve.runtime.sources import ModelSource
 from rampserve.serving.executor.loading import load_served
 from rampserve.serving.server import ServerSettings, build_state, running_server
-from rampserve.serving.shared.contract import ModelSettings
 from rampserve.serving.shared.protocol import ProtocolError, TensorSpec, parse_infer_request
+from rampserve.serving.shared.settings import ModelSettings
 from rampserve.zoo import hf_encoders
 from rampserve.zoo.minilm import encode_texts
 from rampserve.zoo.minilm import model_dir as minilm_dir
@@ -230,12 +230,12 @@ def test_a_bundle_prepared_before_bundles_kept_the_tokenizer_is_given_it_in_plac
 def test_serving_a_text_bundle_loads_neither_torch_nor_onnxruntime_in_the_front_end(text_model) -> None:
     script = f"""
 import json, sys
-from rampserve.serving.shared.contract import ModelSettings
+from rampserve.serving.shared.settings import ModelSettings
 from rampserve.serving.executor.loading import load_served
 from rampserve.serving.server import ServerSettings, build_state
 
 served = load_served({str(text_model[0])!r})
-build_state([served], ModelSettings(), ServerSettings(port=0))
+build_state([served], ModelSettings(), ServerSettings(port=0, grpc=False))
 served.text.token_inputs(__import__("numpy").array([b"a fine film"], dtype=object))
 print(json.dumps([name for name in ("torch", "onnxruntime", "transformers") if name in sys.modules]))
 """

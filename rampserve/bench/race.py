@@ -616,8 +616,9 @@ def run_race(settings: RaceSettings, json_out: Path | None = None, note: Callabl
     from rampserve.serving.frontend.apps.applications import ApplicationSpec
     from rampserve.serving.frontend.repository.predictors import RemotePredictor
     from rampserve.serving.server import ServerSettings, build_state, running_server
-    from rampserve.serving.shared.contract import GIL_SWITCH_INTERVAL_S, ModelSettings
+    from rampserve.serving.shared.contract import GIL_SWITCH_INTERVAL_S
     from rampserve.serving.shared.models import ServedModel
+    from rampserve.serving.shared.settings import ModelSettings
 
     queries = query_images(settings)
     calibration_index, calibration_images, calibration_labels = queries.phase("calibration")
@@ -654,13 +655,13 @@ def run_race(settings: RaceSettings, json_out: Path | None = None, note: Callabl
                                                                           settings.start_timeout_s, stack))
                     remote_url = remote_process.url("")
                 else:
-                    remote_state = build_state([model], model_settings, ServerSettings(port=0))
-                    remote_url = stack.enter_context(running_server(remote_state, ServerSettings(port=0)))
+                    remote_state = build_state([model], model_settings, ServerSettings(port=0, grpc=False))
+                    remote_url = stack.enter_context(running_server(remote_state, ServerSettings(port=0, grpc=False)))
                 predictors.append(RemotePredictor(model.name, remote_url, model.name,
                                                   timeout_ms=settings.remote_timeout_ms))
             predictors.sort(key=lambda p: names.index(p.name))
-            state = build_state(predictors, model_settings, ServerSettings(port=0), baseline_apps)
-            url = stack.enter_context(running_server(state, ServerSettings(port=0)))
+            state = build_state(predictors, model_settings, ServerSettings(port=0, grpc=False), baseline_apps)
+            url = stack.enter_context(running_server(state, ServerSettings(port=0, grpc=False)))
             note(f"serving {', '.join(names)} at {url}" + (f"; {settings.remote} behind {remote_url}"
                                                           if remote_url else "") +
                  f" ({'vanilla' if settings.vanilla else 'early exits'})")

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field, replace
 
 from rampserve.control.exit_rule import EXIT_MODES
 from rampserve.control.objective import OBJECTIVES
+from rampserve.options import check_options, option
 
 # What the accuracy constraint promises (docs/control.md shows what each costs):
 # average (Apparate's): the disagreement over every answer served stays within the constraint; thresholds tuned on
@@ -30,15 +31,17 @@ STOP_MODE_BATCH_LIMIT = 2
 
 @dataclass(frozen=True)
 class ControllerSettings:
-    accuracy_constraint: float = 0.01  # allowed share of answers that differ from the original model's
+    accuracy_constraint: float = option(0.01, "allowed share of answers that differ from the original model's",
+                                        ge=0, lt=1)
     window: int = 16  # released answers whose accuracy `/status` reports as the window's
     # Recent observed inputs that tuning reads, and as many shadow inputs that the ramp-set search reads
-    history: int = 4096
+    history: int = option(4096, "recent inputs threshold tuning judges", ge=1)
     # Inputs between ramp-set searches; each also recertifies the thresholds. Before that many have been observed,
     # a search comes each time the inputs observed have doubled since the last (DESIGN §9, search rounds)
-    search_every: int = 2048
+    search_every: int = option(2048, "inputs between ramp-set searches", ge=1)
     warmup: int = 1024  # shadow inputs gathered before the first search (or, without search, the first tuning)
-    shadow_share: float = 0.1  # after warm-up, the share of batches that evaluate every ramp (0: no search)
+    shadow_share: float = option(0.1, "share of batches after warm-up that also run inactive ramps, to measure them "
+                                      "(0: no ramp-set search)", ge=0, le=1)
     search_rows: int = 2048  # shadow inputs the search judges sets on, evenly spaced over ...
     search_span: int = 16384  # ... the newest this many (the shadow ring holds the larger of it and `history`)
     beam: int = 3  # sets of each size the search keeps growing
@@ -47,13 +50,20 @@ class ControllerSettings:
     # with fewer inputs to certify its thresholds on (resnet18-fmnist, 108k inputs: 31 set changes at 0.03, 13 at
     # 0.1, the same p50)
     hysteresis: float = 0.1
-    objective: str = "p50"  # see `objective.OBJECTIVES`
-    guarantee: str = "certified"
-    promise_window: int = 1000  # the windowed promise: answers per window ...
-    windows_below: float = 0.05  # ... and the share of windows that may break the constraint
+    # see `objective.OBJECTIVES`
+    objective: str = option("p50", "what the ramp-set search minimises or raises: p50, p95, mean or throughput",
+                            choices=OBJECTIVES)
+    guarantee: str = option("certified", "what the accuracy constraint promises: average (over every answer served, "
+                                         "Apparate's; long-run, its former name), windowed (at most --windows-below of "
+                                         "windows of --promise-window answers break it) or certified (thresholds "
+                                         "certified at --confidence on recent inputs, and held below)",
+                            choices=GUARANTEES)
+    promise_window: int = option(1000, "the windowed promise: answers per window", ge=1)
+    windows_below: float = option(0.05, "the windowed promise: share of windows that may break the constraint",
+                                  gt=0, lt=1)
     # Thresholds keep an upper confidence bound on released answers' disagreement with the original model within
     # the constraint at this confidence (see `guarantee`); the monitor's alarm uses it too
-    confidence: float = 0.95
+    confidence: float = option(0.95, "confidence of the bound on disagreement", gt=0, lt=1)
     # Rolling risk control (see `risk`): how far one disagreement moves the scale on the tuned thresholds (a share
     # of them); the constraint's worth of agreement moves it back as far
     risk_step: float = 0.05
@@ -62,12 +72,20 @@ class ControllerSettings:
     # answers too (1,000 in the benches); a long-run mean at the constraint itself leaves about a third of them
     # above it (static thresholds tuned at 0.99 on resnet18-fmnist: 36% of 1k windows below 0.99), one at 0.65 of it
     # about one in twenty
-    risk_target_share: float | None = None
+    risk_target_share: float | None = option(None, "share of the constraint rolling risk control holds long-run "
+                                                   "disagreement to (default 0.65 with the certified promise, 1 with "
+                                                   "average, the windowed promise's rate with windowed)", gt=0, le=1)
     # "release": every input runs to the end; "stop": exited inputs leave the batch; "auto": stop where batches are
     # small (`resolved`). Unresolved, "auto" is served as release mode
-    exit_mode: str = "auto"
-    feedback_share: float = 0.1  # stop mode: share of the inputs kept running to the end to measure agreement
-    ramp_budget: float = 0.02  # what active ramps may add to a non-exiting input, share of the model's latency
+    exit_mode: str = option("auto", "release: every input runs to the end of the model; stop: an input released at a "
+                                    "ramp leaves its batch there (compiled sets; on ONNX Runtime a batch stops once "
+                                    "all its inputs have left; others serve it as release); auto: stop where the SLO "
+                                    "allows batches of at most 2 inputs and sets compile, release otherwise",
+                            choices=EXIT_MODE_CHOICES)
+    feedback_share: float = option(0.1, "stop mode: share of the inputs, drawn at random, that run to the end whatever "
+                                        "they exit at, to measure agreement", gt=0, le=1)
+    ramp_budget: float = option(0.02, "what ramps may add to a non-exiting input, as a share of the model's latency",
+                                ge=0)
     budget_batch_size: int | None = None  # batch size the budget is judged at; None: the median one served
     initial_step: float = 0.1
     min_step: float = 0.01
@@ -78,40 +96,22 @@ class ControllerSettings:
     # model's answers there, `Controller(prior=...)`), so that exits begin with the first requests instead of after
     # the warm-up's shadow inputs; live inputs replace them in the history as they come. Not where
     # `start_thresholds` are given: they say how to start
-    prime: bool = True
+    prime: bool = option(True, "take the first ramps and thresholds from the inputs the bundle was validated on, so "
+                               "that exits begin with the first requests (--no-prime: after the warm-up's shadow "
+                               "inputs)")
     # Threshold a ramp is served at while tuning is off, or until the first tuning (absent: 0, no exits)
     start_thresholds: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if not 0.0 <= self.accuracy_constraint < 1.0:
-            raise ValueError(f"accuracy constraint must lie in [0, 1), got {self.accuracy_constraint}")
-        if min(self.history, self.search_every, self.warmup, self.search_rows, self.search_span, self.beam) < 1:
-            raise ValueError("history, search_every, warmup, search_rows, search_span and beam must be positive")
-        if self.ramp_budget < 0:
-            raise ValueError(f"ramp budget must be >= 0, got {self.ramp_budget}")
-        if not 0.0 < self.confidence < 1.0:
-            raise ValueError(f"confidence must lie in (0, 1), got {self.confidence}")
-        if self.exit_mode not in EXIT_MODE_CHOICES:
-            raise ValueError(f"exit mode must be one of {EXIT_MODE_CHOICES}, got {self.exit_mode!r}")
-        if self.objective not in OBJECTIVES:
-            raise ValueError(f"objective must be one of {OBJECTIVES}, got {self.objective!r}")
         if self.guarantee in FORMER_GUARANTEES:
             object.__setattr__(self, "guarantee", FORMER_GUARANTEES[self.guarantee])
-        if self.guarantee not in GUARANTEES:
-            raise ValueError(f"guarantee must be one of {GUARANTEES}, got {self.guarantee!r}")
-        if not 0.0 < self.feedback_share <= 1.0:
-            raise ValueError(f"feedback share must lie in (0, 1], got {self.feedback_share}")
-        if not 0.0 <= self.shadow_share <= 1.0:
-            raise ValueError(f"shadow share must lie in [0, 1], got {self.shadow_share}")
+        check_options(self)
+        if min(self.warmup, self.search_rows, self.search_span, self.beam) < 1:
+            raise ValueError("warmup, search_rows, search_span and beam must be positive")
         if not 0.0 <= self.hysteresis < 1.0:
             raise ValueError(f"hysteresis must lie in [0, 1), got {self.hysteresis}")
-        if self.promise_window < 1 or not 0.0 < self.windows_below < 1.0:
-            raise ValueError(f"the windowed promise needs a window of at least 1 answer and a share of windows in "
-                             f"(0, 1), got {self.promise_window} and {self.windows_below}")
         if self.risk_step <= 0:
             raise ValueError(f"risk step must be positive, got {self.risk_step}")
-        if self.risk_target_share is not None and not 0.0 < self.risk_target_share <= 1.0:
-            raise ValueError(f"risk target share must lie in (0, 1], got {self.risk_target_share}")
 
     @property
     def target_accuracy(self) -> float:

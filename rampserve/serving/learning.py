@@ -63,10 +63,9 @@ from rampserve.serving.frontend.repository.predictors import (
     WorkerPredictor,
 )
 from rampserve.serving.plain_models import onnx_predictor
-from rampserve.serving.shared.contract import ModelSettings
 from rampserve.serving.shared.metrics import ServerMetrics
 from rampserve.serving.shared.protocol import TensorSpec
-from rampserve.serving.shared.settings import DEFAULT_RECORD
+from rampserve.serving.shared.settings import DEFAULT_RECORD, ModelSettings
 
 if TYPE_CHECKING:
     from rampserve.serving.frontend.repository.catalogue import Catalogue

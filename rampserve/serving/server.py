@@ -24,10 +24,10 @@ from rampserve.serving.frontend.repository.catalogue import Catalogue, Catalogue
 from rampserve.serving.frontend.repository.predictors import Predictor, WorkerPredictor
 from rampserve.serving.learning import LearningSettings, UnpreparedModel, open_unprepared, unprepared_model
 from rampserve.serving.plain_models import onnx_predictor
-from rampserve.serving.shared.contract import GIL_SWITCH_INTERVAL_S, ControlLink, ModelSettings, freeze_startup_objects
+from rampserve.serving.shared.contract import GIL_SWITCH_INTERVAL_S, ControlLink, freeze_startup_objects
 from rampserve.serving.shared.metrics import ServerMetrics
 from rampserve.serving.shared.models import ServedModel
-from rampserve.serving.shared.settings import ServerSettings
+from rampserve.serving.shared.settings import ModelSettings, ServerSettings
 
 
 def is_loopback(host: str) -> bool:
@@ -83,8 +83,8 @@ def build_state(models: Sequence[ServedModel | Predictor | UnpreparedModel], mod
     if settings.update_stream:
         listener = UpdateListener(settings.store, partial(apply_update, catalogue))
     max_body = int(settings.max_body_mb * (1 << 20))
-    grpc = None if settings.grpc_port is None else GrpcFrontEnd(settings.host, settings.grpc_port, max_body,
-                                                                settings.graceful_timeout_s)
+    grpc = GrpcFrontEnd(settings.host, settings.grpc_port, max_body, settings.graceful_timeout_s) if settings.grpc \
+        else None
     return ServerState(catalogue, metrics, max_body, int(settings.cache_mb * (1 << 20)),
                        admin_token=settings.admin_token, listener=listener, grpc=grpc, dashboard=settings.dashboard)
 
@@ -127,7 +127,7 @@ def serve(refs: Sequence[str], model_settings: ModelSettings, settings: ServerSe
     sock = bind(settings.host, settings.port)
     host, port = sock.getsockname()[:2]
     freeze_startup_objects()
-    grpc = "" if settings.grpc_port is None else f", gRPC on {address(host, settings.grpc_port)}"
+    grpc = f", gRPC on {address(host, settings.grpc_port)}" if settings.grpc else ""
     print(f"rampserve: serving {', '.join(state.catalogue.models) or 'no models yet'} on http://{host}:{port}{grpc} "
           f"({'vanilla' if model_settings.vanilla else 'early exits'}); metrics at /metrics, status at /status"
           + (", dashboard at /dashboard" if settings.dashboard else ""), flush=True)
@@ -135,7 +135,7 @@ def serve(refs: Sequence[str], model_settings: ModelSettings, settings: ServerSe
 
 
 @contextmanager
-def running_server(state: ServerState, settings: ServerSettings = ServerSettings(port=0)) -> Iterator[str]:
+def running_server(state: ServerState, settings: ServerSettings = ServerSettings(port=0, grpc=False)) -> Iterator[str]:
     """A real server on a free loopback port in a background thread, for tests and in-process benchmarks;
     yields its base URL and shuts it down gracefully on exit."""
     sock = bind(settings.host, settings.port)

@@ -34,9 +34,10 @@ from prometheus_client import CollectorRegistry
 from rampserve.control.records import BatchRecord, Configuration
 from rampserve.serving.executor.loading import loaded, read_served
 from rampserve.serving.shared import wire
-from rampserve.serving.shared.contract import GIL_SWITCH_INTERVAL_S, Answer, ModelSettings, Shed, freeze_startup_objects
+from rampserve.serving.shared.contract import GIL_SWITCH_INTERVAL_S, Answer, Shed, freeze_startup_objects
 from rampserve.serving.shared.metrics import ServerMetrics
 from rampserve.serving.shared.models import ServedModel
+from rampserve.serving.shared.settings import ModelSettings
 from rampserve.threads import (
     RunnableWatch,
     idle_native_threads,

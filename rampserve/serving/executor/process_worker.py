@@ -36,9 +36,10 @@ import numpy as np
 
 from rampserve.control.records import Configuration
 from rampserve.serving.shared import wire
-from rampserve.serving.shared.contract import Answer, ControlLink, ExecutorLost, ModelSettings, Shed, Worker
+from rampserve.serving.shared.contract import Answer, ControlLink, ExecutorLost, Shed, Worker
 from rampserve.serving.shared.metrics import ServerMetrics
 from rampserve.serving.shared.models import ServedModel
+from rampserve.serving.shared.settings import ModelSettings
 
 log = logging.getLogger("rampserve.serving")
 

@@ -16,8 +16,9 @@ import numpy as np
 
 from rampserve.bundle_format.latency import LatencyProfile
 from rampserve.serving.executor.batching import AdaptiveBatchSize, BatchTimeEstimate, expected_wait_ms
-from rampserve.serving.shared.contract import Answer, ModelSettings, Shed
+from rampserve.serving.shared.contract import Answer, Shed
 from rampserve.serving.shared.metrics import ServerMetrics
+from rampserve.serving.shared.settings import ModelSettings
 
 
 @dataclass(eq=False)

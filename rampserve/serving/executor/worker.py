@@ -52,9 +52,10 @@ from rampserve.serving.executor.compiler import CompileOutcome, CompileService, 
 from rampserve.serving.executor.exit_modes import RELEASE, Finals, StopStrategy
 from rampserve.serving.executor.loading import loaded
 from rampserve.serving.executor.request_queue import Pending, RequestQueue
-from rampserve.serving.shared.contract import Answer, ControlLink, ExecutionFailed, ModelSettings, Stamps, future_reply
+from rampserve.serving.shared.contract import Answer, ControlLink, ExecutionFailed, Stamps, future_reply
 from rampserve.serving.shared.metrics import ServerMetrics
 from rampserve.serving.shared.models import ServedModel
+from rampserve.serving.shared.settings import ModelSettings
 from rampserve.threads import OsNamedThread
 
 log = logging.getLogger("rampserve.serving")
@@ -251,7 +252,7 @@ class ModelWorker:
     def _serve_batches(self) -> None:
         # The executor is the only thread that runs the model; the event loop and the controller need a core too,
         # and torch's intra-op threads contending with them made a batch of one 1.5-3x slower on two cores.
-        if self.settings.torch_threads is not None:
+        if self.settings.torch_threads:  # 0: torch's own default
             torch.set_num_threads(self.settings.torch_threads)
         # Inference mode for the thread's life rather than per batch: the runner's operators skip autograd, and
         # the batch's path takes one step fewer

@@ -64,7 +64,7 @@ class GrpcFrontEnd:
             self.port = server.add_insecure_port(address(self.host, self.port))
         except RuntimeError:
             raise RuntimeError(f"gRPC cannot listen on {address(self.host, self.port)} (is the port taken?): "
-                               "--grpc-port N picks another, 0 turns gRPC off") from None
+                               "--grpc-port N picks another, --no-grpc turns gRPC off") from None
         self._server = server
 
     async def start(self) -> None:

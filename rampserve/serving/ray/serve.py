@@ -22,8 +22,9 @@ from rampserve.serving.frontend.app import create_app
 from rampserve.serving.frontend.apps.applications import ApplicationSpec
 from rampserve.serving.ray.control import RayControl
 from rampserve.serving.server import ServerSettings, build_state, check_admin_access
-from rampserve.serving.shared.contract import GIL_SWITCH_INTERVAL_S, ControlLink, ModelSettings, freeze_startup_objects
+from rampserve.serving.shared.contract import GIL_SWITCH_INTERVAL_S, ControlLink, freeze_startup_objects
 from rampserve.serving.shared.models import ServedModel
+from rampserve.serving.shared.settings import ModelSettings
 
 
 @dataclass(frozen=True)
@@ -80,9 +81,9 @@ def serve_on_ray(refs: Sequence[str], model_settings: ModelSettings, settings: S
     """Deploy on the Ray cluster named by RAY_ADDRESS (or a local one) and serve until interrupted; Ray Serve's
     proxy listens on the server's host and port."""
     check_admin_access(settings)  # before any replica starts, which would refuse the same way
-    if settings.grpc_port is not None:
-        print("rampserve: no gRPC on Ray Serve (its proxy serves HTTP here); --grpc-port is ignored", flush=True)
-        settings = replace(settings, grpc_port=None)  # replicas on one machine would all take the same port
+    if settings.grpc:
+        print("rampserve: no gRPC on Ray Serve (its proxy serves HTTP here); --grpc is ignored", flush=True)
+        settings = replace(settings, grpc=False)  # replicas on one machine would all take the same port
     ray.init(namespace="rampserve")  # named: the models' controllers are detached actors found by name
     serve.start(http_options={"host": settings.host, "port": settings.port})
     scale = deployment.autoscaling or f"{deployment.replicas} replica(s)"

@@ -34,10 +34,10 @@ from rampserve.serving.frontend.apps.applications import (
 )
 from rampserve.serving.frontend.apps.state_store import StateStore
 from rampserve.serving.frontend.repository.predictors import Predictor, RemotePredictor
-from rampserve.serving.shared.contract import ModelSettings, Worker
+from rampserve.serving.shared.contract import Worker
 from rampserve.serving.shared.metrics import ServerMetrics
 from rampserve.serving.shared.models import VERSION
-from rampserve.serving.shared.settings import MODEL_SETTINGS_FILE, read_model_options, with_options
+from rampserve.serving.shared.settings import MODEL_SETTINGS_FILE, ModelSettings, read_model_options, with_options
 
 if TYPE_CHECKING:
     from rampserve.serving.learning import Learner
