@@ -86,11 +86,25 @@ def with_options(declared: dict[str, object], into: str) -> Callable[[Callable[.
 controller_options = with_options(CONTROLLER_OPTIONS, "controller_flags")
 
 
-def _write_json(data: dict, path: Path | None) -> None:
+def _write_json(data: dict, path: Path | None, **dumps: object) -> None:
+    from rampserve.bench.results import write_result
+
+    write_result(data, path, **dumps)
     if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(data, indent=2))
         console.print(f"wrote {path}")
+
+
+def new_result_path(path: Path | None) -> Path | None:
+    """Refuse, before a benchmark runs, to write its result over a kept one."""
+    if path is not None and path.exists():
+        raise typer.BadParameter(f"{path} exists: a result is never written over; give this run's JSON a name of its "
+                                 "own")
+    return path
+
+
+JsonOut = Annotated[Optional[Path], typer.Option(
+    "--json", help="write the results here (a new file: a kept result is never written over)",
+    callback=new_result_path)]
 
 
 # How `--data` is read, for `prepare`, `bench sim` and `bench live` alike (`data_options`); each command gets those
@@ -434,8 +448,8 @@ def demo(
                                              "first: the rounds' spread says which difference is more than noise")] = 2,
     ramp_budget: Annotated[float, typer.Option(help="what ramps may add to a non-exiting input, as a share of "
                                                      "the model's latency (the controller's default)")] = 0.02,
-    json_out: Annotated[Optional[Path], typer.Option("--json", help="write the replay's report here (`bench "
-                                                                    "live`'s)")] = None,
+    json_out: Annotated[Optional[Path], typer.Option(
+        "--json", help="write the replay's report here (`bench live`'s; a new file)", callback=new_result_path)] = None,
 ) -> None:
     """Prepare the demo's model (minilm-rt; training what is missing), show what its ramps could save, then serve it
     for real, vanilla and with early exits, replay a short drifting stream against both and print the outcome."""
@@ -519,7 +533,7 @@ def demo_verdict(entry: dict, accuracy_constraint: float = 0.01) -> str:
 
 @bench_app.command("staging")
 def bench_staging(
-    json_out: Annotated[Optional[Path], typer.Option("--json", help="write the results here")] = None,
+    json_out: JsonOut = None,
     model: Annotated[str, typer.Option(help="zoo model")] = DEFAULT_MODEL,
     rounds: Annotated[int, typer.Option(help="interleaved rounds per case")] = 200,
     batch_size: Annotated[Optional[list[int]], typer.Option(
@@ -677,7 +691,7 @@ def bench_sim(
     risk_sweep: Annotated[Optional[bool], typer.Option(
         "--risk-sweep/--no-risk-sweep", help="rerun rampserve at other rolling risk control steps (default: with one "
                                              "seed only)")] = None,
-    json_out: Annotated[Optional[Path], typer.Option("--json", help="write the results here")] = None,
+    json_out: JsonOut = None,
     plots: Annotated[Optional[Path], typer.Option(help="write plots into this directory (a folder per seed with "
                                                        "several)")] = None,
     small: Annotated[bool, typer.Option(help="the zoo's tiny variant")] = False,
@@ -725,7 +739,7 @@ def bench_sim(
 def bench_reductions(
     model: Annotated[str, typer.Option(help="zoo text model")] = "mpnet-rt",
     workload: Annotated[str, typer.Option(help="text stream")] = "rt-drift",
-    json_out: Annotated[Optional[Path], typer.Option("--json", help="write the results here")] = None,
+    json_out: JsonOut = None,
     small: Annotated[bool, typer.Option(help="the zoo's tiny variant")] = False,
 ) -> None:
     """Linear ramps reducing each site by the first token or by the mean over the input's own tokens, trained as
@@ -760,7 +774,7 @@ def bench_freeze(
                                                           "(default: the controller's, auto)")] = None,
     feedback_share: Annotated[Optional[float], typer.Option(help="stop mode: share of exited inputs that run to the "
                                                                  "end (default: the controller's)")] = None,
-    json_out: Annotated[Optional[Path], typer.Option("--json", help="write the results here")] = None,
+    json_out: JsonOut = None,
     plots: Annotated[Optional[Path], typer.Option(help="write plots into this directory")] = None,
     small: Annotated[bool, typer.Option(help="the zoo's tiny variants")] = False,
     model: Annotated[Optional[str], typer.Option(help="instead of --models: one zoo model's caches, mixed caches and "
@@ -888,7 +902,7 @@ def bench_live(
     sim_json: Annotated[Optional[Path], typer.Option(help="a `bench sim --json` report of this model, workload and "
                                                           "trace at one of the loads: its p50 saving goes beside "
                                                           "the live one")] = None,
-    json_out: Annotated[Optional[Path], typer.Option("--json", help="write the results here")] = None,
+    json_out: JsonOut = None,
     plots: Annotated[Optional[Path], typer.Option(help="write plots into this directory (a folder per load, and "
                                                        "latency against load)")] = None,
     simulated_seeds: Annotated[Optional[int], typer.Option(help="start no server: simulate the replays of seeds 0 "
@@ -977,7 +991,7 @@ def bench_executor(
     rounds: Annotated[int, typer.Option(help="interleaved rounds (thread and process each start afresh)")] = 5,
     max_batch: Annotated[int, typer.Option(help="largest batch of both servers")] = 8,
     clients: Annotated[int, typer.Option(help="closed-loop clients")] = 8,
-    json_out: Annotated[Optional[Path], typer.Option("--json", help="write the results here")] = None,
+    json_out: JsonOut = None,
 ) -> None:
     """The executor in the server's process or in one of its own: overhead, throughput and batch size, over HTTP
     (binary tensors, JSON) and over gRPC; and the bare HTTP cores a front end could run on."""
@@ -1001,7 +1015,7 @@ def bench_startup(
     restart: Annotated[bool, typer.Option(help="also kill the executor (SIGKILL), idle and under load, and time it "
                                                "until the model is ready again, phase by phase")] = False,
     restart_clients: Annotated[int, typer.Option(help="closed-loop clients of the load a restart comes under")] = 8,
-    json_out: Annotated[Optional[Path], typer.Option("--json", help="write the results here")] = None,
+    json_out: JsonOut = None,
 ) -> None:
     """A server's start: the front end's resident memory and its time to ready, with the executor's memory; with
     --restart, an executor's restart after a kill."""
@@ -1027,7 +1041,7 @@ def bench_dashboard(
     clients: Annotated[int, typer.Option(help="closed-loop clients")] = 8,
     poll_s: Annotated[float, typer.Option(help="the viewer's polling interval (the page's: 1 s; less magnifies "
                                                "what polling costs)")] = 1.0,
-    json_out: Annotated[Optional[Path], typer.Option("--json", help="write the results here")] = None,
+    json_out: JsonOut = None,
 ) -> None:
     """What /dashboard costs serving: the server without it, and with it and a viewer polling once a second."""
     from rampserve.bench.dashboard import DashboardBenchSettings, dashboard_table, run_dashboard_bench
@@ -1069,7 +1083,7 @@ def bench_peers(
                                                 "(to every system that serves it; Ray Serve and LitServe stay on "
                                                 "HTTP)")]
     = "http",
-    json_out: Annotated[Optional[Path], typer.Option("--json", help="write the results here")] = None,
+    json_out: JsonOut = None,
     plots: Annotated[Optional[Path], typer.Option(help="write plots into this directory")] = None,
 ) -> None:
     """rampserve vanilla, rampserve, MLServer, Ray Serve, Triton, KServe and LitServe on the same model (on the
@@ -1102,7 +1116,7 @@ def bench_tuning(
     workload: Annotated[str, typer.Option(help="stream whose real ramp outputs are tuned on")] = "fmnist-drift",
     windows: Annotated[int, typer.Option(help="windows of recent inputs per case")] = 20,
     grid_step: Annotated[float, typer.Option(help="grid search resolution")] = 0.1,
-    json_out: Annotated[Optional[Path], typer.Option("--json", help="write the results here")] = None,
+    json_out: JsonOut = None,
     small: Annotated[bool, typer.Option(help="the zoo's tiny variant")] = False,
 ) -> None:
     """Greedy threshold tuning against exhaustive grid search: time and savings on real ramp records."""
@@ -1145,7 +1159,7 @@ def bench_selection(
                                                  "detect+share")] = "detect,share,none,detect+share",
     predictions: Annotated[Optional[Path], typer.Option(help="an .npz of the models' test-set labels: reused for "
                                                             "the models it holds, written with all of them")] = None,
-    json_out: Annotated[Optional[Path], typer.Option("--json", help="write the results here")] = None,
+    json_out: JsonOut = None,
     plots: Annotated[Optional[Path], typer.Option(help="write plots into this directory")] = None,
 ) -> None:
     """Clipper's model selection: Exp3 and Exp4 over four zoo CNNs and a scikit-learn model, the best failing."""
@@ -1194,7 +1208,7 @@ def bench_race(
     tolerance_ms: Annotated[float, typer.Option(help="checked: p99 answer time <= T + this")] = 5.0,
     vanilla: Annotated[bool, typer.Option(help="serve the models without early exits")] = False,
     seed: Annotated[int, typer.Option(help="which test images, and the order of configurations")] = 0,
-    json_out: Annotated[Optional[Path], typer.Option("--json", help="write the results here")] = None,
+    json_out: JsonOut = None,
 ) -> None:
     """Speculative serving's race, live: three models (one remote), each decider at each timeout T, and each
     model alone, on the same Fashion-MNIST queries; accuracy, answer times and p99 <= T + tolerance."""
@@ -1237,11 +1251,27 @@ def bench_race(
         return
     summary = seeds_summary(reports)
     console.print(seeds_table(summary))
-    if json_out is not None:  # every answer of every run: compact, or it would be several times larger
-        json_out.parent.mkdir(parents=True, exist_ok=True)
-        json_out.write_text(json.dumps({"summary": summary, "runs": reports}, separators=(",", ":")))
-        console.print(f"wrote {json_out}")
+    # every answer of every run: compact, or it would be several times larger
+    _write_json({"summary": summary, "runs": reports}, json_out, indent=None, separators=(",", ":"))
 
+
+@bench_app.command("headlines")
+def bench_headlines(
+    write: Annotated[bool, typer.Option(help="render the README's results table afresh in place")] = False,
+    readme: Annotated[Path, typer.Option(help="the page that holds the table")] = Path("README.md"),
+) -> None:
+    """The README's table of headline results, every figure read from the kept JSON of the run it quotes
+    (rampserve/bench/headlines.py names each); without --write, print it and say whether the README holds it."""
+    from rampserve.bench.headlines import table, with_table
+
+    page = readme.read_text()
+    rendered = with_table(page)
+    if write:
+        readme.write_text(rendered)
+        console.print(f"rendered the results table of {readme}")
+        return
+    console.print(table(), markup=False, highlight=False, soft_wrap=True)
+    console.print(f"{readme} {'holds this table' if rendered == page else 'differs: run with --write'}")
 
 @zoo_app.command("train")
 def zoo_train(

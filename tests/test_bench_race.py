@@ -48,7 +48,9 @@ def report(resnet_bundle, tmp_path_factory):
                             failure_queries=FAILURE_QUERIES, rate_rps=200.0, remote_process=False)
     out = root / "race.json"
     result = run_race(settings, json_out=out, progress=False)
-    assert json.loads(out.read_text()) == json.loads(json.dumps(result))  # what was written is the report
+    written = json.loads(out.read_text())
+    assert written.pop("provenance")["cpus"] >= 1  # what was written is the report, with the run's provenance
+    assert written == json.loads(json.dumps(result))
     return result
 
 

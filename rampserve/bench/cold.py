@@ -47,11 +47,11 @@ from rampserve.bench.harness import (
     percentiles,
     run_loadgen,
     v2_inputs,
-    write_json,
 )
 from rampserve.bench.live import live_arrivals
 from rampserve.bench.load import DEFAULT_LOAD
 from rampserve.bench.loadgen import Job, LoadResult
+from rampserve.bench.results import write_result
 from rampserve.bench.sim import _rolling_min_mean
 from rampserve.runtime.prepare import PrepareConfig, model_encoder, read_own_data, torch_backend_of
 from rampserve.runtime.sources import ModelSource, onnx_file
@@ -391,7 +391,7 @@ def run_cold(settings: ColdSettings, json_out: Path | None, progress: bool = Tru
                 for k in ("early_share_recovered", "p50_saving_recovered")),
             f"every {settings.worst_window} answers >= {ACCURACY_GOAL}": report["worst_window_accuracy"] is not None
             and report["worst_window_accuracy"] >= ACCURACY_GOAL}
-    write_json(report, json_out)
+    write_result(report, json_out)
     return report
 
 

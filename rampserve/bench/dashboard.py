@@ -24,11 +24,20 @@ from rich.table import Table
 from tqdm.auto import tqdm
 
 from rampserve.bench.harness import (
-    ServerProcess, add_paired_rows, closed_loop_throughput, encode_items, percentiles, rampserve_serve, require_answers,
-    round_ratios, run_loadgen, v2_inputs, write_json,
+    ServerProcess,
+    add_paired_rows,
+    closed_loop_throughput,
+    encode_items,
+    percentiles,
+    rampserve_serve,
+    require_answers,
+    round_ratios,
+    run_loadgen,
+    v2_inputs,
 )
 from rampserve.bench.loadgen import Job
 from rampserve.bench.peers import over_rounds, round_orders
+from rampserve.bench.results import write_result
 from rampserve.runtime.bundle import load_bundle
 from rampserve.runtime.zoo_bundles import zoo_bundle
 from rampserve.workloads.streams import get_stream
@@ -204,7 +213,7 @@ def run_dashboard_bench(settings: DashboardBenchSettings, json_out: Path | None,
     report = {"model": settings.model, "models_served": settings.models, "orders": [list(o) for o in orders],
               "settings": asdict(settings), "arms": arms, "wall_s": time.monotonic() - started,
               "on_over_off": round_ratios(rounds["on"], rounds["off"], list(COMPARED))}
-    write_json(report, json_out)
+    write_result(report, json_out)
     return report
 
 

@@ -19,13 +19,25 @@ from rich.table import Table
 from tqdm.auto import tqdm
 
 from rampserve.bench.harness import (
-    ServerProcess, add_paired_rows, closed_loop_throughput, encode_items, mean_batch_size, median_ratio, percentiles,
-    rampserve_serve, ratio_cell, require_answers, round_ratios, run_loadgen, v2_inputs, write_json,
+    ServerProcess,
+    add_paired_rows,
+    closed_loop_throughput,
+    encode_items,
+    mean_batch_size,
+    median_ratio,
+    percentiles,
+    rampserve_serve,
+    ratio_cell,
+    require_answers,
+    round_ratios,
+    run_loadgen,
+    v2_inputs,
 )
 from rampserve.bench.http_cores import CORES, INFER_PATH
 from rampserve.bench.live import batch1_inprocess_ms
 from rampserve.bench.loadgen import Job, fetch_status
 from rampserve.bench.peers import over_rounds, round_orders
+from rampserve.bench.results import write_result
 from rampserve.runtime.bundle import load_bundle
 from rampserve.runtime.zoo_bundles import zoo_bundle
 from rampserve.workloads.streams import get_stream
@@ -123,7 +135,7 @@ def run_executor_bench(settings: ExecutorBenchSettings, json_out: Path | None, p
               "settings": asdict(settings), "systems": systems, "process_over_thread": paired_ratios(rounds),
               "grpc_over_binary": {kind: grpc_over_binary(rounds[kind], batch1) for kind in EXECUTORS},
               "http_cores": dict(zip(("median_ms", "min_max"), over_rounds(cores))) | {"rounds": cores}}
-    write_json(report, json_out)
+    write_result(report, json_out)
     return report
 
 

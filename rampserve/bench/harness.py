@@ -152,19 +152,6 @@ def http_status(url: str) -> int:
         return exc.code
 
 
-def write_json(report: dict, path: Path | None) -> None:
-    if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(report, indent=2, default=_path_text))
-
-
-def _path_text(value: object) -> str:
-    """A path in a report's settings (`--data`) as its text; anything else JSON cannot write stays an error."""
-    if isinstance(value, Path):
-        return str(value)
-    raise TypeError(f"a report holds a {type(value).__name__}, which JSON cannot write")
-
-
 def tail(path: Path, lines: int = 30) -> str:
     return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.is_file() else ""
 

@@ -67,12 +67,12 @@ from rampserve.bench.harness import (
     renamed,
     require_answers,
     run_loadgen,
-    write_json,
 )
 from rampserve.bench.load import DEFAULT_LOAD, rate_at_load
 from rampserve.bench.loadgen import Job, LoadResult
 from rampserve.bench.own_data import OwnDataSettings
 from rampserve.bench.ramp_outputs import RampOutputs, ramp_outputs
+from rampserve.bench.results import write_result
 from rampserve.bench.sim import (
     Scenario,
     _rolling_min_mean,
@@ -714,7 +714,7 @@ def simulate_replays(settings: LiveSettings, seeds: int, json_out: Path | None, 
               "rate_rps": settings.rate_rps, "duration_s": settings.duration_s,
               "warmup_requests": settings.warmup_requests, "seeds": runs, "summary": summary,
               "settings": asdict(settings)}
-    write_json(report, json_out)
+    write_result(report, json_out)
     return report
 
 
@@ -1019,7 +1019,7 @@ def write_report(report: dict, results: list[list[dict[str, LoadResult]]], json_
                            for path in write_live_plots(report, entry, runs[entry["median_round"]],
                                                         plots_dir / f"load-{fmt(entry['load'], 'g')}")]
         report["plots"].append(str(write_load_plot(report, plots_dir)))
-    write_json(report, json_out)
+    write_result(report, json_out)
     return report
 
 

@@ -44,13 +44,24 @@ from rich.table import Table
 from tqdm.auto import tqdm
 
 from rampserve.bench.harness import (
-    ServerProcess, closed_loop_throughput, encode_items, fmt, free_port, measure_saturation, percentiles,
-    rampserve_serve, ratio, require_answers, run_loadgen, v2_inputs, write_json,
+    ServerProcess,
+    closed_loop_throughput,
+    encode_items,
+    fmt,
+    free_port,
+    measure_saturation,
+    percentiles,
+    rampserve_serve,
+    ratio,
+    require_answers,
+    run_loadgen,
+    v2_inputs,
 )
 from rampserve.bench.live import LiveSettings, plan_live, replay_schedule, score_run
 from rampserve.bench.loadgen import Job, LoadResult
 from rampserve.bench.peers_engine import PeerModel
 from rampserve.bench.ramp_outputs import ramp_outputs
+from rampserve.bench.results import write_result
 from rampserve.graph.onnx_graph import ONNX_SPIN_US
 from rampserve.runtime.backends import OnnxBackend
 from rampserve.runtime.engines import engine_of
@@ -561,5 +572,5 @@ def run_peers(settings: PeerSettings, json_out: Path | None, plots_dir: Path | N
         from rampserve.bench.peers_plots import write_peer_plots
 
         report["plots"] = [str(p) for p in write_peer_plots(report, plots_dir)]
-    write_json(report, json_out)
+    write_result(report, json_out)
     return report

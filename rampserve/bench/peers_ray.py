@@ -18,7 +18,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from rampserve.bench.peers_engine import (
-    PeerModel, label_function, labels_per_request, server_arguments, v2_json_feeds, v2_json_labels,
+    PeerModel,
+    label_function,
+    labels_per_request,
+    server_arguments,
+    v2_json_feeds,
+    v2_json_labels,
 )
 
 # Requests the replica accepts at once: Ray's default (5) would queue the rest in its proxy, out of the batcher's

@@ -53,6 +53,7 @@ import orjson
 from rich.table import Table
 from tqdm.auto import tqdm
 
+from rampserve.bench.results import write_result
 from rampserve.workloads.fashion_mnist import load_fashion_mnist, to_model_input
 
 # The servers' modules (torch, ONNX Runtime, uvicorn) are imported in `run_race` only: the client process
@@ -778,9 +779,7 @@ def run_race(settings: RaceSettings, json_out: Path | None = None, note: Callabl
     }
     report["bars"] = {decider: learned_bars(report, decider) for decider in settings.deciders
                       if decider in LEARNING_DECIDERS}
-    if json_out is not None:
-        json_out.parent.mkdir(parents=True, exist_ok=True)
-        json_out.write_text(json.dumps(report, indent=2))
+    write_result(report, json_out)
     return report
 
 

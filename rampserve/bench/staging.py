@@ -16,17 +16,24 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from rampserve.runtime.timing import interleaved_medians, interleaved_samples, paired_difference
 from rampserve.runtime.backends import Backend, TorchBackend
 from rampserve.runtime.bundle import load_bundle
 from rampserve.runtime.engines import (
-    AS_USERS_RUN_IT, CHOSEN_BY_USER, ENGINES, EngineChoice, choose_engine, engine_backends, engine_of, time_engines,
+    AS_USERS_RUN_IT,
+    CHOSEN_BY_USER,
+    ENGINES,
+    EngineChoice,
+    choose_engine,
+    engine_backends,
+    engine_of,
+    time_engines,
 )
-from rampserve.runtime.prepared import PreparedModel, SiteInfo
-from rampserve.runtime.zoo_bundles import zoo_bundle
 from rampserve.runtime.prepare import bootstrap_inputs, default_workload, feeds_for
+from rampserve.runtime.prepared import PreparedModel, SiteInfo
 from rampserve.runtime.profile import serving_path
 from rampserve.runtime.sources import ModelSource, load_trained
+from rampserve.runtime.timing import interleaved_medians, interleaved_samples, paired_difference
+from rampserve.runtime.zoo_bundles import zoo_bundle
 
 
 @dataclass(frozen=True)

@@ -30,9 +30,10 @@ from pathlib import Path
 from rich.table import Table
 from tqdm.auto import tqdm
 
-from rampserve.bench.harness import ServerProcess, get_json, http_status, median_cell, v2_inputs, write_json
+from rampserve.bench.harness import ServerProcess, get_json, http_status, median_cell, v2_inputs
 from rampserve.bench.loadgen import Job, save_job
 from rampserve.bench.peers import over_rounds, round_orders
+from rampserve.bench.results import write_result
 from rampserve.serving.executor.loading import read_served
 from rampserve.serving.executor.process_worker import QUICK_DEATH_S
 from rampserve.serving.shared.models import LABEL_OUTPUT
@@ -185,7 +186,7 @@ def run_startup_bench(settings: StartupBenchSettings, json_out: Path | None, pro
         libraries = sorted({name for figures in rounds[model] for name in figures["front_end_libraries"]})
         systems[model] = medians | {"min_max": spans, "front_end_libraries": libraries, "rounds": rounds[model]}
     report = {"settings": asdict(settings), "orders": [list(o) for o in orders], "models": systems}
-    write_json(report, json_out)
+    write_result(report, json_out)
     return report
 
 

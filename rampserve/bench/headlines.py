@@ -1,0 +1,337 @@
+"""The README's table of headline results, rendered from the kept JSON of the runs it quotes (`rampserve bench
+headlines`), so that a figure cannot drift from its run: each figure is read from its run's JSON (or computed from
+several, as said beside it), and a test renders the table and compares it with the README.
+
+A row names its runs' files (under bench-results/, listed in its JSON column), the page that holds the command and
+its spread, and the commit the page names for the run; its result cell is a template whose `{}` are its figures, in
+order. A bar from an issue is text of the template, not a figure."""
+
+from __future__ import annotations
+
+import json
+import operator
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+RESULTS = Path("bench-results")  # as the README links it
+KEPT = Path(__file__).resolve().parents[2] / RESULTS  # the checkout's
+START = "<!-- headlines: rendered from bench-results/ by `rampserve bench headlines --write`; edit rows in " \
+        "rampserve/bench/headlines.py -->"
+END = "<!-- end of headlines -->"
+HEADER = "| what | result | page | code | JSON |\n|---|---|---|---|---|"
+
+Runs = Sequence[Any]  # a row's runs' JSON, in the order of its files
+
+
+def get(run: Any, path: str) -> Any:
+    """The value at a dotted path of keys and list indices; "*" takes the rest of the path in every element."""
+    if not path:
+        return run
+    head, _, rest = path.partition(".")
+    if head == "*":
+        return [get(item, rest) for item in run]
+    return get(run[int(head)] if isinstance(run, list) else run[head], rest)
+
+
+@dataclass(frozen=True)
+class Figure:
+    value: Callable[[Runs], Any]
+    shown: str | Callable[[Any], str]  # a format string, or what shows the value
+
+    def render(self, runs: Runs) -> str:
+        value = self.value(runs)
+        return self.shown(value) if callable(self.shown) else self.shown.format(value)
+
+
+def at(path: str, shown: str | Callable[[Any], str], file: int = 0,
+       then: Callable[[Any], Any] | None = None) -> Figure:
+    """The value at `path` of the row's `file`-th run, through `then` where given."""
+    return Figure(lambda runs: (then or (lambda value: value))(get(runs[file], path)), shown)
+
+
+def counted(what: str) -> Callable[[int], str]:
+    return lambda count: f"none {what}" if count == 0 else f"{count} {what}"
+
+
+def seeds_below_hindsight(seeds: list[dict]) -> int:
+    """Seeds where rampserve keeps less of the oracle than the best fixed configuration in hindsight, minus 0.1
+    (issue 50's bar)."""
+    return sum(seed["systems"]["rampserve"]["oracle_share"] < seed["systems"]["static_hindsight"]["oracle_share"] - 0.1
+               for seed in seeds)
+
+
+def budget_spent(run: dict) -> float:
+    """The share of the accuracy constraint the median seed spends."""
+    constraint = run["seeds"][0]["controller"]["accuracy_constraint"]
+    return (1 - run["summary"]["rampserve"]["accuracy"]["median"]) / constraint
+
+
+def largest_outside_the_model(paired: dict) -> float:
+    """The largest difference from vanilla, on the same requests, of any stage but the model's."""
+    return max(abs(difference) for path in ("early", "final") for stage, difference in
+               paired[path]["difference_ms"].items() if stage not in ("model to the exit", "whole latency"))
+
+
+def answerable(runs: Runs, kind: str) -> list[float]:
+    """Per site of every run but each model's last, the median over seeds of the share of inputs a cache (or a
+    ramp) could answer within the constraint."""
+    return [statistics.median(site[kind]) for run in runs for site in run["sites"][:-1]]
+
+
+def live_ratios(file: int = 0) -> tuple[Figure, ...]:
+    """A `bench live` run's p50 ratio to vanilla (the median round's), its range over rounds, its p99 ratio, and the
+    accuracy of its worst round."""
+    ratios = "loads.0.versus_vanilla.p50_ms.ratio_rounds"
+    return (at("loads.0.versus_vanilla.p50_ms.ratio", "{:.2f}×", file), at(ratios, "{:.2f}", file, then=min),
+            at(ratios, "{:.2f}", file, then=max), at("loads.0.versus_vanilla.p99_ms.ratio", "{:.2f}×", file),
+            at("loads.0.versus_vanilla.accuracy", "{:.4f}", file))
+
+
+def certified_promise(file: int) -> tuple[Figure, ...]:
+    """A `bench sim` run under the certified promise: median p50 ratio, oracle share, worst seed's accuracy, and the
+    share of the constraint spent."""
+    return (at("summary.rampserve.p50_ratio.median", "{:.3f}×", file),
+            at("summary.rampserve.oracle_share.median", "{:.2f}", file),
+            at("summary.rampserve.accuracy.worst", "{:.4f}", file),
+            Figure(lambda runs: budget_spent(runs[file]), "{:.2f}"))
+
+
+@dataclass(frozen=True)
+class Row:
+    what: str
+    result: str
+    figures: tuple[Figure, ...]
+    files: tuple[str, ...]
+    page: str
+    code: str
+
+    def render(self, root: Path) -> str:
+        runs = [json.loads((root / file).read_text()) for file in self.files]
+        result = self.result.format(*(figure.render(runs) for figure in self.figures))
+        links = ", ".join(f"[{file}]({RESULTS / file})" for file in self.files)
+        return f"| {self.what} | {result} | {self.page} | {self.code} | {links} |"
+
+
+ROWS = (
+    Row("The demo on a fresh clone (minilm-rt)",
+        "p50 {}, p99 {}, {} early, agreement {}, {}",
+        (at("loads.0.versus_vanilla.p50_ms.ratio", "{:.2f}×"),
+         at("loads.0.versus_vanilla.p99_ms.ratio", "{:.2f}×"),
+         at("loads.0.systems.rampserve.exit_share", "{:.0%}"),
+         at("loads.0.versus_vanilla.accuracy", "{:.4f}"),
+         at("loads.0.systems.rampserve.shed", counted("shed"))),
+        ("demo-minilm-rt-auto-fresh-clone.json",),
+        page="[demo](docs/demo.md)", code="dd91ee9"),
+    Row("`bench sim` minilm-rt, 3 seeds (median / worst)",
+        "p50 {} / {}, p99 {} / {}, accuracy {} / {}",
+        (at("summary.rampserve.p50_ratio.median", "{:.2f}×"),
+         at("summary.rampserve.p50_ratio.worst", "{:.2f}×"),
+         at("summary.rampserve.p99_ratio.median", "{:.2f}×"),
+         at("summary.rampserve.p99_ratio.worst", "{:.2f}×"),
+         at("summary.rampserve.accuracy.median", "{:.4f}"),
+         at("summary.rampserve.accuracy.worst", "{:.4f}")),
+        ("sim-minilm-rt-maf-seeds3-auto.json",),
+        page="[journal](docs/journal/2026-11-26-fastest-engine.md)", code="2bcaab6"),
+    Row("`bench live` minilm-rt, 3 rounds after 4,500 warm-up requests",
+        "p50 {} ({}–{}; bar ≤ 0.8×: missed), p99 {}, accuracy {}",
+        live_ratios(),
+        ("live-minilm-rt-zoo-rt-drift-rounds3-warmup4500-primed.json",),
+        page="[own data](docs/own-data.md#beside-the-zoo-bundle-in-one-session)", code="5282781"),
+    Row("`bench live` minilm-rt traced, 3 rounds after 4,500 warm-up requests",
+        "p50 {} ({}–{}; bar ≤ 0.75×: missed), p99 {}, accuracy {}; on the same requests an exited answer {} faster "
+        "end to end ({} in the model), a final one {} slower; every stage outside the model within {} of vanilla's",
+        (*live_ratios(),
+         at("loads.0.systems.rampserve.stages_paired.early.difference_ms.whole latency", "{:.1f} ms",
+            then=operator.neg),
+         at("loads.0.systems.rampserve.stages_paired.early.difference_ms.model to the exit", "{:.1f}",
+            then=operator.neg),
+         at("loads.0.systems.rampserve.stages_paired.final.difference_ms.whole latency", "{:.2f} ms"),
+         at("loads.0.systems.rampserve.stages_paired", "±{:.2f} ms", then=largest_outside_the_model)),
+        ("live-minilm-rt-rt-drift-load0.2-traced-4d5f935.json",),
+        page="[journal](docs/journal/2026-11-29-request-trace.md)", code="4d5f935"),
+    Row("The same on the user's path (an HF folder, a texts file)",
+        "p50 {} ({}–{}; bar ≤ 0.9×: missed), p99 {}, accuracy {}",
+        live_ratios(),
+        ("live-minilm-hf-rt-drift-texts-rounds3-warmup4500-primed.json",),
+        page="[own data](docs/own-data.md#beside-the-zoo-bundle-in-one-session)", code="5282781"),
+    Row("From cold: an HF folder served unprepared (minilm-rt)",
+        "managed at {} (bar 600 s), p99 while training {} vanilla, accuracy {}, {}",
+        (at("managed_s", "{:.0f} s"),
+         at("during_training.p99_ratio", "{:.2f}×"),
+         at("accuracy", "{:.4f}"),
+         at("unanswered", counted("lost"))),
+        ("live-from-cold-minilm-rt-hf-rt-drift-quiet.json",),
+        page="[serve your model](docs/serve-your-model.md#measured-on-a-quiet-machine)", code="937cbc2"),
+    Row("`bench sim` lite0-fmnist, 3 seeds (median / worst)",
+        "p50 {} / {}, p99 ≤ {}, accuracy ≥ {}",
+        (at("summary.rampserve.p50_ratio.median", "{:.3f}×"),
+         at("summary.rampserve.p50_ratio.worst", "{:.3f}×"),
+         at("summary.rampserve.p99_ratio.worst", "{:.3f}×"),
+         at("summary.rampserve.accuracy.worst", "{:.4f}")),
+        ("sim-lite0-fmnist-sampled-seeds3.json",),
+        page="[journal](docs/journal/2026-11-26-ramps-at-1pct.md)", code="93cb759"),
+    Row("`bench sim` lite0-fmnist per promise, 5 seeds (median p50 × vanilla, oracle share; accuracy, worst seed)",
+        "average {}, {} ({}-{}; bar 0.8: met; {} seeds below hindsight − 0.1: missed), {}; certified {}, {}, {} "
+        "(budget spent {}; bar 0.6: missed); windowed {}, {} (bar 0.6: missed), {} of 1k windows below",
+        (at("summary.rampserve.p50_ratio.median", "{:.3f}×"),
+         at("summary.rampserve.oracle_share.median", "{:.2f}"),
+         at("summary.rampserve.oracle_share.worst", "{:.2f}"),
+         at("seeds.*.systems.rampserve.oracle_share", "{:.2f}", then=max),
+         at("seeds", "{}", then=seeds_below_hindsight),
+         at("summary.rampserve.accuracy.worst", "{:.4f}"),
+         *certified_promise(1),
+         at("summary.rampserve.p50_ratio.median", "{:.3f}×", 2),
+         at("summary.rampserve.oracle_share.median", "{:.2f}", 2),
+         at("summary.rampserve.windows_below_share.median", "{:.1%}", 2)),
+        ("sim-lite0-fmnist-promise-average-seeds5-fbbfb9a.json",
+         "sim-lite0-fmnist-promise-certified-seeds5-fbbfb9a.json",
+         "sim-lite0-fmnist-promise-windowed-seeds5-fbbfb9a.json"),
+        page="[control](docs/control.md)", code="fbbfb9a"),
+    Row("`bench sim` minilm-rt per promise, 5 seeds (median p50 × vanilla, oracle share; accuracy, worst seed)",
+        "average {}, {} (bar 0.5: met; {} seeds below hindsight − 0.1: missed), {}; certified {}, {}, {} (budget "
+        "spent {}; bar 0.6: missed); windowed (4d5f935) {}, {}, {}, {} 1k window below 0.99 in the median seed",
+        (at("summary.rampserve.p50_ratio.median", "{:.3f}×"),
+         at("summary.rampserve.oracle_share.median", "{:.2f}"),
+         at("seeds", "{}", then=seeds_below_hindsight),
+         at("summary.rampserve.accuracy.worst", "{:.4f}"),
+         *certified_promise(1),
+         at("summary.rampserve.p50_ratio.median", "{:.3f}×", 2),
+         at("summary.rampserve.oracle_share.median", "{:.2f}", 2),
+         at("summary.rampserve.accuracy.worst", "{:.4f}", 2),
+         at("summary.rampserve.windows_below_share.median",
+            lambda share: "no" if share == 0 else f"{share:.1%} of", 2)),
+        ("sim-minilm-rt-promise-average-seeds5-cfa1bd6.json",
+         "sim-minilm-rt-promise-certified-seeds5-cfa1bd6.json",
+         "sim-minilm-rt-promise-windowed-seeds5-4d5f935.json"),
+        page="[control](docs/control.md)", code="cfa1bd6"),
+    Row("`bench sim` lite0-fmnist, a stream whose classes change (one draw)",
+        "worst 1k window {} in stop mode, {} in release ({} / {} before thresholds followed the change)",
+        (at("systems.rampserve.worst_window_accuracy", "{:.3f}"),
+         at("systems.rampserve.worst_window_accuracy", "{:.3f}", 1),
+         at("systems.rampserve.worst_window_accuracy", "{:.3f}", 2),
+         at("systems.rampserve.worst_window_accuracy", "{:.3f}", 3)),
+        ("sim-lite0-fmnist-class-change-stop-cb8b94e.json", "sim-lite0-fmnist-class-change-release-cb8b94e.json",
+         "sim-lite0-fmnist-class-change-stop-63f0d35.json", "sim-lite0-fmnist-class-change-release-63f0d35.json"),
+        page="[control](docs/control.md)", code="cb8b94e"),
+    Row("From cold, a stream whose classes change (lite0-fmnist as an ONNX file, 25 rps)",
+        "relearned and managed again at {}; exit share {} and p50 saving {} of before the change; accuracy {}, "
+        "worst 1k window {} (bar 0.99: missed); p50 while the relearning job ran {}",
+        (at("change.relearned_managed_s", "{:.0f} s"),
+         at("change.early_share_recovered", "{:.2f}×"),
+         at("change.p50_saving_recovered", "{:.2f}×"),
+         at("accuracy", "{:.4f}"),
+         at("worst_window_accuracy", "{:.3f}"),
+         at("phases.training, relearning.p50_ms", "{:.1f} ms")),
+        ("live-from-cold-lite0-fmnist-class-change-short-546e78b.json",),
+        page="[serve your model](docs/serve-your-model.md"
+             "#again-with-thresholds-that-follow-a-change-issue-50-item-3-2026-11-29)", code="546e78b"),
+    Row("`bench live` lite0-fmnist, 3 rounds",
+        "p50 {} (bar ≤ 0.8×: missed), p99 {}, accuracy {}",
+        (at("loads.0.versus_vanilla.p50_ms.ratio", "{:.3f}×"),
+         at("loads.0.versus_vanilla.p99_ms.ratio", "{:.2f}×"),
+         at("loads.0.versus_vanilla.accuracy", "{:.4f}")),
+        ("live-lite0-fmnist-maf-sampled.json",),
+        page="[journal](docs/journal/2026-11-26-ramps-at-1pct.md)", code="93cb759"),
+    Row("A ramp's cost on the serving path, batch 1",
+        "minilm-rt {} of the model per ramp ({} active); lite0-fmnist {} ({} active; bar ≤ 0.01: missed)",
+        (at("ramp_cases.2.marginal_share", "{:.4f}"),
+         at("ramp_cases.2.active", "{}"),
+         Figure(lambda runs: statistics.median(run["ramp_cases"][2]["marginal_share"] for run in runs[1:]),
+                "{:.4f}"),
+         at("ramp_cases.2.active", "{}", 1)),
+        ("staging-minilm-rt-b1-after.json",
+         "staging-lite0-fmnist-b1-one-output.json",
+         "staging-lite0-fmnist-b1-one-output-b.json",
+         "staging-lite0-fmnist-b1-one-output-c.json",
+         "staging-lite0-fmnist-b1-one-output-d.json",
+         "staging-lite0-fmnist-b1-one-output-e.json"),
+        page="[journal](docs/journal/2026-11-26-ramps-at-1pct.md)", code="93cb759"),
+    Row("Against peers, resnet18-fmnist, 5 rounds",
+        "rampserve vanilla p50 {} (KServe {}, Triton {}), saturation {} (Triton {})",
+        (at("systems.rampserve_vanilla.p50_ms", "{:.2f} ms"),
+         at("systems.kserve.p50_ms", "{:.2f}"),
+         at("systems.triton.p50_ms", "{:.2f}"),
+         at("systems.rampserve_vanilla.saturation_rps", "{:,.0f} rps"),
+         at("systems.triton.saturation_rps", "{:,.0f}")),
+        ("peers-resnet18-fmnist.json",),
+        page="[peers](docs/peers.md)", code="bf692ae"),
+    Row("Start to ready, 3 starts",
+        "resnet18-fmnist {}, minilm-rt {}; front end {}",
+        (at("models.resnet18-fmnist.ready_s", "{:.2f} s"),
+         at("models.minilm-rt.ready_s", "{:.2f} s"),
+         at("models.resnet18-fmnist.front_end_rss_mib", "{:.0f} MiB")),
+        ("startup-resnet18-minilm.json",),
+        page="[serving](docs/serving.md)", code="0a33d8b"),
+    Row("Executor killed (SIGKILL), 3 rounds",
+        "ready again in {} idle, {} under {} clients",
+        (at("models.resnet18-fmnist.restart_serving_s", "{:.2f} s"),
+         at("models.resnet18-fmnist.restart_loaded_serving_s", "{:.2f} s"),
+         at("settings.restart_clients", "{}")),
+        ("startup-restart-resnet18-fmnist.json",),
+        page="[serving](docs/serving.md)", code="081424a"),
+    Row("Model selection, the best model failing, 5 seeds (zoo CNNs)",
+        "Exp4 takes it back in {} queries; error after {} against {} before; over the failure {} on the best static "
+        "model (bar < 0: missed)",
+        (at("summary.forgetting.detect+share.exp4.regained_after.median", "{:.0f}"),
+         at("summary.forgetting.detect+share.exp4.error_after.median", "{:.4f}"),
+         at("summary.forgetting.detect+share.exp4.error_before.median", "{:.4f}"),
+         at("bars.detect+share.exp4.during_minus_best_static.median", "{:+.4f}")),
+        ("selection-forgetting4-cnn3-logreg-seeds5.json",),
+        page="[selection](docs/selection.md)", code="3e08fd3"),
+    Row("Speculative race, 3 models, learned decider",
+        "{} against {} for the best model alone (bar {}: missed; any decider's offline ceiling {}); {} with that "
+        "model failing",
+        (at("bars.learned.by_timeout.0.accuracy", "{:.3f}"),
+         at("bars.learned.by_timeout.0.best_single_accuracy", "{:.3f}"),
+         at("bars.learned.margin", "{:+.2f}"),
+         at("best_combined_gain", "{:+.4f}", 1),
+         at("bars.learned.by_timeout.0.failure_accuracy", "{:.3f}")),
+        ("race-learned-seed0.json", "race-ceiling-cnn3-backers-tie.json"),
+        page="[race](docs/race.md)", code="a1a8892"),
+    Row("Cache ramps (Freeze) on the flagships, 3 seeds",
+        "managed: {}, p50 {} (minilm-rt, lite0-fmnist); all active {} / {}; they answer {}–{} of inputs at {} "
+        "where ramps answer {}–{}",
+        (Figure(lambda runs: "no cache kept" if all(run["summary"]["caches"]["mean_active_ramps"]["median"] == 0
+                                                    for run in runs) else "caches kept", "{}"),
+         Figure(lambda runs: " / ".join(sorted({f'{run["summary"]["caches"]["p50_ratio"]["median"]:.3f}×'
+                                                for run in reversed(runs)})), "{}"),
+         at("summary.caches_every_site.p50_ratio.median", "{:.3f}×", 1),
+         at("summary.caches_every_site.p50_ratio.median", "{:.3f}×"),
+         Figure(lambda runs: min(answerable(runs, "cache_answerable")), "{:.2f}"),
+         Figure(lambda runs: max(answerable(runs, "cache_answerable")), "{:.2f}"),
+         at("oracle_disagreement", "{:.0%}"),
+         Figure(lambda runs: min(answerable(runs, "ramp_answerable")), "{:.2f}"),
+         Figure(lambda runs: max(answerable(runs, "ramp_answerable")), "{:.2f}")),
+        ("freeze-lite0-fmnist-seeds3-length30k.json", "freeze-minilm-rt-seeds3-same-load.json"),
+        page="[freeze](docs/freeze.md)", code="cf1f5a5"),
+    Row("mpnet-rt (12 layers), `bench sim`",
+        "accuracy {}, p50 {} (bar ≤ 0.8×: missed)",
+        (at("systems.rampserve.accuracy", "{:.4f}"),
+         at("systems", "{:.2f}×",
+            then=lambda systems: systems["rampserve"]["p50_ms"] / systems["vanilla"]["p50_ms"])),
+        ("sim-mpnet-rt-maf.json",),
+        page="[zoo](docs/zoo.md)", code="48dcce3"),
+    Row("The dashboard's cost, 5 rounds",
+        "throughput {} ({}–{}), p99 {} ({}–{}): within the noise",
+        (at("on_over_off.closed_rps.median", "{:.2f}×"),
+         at("on_over_off.closed_rps.min_max.0", "{:.2f}"),
+         at("on_over_off.closed_rps.min_max.1", "{:.2f}"),
+         at("on_over_off.closed_p99_ms.median", "{:.2f}×"),
+         at("on_over_off.closed_p99_ms.min_max.0", "{:.2f}"),
+         at("on_over_off.closed_p99_ms.min_max.1", "{:.2f}")),
+        ("dashboard-resnet18-fmnist.json",),
+        page="[dashboard](docs/dashboard.md)", code="0cc6f89"),
+)
+
+
+def table(root: Path = KEPT) -> str:
+    return "\n".join([HEADER, *(row.render(root) for row in ROWS)])
+
+
+def with_table(page: str, root: Path = KEPT) -> str:
+    """`page` with the table between its markers rendered afresh."""
+    start, end = page.index(START) + len(START), page.index(END)
+    return f"{page[:start]}\n{table(root)}\n{page[end:]}"

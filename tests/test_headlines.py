@@ -1,0 +1,60 @@
+"""The README's results table is rendered from the kept JSON of the runs it quotes: the page holds exactly that
+rendering, and a figure that changes in a run's JSON changes the table (so a drifted page fails here)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from rampserve.bench import headlines
+from rampserve.bench.headlines import KEPT, ROWS, Figure, at, get, table, with_table
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_the_readme_holds_the_table_its_runs_render() -> None:
+    page = (ROOT / "README.md").read_text()
+    assert with_table(page) == page, ("the README's results table differs from its runs' JSON: `rampserve bench "
+                                      "headlines --write` renders it")
+
+
+def test_every_row_names_kept_runs_and_fills_every_figure() -> None:
+    for row in ROWS:
+        assert row.files and all((KEPT / file).is_file() for file in row.files), row.what
+        assert row.result.count("{}") == len(row.figures), row.what
+
+
+def test_a_path_walks_keys_indices_and_every_element() -> None:
+    run = {"loads": [{"ratio": 0.8, "rounds": [{"p": 1}, {"p": 3}]}], "spaced key": {"a b": 2}}
+    assert get(run, "loads.0.ratio") == 0.8
+    assert get(run, "loads.0.rounds.*.p") == [1, 3]
+    assert get(run, "spaced key.a b") == 2
+    assert get(run, "") is run
+    assert at("loads.0.rounds.*.p", "{}", then=max).render([run]) == "3"
+    assert Figure(lambda runs: len(runs), "{} runs").render([run, run]) == "2 runs"
+
+
+def test_a_figure_that_changes_in_its_json_changes_the_table(tmp_path, monkeypatch) -> None:
+    """Every kept run linked under a copy of bench-results/, one of them with its median ratio changed."""
+    row = ROWS[1]  # bench sim minilm-rt: p50 median first
+    for row_ in ROWS:
+        for file in row_.files:
+            if not (tmp_path / file).exists():
+                (tmp_path / file).symlink_to(KEPT / file)
+    run = json.loads((KEPT / row.files[0]).read_text())
+    run["summary"]["rampserve"]["p50_ratio"]["median"] = 0.4
+    (tmp_path / row.files[0]).unlink()
+    (tmp_path / row.files[0]).write_text(json.dumps(run))
+    page = (ROOT / "README.md").read_text()
+    changed = with_table(page, tmp_path)
+    assert changed != page
+    assert "p50 0.40× /" in changed and "p50 0.40× /" not in page
+    assert table(tmp_path).count("\n") == table(KEPT).count("\n")
+
+
+def test_a_page_without_the_markers_is_refused() -> None:
+    with pytest.raises(ValueError):
+        with_table("no table here")
+    assert headlines.START in (ROOT / "README.md").read_text()
