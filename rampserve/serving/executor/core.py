@@ -128,7 +128,8 @@ def metric_families(registry: CollectorRegistry, model: str) -> list[dict]:
 
 class Executor:
     """The executor process: a `ModelWorker` whose executor thread reads the front end's frames itself whenever it
-    waits for work (`RequestQueue.feed`), and answers through the socket from whichever thread has the answer."""
+    waits for work (the executor is its `Inbox`), and answers through the socket from whichever thread has the
+    answer."""
 
     def __init__(self, sock: socket.socket, reader: wire.FrameReader, hello: dict, arena_fd: int, model: ServedModel,
                  start: StartLog) -> None:
@@ -145,9 +146,8 @@ class Executor:
         self.metrics = ServerMetrics()
         relayed = hello["relayed_control"]
         control = None if relayed is None else RelayedControl(self, Configuration.from_json(relayed))
-        self.worker = ModelWorker(model, ModelSettings.from_json(hello["settings"]), self.metrics, control)
-        self.worker.on_configuration = lambda config: self.send(wire.frame(wire.CONFIGURATION, config.to_json()))
-        self.worker.queue.feed = self._read
+        self.worker = ModelWorker(model, ModelSettings.from_json(hello["settings"]), self.metrics, control,
+                                  inbox=lambda _queue: self, on_configuration=self._tell_configuration)
         self._poll_s = self.worker.settings.idle_poll_ms / 1000.0
         self._idle_work = RunnableWatch()  # the server's SCHED_IDLE threads, which polling must not starve
         self._background: list[tuple[int, int]] = []  # those of the front end's background processes
@@ -193,7 +193,10 @@ class Executor:
         return (f"{sets['from_disk']} of {sets['held']} compiled sets from disk, {sets['compiled']} compiled by the "
                 "compile worker first")
 
-    def _read(self, timeout: float | None) -> None:
+    def _tell_configuration(self, config: Configuration) -> None:
+        self.send(wire.frame(wire.CONFIGURATION, config.to_json()))
+
+    def collect(self, timeout: float | None) -> None:
         """Whatever the front end sent, waiting at most `timeout` seconds for it (on the executor thread), polling
         for it within `idle_poll_ms` of the last frame (`ModelSettings.idle_poll_ms` says why)."""
         how = wait_readable(self._sock, timeout, self._last_frame + self._poll_s, self._idle_work.any_runnable)

@@ -1,6 +1,7 @@
 """One served model's request queue and batcher: admission (the queue's bound, requests' deadlines), shedding, and
-forming the next batch for the executor thread. It runs nothing; `worker.ModelWorker` runs the batches it forms.
-Requests wait in priority order, then in the order they came."""
+forming the next batch. Passive: it waits for nothing and runs nothing; the executor's loop (`worker.ModelWorker`)
+asks it when a batch is due, lets requests in meanwhile through its inbox, and runs the batches it forms. Requests
+wait in priority order, then in the order they came."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
@@ -44,17 +46,14 @@ class Pending:
 
 
 class RequestQueue:
-    """Admits requests from any thread and hands the executor thread its batches: full at the current batch size,
-    or once the oldest input has waited `max_delay_ms`."""
+    """Admits requests from any thread and forms the executor's batches: due when full at the current batch size,
+    once the oldest input has waited `max_delay_ms`, or at once when stopping."""
 
     def __init__(self, name: str, settings: ModelSettings, profile: LatencyProfile, batch_size: AdaptiveBatchSize,
                  batch_time: BatchTimeEstimate, metrics: ServerMetrics) -> None:
         self.name, self.settings, self.profile = name, settings, profile
         self.batch_size, self.batch_time, self.metrics = batch_size, batch_time, metrics
-        # In an executor process, what the executor thread calls while it waits for work (at most the given seconds;
-        # None: until something comes): it reads the front end's requests and admits them itself, so that a request
-        # reaching an idle executor starts at once, without waking a thread (a condition's wake-up took 130 us)
-        self.feed: Callable[[float | None], None] | None = None
+        self.admissions = 0  # requests admitted so far: what an inbox waits to see change
         self._heap: list[tuple[int, int, Pending]] = []
         self._order = itertools.count()
         self._rows_queued = 0
@@ -101,30 +100,33 @@ class RequestQueue:
             heapq.heappush(self._heap, (-priority, next(self._order), pending))
             self._rows_queued += rows
             self._queued.set(self._rows_queued)
+            self.admissions += 1
             self._cond.notify()
 
     def _shed(self, reason: str) -> None:
         self.metrics.shed.labels(reason=reason, **self._labels).inc()
 
-    def next_batch(self) -> list[Pending] | None:
-        """Wait for a batch: full at the current size, or the oldest input's delay spent, or shutting down (None
-        once stopping with nothing queued). Requests whose deadline passed while they waited are shed here. The
-        batch counts as running until `batch_done`."""
+    def ready_in(self) -> float | None:
+        """Seconds until a batch is due: 0 when one can be taken now (full at the current size, the oldest input's
+        delay spent, or stopping with inputs queued); None while nothing is queued."""
         with self._cond:
-            if self.feed is not None:
-                self.feed(0.0)  # what came while the last batch ran
-            while True:
-                if self._heap:
-                    size = self.batch_size.size
-                    oldest = min(p.arrival for _, _, p in self._heap)
-                    wait = oldest + self.settings.max_delay_ms / 1000.0 - time.monotonic()
-                    if self._rows_queued >= size or wait <= 0 or self._stopping:
-                        break
-                    self._wait_for_work(wait)
-                elif self._stopping:
-                    return None
-                else:
-                    self._wait_for_work(None)
+            if not self._heap:
+                return None
+            if self._rows_queued >= self.batch_size.size or self._stopping:
+                return 0.0
+            oldest = min(p.arrival for _, _, p in self._heap)
+            return max(0.0, oldest + self.settings.max_delay_ms / 1000.0 - time.monotonic())
+
+    @property
+    def drained(self) -> bool:
+        """Stopping, and nothing left to answer."""
+        return self._stopping and not self._heap
+
+    def take_batch(self) -> list[Pending]:
+        """The next batch, up to the current batch size; requests whose deadline passed while they waited are shed
+        here (a batch of them alone is empty). The batch counts as running until `batch_done`."""
+        with self._cond:
+            size = self.batch_size.size
             batch, rows, now = [], 0, time.monotonic()
             while self._heap and (not batch or rows + self._heap[0][2].rows <= size):
                 pending = heapq.heappop(self._heap)[2]
@@ -144,16 +146,37 @@ class RequestQueue:
         with self._cond:
             self._running = False
 
-    def _wait_for_work(self, timeout: float | None) -> None:
-        """Wait (holding the queue's lock, which the executor's own admissions take again) for requests, or the
-        given time: the front end's, read here where a feed is set, else queued by another thread's `admit`."""
-        if self.feed is not None:
-            self.feed(timeout)
-        else:
-            self._cond.wait(timeout)
+    def wait_for_admission(self, seen: int, timeout: float | None) -> None:
+        """Wait, at most `timeout` seconds (None: no limit), until a request after the first `seen` is admitted or
+        the queue is stopping."""
+        with self._cond:
+            self._cond.wait_for(lambda: self.admissions != seen or self._stopping, timeout)
 
     def request_stop(self) -> None:
         """Refuse new requests; the executor answers those queued, then ends."""
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
+
+
+class Inbox(Protocol):
+    """Where an executor's requests come in: `collect` admits those that came, waiting at most `timeout` seconds for
+    one (None: until one comes or the queue stops; 0: those already there). In an executor process the executor
+    thread reads the front end's socket itself (`core.Executor`), so that a request reaching an idle executor starts
+    at once, without waking a thread (a condition's wake-up took 130 us); in the server's process requests are
+    admitted by the event loop's thread (`LocalInbox`)."""
+
+    def collect(self, timeout: float | None) -> None: ...
+
+
+class LocalInbox:
+    """Requests admitted by other threads of this process: collecting waits for the next admission."""
+
+    def __init__(self, queue: RequestQueue) -> None:
+        self.queue = queue
+        self._seen = queue.admissions
+
+    def collect(self, timeout: float | None) -> None:
+        if timeout != 0:
+            self.queue.wait_for_admission(self._seen, timeout)
+        self._seen = self.queue.admissions

@@ -51,7 +51,7 @@ from rampserve.serving.executor.batching import AdaptiveBatchSize, BatchTimeEsti
 from rampserve.serving.executor.compiler import CompileOutcome, CompileService, likely_next_sets
 from rampserve.serving.executor.exit_modes import RELEASE, Finals, StopStrategy
 from rampserve.serving.executor.loading import loaded
-from rampserve.serving.executor.request_queue import Pending, RequestQueue
+from rampserve.serving.executor.request_queue import Inbox, LocalInbox, Pending, RequestQueue
 from rampserve.serving.shared.contract import Answer, ControlLink, ExecutionFailed, Stamps, future_reply
 from rampserve.serving.shared.metrics import ServerMetrics
 from rampserve.serving.shared.models import ServedModel
@@ -113,8 +113,12 @@ class ModelWorker:
     available = True  # serving from its launch to its shutdown (the `Worker` contract)
 
     def __init__(self, served: ServedModel, settings: ModelSettings, metrics: ServerMetrics,
-                 control: ControlLink | None = None) -> None:
-        """`control`: the model's controller (default: one of its own in this process; none when vanilla)."""
+                 control: ControlLink | None = None, inbox: Callable[[RequestQueue], Inbox] = LocalInbox,
+                 on_configuration: Callable[[Configuration], None] | None = None) -> None:
+        """`control`: the model's controller (default: one of its own in this process; none when vanilla); `inbox`:
+        where its requests come in, made for its queue (default: from other threads of this process);
+        `on_configuration`: told of every configuration the executor adopts (an executor process tells its front
+        end)."""
         self.served = served = loaded(served)
         self.model = model = served.prepared
         self.settings = settings
@@ -129,6 +133,7 @@ class ModelWorker:
                                             limit=1.0 if settings.adaptive_batching else float(self.max_batch))
         self.batch_time = BatchTimeEstimate(profile.full(self.max_batch))
         self.queue = RequestQueue(served.name, settings, profile, self.batch_size, self.batch_time, metrics)
+        self.inbox = inbox(self.queue)
         if control is None and not settings.vanilla:
             prior = validation_record(tuple(model.site_names), model.validation)
             control = LocalControl(Controller(profile, controller_settings, prior))
@@ -178,8 +183,7 @@ class ModelWorker:
         self.exits: dict[str, int] = {}  # inputs of booked batches by the site that answered ("final": the last layer)
         self.recent_batches: deque[dict] = deque(maxlen=RECENT_BATCHES)
         self._published_sites: tuple[str, ...] = ()
-        # Told of every configuration the executor adopts (an executor process tells its front end)
-        self.on_configuration: Callable[[Configuration], None] | None = None
+        self.on_configuration = on_configuration
         self._records: queue.SimpleQueue[BatchRecord | Answered | CompileOutcome | None] = queue.SimpleQueue()
         # Set with a record the controller must learn from at once (an answer released wrongly, answers nobody can
         # check, the last record): the control thread stops gathering
@@ -260,7 +264,7 @@ class ModelWorker:
             self._serve_until_stopped()
 
     def _serve_until_stopped(self) -> None:
-        while (batch := self.queue.next_batch()) is not None:
+        while (batch := self._next_batch()) is not None:
             try:
                 self._run(batch)
             except Exception as exc:  # a model failure must not strand the batch's requests
@@ -270,6 +274,15 @@ class ModelWorker:
                         pending.settle(ExecutionFailed(f"model {self.served.name} failed: {exc}"))
             finally:
                 self.queue.batch_done()
+
+    def _next_batch(self) -> list[Pending] | None:
+        """The next batch to run, letting requests in until one is due; None once stopped with nothing queued."""
+        self.inbox.collect(0.0)  # what came while the last batch ran
+        while (due := self.queue.ready_in()) != 0.0:
+            if self.queue.drained:
+                return None
+            self.inbox.collect(due)
+        return self.queue.take_batch()
 
     def _run(self, batch: list[Pending]) -> None:
         if not batch:
