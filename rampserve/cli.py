@@ -695,13 +695,15 @@ def bench_sim(
     plots: Annotated[Optional[Path], typer.Option(help="write plots into this directory (a folder per seed with "
                                                        "several)")] = None,
     small: Annotated[bool, typer.Option(help="the zoo's tiny variant")] = False,
+    decisions: Annotated[bool, typer.Option(help="keep the controller's every decision in the JSON (a raw log: "
+                                                 "most of a long run's bytes)")] = False,
     *,
     controller_flags: dict[str, object],
     data_flags: dict[str, object],
 ) -> None:
     """Replay a drifting stream (or your own inputs, --data) through the trace simulator: vanilla, oracle, static
     baselines and rampserve; then each one's saturation, and vanilla and rampserve at half of vanilla's."""
-    from rampserve.bench.sim import SimSettings, run_seeds
+    from rampserve.bench.sim import SimSettings, kept_report, run_seeds
     from rampserve.control.controller import ControllerSettings
     from rampserve.runtime.prepare import PrepareConfig
 
@@ -721,12 +723,12 @@ def bench_sim(
         raise typer.BadParameter(str(exc)) from exc
     if single:
         _print_sim_run(result.results[0].report)
-        _write_json(result.results[0].report, json_out)
+        _write_json(kept_report(result.results[0].report, decisions), json_out)
     else:
         for seed_result in result.results:
             console.print(_seed_table(seed_result.report))
         console.print(_seeds_summary_table(result.summary, seeds))
-        _write_json(result.report(), json_out)
+        _write_json(kept_report(result.report(), decisions), json_out)
     if plots is not None:
         from rampserve.bench.sim_plots import write_plots
 

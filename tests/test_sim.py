@@ -390,3 +390,17 @@ def test_seed_figures_are_ratios_to_vanilla():
                                     "ramp_set_changes": 2, "threshold_changes": 5}
     assert figures["oracle"]["saturation_ratio"] is None and figures["oracle"]["ramp_set_changes"] is None
     assert set(figures["vanilla"]) == set(SEED_FIGURES)
+
+
+def test_a_kept_report_drops_each_seeds_decision_log_unless_asked() -> None:
+    from rampserve.bench.sim import kept_report
+
+    seed = {"seed": 0, "systems": {"rampserve": {"p50_ms": 1.0}}, "decisions": [{"version": 0}],
+            "wall": {"decisions": {"rampserve": {"p50_ms": 0.1}}}}
+    assert kept_report(seed) == {key: value for key, value in seed.items() if key != "decisions"}
+    assert kept_report(seed)["wall"] == seed["wall"]  # the decisions' measured times stay
+    assert kept_report(seed, decisions=True) == seed
+    several = {"seeds": [seed, {**seed, "seed": 1}], "summary": {"rampserve": {}}}
+    kept = kept_report(several)
+    assert [s["seed"] for s in kept["seeds"]] == [0, 1] and not any("decisions" in s for s in kept["seeds"])
+    assert kept["summary"] == several["summary"] and "decisions" in several["seeds"][0]  # the report itself unchanged

@@ -625,6 +625,14 @@ class SeedsResult:
         return {"seeds": [r.report for r in self.results], "summary": self.summary}
 
 
+def kept_report(report: dict, decisions: bool = False) -> dict:
+    """A report (one seed's, or several seeds' with their summary) as its JSON keeps it: each seed's log of the
+    controller's every decision only where asked for (most of a long run's bytes; the command makes it again)."""
+    if "seeds" in report:
+        return {**report, "seeds": [kept_report(seed, decisions) for seed in report["seeds"]]}
+    return report if decisions else {key: value for key, value in report.items() if key != "decisions"}
+
+
 def run_seeds(settings: SimSettings, seeds: int, progress: Callable[[str], None] = lambda _: None) -> SeedsResult:
     """The whole simulation once per seed 0 .. seeds - 1 (each its own stream order and trace), and the
     summary of each system's figures over them; one seed: the run as `settings` has it."""
