@@ -6,8 +6,11 @@ setting's name, default, meaning and range are written once."""
 from __future__ import annotations
 
 import dataclasses
+import operator
 from dataclasses import MISSING, dataclass
 from typing import Any
+
+BOUNDS = (("ge", ">=", operator.ge), ("gt", ">", operator.gt), ("le", "<=", operator.le), ("lt", "<", operator.lt))
 
 
 @dataclass(frozen=True)
@@ -28,9 +31,7 @@ class Option:
             return None
         if self.choices is not None and value not in self.choices:
             return f"{name} must be one of {self.choices}, got {value!r}"
-        bounds = (("ge", ">=", lambda v, b: v >= b), ("gt", ">", lambda v, b: v > b),
-                  ("le", "<=", lambda v, b: v <= b), ("lt", "<", lambda v, b: v < b))
-        for key, sign, holds in bounds:
+        for key, sign, holds in BOUNDS:
             bound = getattr(self, key)
             if bound is not None and not holds(value, bound):
                 return f"{name} must be {sign} {bound:g}, got {value!r}"
