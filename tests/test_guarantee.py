@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from rampserve.control.exit_rule import NO_EXIT, first_exits
@@ -123,6 +123,7 @@ def test_the_windowed_rate_is_the_highest_at_which_independent_answers_break_the
 
 @settings(max_examples=5, deadline=None)
 @given(st.floats(0.02, 0.3), st.floats(0.02, 0.3), st.integers(0, 2 ** 16))
+@example(0.125, 0.25, 678)  # the draw that broke 8.4% of windows over 20 trials
 def test_the_average_and_windowed_promises_hold_where_answers_disagree_independently(slope1, slope2, seed):
     """Thresholds tuned at each promise's rate on a sample of a stream whose disagreement is known exactly, then
     served on that stream: the average promise keeps its disagreement within the constraint, the windowed one breaks
@@ -137,7 +138,9 @@ def test_the_average_and_windowed_promises_hold_where_answers_disagree_independe
     average, windowed = ControllerSettings(guarantee="average"), ControllerSettings(guarantee="windowed")
     allowed = int(windowed.promise_window * CONSTRAINT)
     risks: dict[str, list[float]] = {"average": [], "windowed": []}
-    for _ in range(20):
+    # 40 trials: over 20, the windowed share's mean (6.5% on average: the tuner's overshoot) reached 8.4% on one draw
+    # of a fresh clone (slopes 0.125, 0.25, seed 678); over 40 that draw gives 7.2% and 25 others at most 7.6%
+    for _ in range(40):
         data = ExitData(*_stream(rng, n, slopes), saved)
         for promise in (average, windowed):
             chosen = tune_greedy(data, 1.0 - promise.risk_target).thresholds
