@@ -1266,14 +1266,13 @@ def bench_headlines(
     (rampserve/bench/headlines.py names each); without --write, print it and say whether the README holds it."""
     from rampserve.bench.headlines import table, with_table
 
-    page = readme.read_text()
-    rendered = with_table(page)
+    page, rendered = readme.read_text(), table()
     if write:
-        readme.write_text(rendered)
+        readme.write_text(with_table(page, rendered))
         console.print(f"rendered the results table of {readme}")
         return
-    console.print(table(), markup=False, highlight=False, soft_wrap=True)
-    console.print(f"{readme} {'holds this table' if rendered == page else 'differs: run with --write'}")
+    console.print(rendered, markup=False, highlight=False, soft_wrap=True)
+    console.print(f"{readme} {'holds this table' if with_table(page, rendered) == page else 'differs: run with --write'}")
 
 @zoo_app.command("train")
 def zoo_train(

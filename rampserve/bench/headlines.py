@@ -331,7 +331,7 @@ def table(root: Path = KEPT) -> str:
     return "\n".join([HEADER, *(row.render(root) for row in ROWS)])
 
 
-def with_table(page: str, root: Path = KEPT) -> str:
-    """`page` with the table between its markers rendered afresh."""
+def with_table(page: str, rendered: str) -> str:
+    """`page` with `rendered` (a `table()`) between its markers, in place of what was there."""
     start, end = page.index(START) + len(START), page.index(END)
-    return f"{page[:start]}\n{table(root)}\n{page[end:]}"
+    return f"{page[:start]}\n{rendered}\n{page[end:]}"
