@@ -58,7 +58,8 @@ POLL_REST_S = 0.001
 # imported by `main` after the interpreter's start and before the bundle loads, so that the start's log tells the
 # three apart (this module imports none of them at its top)
 MODEL_MODULES = {"torch": ("rampserve.serving.executor.worker", "rampserve.runtime.bundle"),
-                 "onnx": ("rampserve.serving.executor.worker", "rampserve.runtime.bundle", "rampserve.runtime.onnx_signals")}
+                 "onnx": ("rampserve.serving.executor.worker", "rampserve.runtime.bundle",
+                          "rampserve.runtime.onnx_signals")}
 
 
 class StartLog:
@@ -147,7 +148,7 @@ class Executor:
         relayed = hello["relayed_control"]
         control = None if relayed is None else RelayedControl(self, Configuration.from_json(relayed))
         self.worker = ModelWorker(model, ModelSettings.from_json(hello["settings"]), self.metrics, control,
-                                  inbox=lambda _queue: self, on_configuration=self._tell_configuration)
+                                  inbox=self, on_configuration=self._tell_configuration)
         self._poll_s = self.worker.settings.idle_poll_ms / 1000.0
         self._idle_work = RunnableWatch()  # the server's SCHED_IDLE threads, which polling must not starve
         self._background: list[tuple[int, int]] = []  # those of the front end's background processes

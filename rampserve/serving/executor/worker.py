@@ -113,10 +113,10 @@ class ModelWorker:
     available = True  # serving from its launch to its shutdown (the `Worker` contract)
 
     def __init__(self, served: ServedModel, settings: ModelSettings, metrics: ServerMetrics,
-                 control: ControlLink | None = None, inbox: Callable[[RequestQueue], Inbox] = LocalInbox,
+                 control: ControlLink | None = None, inbox: Inbox | None = None,
                  on_configuration: Callable[[Configuration], None] | None = None) -> None:
         """`control`: the model's controller (default: one of its own in this process; none when vanilla); `inbox`:
-        where its requests come in, made for its queue (default: from other threads of this process);
+        where its requests come in (default: its queue's admissions from other threads of this process);
         `on_configuration`: told of every configuration the executor adopts (an executor process tells its front
         end)."""
         self.served = served = loaded(served)
@@ -133,7 +133,7 @@ class ModelWorker:
                                             limit=1.0 if settings.adaptive_batching else float(self.max_batch))
         self.batch_time = BatchTimeEstimate(profile.full(self.max_batch))
         self.queue = RequestQueue(served.name, settings, profile, self.batch_size, self.batch_time, metrics)
-        self.inbox = inbox(self.queue)
+        self.inbox = LocalInbox(self.queue) if inbox is None else inbox
         if control is None and not settings.vanilla:
             prior = validation_record(tuple(model.site_names), model.validation)
             control = LocalControl(Controller(profile, controller_settings, prior))

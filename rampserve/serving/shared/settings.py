@@ -16,7 +16,7 @@ import typing
 from collections.abc import Callable, Mapping
 from dataclasses import MISSING, dataclass, field, fields, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, create_model, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -40,6 +40,7 @@ CONTROLLER_KEYS = frozenset(f.name for f in fields(ControllerSettings))
 LOOPBACK = "127.0.0.1"
 EXECUTORS = ("process", "thread")
 EXECUTOR_POLICIES = ("normal", "idle-pools", "idle")
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -226,10 +227,14 @@ class _Serve(ModelOptions, BaseSettings):  # type: ignore[misc, valid-type]
         return with_options(ModelSettings(), self.per_model())
 
     def server_settings(self) -> ServerSettings:
-        return ServerSettings(**{name: getattr(self, name) for name in options_of(ServerSettings)})
+        return self._declared(ServerSettings)
 
     def ray_options(self) -> RayOptions:
-        return RayOptions(**{name: getattr(self, name) for name in options_of(RayOptions)})
+        return self._declared(RayOptions)
+
+    def _declared(self, settings: type[T]) -> T:
+        """The settings class made from the values these options hold for its own options."""
+        return settings(**{name: getattr(self, name) for name in options_of(settings)})
 
 
 # What `rampserve serve` takes beyond its models and applications: each from its flag, else from the environment
