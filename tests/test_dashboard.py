@@ -278,7 +278,8 @@ def test_the_dashboard_shows_in_a_browser_what_the_server_served(resnet_bundle, 
                                     accuracy_constraint=0.3, ramp_adjustment=False)
     # Eager stages: the executor process starts without compiling (tens of seconds on a busy 2-core machine)
     model_settings = ModelSettings(controller=controller, preload_s=0.0, deadline_ms=60_000.0, torchscript=False)
-    state = build_state([served], model_settings, ServerSettings(port=0, grpc=False), [ApplicationSpec(APP, (MODEL,), "exp4")])
+    state = build_state([served], model_settings, ServerSettings(port=0, grpc=False),
+                        [ApplicationSpec(APP, (MODEL,), "exp4")])
     driver = None
     with running_server(state) as url:
         try:

@@ -473,7 +473,8 @@ def test_the_cache_keeps_final_answers_never_a_ramps(served, fmnist_feeds) -> No
     """An answer released at a ramp is cached as the original model's final answer, so a repeat gets that (in
     release mode: in stop mode an input that left has no final answer to keep)."""
     x = fmnist_feeds[:8]
-    with server(served, fixed_exits(served, 0, 1.0, "release"), ServerSettings(port=0, grpc=False, cache_mb=1.0)) as (url, state):
+    with server(served, fixed_exits(served, 0, 1.0, "release"),
+                ServerSettings(port=0, grpc=False, cache_mb=1.0)) as (url, state):
         first = post(f"{url}/v2/models/{MODEL}/infer", infer_body(served, x))[2]
         deadline = time.monotonic() + 30  # the early answer leaves before its batch ends and is cached
         while len(state.caches[MODEL]) == 0:
@@ -534,7 +535,8 @@ def test_status_counts_every_answer_by_the_path_it_took(served, fmnist_feeds) ->
     # A threshold among this ramp's error scores mixes exits and finals
     threshold = mixing_threshold(served, 2, fmnist_feeds)
     # Release mode, so that every input of the first requests has a final answer for the cache to keep
-    with server(served, fixed_exits(served, 2, threshold, "release"), ServerSettings(port=0, grpc=False, cache_mb=1.0)) as (url, _):
+    with server(served, fixed_exits(served, 2, threshold, "release"),
+                ServerSettings(port=0, grpc=False, cache_mb=1.0)) as (url, _):
         def ask(first: int, last: int) -> list[dict]:
             return [post(f"{url}/v2/models/{MODEL}/infer", infer_body(served, fmnist_feeds[a:a + n]))[2]
                     for a, n in zip(starts[first:last], sizes[first:last])]

@@ -24,7 +24,7 @@ from typer.testing import CliRunner
 import rampserve.serving.server as server_module
 from rampserve.cli import app
 from rampserve.control.controller import ControllerSettings
-from rampserve.options import option, options_of
+from rampserve.options import BOUNDS, option, options_of
 from rampserve.serving.learning import LearningSettings
 from rampserve.serving.server import build_state
 from rampserve.serving.shared.settings import (
@@ -301,8 +301,8 @@ def test_each_option_set_by_its_flag_reaches_the_server(cls, name, served_with) 
     assert reached(cls, name, model_settings, server_settings) == value
 
 
-BOUNDED = [(cls, name, bound, key) for cls, name in OPTIONS
-           for key, bound in vars(DECLARED[cls][name][1]).items() if key in ("ge", "gt", "le", "lt") and bound is not None]
+BOUNDED = [(cls, name, getattr(DECLARED[cls][name][1], key), key) for cls, name in OPTIONS for key, _, _ in BOUNDS
+           if getattr(DECLARED[cls][name][1], key) is not None]
 
 
 @pytest.mark.parametrize(("cls", "name", "bound", "key"), BOUNDED, ids=[f"{n}-{k}" for _, n, _, k in BOUNDED])

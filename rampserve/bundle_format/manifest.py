@@ -1,6 +1,6 @@
 """A bundle's manifest and signature, read without torch: what a server's front end needs to serve a bundle whose
-model an executor process loads (`serving.shared.models.read_served`). The names of a bundle's files, and the digests that
-every reader checks, are kept here; writing bundles and loading their models is `runtime.bundle`'s."""
+model an executor process loads (`serving.shared.models.described_bundle`). The names of a bundle's files, and the
+digests that every reader checks, are kept here; writing bundles and loading their models is `runtime.bundle`'s."""
 
 from __future__ import annotations
 
@@ -24,8 +24,8 @@ RAMPS_FILE = "ramps.safetensors"
 TORCH_WEIGHTS = "model.safetensors"
 ONNX_FILE = "model.onnx"
 EXAMPLE_FILE = "example.safetensors"
-# A text model's tokenizer as its token inputs were made (`bundle_format.text`); an hf checkpoint's own tokenizer.json, which
-# its bundle carries too, is the file as the user saved it
+# A text model's tokenizer as its token inputs were made (`bundle_format.text`); an hf checkpoint's own
+# tokenizer.json, which its bundle carries too, is the file as the user saved it
 TEXT_TOKENIZER_FILE = "text-tokenizer.json"
 # Every site's ramp's top label and error score, and the model's own label, on the inputs the ramps were validated on:
 # a server's controller takes its first thresholds from them (`control.records.validation_record`). Bundles came

@@ -2,8 +2,8 @@
 threshold, at the first active ramp (in model order) where it does. Error scores lie in [0, 1], so threshold 0
 exits nothing: a ramp active only for the record.
 
-The releasing test (`serving.executor.batch`), threshold tuning's evaluation (`control`) and the exit floors the compiled
-ramps are given (`runtime.compiled`) all come from here. Free of torch: the controller reads it.
+The releasing test (`serving.executor.batch`), threshold tuning's evaluation (`control`) and the exit floors the
+compiled ramps are given (`runtime.compiled`) all come from here. Free of torch: the controller reads it.
 """
 
 from __future__ import annotations

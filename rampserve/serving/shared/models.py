@@ -38,9 +38,9 @@ VERSION = "1"
 @dataclass(frozen=True)
 class TextInput:
     """A text model's texts in place of its token inputs: one BYTES tensor `text` of UTF-8 strings, one per row
-    (shape [n], or [n, 1]), each tokenized by the tokenizer its bundle was prepared with (`bundle_format.text`). The front
-    end tokenizes a request as it reads it: the prediction cache, the queue, the executor and the controller's books
-    then see the token inputs, the same whichever form the client sent."""
+    (shape [n], or [n, 1]), each tokenized by the tokenizer its bundle was prepared with (`bundle_format.text`).
+    The front end tokenizes a request as it reads it: the prediction cache, the queue, the executor and the
+    controller's books then see the token inputs, the same whichever form the client sent."""
 
     encoder: TextEncoder
     token_names: tuple[str, ...]  # the model's token inputs, in the order the tokenizer gives them
