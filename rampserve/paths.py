@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -23,3 +26,17 @@ def bundles_dir() -> Path:
     path = home() / "bundles"
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+@contextmanager
+def exclusive(folder: Path, name: str) -> Iterator[None]:
+    """Hold the machine-wide lock `name` in `folder` (a hidden lock file there): the cache is shared by every
+    rampserve process on the machine (a server, a bench, parallel tests), and two that build the same artifact at
+    once would each replace the other's under its readers."""
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / f".{name}.lock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)

@@ -4,4 +4,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 .venv/bin/ruff check rampserve tests
-exec .venv/bin/python -m pytest -q "$@"
+# A file's tests run in one worker process (they share its fixtures: a server, a prepared model); files run on every
+# core, at most four at once (each worker builds the session's small models again)
+exec .venv/bin/python -m pytest -q -n auto --maxprocesses 4 --dist loadfile "$@"

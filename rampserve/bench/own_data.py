@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from rampserve.bundle_format.manifest import BundleError, read_manifest
-from rampserve.paths import bundles_dir
+from rampserve.paths import bundles_dir, exclusive
 from rampserve.runtime.bundle import load_bundle, save_bundle
 from rampserve.runtime.prepare import (
     PrepareConfig,
@@ -92,10 +92,11 @@ def own_stream(model: str, data: Path, options: DataOptions = DataOptions(), con
     key = json.dumps({"source": source.to_json(), "data": read.sha256,
                       "config": asdict(replace(config, data=None))}, sort_keys=True, default=str)
     bundle = bundles_dir() / f"own-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
-    try:
-        read_manifest(bundle)
-    except BundleError:
-        save_bundle(prepare(source, config), bundle)
+    with exclusive(bundles_dir(), bundle.name):  # another process may be preparing it
+        try:
+            read_manifest(bundle)
+        except BundleError:
+            save_bundle(prepare(source, config), bundle)
     model_data = load_bundle(bundle).meta["data"]
     return OwnStream(bundle, data_stream(read, model_data["bootstrap_rows"]), replay_record(read, model_data))
 

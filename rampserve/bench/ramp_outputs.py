@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -103,7 +104,9 @@ def ramp_outputs(model: PreparedModel, bundle_dir: Path, stream: Stream, start: 
             return RampOutputs(tuple(str(s) for s in data["sites"]), data["labels"], data["errors"], data["final"])
     outputs = _compute(model, stream, start, stop, learn_batch)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp.npz")
-    np.savez(tmp, sites=np.array(outputs.sites), labels=outputs.labels, errors=outputs.errors, final=outputs.final)
-    tmp.replace(path)
+    # a name of its own: another process may be writing the same outputs
+    with tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.stem}.", suffix=".npz", delete=False) as tmp:
+        np.savez(tmp, sites=np.array(outputs.sites), labels=outputs.labels, errors=outputs.errors,
+                 final=outputs.final)
+    Path(tmp.name).replace(path)
     return outputs

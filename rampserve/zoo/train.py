@@ -8,7 +8,6 @@ positionally in `input_names` order and returns logits.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import shutil
@@ -26,7 +25,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from tqdm import tqdm
 
-from rampserve.paths import zoo_dir
+from rampserve.paths import exclusive, zoo_dir
 from rampserve.workloads.fashion_mnist import load_fashion_mnist
 from rampserve.workloads.rotten_tomatoes import load_rotten_tomatoes, rt_movie_split
 
@@ -224,17 +223,6 @@ def artifact_name(name: str, small: bool) -> str:
     return f"{name}-small" if small else name
 
 
-@contextmanager
-def _artifact_lock(artifact: str) -> Iterator[None]:
-    """Serialise concurrent trainings of one artifact (two CLI runs, parallel tests) across processes."""
-    with open(zoo_dir() / f".{artifact}.lock", "w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
 def read_metrics(artifact: str) -> dict[str, Any] | None:
     """The metrics of a complete artifact, or None when it has not been trained."""
     folder = artifact_dir(artifact)
@@ -256,7 +244,7 @@ def train_cached(recipe: Recipe) -> dict[str, Any]:
     metrics = read_metrics(recipe.artifact)
     if _trained_with(metrics, recipe):
         return metrics
-    with _artifact_lock(recipe.artifact):
+    with exclusive(zoo_dir(), recipe.artifact):  # another process may be training it
         metrics = read_metrics(recipe.artifact)  # another process may have finished while we waited
         if _trained_with(metrics, recipe):
             return metrics
