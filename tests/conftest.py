@@ -12,9 +12,15 @@ import pytest
 TEST_HOME = Path(__file__).resolve().parent.parent / ".test-home"
 os.environ["RAMPSERVE_HOME"] = str(TEST_HOME)
 os.environ["HF_HUB_OFFLINE"] = "1"
-# Commands' messages on one line, whatever the terminal: a test that looks for a path in an error finds it whole
-# (rich wraps at the terminal's width, and a worker's temporary paths are longer)
-os.environ["COLUMNS"] = os.environ["TERMINAL_WIDTH"] = "1000"
+
+
+@pytest.fixture(autouse=True)
+def unwrapped_messages(monkeypatch):
+    """Commands' messages on one line, whatever the terminal: a test that looks for a path in an error finds it
+    whole (rich wraps at the terminal's width, and a test worker's temporary paths are longer). Set per test, so that
+    pytest's own report keeps the terminal's width."""
+    monkeypatch.setenv("COLUMNS", "1000")
+    monkeypatch.setenv("TERMINAL_WIDTH", "1000")
 
 
 @pytest.fixture(scope="session")

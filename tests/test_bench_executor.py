@@ -11,8 +11,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from rampserve.bench.executor import (
-    ENCODINGS, EXECUTORS, ExecutorBenchSettings, executor_table, grpc_over_binary, http_cores_table, paired_ratios,
-    rotated,
+    ENCODINGS, EXECUTORS, ExecutorBenchSettings, executor_table, grpc_over_binary, http_cores_table, over_echo,
+    paired_ratios, rotated,
 )
 from rampserve.bench.harness import ServerProcess, run_loadgen
 from rampserve.bench.http_cores import CORES, INFER_PATH
@@ -47,6 +47,17 @@ def test_grpc_over_binary_is_paired_within_each_round_and_counts_the_models_time
     assert ratios["closed_rps"]["min_max"] == [0.5, 2.0] and ratios["closed_p99_ms"]["min_max"] == [1.0, 1.0]
 
 
+def test_overhead_over_the_echo_is_paired_with_the_echo_of_its_own_round() -> None:
+    rounds = [_round(1.0), _round(0.6) | {"overhead_grpc_ms": None}, _round(0.9)]
+    cores = [{"uvicorn": 0.2, "uvicorn-raw": 0.1}, {"uvicorn": 0.3}, {"uvicorn": 0.3}]
+    ratios = over_echo(rounds, cores)
+    assert ratios["overhead_lean_ms"] == {"median": pytest.approx(3.0), "min_max": [pytest.approx(2.0),
+                                                                                 pytest.approx(5.0)]}
+    # the round without a gRPC figure is left out of its ratio
+    assert ratios["overhead_grpc_ms"]["min_max"] == [pytest.approx(3.0), pytest.approx(5.0)]
+    assert set(ratios) == {f"overhead_{encoding}_ms" for encoding in ENCODINGS}
+
+
 def test_each_round_starts_the_transports_one_further_along() -> None:
     orders = [rotated(ENCODINGS, r) for r in range(len(ENCODINGS))]
     assert orders[0] == ENCODINGS and all(sorted(o) == sorted(ENCODINGS) for o in orders)
@@ -67,13 +78,17 @@ def test_the_table_shows_medians_spans_and_ratios() -> None:
     grpc = {"one_at_a_time_p50": {"median": 0.9, "min_max": [0.8, 1.0]}}
     report = {"model": "m", "batch1_inprocess_ms": 1.2, "settings": asdict(settings), "systems": systems,
               "process_over_thread": {key: {"median": 0.5, "min_max": [0.4, 0.6]} for key in FIGURES},
-              "grpc_over_binary": {kind: grpc for kind in EXECUTORS}}
+              "grpc_over_binary": {kind: grpc for kind in EXECUTORS},
+              "over_uvicorn_echo": {kind: {"overhead_lean_ms": {"median": 2.5, "min_max": [2.0, 3.0]}}
+                                    for kind in EXECUTORS}}
     table = executor_table(report)
     assert [c.header for c in table.columns][1:] == ["executor thread", "executor process",
                                                      "process / thread (paired)"]
     assert list(table.columns[3].cells)[:len(FIGURES)] == ["0.50 (0.40–0.60)"] * len(FIGURES)
     ratio_rows = list(table.columns[0].cells).index("gRPC / binary: one at a time p50")
     assert [list(table.columns[i].cells)[ratio_rows] for i in (1, 2)] == ["0.90 (0.80–1.00)"] * 2
+    echo_row = list(table.columns[0].cells).index("overhead lean / uvicorn echo (same round)")
+    assert [list(table.columns[i].cells)[echo_row] for i in (1, 2)] == ["2.50 (2.00–3.00)"] * 2
 
 
 def test_settings_refuse_a_closed_loop_shorter_than_its_settling() -> None:

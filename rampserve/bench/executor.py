@@ -95,6 +95,15 @@ def grpc_over_binary(rounds: list[dict], batch1_ms: float) -> dict[str, dict]:
     return {key: ratio for key, ratio in ratios.items() if ratio is not None}
 
 
+def over_echo(rounds: list[dict], cores: list[dict[str, float]]) -> dict[str, dict]:
+    """One executor's overhead per encoding over the round trip of the bare uvicorn echo timed in the same round (the
+    HTTP core rampserve runs on, `http_cores`), the median and [min, max] of those ratios. Like for like only for
+    the lean client's (the echo is timed with it); the others carry their client's cost too."""
+    ratios = {key: median_ratio([(r.get(key), c.get("uvicorn")) for r, c in zip(rounds, cores)])
+              for key in (f"overhead_{encoding}_ms" for encoding in ENCODINGS)}
+    return {key: ratio for key, ratio in ratios.items() if ratio is not None}
+
+
 def run_executor_bench(settings: ExecutorBenchSettings, json_out: Path | None, progress: bool = True) -> dict:
     model = load_bundle(zoo_bundle(settings.model))
     stream = get_stream(settings.workload)
@@ -134,6 +143,7 @@ def run_executor_bench(settings: ExecutorBenchSettings, json_out: Path | None, p
     report = {"model": settings.model, "batch1_inprocess_ms": batch1, "orders": [list(o) for o in orders],
               "settings": asdict(settings), "systems": systems, "process_over_thread": paired_ratios(rounds),
               "grpc_over_binary": {kind: grpc_over_binary(rounds[kind], batch1) for kind in EXECUTORS},
+              "over_uvicorn_echo": {kind: over_echo(rounds[kind], cores) for kind in EXECUTORS},
               "http_cores": dict(zip(("median_ms", "min_max"), over_rounds(cores))) | {"rounds": cores}}
     write_result(report, json_out)
     return report
@@ -206,6 +216,10 @@ def executor_table(report: dict) -> Table:
                        (f"gRPC / binary: {clients} clients p50", "closed_p50_ms"),
                        (f"gRPC / binary: {clients} clients p99", "closed_p99_ms")):
         table.add_row(label, *(ratio_cell(report["grpc_over_binary"][kind].get(key)) for kind in EXECUTORS), "")
+    for encoding in ENCODINGS:
+        key = f"overhead_{encoding}_ms"
+        table.add_row(f"overhead {encoding} / uvicorn echo (same round)",
+                      *(ratio_cell(report["over_uvicorn_echo"][kind].get(key)) for kind in EXECUTORS), "")
     return table
 
 
