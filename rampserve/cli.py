@@ -1259,20 +1259,25 @@ def bench_race(
 
 @bench_app.command("headlines")
 def bench_headlines(
-    write: Annotated[bool, typer.Option(help="render the README's results table afresh in place")] = False,
-    readme: Annotated[Path, typer.Option(help="the page that holds the table")] = Path("README.md"),
+    write: Annotated[bool, typer.Option(help="render the tables afresh in place")] = False,
+    root: Annotated[Path, typer.Option(help="the checkout whose pages hold the tables")] = Path("."),
 ) -> None:
-    """The README's table of headline results, every figure read from the kept JSON of the run it quotes
-    (rampserve/bench/headlines.py names each); without --write, print it and say whether the README holds it."""
-    from rampserve.bench.headlines import table, with_table
+    """The docs' tables of results (the README's headlines, docs/control.md's promises), every figure read from the
+    kept JSON of the run it quotes (rampserve/bench/headlines.py names each); without --write, print them and say
+    whether each page holds its table."""
+    from rampserve.bench.headlines import RESULTS, SECTIONS
 
-    page, rendered = readme.read_text(), table()
-    if write:
-        readme.write_text(with_table(page, rendered))
-        console.print(f"rendered the results table of {readme}")
-        return
-    console.print(rendered, markup=False, highlight=False, soft_wrap=True)
-    console.print(f"{readme} {'holds this table' if with_table(page, rendered) == page else 'differs: run with --write'}")
+    for section in SECTIONS:
+        path = root / section.page
+        page, rendered = path.read_text(), section.render(root / RESULTS)
+        if write:
+            path.write_text(section.within(page, rendered))
+            console.print(f"rendered the {section.name} table of {path}")
+            continue
+        console.print(rendered, markup=False, highlight=False, soft_wrap=True)
+        held = section.within(page, rendered) == page
+        console.print(f"{path} {'holds this table' if held else 'differs: run with --write'}")
+
 
 @zoo_app.command("train")
 def zoo_train(

@@ -1,10 +1,12 @@
-"""The README's table of headline results, rendered from the kept JSON of the runs it quotes (`rampserve bench
-headlines`), so that a figure cannot drift from its run: each figure is read from its run's JSON (or computed from
-several, as said beside it), and a test renders the table and compares it with the README.
+"""Tables in the docs rendered from the kept JSON of the runs they quote (`rampserve bench headlines`), so that a
+figure cannot drift from its run: the README's headline results and docs/control.md's table of what each accuracy
+promise costs. Each figure is read from its run's JSON (or computed from several, as said beside it), and a test
+renders every table and compares it with its page.
 
-A row names its runs' files (under bench-results/, listed in its JSON column), the page that holds the command and
-its spread, and the commit the page names for the run; its result cell is a template whose `{}` are its figures, in
-order. A bar from an issue is text of the template, not a figure."""
+A headline row names its runs' files (under bench-results/, listed in its JSON column), the page that holds the
+command and its spread, and the commit the page names for the run; its result cell is a template whose `{}` are its
+figures, in order. A bar from an issue is text of the template, not a figure. A promise row names one `bench sim`
+run of several seeds; its columns are the same figures for every run."""
 
 from __future__ import annotations
 
@@ -18,9 +20,6 @@ from typing import Any
 
 RESULTS = Path("bench-results")  # as the README links it
 KEPT = Path(__file__).resolve().parents[2] / RESULTS  # the checkout's
-START = "<!-- headlines: rendered from bench-results/ by `rampserve bench headlines --write`; edit rows in " \
-        "rampserve/bench/headlines.py -->"
-END = "<!-- end of headlines -->"
 HEADER = "| what | result | page | code | JSON |\n|---|---|---|---|---|"
 
 Runs = Sequence[Any]  # a row's runs' JSON, in the order of its files
@@ -331,7 +330,83 @@ def table(root: Path = KEPT) -> str:
     return "\n".join([HEADER, *(row.render(root) for row in ROWS)])
 
 
-def with_table(page: str, rendered: str) -> str:
-    """`page` with `rendered` (a `table()`) between its markers, in place of what was there."""
-    start, end = page.index(START) + len(START), page.index(END)
-    return f"{page[:start]}\n{rendered}\n{page[end:]}"
+def seed_values(run: dict, system: str, figure: str) -> list[float]:
+    """One system's figure in every seed of a `bench sim` run of several; "p50" and "p99" as ratios to vanilla's."""
+    if figure in ("p50", "p99"):
+        return [seed["systems"][system][f"{figure}_ms"] / seed["systems"]["vanilla"][f"{figure}_ms"]
+                for seed in run["seeds"]]
+    return [seed["systems"][system][figure] for seed in run["seeds"]]
+
+
+def spread(values: list[float], spec: str) -> str:
+    return f"{statistics.median(values):{spec}} ({min(values):{spec}}-{max(values):{spec}})"
+
+
+PROMISE_HEADER = ("| model | promise | p50 × vanilla, median (seeds) | p99 × | oracle share | accuracy, worst seed | "
+                  "1k windows below 0.99, median (worst) | worst window | budget spent | static hindsight share | "
+                  "seeds below hindsight − 0.1 |\n|---|---|---|---|---|---|---|---|---|---|---|")
+
+
+@dataclass(frozen=True)
+class PromiseRow:
+    model: str  # as the table says it (the code it ran on where it differs from the row above)
+    promise: str
+    file: str  # a `bench sim --seeds N --guarantee PROMISE` run
+
+    def render(self, root: Path) -> str:
+        run = json.loads((root / self.file).read_text())
+        accuracy = seed_values(run, "rampserve", "accuracy")
+        windows = seed_values(run, "rampserve", "windows_below_share")
+        hindsight = seed_values(run, "static_hindsight", "oracle_share")
+        cells = [self.model, self.promise, spread(seed_values(run, "rampserve", "p50"), ".3f"),
+                 spread(seed_values(run, "rampserve", "p99"), ".3f"),
+                 spread(seed_values(run, "rampserve", "oracle_share"), ".2f"), f"{min(accuracy):.4f}",
+                 f"{statistics.median(windows):.1%} ({max(windows):.1%})",
+                 f"{min(seed_values(run, 'rampserve', 'worst_window_accuracy')):.3f}",
+                 f"{budget_spent(run):.2f}", f"{statistics.median(hindsight):.2f} ({min(hindsight):.2f})",
+                 f"{seeds_below_hindsight(run['seeds'])} of {len(run['seeds'])}"]
+        return f"| {' | '.join(cells)} |"
+
+
+PROMISE_ROWS = (
+    PromiseRow("lite0-fmnist", "certified", "sim-lite0-fmnist-promise-certified-seeds5-fbbfb9a.json"),
+    PromiseRow("lite0-fmnist", "windowed", "sim-lite0-fmnist-promise-windowed-seeds5-fbbfb9a.json"),
+    PromiseRow("lite0-fmnist", "average", "sim-lite0-fmnist-promise-average-seeds5-fbbfb9a.json"),
+    PromiseRow("minilm-rt (code cfa1bd6)", "certified", "sim-minilm-rt-promise-certified-seeds5-cfa1bd6.json"),
+    PromiseRow("minilm-rt (cfa1bd6)", "average", "sim-minilm-rt-promise-average-seeds5-cfa1bd6.json"),
+    PromiseRow("minilm-rt (4d5f935)", "windowed", "sim-minilm-rt-promise-windowed-seeds5-4d5f935.json"),
+    PromiseRow("before: lite0-fmnist", "certified", "sim-lite0-fmnist-promise-certified-seeds3.json"),
+    PromiseRow("before", "windowed", "sim-lite0-fmnist-promise-windowed-seeds3.json"),
+    PromiseRow("before", "average", "sim-lite0-fmnist-promise-average-seeds3.json"),
+)
+
+
+def promise_table(root: Path = KEPT) -> str:
+    return "\n".join([PROMISE_HEADER, *(row.render(root) for row in PROMISE_ROWS)])
+
+
+@dataclass(frozen=True)
+class Section:
+    """A table of a page (relative to the checkout) between two markers, rendered from the kept runs."""
+
+    page: Path
+    name: str
+    render: Callable[[Path], str]  # the runs' folder -> the table
+
+    @property
+    def start(self) -> str:
+        return (f"<!-- {self.name}: rendered from bench-results/ by `rampserve bench headlines --write`; edit rows "
+                "in rampserve/bench/headlines.py -->")
+
+    @property
+    def end(self) -> str:
+        return f"<!-- end of {self.name} -->"
+
+    def within(self, page: str, rendered: str) -> str:
+        """`page` with `rendered` between its markers, in place of what was there."""
+        start, end = page.index(self.start) + len(self.start), page.index(self.end)
+        return f"{page[:start]}\n{rendered}\n{page[end:]}"
+
+
+SECTIONS = (Section(Path("README.md"), "headlines", table),
+            Section(Path("docs/control.md"), "promises", promise_table))
