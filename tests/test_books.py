@@ -13,6 +13,7 @@ from test_serving import MODEL, get_json, infer_body, post, server
 from rampserve.control.controller import ControllerSettings
 from rampserve.serving.executor.loading import load_served, loaded
 from rampserve.serving.server import ServerSettings
+from rampserve.serving.shared.contract import ModelRequest
 from rampserve.serving.shared.settings import ModelSettings
 from rampserve.workloads.fashion_mnist import to_model_input
 from rampserve.workloads.streams import get_stream
@@ -114,7 +115,7 @@ def test_the_executor_releases_every_row_once_consistently_and_records_the_paths
         try:
             starts = np.cumsum([0] + [rows for rows, _ in requests])
             futures = [loop.create_future() for _ in requests]
-            batch = [Pending({name: fmnist_feeds[a:a + rows]}, rows, 0.0, float("inf"), wants,
+            batch = [Pending(ModelRequest({name: fmnist_feeds[a:a + rows]}, wants), 0.0, float("inf"),
                               future_reply(loop, future)) for a, (rows, wants), future in zip(starts, requests, futures)]
             config = Configuration(1, sites, tuple(thresholds))
             worker._serving = (config, model.compiled_set(sites) if compiled else None)
@@ -160,7 +161,7 @@ def test_a_controller_that_can_change_nothing_hears_of_no_batch_while_the_books_
     worker.start()
     try:
         for i in range(requests):
-            worker.queue.admit({name: fmnist_feeds[i:i + 1]}, 1, False, lambda _: answered.release())
+            worker.queue.admit(ModelRequest({name: fmnist_feeds[i:i + 1]}), lambda _: answered.release())
         for _ in range(requests):
             assert answered.acquire(timeout=60), "a request was never answered"
     finally:

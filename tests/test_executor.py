@@ -38,7 +38,7 @@ from rampserve.serving.executor.loading import served as make_served
 from rampserve.serving.executor.worker import ModelWorker
 from rampserve.serving.server import ServerSettings, build_state, running_server
 from rampserve.serving.shared import wire
-from rampserve.serving.shared.contract import Answer, Stamps
+from rampserve.serving.shared.contract import Answer, ModelRequest, Stamps
 from rampserve.serving.shared.metrics import ServerMetrics
 from rampserve.serving.shared.models import ServedModel
 from rampserve.serving.shared.settings import ModelSettings
@@ -115,6 +115,26 @@ def test_tensors_come_out_of_a_slot_as_they_went_in(first: np.ndarray, second: n
     for name, array in inputs.items():
         assert out[name].dtype == array.dtype and out[name].shape == array.shape
         np.testing.assert_array_equal(out[name], array)
+
+
+@given(st.integers(1, 5), st.booleans(), st.none() | st.floats(0.5, 500.0), st.integers(-3, 3), st.booleans())
+def test_a_request_survives_the_wire(rows: int, needs_final: bool, deadline_ms: float | None, priority: int,
+                                     keeps_final: bool) -> None:
+    """In the frame's body (no arena slot): the executor reads back the request the front end sent, field for field."""
+    inputs = {"x": np.arange(rows * 3, dtype=np.float32).reshape(rows, 3), "mask": np.ones((rows, 2), np.int64)}
+    request = ModelRequest(inputs, needs_final, deadline_ms, priority)
+    layout, size = wire.layout_of(inputs)
+    body = bytearray(size)
+    wire.pack_into(memoryview(body), inputs, layout)
+    [(kind, header, frame_body)] = list(wire.FrameReader().feed(
+        wire.request_frame(5, request, layout, None, body, keeps_final)))
+    back = wire.read_request(header, wire.unpack(frame_body, header["layout"]))
+    assert kind == wire.REQUEST and header["i"] == 5 and header["slot"] is None and header["keep"] == keeps_final
+    assert (back.needs_final, back.deadline_ms, back.priority, back.arrival, back.rows) == \
+        (needs_final, deadline_ms, priority, request.arrival, rows)
+    for name, array in inputs.items():
+        np.testing.assert_array_equal(back.inputs[name], array)
+        assert back.inputs[name].dtype == array.dtype
 
 
 @given(st.integers(1, 5), st.booleans())

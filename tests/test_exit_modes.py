@@ -23,7 +23,7 @@ from rampserve.runtime.prepared import RampOutputs
 from rampserve.serving.executor.batch import BatchState
 from rampserve.serving.executor.exit_modes import RELEASE, StopStrategy
 from rampserve.serving.executor.request_queue import Pending
-from rampserve.serving.shared.contract import Answer
+from rampserve.serving.shared.contract import Answer, ModelRequest
 
 
 @dataclass
@@ -112,7 +112,8 @@ def serve(strategy, batch: tuple, stops: bool, shadow: bool) -> tuple[list[Answe
     model = ScriptedModel(logits, final, score, signals)
     compiled = SimpleNamespace(sites=sites, fused=fused, stops=stops, classes=classes)
     answers: dict[int, list[Answer]] = {i: [] for i in range(len(requests))}
-    pending = [Pending({}, size, 0.0, np.inf, wants, answers[i].append) for i, (size, wants) in enumerate(requests)]
+    pending = [Pending(ModelRequest({"x": np.zeros((size, 1))}, wants), 0.0, np.inf, answers[i].append)
+               for i, (size, wants) in enumerate(requests)]
     state = BatchState(Configuration(1, sites, thresholds), pending, 0, SimpleNamespace(observe=lambda _: None))
     finals, _ = strategy.execute(model, compiled, state, {}, signals, shadow)
     state.finish(finals.labels, finals.errors, finals.logits)

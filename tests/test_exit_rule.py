@@ -42,6 +42,7 @@ from rampserve.ramps.onnx_fused import ramp_tap
 from rampserve.runtime.compiled import CompiledSet
 from rampserve.serving.executor.batch import BatchState
 from rampserve.serving.executor.request_queue import Pending
+from rampserve.serving.shared.contract import ModelRequest
 
 REPO = Path(__file__).resolve().parent.parent
 # Where a threshold is put relative to an observed error score: at it, a rounding away, around the margins
@@ -114,7 +115,7 @@ def worker_exits(labels: np.ndarray, errors: np.ndarray, thresholds: tuple[float
     rows, ramps = errors.shape
     config = Configuration(1, tuple(f"s{j}" for j in range(ramps)), thresholds)
     # wants the logits: released at the end of its batch, so nothing is answered here, only decided
-    pending = Pending({}, rows, 0.0, math.inf, True, lambda result: None)
+    pending = Pending(ModelRequest({"x": np.zeros((rows, 1))}, True), 0.0, math.inf, lambda result: None)
     state = BatchState(config, [pending], 0, None)
     for j in range(ramps):
         state.ramp(j, labels[:, j], errors[:, j])

@@ -12,7 +12,7 @@ from rampserve.control.controller import ControllerSettings
 from rampserve.serving.executor.loading import load_served, loaded
 from rampserve.serving.executor.worker import ModelWorker
 from rampserve.serving.ray.control import RayControl, controller_name
-from rampserve.serving.shared.contract import Answer
+from rampserve.serving.shared.contract import Answer, ModelRequest
 from rampserve.serving.shared.metrics import ServerMetrics
 from rampserve.serving.shared.settings import ModelSettings
 
@@ -28,7 +28,7 @@ async def serve_all(workers: list[ModelWorker], feeds: np.ndarray, rounds: int) 
     for _ in range(rounds):
         for worker in workers:
             for row in range(len(feeds)):
-                answers.append(await worker.submit({"x": feeds[row:row + 1]}, 1, False))
+                answers.append(await worker.submit(ModelRequest({"x": feeds[row:row + 1]})))
     return answers
 
 

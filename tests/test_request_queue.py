@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from rampserve.bundle_format.latency import LatencyProfile
 from rampserve.serving.executor.batching import AdaptiveBatchSize, BatchTimeEstimate
 from rampserve.serving.executor.request_queue import LocalInbox, RequestQueue
+from rampserve.serving.shared.contract import ModelRequest
 from rampserve.serving.shared.metrics import ServerMetrics
 from rampserve.serving.shared.settings import ModelSettings
 
@@ -26,8 +27,8 @@ def make_queue(max_batch: int = 4, max_delay_ms: float = 0.0) -> RequestQueue:
 
 
 def admit(queue: RequestQueue, rows: int = 1, priority: int = 0, tag: object = None) -> None:
-    queue.admit({"x": np.full((rows, 1), tag if isinstance(tag, int) else 0)}, rows, False, lambda _: None,
-                priority=priority)
+    queue.admit(ModelRequest({"x": np.full((rows, 1), tag if isinstance(tag, int) else 0)}, priority=priority),
+                lambda _: None)
 
 
 def test_a_batch_is_due_when_full_when_its_oldest_waited_or_when_stopping() -> None:
@@ -62,7 +63,7 @@ def test_batches_take_priority_then_arrival_within_the_batch_size(requests, max_
         batch = queue.take_batch()
         queue.batch_done()
         assert batch and (len(batch) == 1 or sum(p.rows for p in batch) <= max_batch)
-        taken += [int(p.inputs["x"][0, 0]) for p in batch]
+        taken += [int(p.request.inputs["x"][0, 0]) for p in batch]
     assert taken == sorted(range(len(requests)), key=lambda tag: (-requests[tag][1], tag))
 
 

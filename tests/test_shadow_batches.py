@@ -20,7 +20,7 @@ from rampserve.runtime.prepared import PreparedModel
 from rampserve.serving.executor.loading import served as make_served
 from rampserve.serving.executor.request_queue import Pending
 from rampserve.serving.executor.worker import ModelWorker
-from rampserve.serving.shared.contract import Answer
+from rampserve.serving.shared.contract import Answer, ModelRequest
 from rampserve.serving.shared.metrics import ServerMetrics
 from rampserve.serving.shared.settings import ModelSettings
 
@@ -110,7 +110,7 @@ def _serve_each(model: PreparedModel, config: Configuration, mode: str, feeds: n
     worker.start()
     try:
         for i in range(len(feeds)):
-            worker.queue.admit({name: feeds[i:i + 1]}, 1, False, lambda answer, i=i: answers.setdefault(i, answer))
+            worker.queue.admit(ModelRequest({name: feeds[i:i + 1]}), lambda answer, i=i: answers.setdefault(i, answer))
             control.wait_for(i + 1)
         status = worker.status()
     finally:
@@ -178,7 +178,7 @@ def test_a_shadow_batch_runs_only_once_its_set_is_loaded_and_each_version_counts
     compiler = worker._compiler = HeldCompiler(model, example, worker._mode)
 
     def run(i: int) -> BatchRecord:
-        worker._run([Pending({name: fmnist_feeds[i:i + 1]}, 1, time.monotonic(), math.inf, False, lambda _: None)])
+        worker._run([Pending(ModelRequest({name: fmnist_feeds[i:i + 1]}), time.monotonic(), math.inf, lambda _: None)])
         return worker._controller_records([worker._records.get_nowait()])[0]
 
     try:

@@ -20,7 +20,7 @@ from rampserve.runtime.compiled import set_key
 from rampserve.serving.executor.loading import served as make_served
 from rampserve.serving.executor.request_queue import Pending
 from rampserve.serving.executor.worker import ModelWorker
-from rampserve.serving.shared.contract import future_reply
+from rampserve.serving.shared.contract import ModelRequest, future_reply
 from rampserve.serving.shared.metrics import ServerMetrics
 from rampserve.serving.shared.settings import ModelSettings
 
@@ -62,7 +62,7 @@ def _serve(worker: ModelWorker, config: Configuration, mode: str, name: str, fee
     try:
         starts = np.cumsum([0] + [rows for rows, _ in requests])
         futures = [loop.create_future() for _ in requests]
-        batch = [_Counted({name: feeds[a:a + rows]}, rows, 0.0, float("inf"), wants, future_reply(loop, future))
+        batch = [_Counted(ModelRequest({name: feeds[a:a + rows]}, wants), 0.0, float("inf"), future_reply(loop, future))
                  for a, (rows, wants), future in zip(starts, requests, futures)]
         worker._run(batch)
         loop.run_until_complete(asyncio.sleep(0))  # the answers were handed to the loop thread-safely
@@ -403,7 +403,7 @@ def test_a_final_answer_is_kept_before_the_response_that_carries_it(resnet_prepa
         worker._serving = (config, model.compiled_set(sites, mode))
         events: list[tuple[str, int, object]] = []
         starts = np.cumsum([0] + [rows for rows, _ in requests])
-        batch = [Pending({name: fmnist_feeds[a:a + rows]}, rows, 0.0, float("inf"), wants,
+        batch = [Pending(ModelRequest({name: fmnist_feeds[a:a + rows]}, wants), 0.0, float("inf"),
                           lambda answer, i=i: events.append(("reply", i, answer)),
                           lambda answer, i=i: events.append(("final", i, answer)))
                  for i, (a, (rows, wants)) in enumerate(zip(starts, requests))]

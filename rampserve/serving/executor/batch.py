@@ -63,7 +63,7 @@ class BatchState:
         self.exits[leaving] = j
         decided = np.logical_and.reduceat(self.exits != NO_EXIT, self.starts)
         for index, pending in enumerate(self.batch):
-            if decided[index] and not pending.settled and not pending.needs_final:
+            if decided[index] and not pending.settled and not pending.request.needs_final:
                 self._answer(pending, int(self.starts[index]), None, None, None)
 
     def site_ramp(self, site: str, ramp_labels: np.ndarray, ramp_errors: np.ndarray) -> None:
@@ -83,7 +83,7 @@ class BatchState:
         self.exits[lost] = left[lost]
         decided = np.logical_and.reduceat(self.exits != NO_EXIT, self.starts)
         for index, pending in enumerate(self.batch):
-            if decided[index] and not pending.settled and not pending.needs_final:
+            if decided[index] and not pending.settled and not pending.request.needs_final:
                 self._answer(pending, int(self.starts[index]), None, None, None)
         return count
 
@@ -128,7 +128,7 @@ class BatchState:
             exit_sites=tuple(None if j == NO_EXIT else config.sites[j] for j in at),
             error_scores=tuple(None if j == NO_EXIT else float(self.errors[i, j]) for i, j in zip(rows, at)),
             confidences=1.0 - released_errors,
-            logits=None if logits is None or not pending.needs_final else logits[rows],
+            logits=None if logits is None or not pending.request.needs_final else logits[rows],
             config_version=config.version, batch_id=self.batch_id,
             stamps=Stamps(pending.admitted, self.started, self.signalled, now)))
         self.answer_time.observe(now - pending.arrival)

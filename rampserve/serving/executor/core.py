@@ -243,15 +243,14 @@ class Executor:
         self.worker.queue.request_stop()
 
     def _admit(self, header: dict, body: memoryview) -> None:
-        request, slot = header["i"], header["slot"]
+        request_id, slot = header["i"], header["slot"]
         inputs = (wire.unpack(body, header["layout"]) if slot is None
                   else wire.unpack(self.arena.view, header["layout"], self.arena.offset(slot)))
         try:
-            self.worker.queue.admit(inputs, header["rows"], header["final"], partial(self._reply, request),
-                                    header["deadline"], header["priority"],
-                                    partial(self._final, request) if header["keep"] else None, header["arrival"])
+            self.worker.queue.admit(wire.read_request(header, inputs), partial(self._reply, request_id),
+                                    partial(self._final, request_id) if header["keep"] else None)
         except Shed as exc:
-            self.send(wire.refused_frame(request, exc))
+            self.send(wire.refused_frame(request_id, exc))
 
     def _reply(self, request: int, result: Answer | BaseException) -> None:
         if isinstance(result, Answer):

@@ -123,7 +123,7 @@ class StopStrategy(ExitStrategy):
         # every input: none stops, so each is observed)
         n = state.n
         state.sample = np.ones(n, dtype=bool) if shadow else self.feedback.random(n) < self.share
-        state.wants_final = np.repeat([p.needs_final for p in state.batch], [p.rows for p in state.batch])
+        state.wants_final = np.repeat([p.request.needs_final for p in state.batch], [p.rows for p in state.batch])
         state.unstoppable = [columns[j] for j, fused in enumerate(compiled.fused) if not fused]
         output, ran = model.run_stopping(compiled, feeds, outputs, thresholds, notify,
                                          state.sample | state.wants_final)

@@ -27,7 +27,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from functools import partial
@@ -36,7 +36,7 @@ import numpy as np
 
 from rampserve.control.records import Configuration
 from rampserve.serving.shared import wire
-from rampserve.serving.shared.contract import Answer, ControlLink, ExecutorLost, Shed, Worker
+from rampserve.serving.shared.contract import Answer, ControlLink, ExecutorLost, ModelRequest, Shed, Worker
 from rampserve.serving.shared.metrics import ServerMetrics
 from rampserve.serving.shared.models import ServedModel
 from rampserve.serving.shared.settings import ModelSettings
@@ -175,31 +175,26 @@ class ProcessWorker:
 
     # ---- requests (event loop) ---------------------------------------------------------------------------------
 
-    def submit(self, inputs: Mapping[str, np.ndarray], rows: int, needs_final: bool,
-               deadline_ms: float | None = None, priority: int = 0,
-               on_final: Callable[[Answer], None] | None = None) -> asyncio.Future:
+    def submit(self, request: ModelRequest, on_final: Callable[[Answer], None] | None = None) -> asyncio.Future:
         channel = self._channel
         if channel is None:
             reason = "shutdown" if self._stopping else "restarting"
             self.metrics.shed.labels(reason=reason, **self._labels).inc()
             raise Shed(503, reason, f"model {self.served.name}: " + (
                 "the server is shutting down" if self._stopping else "its executor process is restarting"), 1)
-        layout, size = wire.layout_of(inputs)
+        layout, size = wire.layout_of(request.inputs)
         slot = self._arena.take() if size <= self._arena.slot_bytes else None
-        body = b""
+        body = bytearray()
         if slot is not None:
             start = self._arena.offset(slot)
-            wire.pack_into(self._arena.view[start:start + size], inputs, layout)
+            wire.pack_into(self._arena.view[start:start + size], request.inputs, layout)
         else:
-            packed = bytearray(size)
-            wire.pack_into(memoryview(packed), inputs, layout)
-            body = packed
-        request = next(self._ids)
+            body = bytearray(size)
+            wire.pack_into(memoryview(body), request.inputs, layout)
+        request_id = next(self._ids)
         future = asyncio.get_running_loop().create_future()
-        self._in_flight[request] = _InFlight(future, slot, on_final)
-        channel.transport.write(wire.frame(wire.REQUEST, {
-            "i": request, "rows": rows, "final": needs_final, "deadline": deadline_ms, "priority": priority,
-            "keep": on_final is not None, "slot": slot, "layout": layout, "arrival": time.monotonic()}, body))
+        self._in_flight[request_id] = _InFlight(future, slot, on_final)
+        channel.transport.write(wire.request_frame(request_id, request, layout, slot, body, on_final is not None))
         return future
 
     def yield_to(self, processes: tuple[int, ...]) -> None:

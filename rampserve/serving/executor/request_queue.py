@@ -10,26 +10,24 @@ import itertools
 import math
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-import numpy as np
-
 from rampserve.bundle_format.latency import LatencyProfile
 from rampserve.serving.executor.batching import AdaptiveBatchSize, BatchTimeEstimate, expected_wait_ms
-from rampserve.serving.shared.contract import Answer, Shed
+from rampserve.serving.shared.contract import Answer, ModelRequest, Shed
 from rampserve.serving.shared.metrics import ServerMetrics
 from rampserve.serving.shared.settings import ModelSettings
 
 
 @dataclass(eq=False)
 class Pending:
-    inputs: Mapping[str, np.ndarray]
-    rows: int
-    arrival: float  # time.monotonic()
-    deadline: float
-    needs_final: bool  # asked for the logits: answered at the end of its batch
+    """A request in the queue or in its batch, with where its answers go."""
+
+    request: ModelRequest
+    arrival: float  # the request's, or when the queue took it if that is earlier (two processes' clocks)
+    deadline: float  # time.monotonic() past which it is shed unanswered
     # Called once, on the executor's or the releasing thread, with the request's answer or what failed it:
     # resolves an event loop's future (`future_reply`), or writes to the front end's channel (`executor`)
     reply: Callable[[Answer | BaseException], None]
@@ -39,6 +37,10 @@ class Pending:
     on_final: Callable[[Answer], None] | None = None
     settled: bool = False
     admitted: float = field(default_factory=time.monotonic)  # when the queue took it (`contract.Stamps`)
+    rows: int = field(init=False)  # the request's, read at every batch's forming and answering
+
+    def __post_init__(self) -> None:
+        self.rows = self.request.rows
 
     def settle(self, result: Answer | BaseException) -> None:
         self.settled = True
@@ -67,14 +69,13 @@ class RequestQueue:
     def rows_queued(self) -> int:
         return self._rows_queued
 
-    def admit(self, inputs: Mapping[str, np.ndarray], rows: int, needs_final: bool,
-              reply: Callable[[Answer | BaseException], None], deadline_ms: float | None = None, priority: int = 0,
-              on_final: Callable[[Answer], None] | None = None, arrival: float | None = None) -> None:
-        """Queue a request from any thread; `reply` gets its answer once. Raises `Shed` if refused. `arrival`: when
-        it reached the server (`time.monotonic()`, the same clock in every process), if before now."""
+    def admit(self, request: ModelRequest, reply: Callable[[Answer | BaseException], None],
+              on_final: Callable[[Answer], None] | None = None) -> None:
+        """Queue a request from any thread; `reply` gets its answer once (`on_final` its final answer, see
+        `Pending`). Raises `Shed` if refused."""
         now = time.monotonic()
-        arrival = now if arrival is None else min(arrival, now)
-        budget_ms = self.settings.deadline_ms if deadline_ms is None else deadline_ms
+        arrival, rows = min(request.arrival, now), request.rows
+        budget_ms = self.settings.deadline_ms if request.deadline_ms is None else request.deadline_ms
         with self._cond:
             if self._stopping:
                 raise Shed(503, "shutdown", "the server is shutting down")
@@ -96,8 +97,8 @@ class RequestQueue:
                            f"after the request's deadline of {budget_ms:.1f} ms",
                            max(1, math.ceil(wait_ms / 1000.0)))
             deadline = math.inf if budget_ms is None else arrival + budget_ms / 1000.0
-            pending = Pending(inputs, rows, arrival, deadline, needs_final, reply, on_final)
-            heapq.heappush(self._heap, (-priority, next(self._order), pending))
+            pending = Pending(request, arrival, deadline, reply, on_final)
+            heapq.heappush(self._heap, (-request.priority, next(self._order), pending))
             self._rows_queued += rows
             self._queued.set(self._rows_queued)
             self.admissions += 1

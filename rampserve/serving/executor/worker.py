@@ -27,7 +27,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -52,7 +52,14 @@ from rampserve.serving.executor.compiler import CompileOutcome, CompileService, 
 from rampserve.serving.executor.exit_modes import RELEASE, Finals, StopStrategy
 from rampserve.serving.executor.loading import loaded
 from rampserve.serving.executor.request_queue import Inbox, LocalInbox, Pending, RequestQueue
-from rampserve.serving.shared.contract import Answer, ControlLink, ExecutionFailed, Stamps, future_reply
+from rampserve.serving.shared.contract import (
+    Answer,
+    ControlLink,
+    ExecutionFailed,
+    ModelRequest,
+    Stamps,
+    future_reply,
+)
 from rampserve.serving.shared.metrics import ServerMetrics
 from rampserve.serving.shared.models import ServedModel
 from rampserve.serving.shared.settings import ModelSettings
@@ -242,13 +249,11 @@ class ModelWorker:
         """Wait until the executor has answered everything and ended (after `queue.request_stop`)."""
         self._executor.join()
 
-    def submit(self, inputs: Mapping[str, np.ndarray], rows: int, needs_final: bool,
-               deadline_ms: float | None = None, priority: int = 0,
-               on_final: Callable[[Answer], None] | None = None) -> asyncio.Future:
+    def submit(self, request: ModelRequest, on_final: Callable[[Answer], None] | None = None) -> asyncio.Future:
         """Queue a request from the event loop; the future resolves with its answer. Raises `Shed` if refused."""
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-        self.queue.admit(inputs, rows, needs_final, future_reply(loop, future), deadline_ms, priority, on_final)
+        self.queue.admit(request, future_reply(loop, future), on_final)
         return future
 
     # ---- execution (executor thread) -----------------------------------------------------------------------
@@ -292,7 +297,7 @@ class ModelWorker:
         if shadow is not None:
             config, compiled = shadow
         model = self.model
-        feeds = stack_inputs(self.served.inputs, [p.inputs for p in batch])
+        feeds = stack_inputs(self.served.inputs, [p.request.inputs for p in batch])
         state = BatchState(config, batch, self.batches, self._series.answer)
         self.batches += 1
         strategy = self._stop if compiled is not None and compiled.stops else RELEASE

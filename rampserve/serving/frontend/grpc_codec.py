@@ -1,7 +1,7 @@
 """KServe v2's gRPC messages (`inference.GRPCInferenceService`, as Triton and `tritonclient.grpc` speak it) to and
 from what the data plane takes and gives. Pure, like `protocol.py`, whose rules every request passes: a
 `ModelInferRequest` becomes the v2 request object (id, parameters, inputs, outputs) that an HTTP body holds, and its
-tensors are read from `raw_input_contents` or typed `contents` by the same decoders; an `Answer` becomes a
+tensors are read from `raw_input_contents` or typed `contents` by the same decoders; an `InferResponse` becomes a
 `ModelInferResponse`, in raw contents unless the request sent typed ones.
 
 The messages are the ones generated inside `tritonclient.grpc` (Triton's service, a superset of KServe's in the same
@@ -17,7 +17,7 @@ from collections.abc import Mapping, MutableMapping, Sequence
 import numpy as np
 from tritonclient.grpc import service_pb2 as pb
 
-from rampserve.serving.frontend.plane import Answer
+from rampserve.serving.frontend.plane import InferResponse
 from rampserve.serving.shared.protocol import (
     InferRequest,
     ProtocolError,
@@ -125,7 +125,7 @@ def _typed_values(contents: pb.InferTensorContents, typed: list[str], spec: Tens
     return object_array(values, shape)
 
 
-def infer_response(answer: Answer, typed: bool) -> pb.ModelInferResponse:
+def infer_response(answer: InferResponse, typed: bool) -> pb.ModelInferResponse:
     """The response to a request: its outputs in raw_output_contents (as Triton answers), or, when `typed` (the
     request sent typed contents), in typed contents where every output's datatype has them."""
     response = pb.ModelInferResponse(model_name=answer.model, model_version=answer.version, id=answer.id or "")

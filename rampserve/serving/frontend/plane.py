@@ -51,8 +51,8 @@ class InferResult:
 
 
 @dataclass(frozen=True)
-class Answer:
-    """A model's answer to a request, before a transport encodes it."""
+class InferResponse:
+    """A model's answer to a v2 request (`InferRequest`), before a transport encodes it."""
 
     model: str
     version: str
@@ -158,7 +158,7 @@ class DataPlane:
     # ---- inference ----------------------------------------------------------------------------------------
 
     async def answer(self, model: str, version: str | None,
-                     decode: Decoder, encode: Callable[[Answer], Encoded],
+                     decode: Decoder, encode: Callable[[InferResponse], Encoded],
                      transport: str, arrived: float | None = None) -> Encoded | Refusal:
         """Answer one request, whatever its transport (HTTP or GRPC, as it is counted): `decode` reads it against
         the model's inputs (or a text model's texts in their place, which are tokenized here, so that the prediction
@@ -207,7 +207,7 @@ class DataPlane:
         """`refuse` for HTTP."""
         return http_refusal(self.refuse(model, error, HTTP))
 
-    async def _answer(self, predictor: Predictor, decode: Decoder, arrived: float) -> Answer:
+    async def _answer(self, predictor: Predictor, decode: Decoder, arrived: float) -> InferResponse:
         inputs, text = predictor.inputs, predictor.text
         if inputs is None:
             raise ProtocolError(f"model '{predictor.name}' has no known input signature", 503)
@@ -242,8 +242,9 @@ class DataPlane:
         if trace:
             parameters = {**parameters, "trace": traced(arrived, submitted, prediction, resumed)}
         datatypes = {spec.name: spec.datatype for spec in predictor.outputs}
-        return Answer(predictor.name, predictor.version, parsed.id,
-                      [(output, datatypes[output.name], tensors[output.name]) for output in wanted], parameters, outcome)
+        return InferResponse(predictor.name, predictor.version, parsed.id,
+                             [(output, datatypes[output.name], tensors[output.name]) for output in wanted], parameters,
+                             outcome)
 
     def _count(self, model: str, outcome: str, transport: str, arrived: float) -> None:
         catalogue = self.catalogue
@@ -253,7 +254,7 @@ class DataPlane:
             self.metrics.latency.labels(model=label).observe(time.monotonic() - arrived)
 
 
-def http_answer(answer: Answer) -> InferResult:
+def http_answer(answer: InferResponse) -> InferResult:
     """The v2 HTTP response: JSON, with the outputs asked for in binary after it (Triton's extension)."""
     body, headers = encode_infer_response(
         answer.model, answer.version, answer.id,

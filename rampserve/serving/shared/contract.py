@@ -2,7 +2,8 @@
 the executor's modules, so that a server whose models run in executor processes never loads torch itself.
 
 `Worker` is the executor as the front end sees it (`worker.ModelWorker` in this process, `process_worker.ProcessWorker`
-for one in a process of its own), `ControlLink` where its records go, `Answer` what a request gets, `Shed`,
+for one in a process of its own), `ControlLink` where its records go, `ModelRequest` what it is asked (the one type a
+request has from the front end's hand-off to the batch it joins), `Answer` what a request gets, `Shed`,
 `ExecutionFailed` and `ExecutorLost` what it may get instead (`settings.ModelSettings` is how a model is served). Both
 processes set the interpreter up alike (`GIL_SWITCH_INTERVAL_S`, `freeze_startup_objects`).
 """
@@ -13,8 +14,9 @@ import asyncio
 import dataclasses
 import gc
 import math
+import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
@@ -74,10 +76,9 @@ class Worker(Protocol):
     async def launch(self) -> None:
         """Start serving (once the event loop runs)."""
 
-    def submit(self, inputs: Mapping[str, np.ndarray], rows: int, needs_final: bool,
-               deadline_ms: float | None = None, priority: int = 0,
-               on_final: Callable[[Answer], None] | None = None) -> asyncio.Future:
-        """Queue a request; the future resolves with its `Answer`. Raises `Shed` if refused."""
+    def submit(self, request: ModelRequest, on_final: Callable[[Answer], None] | None = None) -> asyncio.Future:
+        """Queue a request; the future resolves with its `Answer`. Raises `Shed` if refused. `on_final` gets the
+        request's final answer once its batch has run to the end, however early the answer left."""
 
     def count_cached(self, labels: np.ndarray) -> None:
         """Answers the prediction cache gave, for the controller's books."""
@@ -94,6 +95,23 @@ class Worker(Protocol):
 
     async def shutdown(self) -> None:
         """Answer everything accepted, then stop."""
+
+
+@dataclass(frozen=True)
+class ModelRequest:
+    """A request as a served bundle's executor takes it, unchanged from the front end's hand-off to the batch it joins
+    (`wire.request_frame` carries it to an executor process): its decoded inputs, a row per input, and how to serve
+    it."""
+
+    inputs: Mapping[str, np.ndarray]
+    needs_final: bool = False  # asked for the logits: answered at the end of its batch, never early
+    deadline_ms: float | None = None  # from arrival; None: the model's own
+    priority: int = 0  # higher is served first
+    arrival: float = field(default_factory=time.monotonic)  # when it reached the server: one clock in every process
+
+    @property
+    def rows(self) -> int:
+        return next(iter(self.inputs.values())).shape[0]
 
 
 class Shed(Exception):

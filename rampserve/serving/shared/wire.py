@@ -20,7 +20,7 @@ import numpy as np
 import orjson
 
 from rampserve.control.records import BatchRecord
-from rampserve.serving.shared.contract import Answer, ExecutionFailed, Shed, Stamps
+from rampserve.serving.shared.contract import Answer, ExecutionFailed, ModelRequest, Shed, Stamps
 
 FRAME = struct.Struct("<IB")  # bytes after this prefix, kind
 HEADER = struct.Struct("<I")  # bytes of the JSON header
@@ -144,6 +144,22 @@ class SlotArena:
         self.view.release()
         self._map.close()
         os.close(self.fd)
+
+
+# ---- requests --------------------------------------------------------------------------------------------------
+
+
+def request_frame(request_id: int, request: ModelRequest, layout: Layout, slot: int | None, body: bytes | bytearray,
+                  keeps_final: bool) -> bytes:
+    """`request`, its inputs packed by `layout` into arena slot `slot` (or, with no slot, in `body`); `keeps_final`:
+    the front end wants its final answer after an early one (a FINAL frame)."""
+    return frame(REQUEST, {"i": request_id, "final": request.needs_final, "deadline": request.deadline_ms,
+                           "priority": request.priority, "arrival": request.arrival, "keep": keeps_final,
+                           "slot": slot, "layout": layout}, body)
+
+
+def read_request(header: dict, inputs: dict[str, np.ndarray]) -> ModelRequest:
+    return ModelRequest(inputs, header["final"], header["deadline"], header["priority"], header["arrival"])
 
 
 # ---- answers ---------------------------------------------------------------------------------------------------

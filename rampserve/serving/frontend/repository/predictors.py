@@ -25,7 +25,7 @@ import numpy as np
 import orjson
 
 from rampserve.control.scores import top_label_and_error
-from rampserve.serving.shared.contract import Answer, Stamps, Worker
+from rampserve.serving.shared.contract import Answer, ModelRequest, Stamps, Worker
 from rampserve.serving.shared.models import LABEL_OUTPUT, LOGITS_OUTPUT, V2_DATATYPES, ServedModel, TextInput
 from rampserve.serving.shared.protocol import TensorSpec
 
@@ -217,7 +217,7 @@ class WorkerPredictor(Predictor):
         response left; before this returns when the answer returned is the final one."""
         on_final = request.on_final
         answer = await self.worker.submit(
-            request.inputs, request.rows, LOGITS_OUTPUT in request.outputs, request.deadline_ms, request.priority,
+            ModelRequest(request.inputs, LOGITS_OUTPUT in request.outputs, request.deadline_ms, request.priority),
             None if on_final is None else lambda final: on_final(bundle_prediction(final)))
         return bundle_prediction(answer)
 
