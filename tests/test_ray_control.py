@@ -59,7 +59,7 @@ def test_replicas_share_one_controller_and_apply_what_it_publishes(local_ray, re
     for worker in workers:
         worker.control.refresh()
     assert [w.control.configuration() for w in workers] == [published, published]
-    assert status["inputs_observed"] == sum(w.inputs_served for w in workers) == len(answers)
+    assert status["inputs_observed"] == sum(w.books.inputs_served for w in workers) == len(answers)
 
 
 def test_killing_the_controller_fails_no_request(local_ray, resnet_bundle, fmnist_feeds) -> None:

@@ -219,7 +219,7 @@ def test_the_feedback_sample_is_uniform_and_independent_of_exits(resnet_prepared
     exits = int(exited.sum())
     assert np.array_equal(observed & exited, sampled & exited)
     assert abs((observed & exited).sum() / exits - share) < 4 * np.sqrt(share * (1 - share) / exits)
-    assert worker.stopped_rows == int((exited & ~sampled).sum()) > 0
+    assert worker.books.stopped_rows == int((exited & ~sampled).sum()) > 0
 
 
 def test_an_onnx_set_stops_its_run_once_every_input_of_the_batch_has_left(onnx_prepared, fmnist_feeds) -> None:

@@ -26,7 +26,6 @@ import os
 import queue
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 
 import numpy as np
@@ -48,6 +47,7 @@ from rampserve.runtime.compiled import CompiledSet
 from rampserve.runtime.prepared import COMPILED_SETS_KEPT
 from rampserve.serving.executor.batch import Answered, BatchState, RampSignals
 from rampserve.serving.executor.batching import AdaptiveBatchSize, BatchTimeEstimate, stack_inputs
+from rampserve.serving.executor.books import Books
 from rampserve.serving.executor.compiler import CompileOutcome, CompileService, likely_next_sets
 from rampserve.serving.executor.exit_modes import RELEASE, Finals, StopStrategy
 from rampserve.serving.executor.loading import loaded
@@ -67,8 +67,6 @@ from rampserve.threads import OsNamedThread
 
 log = logging.getLogger("rampserve.serving")
 
-ANSWER_PATHS = ("early", "final", "cached", "unverified")
-RECENT_BATCHES = 64  # batch summaries kept for the status endpoint
 CONTROL_POLL_S = 1.0  # how often an idle worker asks its controller for a configuration published meanwhile
 # How long the control thread lets records gather once one has come: each wake costs the process more than the
 # records it learns from (resnet18-fmnist at 110 rps, batch 1: the thread's CPU per answer was 0.54 ms gathering 5 ms,
@@ -164,7 +162,6 @@ class ModelWorker:
                      "" if settings.torchscript else ", and it is served eagerly")
         self._told_eager = False  # whether stop mode on the eager path was logged
         self._stop = StopStrategy(self.feedback_share)  # what a compiled set that stops runs with
-        self.stopped_rows = 0  # inputs that left their batch at a ramp (stop mode)
         self._compiler = CompileService(model, served.example, self._compile_finished, self._mode) if (
             settings.torchscript and model.compiles_to_torchscript and model.bundle_dir is not None) else None
         # Compiled runs with ramps report where inputs may exit through a pipe, read by a releasing thread; the
@@ -181,14 +178,7 @@ class ModelWorker:
         # The shadow sites and their set (None: eager) that shadow batches run, once loaded by the control thread:
         # the same whatever the configuration's thresholds, so one load serves every later configuration
         self._shadow_set: tuple[tuple[str, ...], CompiledSet | None] | None = None
-        self.batches_booked = 0  # counted once their answers are out
-        self.inputs_served = 0
-        self.requests_served = 0
-        # Answers given, one per input, by the path they took: what /status and /metrics report as the books
-        self.answers = dict.fromkeys(ANSWER_PATHS, 0)
-        self._answers_lock = threading.Lock()
-        self.exits: dict[str, int] = {}  # inputs of booked batches by the site that answered ("final": the last layer)
-        self.recent_batches: deque[dict] = deque(maxlen=RECENT_BATCHES)
+        self.books = Books(served.name, metrics)
         self._published_sites: tuple[str, ...] = ()
         self.on_configuration = on_configuration
         self._records: queue.SimpleQueue[BatchRecord | Answered | CompileOutcome | None] = queue.SimpleQueue()
@@ -383,7 +373,7 @@ class ModelWorker:
         batch = state.batch
         rows = np.concatenate([np.arange(start, start + p.rows) for start, p in zip(state.starts, batch) if p.settled]
                               or [np.zeros(0, dtype=int)])
-        self.count_answers("unverified", len(rows))  # before the controller can hear of them
+        self.books.count_answers("unverified", len(rows))  # before the controller can hear of them
         if not self._feeds_controller or not len(rows):
             return
         self._record(BatchRecord(state.config.version, state.config.sites, state.labels[rows], state.errors[rows],
@@ -392,41 +382,19 @@ class ModelWorker:
                                  (time.monotonic() - started) * 1000.0, unverified=True), urgent=True)
 
     def _count(self, done: Answered) -> None:
-        """A batch's counts, metrics and batch-size feedback once its answers are out, on the executor thread: what
+        """A batch's books, metrics and batch-size feedback once its answers are out, on the executor thread: what
         status and /metrics read is whole as soon as the answers are (the controller's record waits for its
         thread, which gathers)."""
-        state = done.state
-        config, exits, n = state.config, state.exits, state.n
+        n = done.state.n
         compute_ms = (done.finished - done.started) * 1000.0
-        queue_ms = (done.started - done.oldest_arrival) * 1000.0
         self.batch_size.observe(n, compute_ms)
         self.batch_time.observe(compute_ms * self.batch_size.size / n)
-        self.batches_booked += 1
-        self.inputs_served += n
-        self.requests_served += len(state.batch)
-        early = int((exits != NO_EXIT).sum())
-        self.count_answers("early", early)
-        self.count_answers("final", n - early)
-        stopped = 0 if state.left is None else int((state.left != NO_EXIT).sum())
-        self.stopped_rows += stopped
-        self.recent_batches.append({"id": state.batch_id, "size": n, "config_version": config.version,
-                                    "started": done.started, "finished": done.finished, "queue_ms": queue_ms,
-                                    "compute_ms": compute_ms, "early": early, "stopped": stopped})
-        m, labels_ = self.metrics, self._labels
-        if stopped:
-            m.stopped_rows.labels(**labels_).inc(stopped)
+        self.books.book(done.state, done.started, done.finished, (done.started - done.oldest_arrival) * 1000.0,
+                        compute_ms)
         series = self._series
         series.compute.observe(compute_ms / 1000.0)
         series.batch_size.observe(n)
         series.batch_limit.set(self.batch_size.size)
-        by_site = [("final", n - early)]
-        if early:  # most batches of a loaded server exit nowhere: spared a pass over their exits
-            by_site += [(config.sites[j], int(count)) for j, count in zip(*np.unique(exits[exits != NO_EXIT],
-                                                                                   return_counts=True))]
-        for site, count in by_site:
-            if count:
-                self.exits[site] = self.exits.get(site, 0) + count
-                m.exits.labels(site=site, **labels_).inc(count)
 
     def _controller_records(self, items: list) -> list[BatchRecord]:
         """The controller's records of what the executor thread queued (counted batches, and the records it made of
@@ -457,20 +425,13 @@ class ModelWorker:
                 state.labels[rows, column], state.errors[rows, column] = top_label_and_error(
                     done.late[rows, k], self.model.error_score)
 
-    def count_answers(self, path: str, inputs: int) -> None:
-        """Count answers given by `path` (early, final, cached, unverified), one per input; any thread."""
-        if inputs:
-            with self._answers_lock:
-                self.answers[path] += inputs
-            self.metrics.answers.labels(path=path, **self._labels).inc(inputs)
-
     def yield_to(self, processes: tuple[int, ...]) -> None:
         """Nothing to do: this executor thread waits for requests in the kernel, it does not poll."""
 
     def count_cached(self, labels: np.ndarray) -> None:
         """Answers the prediction cache gave (final labels): counted here and, through the control thread, by
         the controller, whose accuracy covers every answer released."""
-        self.count_answers("cached", len(labels))
+        self.books.count_answers("cached", len(labels))
         if self._feeds_controller:
             config = self.configuration
             n = len(labels)
@@ -622,7 +583,6 @@ class ModelWorker:
             "feedback_share": self.feedback_share,
             # whether the set in force takes exited inputs out of their batch (a compiled set in stop mode)
             "stopping": self._serving[1] is not None and self._serving[1].stops,
-            "stopped_inputs": self.stopped_rows,
             "pending_configuration": None if self._pending is None else self._pending.to_json(),
             "deadline_ms": self.settings.deadline_ms,
             "queued_inputs": self.queue.rows_queued,
@@ -630,14 +590,8 @@ class ModelWorker:
             # batches that evaluated every site's ramp for the controller, and those served plainly instead
             "shadow_batches": self.shadow_batches,
             "shadow_batches_skipped": self.shadow_batches_skipped,
-            "batches_booked": self.batches_booked,
-            "requests": self.requests_served,
-            "inputs": self.inputs_served,
-            "answers": dict(self.answers),
-            "exits": dict(self.exits),
-            "mean_batch_size": self.inputs_served / self.batches_booked if self.batches_booked else None,
             "configuration": self.configuration.to_json(),
-            "recent_batches": list(self.recent_batches),
+            **self.books.status(),
         }
         if self.control is not None:
             status.update(self.control.status(latest_decisions))
