@@ -51,6 +51,12 @@ def at(path: str, shown: str | Callable[[Any], str], file: int = 0,
     return Figure(lambda runs: (then or (lambda value: value))(get(runs[file], path)), shown)
 
 
+def with_span(path: str, shown: str, spec: str = "{:.2f}", file: int = 0) -> tuple[Figure, Figure, Figure]:
+    """The median at `path` (a `median_ratio`: median and min_max) and its range's two ends."""
+    return (at(f"{path}.median", shown, file), at(f"{path}.min_max.0", spec, file),
+            at(f"{path}.min_max.1", spec, file))
+
+
 def counted(what: str) -> Callable[[int], str]:
     return lambda count: f"none {what}" if count == 0 else f"{count} {what}"
 
@@ -267,13 +273,9 @@ ROWS = (
     Row("The executor process's overhead over a bare uvicorn echo, one request at a time, 5 rounds",
         "binary tensors from the lean client (the echo's) {} ({}–{}; bar ≤ 3×), from aiohttp {}; gRPC {} ({}–{}; "
         "bar ≤ 5×): at the bars, within the spread",
-        (at("over_uvicorn_echo.process.overhead_lean_ms.median", "{:.2f}×"),
-         at("over_uvicorn_echo.process.overhead_lean_ms.min_max.0", "{:.2f}"),
-         at("over_uvicorn_echo.process.overhead_lean_ms.min_max.1", "{:.2f}"),
+        (*with_span("over_uvicorn_echo.process.overhead_lean_ms", "{:.2f}×"),
          at("over_uvicorn_echo.process.overhead_binary_ms.median", "{:.2f}×"),
-         at("over_uvicorn_echo.process.overhead_grpc_ms.median", "{:.2f}×"),
-         at("over_uvicorn_echo.process.overhead_grpc_ms.min_max.0", "{:.2f}"),
-         at("over_uvicorn_echo.process.overhead_grpc_ms.min_max.1", "{:.2f}")),
+         *with_span("over_uvicorn_echo.process.overhead_grpc_ms", "{:.2f}×")),
         ("executor-resnet18-fmnist-df084f4.json",),
         page="[journal](docs/journal/2026-11-29-tests-on-every-core.md)", code="df084f4"),
     Row("Executor killed (SIGKILL), 3 rounds",
@@ -327,12 +329,7 @@ ROWS = (
         page="[zoo](docs/zoo.md)", code="48dcce3"),
     Row("The dashboard's cost, 5 rounds",
         "throughput {} ({}–{}), p99 {} ({}–{}): within the noise",
-        (at("on_over_off.closed_rps.median", "{:.2f}×"),
-         at("on_over_off.closed_rps.min_max.0", "{:.2f}"),
-         at("on_over_off.closed_rps.min_max.1", "{:.2f}"),
-         at("on_over_off.closed_p99_ms.median", "{:.2f}×"),
-         at("on_over_off.closed_p99_ms.min_max.0", "{:.2f}"),
-         at("on_over_off.closed_p99_ms.min_max.1", "{:.2f}")),
+        (*with_span("on_over_off.closed_rps", "{:.2f}×"), *with_span("on_over_off.closed_p99_ms", "{:.2f}×")),
         ("dashboard-resnet18-fmnist.json",),
         page="[dashboard](docs/dashboard.md)", code="0cc6f89"),
 )

@@ -8,8 +8,8 @@ costs no model time.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,6 +18,7 @@ from tqdm.auto import tqdm
 
 from rampserve.bundle_format.manifest import answering_files, read_manifest
 from rampserve.paths import home
+from rampserve.runtime.compiled import write_atomically
 from rampserve.runtime.prepare import feeds_for, prepared_encoder
 from rampserve.runtime.prepared import PreparedModel
 from rampserve.workloads.streams import Stream
@@ -103,10 +104,7 @@ def ramp_outputs(model: PreparedModel, bundle_dir: Path, stream: Stream, start: 
         with np.load(path) as data:
             return RampOutputs(tuple(str(s) for s in data["sites"]), data["labels"], data["errors"], data["final"])
     outputs = _compute(model, stream, start, stop, learn_batch)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # a name of its own: another process may be writing the same outputs
-    with tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.stem}.", suffix=".npz", delete=False) as tmp:
-        np.savez(tmp, sites=np.array(outputs.sites), labels=outputs.labels, errors=outputs.errors,
-                 final=outputs.final)
-    Path(tmp.name).replace(path)
+    packed = io.BytesIO()
+    np.savez(packed, sites=np.array(outputs.sites), labels=outputs.labels, errors=outputs.errors, final=outputs.final)
+    write_atomically(path, packed.getvalue())  # another process may be writing the same outputs
     return outputs

@@ -151,6 +151,15 @@ class Answered:
     oldest_arrival: float
     feedback_share: float  # each input's chance to be kept running to the end (1 but in stop mode)
 
+    @property
+    def queue_ms(self) -> float:
+        """How long its oldest input waited before the batch started."""
+        return (self.started - self.oldest_arrival) * 1000.0
+
+    @property
+    def compute_ms(self) -> float:
+        return (self.finished - self.started) * 1000.0
+
     def released_a_disagreement(self) -> bool:
         """Whether some input left at a ramp with another answer than the final layer's (where that is known: in
         stop mode an input that left the batch has none)."""

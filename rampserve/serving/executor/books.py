@@ -10,7 +10,7 @@ from collections import deque
 import numpy as np
 
 from rampserve.control.records import NO_EXIT
-from rampserve.serving.executor.batch import BatchState
+from rampserve.serving.executor.batch import Answered
 from rampserve.serving.shared.metrics import ServerMetrics
 
 ANSWER_PATHS = ("early", "final", "cached", "unverified")
@@ -38,8 +38,9 @@ class Books:
                 self.answers[path] += inputs
             self.metrics.answers.labels(path=path, **self._labels).inc(inputs)
 
-    def book(self, state: BatchState, started: float, finished: float, queue_ms: float, compute_ms: float) -> None:
+    def book(self, done: Answered) -> None:
         """A batch whose answers are out: its answers by path and by exit site, and its summary."""
+        state = done.state
         config, exits, n = state.config, state.exits, state.n
         self.batches_booked += 1
         self.inputs_served += n
@@ -52,8 +53,8 @@ class Books:
         if stopped:
             self.metrics.stopped_rows.labels(**self._labels).inc(stopped)
         self.recent_batches.append({"id": state.batch_id, "size": n, "config_version": config.version,
-                                    "started": started, "finished": finished, "queue_ms": queue_ms,
-                                    "compute_ms": compute_ms, "early": early, "stopped": stopped})
+                                    "started": done.started, "finished": done.finished, "queue_ms": done.queue_ms,
+                                    "compute_ms": done.compute_ms, "early": early, "stopped": stopped})
         by_site = [("final", n - early)]
         if early:  # most batches of a loaded server exit nowhere: spared a pass over their exits
             by_site += [(config.sites[j], int(count)) for j, count in zip(*np.unique(exits[exits != NO_EXIT],

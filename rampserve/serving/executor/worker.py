@@ -385,12 +385,10 @@ class ModelWorker:
         """A batch's books, metrics and batch-size feedback once its answers are out, on the executor thread: what
         status and /metrics read is whole as soon as the answers are (the controller's record waits for its
         thread, which gathers)."""
-        n = done.state.n
-        compute_ms = (done.finished - done.started) * 1000.0
+        n, compute_ms = done.state.n, done.compute_ms
         self.batch_size.observe(n, compute_ms)
         self.batch_time.observe(compute_ms * self.batch_size.size / n)
-        self.books.book(done.state, done.started, done.finished, (done.started - done.oldest_arrival) * 1000.0,
-                        compute_ms)
+        self.books.book(done)
         series = self._series
         series.compute.observe(compute_ms / 1000.0)
         series.batch_size.observe(n)
@@ -408,8 +406,7 @@ class ModelWorker:
                 self._score_late(item)
                 state = item.state
                 joiner.add(state.config.version, state.config.sites, state.labels, state.errors, item.final,
-                           state.exits, (item.started - item.oldest_arrival) * 1000.0,
-                           (item.finished - item.started) * 1000.0, feedback_share=item.feedback_share,
+                           state.exits, item.queue_ms, item.compute_ms, feedback_share=item.feedback_share,
                            forced=None if state.wants_final is None else
                            state.wants_final | np.isin(state.exits, state.unstoppable))
         return joiner.joined()
