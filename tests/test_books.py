@@ -118,13 +118,13 @@ def test_the_executor_releases_every_row_once_consistently_and_records_the_paths
             batch = [Pending(ModelRequest({name: fmnist_feeds[a:a + rows]}, wants), 0.0, float("inf"),
                               future_reply(loop, future)) for a, (rows, wants), future in zip(starts, requests, futures)]
             config = Configuration(1, sites, tuple(thresholds))
-            worker._serving = (config, model.compiled_set(sites) if compiled else None)
-            worker._run(batch)
+            worker.sets.in_force = (config, model.compiled_set(sites) if compiled else None)
+            worker.runner.run(batch)
             loop.run_until_complete(asyncio.sleep(0))  # the answers were handed to the loop thread-safely
             answers = [future.result() for future in futures]
         finally:
             loop.close()
-        record = worker._controller_records([worker._records.get_nowait()])[0]  # as the control thread makes it
+        record = worker.control_thread.controller_records([worker.control_thread.queued.get_nowait()])[0]  # as the control thread makes it
         final = model.run({name: fmnist_feeds[:starts[-1]]}).argmax(axis=1)
         taken = []
         for answer, (a, (rows, wants)) in zip(answers, zip(starts, requests)):

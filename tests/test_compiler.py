@@ -169,18 +169,18 @@ def test_a_worker_adopts_a_configuration_only_once_its_set_is_compiled(bundle_co
         adopted = threading.Event()
         compiled_before: list[bool] = []
 
-        original = worker._adopt
+        original = worker.sets.adopt
 
         def watch(config: Configuration) -> None:
             if config is new:
-                compiled_before.append(model.has_compiled(config.sites, worker._mode)
-                                       and worker._compiler.ready(config.sites))
+                compiled_before.append(model.has_compiled(config.sites, worker.sets.mode)
+                                       and worker.sets.compiler.ready(config.sites))
                 adopted.set()
             original(config)
 
-        worker._adopt = watch
-        worker._pending = new
-        worker._records.put(CompileOutcome((), "compiled", 0.0))  # wake the control thread
+        worker.sets.adopt = watch
+        worker.sets.pending = new
+        worker.control_thread.record(CompileOutcome((), "compiled", 0.0))  # wake the control thread
         assert adopted.wait(WAIT_S)
         assert compiled_before == [True] and worker.configuration is new and worker.compiled
     finally:

@@ -357,16 +357,16 @@ def test_a_restarted_executor_loads_the_sets_on_disk_and_asks_for_no_other_befor
     config = Configuration(1, active, (0.5,), names, 10)
     worker = ModelWorker(make_served("m", model), ModelSettings(preload_s=0.0, compile_ahead=compile_ahead),
                          ServerMetrics(), FixedControl(config))
-    compiler = worker._compiler = HeldCompiler(model, example, worker._mode)
+    compiler = worker.sets.compiler = HeldCompiler(model, example, worker.sets.mode)
     on_disk = {names, likely_next_sets(active, names)[1]}
     compiler.released |= on_disk
     try:
-        worker._preload(config)
+        worker.sets.preload(config)
     finally:
-        if worker._signals is not None:
-            worker._signals.close()
+        if worker.runner.signals is not None:
+            worker.runner.signals.close()
     asked = [sites for sites, _ in compiler.requests]
-    assert asked[0] == names and all(model.has_compiled(sites, worker._mode) for sites in on_disk)
+    assert asked[0] == names and all(model.has_compiled(sites, worker.sets.mode) for sites in on_disk)
     if compile_ahead:
         assert set(asked) > on_disk
     else:

@@ -244,7 +244,7 @@ def _every_input_exiting_in_process(served: ServedModel) -> Iterator[tuple[str, 
     at the first ramp (threshold 1): its URL, its worker, and the configuration and compiled set in force."""
     with server(served, fixed_exits(served, 0, 1.0, executor="thread")) as (url, state):
         worker = state.catalogue.workers[MODEL]
-        config, compiled = worker._serving
+        config, compiled = worker.sets.in_force
         assert compiled is not None
         yield url, worker, config, compiled
 
@@ -271,7 +271,7 @@ def test_an_exited_answer_arrives_before_its_batch_finishes(served, fmnist_feeds
     with _every_input_exiting_in_process(served) as (url, worker, config, compiled):
         answered = threading.Event()
         held = _HeldAfterItsRun(compiled.runner, answered)
-        worker._serving = (config, replace(compiled, runner=held))
+        worker.sets.in_force = (config, replace(compiled, runner=held))
         status, _, answer = post(f"{url}/v2/models/{MODEL}/infer", infer_body(served, x))
         answered.set()
         # The batch's books are kept by the control thread once its answers are out
@@ -280,7 +280,7 @@ def test_an_exited_answer_arrives_before_its_batch_finishes(served, fmnist_feeds
                                   if b["id"] == answer["parameters"]["batch_id"]), None)):
             assert time.monotonic() < deadline, "the batch never reached the books"
             time.sleep(0.01)
-        worker._serving = (config, compiled)
+        worker.sets.in_force = (config, compiled)
     assert held.answered_in_time is True, "the answer came only after its batch stopped being held"
     assert status == 200 and answer["parameters"]["early"] is True
     assert set(answer["parameters"]["exit_site"]) == {served.prepared.site_names[0]}
@@ -504,7 +504,7 @@ def test_answers_released_before_a_failure_reach_the_controller_unverified(serve
     x = fmnist_feeds[:4]
     with _every_input_exiting_in_process(served) as (url, worker, config, compiled):  # a failure injected there
         released = threading.Event()
-        begin = worker._signals.begin
+        begin = worker.runner.signals.begin
 
         def begin_and_tell(on_column):
             def handled(column: int) -> None:
@@ -512,15 +512,15 @@ def test_answers_released_before_a_failure_reach_the_controller_unverified(serve
                 released.set()
             begin(handled)
 
-        worker._signals.begin = begin_and_tell
-        worker._serving = (config, replace(compiled, runner=_FailsAfterItsRampsReleased(compiled.runner, released)))
+        worker.runner.signals.begin = begin_and_tell
+        worker.sets.in_force = (config, replace(compiled, runner=_FailsAfterItsRampsReleased(compiled.runner, released)))
         early = post(f"{url}/v2/models/{MODEL}/infer", infer_body(served, x))
         deadline = time.monotonic() + 30
         while (model := get_json(url + "/status")["models"][MODEL])["unverified_answers"] < len(x):
             assert time.monotonic() < deadline, f"the controller never heard of the released answers: {model}"
             time.sleep(0.01)
-        worker._serving = (config, compiled)
-        worker._signals.begin = begin
+        worker.sets.in_force = (config, compiled)
+        worker.runner.signals.begin = begin
         after = post(f"{url}/v2/models/{MODEL}/infer", infer_body(served, x))
     assert early[0] == 200 and early[2]["parameters"]["early"] is True  # released before the failure
     assert model["unverified_answers"] == len(x) and model["answers"]["unverified"] == len(x)

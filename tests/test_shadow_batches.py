@@ -174,29 +174,29 @@ def test_a_shadow_batch_runs_only_once_its_set_is_loaded_and_each_version_counts
     example = {name: fmnist_feeds[-2:]}
     config = Configuration(1, active, (0.5,), names, 2)
     worker = ModelWorker(make_served("m", model), ModelSettings(preload_s=0.0), ServerMetrics(), FixedControl(config))
-    assert model.compile(active, example, worker._mode)
-    compiler = worker._compiler = HeldCompiler(model, example, worker._mode)
+    assert model.compile(active, example, worker.sets.mode)
+    compiler = worker.sets.compiler = HeldCompiler(model, example, worker.sets.mode)
 
     def run(i: int) -> BatchRecord:
-        worker._run([Pending(ModelRequest({name: fmnist_feeds[i:i + 1]}), time.monotonic(), math.inf, lambda _: None)])
-        return worker._controller_records([worker._records.get_nowait()])[0]
+        worker.runner.run([Pending(ModelRequest({name: fmnist_feeds[i:i + 1]}), time.monotonic(), math.inf, lambda _: None)])
+        return worker.control_thread.controller_records([worker.control_thread.queued.get_nowait()])[0]
 
     try:
-        worker._preload(replace(config, shadow_sites=(), shadow_every=0))  # a controller that searches nothing
+        worker.sets.preload(replace(config, shadow_sites=(), shadow_every=0))  # a controller that searches nothing
         assert compiler.requests == []
-        worker._preload(config)
+        worker.sets.preload(config)
         assert compiler.requests[0] == (names, False)
-        worker._adopt(config)  # as `start` and the control thread do
+        worker.sets.adopt(config)  # as `start` and the control thread do
         assert run(0).sites == active and not model.has_compiled(names)
         assert (worker.status()["shadow_batches"], worker.status()["shadow_batches_skipped"]) == (0, 1)
         compiler.released.add(names)
-        worker._load_shadow_set(worker.configuration)  # the control thread, woken by the compile's outcome
+        worker.sets.advance(None)  # the control thread, woken by the compile's outcome
         assert [run(i).sites for i in (1, 2)] == [active, names]
-        worker._adopt(replace(config, version=2, thresholds=(0.25,)))
+        worker.sets.adopt(replace(config, version=2, thresholds=(0.25,)))
         record = run(3)
         assert (record.version, record.sites) == (2, names)
         assert (worker.status()["shadow_batches"], worker.status()["shadow_batches_skipped"]) == (2, 1)
         assert compiler.loads == 1 and all(not urgent for sites, urgent in compiler.requests if sites == names)
     finally:
-        if worker._signals is not None:
-            worker._signals.close()
+        if worker.runner.signals is not None:
+            worker.runner.signals.close()

@@ -57,20 +57,20 @@ def _serve(worker: ModelWorker, config: Configuration, mode: str, name: str, fee
     """One batch of `requests` (inputs, wants the logits) through the worker's executor, on the compiled set of
     `mode`; returns the requests, their answers and the batch's books (record, state)."""
     model = worker.served.prepared
-    worker._serving = (config, model.compiled_set(config.sites, mode))
+    worker.sets.in_force = (config, model.compiled_set(config.sites, mode))
     loop = asyncio.new_event_loop()
     try:
         starts = np.cumsum([0] + [rows for rows, _ in requests])
         futures = [loop.create_future() for _ in requests]
         batch = [_Counted(ModelRequest({name: feeds[a:a + rows]}, wants), 0.0, float("inf"), future_reply(loop, future))
                  for a, (rows, wants), future in zip(starts, requests, futures)]
-        worker._run(batch)
+        worker.runner.run(batch)
         loop.run_until_complete(asyncio.sleep(0))  # the answers were handed to the loop thread-safely
         answers = [future.result() for future in futures]
     finally:
         loop.close()
-    done = worker._records.get_nowait()
-    return batch, answers, worker._controller_records([done])[0], done.state
+    done = worker.control_thread.queued.get_nowait()
+    return batch, answers, worker.control_thread.controller_records([done])[0], done.state
 
 
 def _gaps(errors: np.ndarray) -> list[float]:
@@ -106,7 +106,7 @@ def test_stop_mode_releases_every_input_once_as_release_mode_and_never_recompute
     choices = [_gaps(eager[site][1]) for site in sites]
     # Release mode's run does not teach the cache ramp, so that both runs of a batch see the same cache
     release, stop = _worker(model, sites, "release", cache_updates=False), _worker(model, sites, "stop", share=0.25)
-    stop._stop.feedback = np.random.default_rng(3)
+    stop.runner.stop_strategy.feedback = np.random.default_rng(3)
     cache = model.ramps[names[2]]
     learnt = []
     learn = cache.learn
@@ -188,7 +188,7 @@ def test_the_feedback_sample_is_uniform_and_independent_of_exits(resnet_prepared
     assert model.compile(sites, {name: stream_feeds[-2:]}, "stop")
     share = 0.3
     worker = _worker(model, sites, "stop", share)
-    worker._stop.feedback = np.random.default_rng(11)
+    worker.runner.stop_strategy.feedback = np.random.default_rng(11)
     errors: list[np.ndarray] = []
     model.run({name: stream_feeds}, sites, lambda _, labels, seen: errors.append(seen))
     # About half the inputs exit: a threshold in the widest gap between error scores near the median, far from
@@ -244,8 +244,8 @@ def test_an_onnx_set_stops_its_run_once_every_input_of_the_batch_has_left(onnx_p
     final = original.argmax(axis=1)
     choices = [_gaps(eager[site][1]) for site in sites]
     release, stop = _worker(model, sites, "release"), _worker(model, sites, "stop", share=0.25)
-    assert stop._mode == "stop"
-    stop._stop.feedback = np.random.default_rng(5)
+    assert stop.sets.mode == "stop"
+    stop.runner.stop_strategy.feedback = np.random.default_rng(5)
 
     @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
     @given(st.lists(st.tuples(st.integers(1, 3), st.booleans()), min_size=1, max_size=4),
@@ -360,8 +360,8 @@ def test_inputs_that_left_are_released_even_when_no_column_reaches_the_releasing
     sites = (model.site_names[0],)
     assert model.compile(sites, {name: fmnist_feeds[-2:]}, "stop")
     worker = _worker(model, sites, "stop", share=0.5)
-    worker._stop.feedback = np.random.default_rng(1)
-    worker._signals = None
+    worker.runner.stop_strategy.feedback = np.random.default_rng(1)
+    worker.runner.signals = None
     eager: list[tuple[np.ndarray, np.ndarray]] = []
     model.run({name: fmnist_feeds}, sites, lambda _, *seen: eager.append(seen))
     batch, answers, record, state = _serve(worker, Configuration(1, sites, (1.0,)), "stop", name, fmnist_feeds,
@@ -388,7 +388,7 @@ def test_a_final_answer_is_kept_before_the_response_that_carries_it(resnet_prepa
     model.run({name: fmnist_feeds}, sites, lambda site, *seen: eager.setdefault(site, seen))
     choices = [_gaps(eager[site][1]) for site in sites]
     workers = {mode: _worker(model, sites, mode, share=0.25, cache_updates=False) for mode in ("release", "stop")}
-    workers["stop"]._stop.feedback = np.random.default_rng(7)
+    workers["stop"].runner.stop_strategy.feedback = np.random.default_rng(7)
     seen = {"final first": 0, "reply first": 0}
 
     @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -400,15 +400,15 @@ def test_a_final_answer_is_kept_before_the_response_that_carries_it(resnet_prepa
     def check(requests: list[tuple[int, bool]], picks: tuple[int, ...], mode: str) -> None:
         worker = workers[mode]
         config = Configuration(1, sites, tuple(choices[j][k] for j, k in enumerate(picks)))
-        worker._serving = (config, model.compiled_set(sites, mode))
+        worker.sets.in_force = (config, model.compiled_set(sites, mode))
         events: list[tuple[str, int, object]] = []
         starts = np.cumsum([0] + [rows for rows, _ in requests])
         batch = [Pending(ModelRequest({name: fmnist_feeds[a:a + rows]}, wants), 0.0, float("inf"),
                           lambda answer, i=i: events.append(("reply", i, answer)),
                           lambda answer, i=i: events.append(("final", i, answer)))
                  for i, (a, (rows, wants)) in enumerate(zip(starts, requests))]
-        worker._run(batch)
-        state = worker._records.get_nowait().state
+        worker.runner.run(batch)
+        state = worker.control_thread.queued.get_nowait().state
         for i, (rows, wants) in enumerate(requests):
             (at_reply, reply), = [(k, e[2]) for k, e in enumerate(events) if e[:2] == ("reply", i)]
             finals = [(k, e[2]) for k, e in enumerate(events) if e[:2] == ("final", i)]
