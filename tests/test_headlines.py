@@ -1,6 +1,6 @@
-"""The docs' results tables (the README's headlines, docs/control.md's promises) are rendered from the kept JSON of
-the runs they quote: each page holds exactly its rendering, and a figure that changes in a run's JSON changes the
-table (so a drifted page fails here)."""
+"""The docs' results tables (the README's headlines, docs/control.md's promises, docs/freeze.md's figures) are
+rendered from the kept JSON of the runs they quote: each page holds exactly its rendering, and a figure that changes
+in a run's JSON changes the table (so a drifted page fails here)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from rampserve.bench import freeze_tables
 from rampserve.bench.headlines import KEPT, PROMISE_ROWS, ROWS, SECTIONS, Figure, at, get, promise_table, table
+from rampserve.bench.rendering import EN_DASH, spread
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -30,6 +32,7 @@ def test_every_row_names_kept_runs_and_fills_every_figure() -> None:
         assert row.files and all((KEPT / file).is_file() for file in row.files), row.what
         assert row.result.count("{}") == len(row.figures), row.what
     assert all((KEPT / row.file).is_file() for row in PROMISE_ROWS)
+    assert all((KEPT / table.file).is_file() for table in freeze_tables.TABLES)
 
 
 def test_a_path_walks_keys_indices_and_every_element() -> None:
@@ -44,7 +47,9 @@ def test_a_path_walks_keys_indices_and_every_element() -> None:
 
 def linked_runs(folder: Path, changed: str, change) -> None:
     """Every kept run linked under `folder`, but `changed`, copied there with `change` made to its JSON."""
-    for file in ({file for row in ROWS for file in row.files} | {row.file for row in PROMISE_ROWS}) - {changed}:
+    kept = ({file for row in ROWS for file in row.files} | {row.file for row in PROMISE_ROWS}
+            | {table.file for table in freeze_tables.TABLES})
+    for file in kept - {changed}:
         (folder / file).symlink_to(KEPT / file)
     run = json.loads((KEPT / changed).read_text())
     change(run)
@@ -74,6 +79,53 @@ def test_a_seeds_figure_that_changes_changes_the_promise_table(tmp_path) -> None
     changed_row = rendered.splitlines()[2]
     assert changed_row != kept.splitlines()[2] and "| 0.9811 |" in changed_row
     assert rendered.splitlines()[3:] == kept.splitlines()[3:]
+
+
+def test_a_spread_is_the_median_and_its_range() -> None:
+    assert spread([0.5, 0.25, 1.0], ".2f") == "0.50 (0.25-1.00)"
+    assert spread([0.5, 0.25, 1.0], ".2f", EN_DASH) == "0.50 (0.25–1.00)"
+    assert spread([1.0, 1.0004, 0.9996], ".2f", EN_DASH) == "1.00 (1.00–1.00)"
+    assert spread([1.0, 1.0004, 0.9996], ".2f", EN_DASH, single=True) == "1.00"  # a range that shows as one figure
+    assert spread([1.0, 1.01, 0.99], ".2f", EN_DASH, single=True) == "1.00 (0.99–1.01)"
+
+
+def changed_rows(tmp_path: Path, table, change) -> list[tuple[str, str]]:
+    """The rows of a docs/freeze.md table that differ, as (kept, rendered), once `change` is made to its run."""
+    linked_runs(tmp_path, table.file, change)
+    kept, rendered = table.render(KEPT).splitlines(), table.render(tmp_path).splitlines()
+    assert len(kept) == len(rendered)
+    return [(before, after) for before, after in zip(kept, rendered) if before != after]
+
+
+# (table, seed, system, its new p50 ratio, the row before, the row after): minilm-rt's median moves with a seed;
+# lite0-fmnist's table drops a range that shows as one figure, and shows it again once a seed differs
+P50_CHANGES = [(freeze_tables.MINILM_SYSTEMS, 0, "ramps", 0.5, "| ramps | 0.633 (0.628–0.661) |",
+                "| ramps | 0.628 (0.500–0.633) |"),
+               (freeze_tables.LITE0_SYSTEMS, 2, "ramps_oracle", 0.07, "| ramps_oracle | 0.064 |",
+                "| ramps_oracle | 0.064 (0.064–0.070) |")]
+
+
+@pytest.mark.parametrize(("table", "seed", "system", "p50_ratio", "kept_start", "rendered_start"), P50_CHANGES,
+                         ids=["minilm-rt", "lite0-fmnist"])
+def test_a_seeds_figure_that_changes_changes_the_freeze_systems_table(tmp_path, table, seed, system, p50_ratio,
+                                                                      kept_start, rendered_start) -> None:
+    """A seed's p50 ratio moves its system's cell, and only its row: every cell is computed from the seeds, not read
+    from the run's summary."""
+
+    def changed_seed(run: dict) -> None:
+        run["per_seed"][seed]["systems"][system]["p50_ratio"] = p50_ratio
+
+    [(kept, rendered)] = changed_rows(tmp_path, table, changed_seed)
+    assert kept.startswith(kept_start) and rendered.startswith(rendered_start)
+
+
+def test_a_seeds_share_answered_changes_the_freeze_sites_table(tmp_path) -> None:
+    def more_answered(run: dict) -> None:
+        run["sites"][0]["cache_answerable"][0] = 0.5
+
+    [(kept, rendered)] = changed_rows(tmp_path, freeze_tables.MINILM_SITES, more_answered)
+    assert "| 0.035 (0.030–0.039) |" in kept and "| 0.039 (0.035–0.500) |" in rendered
+    assert rendered.startswith("| /layers.0/Mul_output_0 | 66 | 775 (1.44%) | 127 (0.55%) | 0.80 |")
 
 
 def test_a_page_without_the_markers_is_refused() -> None:

@@ -1,7 +1,9 @@
 """Tables in the docs rendered from the kept JSON of the runs they quote (`rampserve bench headlines`), so that a
-figure cannot drift from its run: the README's headline results and docs/control.md's table of what each accuracy
-promise costs. Each figure is read from its run's JSON (or computed from several, as said beside it), and a test
-renders every table and compares it with its page.
+figure cannot drift from its run: the README's headline results, docs/control.md's table of what each accuracy
+promise costs, and docs/freeze.md's figures (rendered by rampserve/bench/freeze_tables.py). Each figure is read from
+its run's JSON (or computed from several, as said beside it), and a test renders every table and compares it with
+its page. SECTIONS is the registry of them all: a page's table whose rows are long lives in a module of its own, and
+is registered here.
 
 A headline row names its runs' files (under bench-results/, listed in its JSON column), the page that holds the
 command and its spread, and the commit the page names for the run; its result cell is a template whose `{}` are its
@@ -10,13 +12,15 @@ run of several seeds; its columns are the same figures for every run."""
 
 from __future__ import annotations
 
-import json
 import operator
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from rampserve.bench import freeze_tables
+from rampserve.bench.rendering import read_run, seed_values, spread, table_row
 
 RESULTS = Path("bench-results")  # as the README links it
 KEPT = Path(__file__).resolve().parents[2] / RESULTS  # the checkout's
@@ -114,7 +118,7 @@ class Row:
     code: str
 
     def render(self, root: Path) -> str:
-        runs = [json.loads((root / file).read_text()) for file in self.files]
+        runs = [read_run(root, file) for file in self.files]
         result = self.result.format(*(figure.render(runs) for figure in self.figures))
         links = ", ".join(f"[{file}]({RESULTS / file})" for file in self.files)
         return f"| {self.what} | {result} | {self.page} | {self.code} | {links} |"
@@ -339,18 +343,6 @@ def table(root: Path = KEPT) -> str:
     return "\n".join([HEADER, *(row.render(root) for row in ROWS)])
 
 
-def seed_values(run: dict, system: str, figure: str) -> list[float]:
-    """One system's figure in every seed of a `bench sim` run of several; "p50" and "p99" as ratios to vanilla's."""
-    if figure in ("p50", "p99"):
-        return [seed["systems"][system][f"{figure}_ms"] / seed["systems"]["vanilla"][f"{figure}_ms"]
-                for seed in run["seeds"]]
-    return [seed["systems"][system][figure] for seed in run["seeds"]]
-
-
-def spread(values: list[float], spec: str) -> str:
-    return f"{statistics.median(values):{spec}} ({min(values):{spec}}-{max(values):{spec}})"
-
-
 PROMISE_HEADER = ("| model | promise | p50 × vanilla, median (seeds) | p99 × | oracle share | accuracy, worst seed | "
                   "1k windows below 0.99, median (worst) | worst window | budget spent | static hindsight share | "
                   "seeds below hindsight − 0.1 |\n|---|---|---|---|---|---|---|---|---|---|---|")
@@ -363,18 +355,19 @@ class PromiseRow:
     file: str  # a `bench sim --seeds N --guarantee PROMISE` run
 
     def render(self, root: Path) -> str:
-        run = json.loads((root / self.file).read_text())
-        accuracy = seed_values(run, "rampserve", "accuracy")
-        windows = seed_values(run, "rampserve", "windows_below_share")
-        hindsight = seed_values(run, "static_hindsight", "oracle_share")
-        cells = [self.model, self.promise, spread(seed_values(run, "rampserve", "p50"), ".3f"),
-                 spread(seed_values(run, "rampserve", "p99"), ".3f"),
-                 spread(seed_values(run, "rampserve", "oracle_share"), ".2f"), f"{min(accuracy):.4f}",
+        run = read_run(root, self.file)
+        seeds = run["seeds"]
+        accuracy = seed_values(seeds, "rampserve", "accuracy")
+        windows = seed_values(seeds, "rampserve", "windows_below_share")
+        hindsight = seed_values(seeds, "static_hindsight", "oracle_share")
+        cells = [self.model, self.promise, spread(seed_values(seeds, "rampserve", "p50"), ".3f"),
+                 spread(seed_values(seeds, "rampserve", "p99"), ".3f"),
+                 spread(seed_values(seeds, "rampserve", "oracle_share"), ".2f"), f"{min(accuracy):.4f}",
                  f"{statistics.median(windows):.1%} ({max(windows):.1%})",
-                 f"{min(seed_values(run, 'rampserve', 'worst_window_accuracy')):.3f}",
+                 f"{min(seed_values(seeds, 'rampserve', 'worst_window_accuracy')):.3f}",
                  f"{budget_spent(run):.2f}", f"{statistics.median(hindsight):.2f} ({min(hindsight):.2f})",
-                 f"{seeds_below_hindsight(run['seeds'])} of {len(run['seeds'])}"]
-        return f"| {' | '.join(cells)} |"
+                 f"{seeds_below_hindsight(seeds)} of {len(seeds)}"]
+        return table_row(cells)
 
 
 PROMISE_ROWS = (
@@ -417,5 +410,9 @@ class Section:
         return f"{page[:start]}\n{rendered}\n{page[end:]}"
 
 
+FREEZE = Path("docs/freeze.md")
 SECTIONS = (Section(Path("README.md"), "headlines", table),
-            Section(Path("docs/control.md"), "promises", promise_table))
+            Section(Path("docs/control.md"), "promises", promise_table),
+            Section(FREEZE, "minilm-rt systems", freeze_tables.MINILM_SYSTEMS.render),
+            Section(FREEZE, "minilm-rt sites", freeze_tables.MINILM_SITES.render),
+            Section(FREEZE, "lite0-fmnist systems", freeze_tables.LITE0_SYSTEMS.render))

@@ -1,0 +1,41 @@
+"""What every table rendered from kept runs shares (rampserve/bench/headlines.py's and the pages' own modules beside
+it, which it registers): a run's JSON, a system's figure over the seeds of a run, its median with its range, and a
+row of cells. Shared so that "median (min-max)" is read and written one way whichever page shows it; they live apart
+from the registry because the registry imports the pages' modules."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+HYPHEN, EN_DASH = "-", "–"  # the range's two ends are joined by one or the other, as the page typed them
+
+
+def read_run(root: Path, file: str) -> Any:
+    """A kept run's JSON, `file` under the runs' folder `root`."""
+    return json.loads((root / file).read_text())
+
+
+def seed_values(seeds: list[dict], system: str, figure: str) -> list[float]:
+    """One system's figure in every seed (a `bench sim` run's "seeds", a `bench freeze --model` run's "per_seed");
+    "p50" and "p99" as ratios to vanilla's in the same seed (a figure such as "p50_ratio" is read as the run kept
+    it)."""
+    if figure in ("p50", "p99"):
+        return [seed["systems"][system][f"{figure}_ms"] / seed["systems"]["vanilla"][f"{figure}_ms"]
+                for seed in seeds]
+    return [seed["systems"][system][figure] for seed in seeds]
+
+
+def spread(values: list[float], spec: str, dash: str = HYPHEN, single: bool = False) -> str:
+    """The values' median and, in brackets, their lowest and highest, each formatted by `spec`. With `single`, the
+    median alone where the range's two ends show as one figure (a page that drops a range that says nothing)."""
+    low, high = f"{min(values):{spec}}", f"{max(values):{spec}}"
+    median = f"{statistics.median(values):{spec}}"
+    return median if single and low == high else f"{median} ({low}{dash}{high})"
+
+
+def table_row(cells: list[str]) -> str:
+    """A Markdown table's row of `cells`."""
+    return f"| {' | '.join(cells)} |"
