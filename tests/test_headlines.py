@@ -1,6 +1,6 @@
-"""The docs' results tables (the README's headlines, docs/control.md's promises, docs/freeze.md's figures) are
-rendered from the kept JSON of the runs they quote: each page holds exactly its rendering, and a figure that changes
-in a run's JSON changes the table (so a drifted page fails here)."""
+"""The docs' results tables (the README's headlines, docs/control.md's promises, docs/freeze.md's and
+docs/selection.md's figures) are rendered from the kept JSON of the runs they quote: each page holds exactly its
+rendering, and a figure that changes in a run's JSON changes the table (so a drifted page fails here)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from rampserve.bench import freeze_tables
+from rampserve.bench import freeze_tables, selection_tables
 from rampserve.bench.headlines import KEPT, PROMISE_ROWS, ROWS, SECTIONS, Figure, at, get, promise_table, table
-from rampserve.bench.rendering import EN_DASH, spread
+from rampserve.bench.rendering import EN_DASHED, spread
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -32,7 +32,7 @@ def test_every_row_names_kept_runs_and_fills_every_figure() -> None:
         assert row.files and all((KEPT / file).is_file() for file in row.files), row.what
         assert row.result.count("{}") == len(row.figures), row.what
     assert all((KEPT / row.file).is_file() for row in PROMISE_ROWS)
-    assert all((KEPT / table.file).is_file() for table in freeze_tables.TABLES)
+    assert all((KEPT / table.file).is_file() for table in (*freeze_tables.TABLES, *selection_tables.TABLES))
 
 
 def test_a_path_walks_keys_indices_and_every_element() -> None:
@@ -48,7 +48,7 @@ def test_a_path_walks_keys_indices_and_every_element() -> None:
 def linked_runs(folder: Path, changed: str, change) -> None:
     """Every kept run linked under `folder`, but `changed`, copied there with `change` made to its JSON."""
     kept = ({file for row in ROWS for file in row.files} | {row.file for row in PROMISE_ROWS}
-            | {table.file for table in freeze_tables.TABLES})
+            | {table.file for table in (*freeze_tables.TABLES, *selection_tables.TABLES)})
     for file in kept - {changed}:
         (folder / file).symlink_to(KEPT / file)
     run = json.loads((KEPT / changed).read_text())
@@ -83,18 +83,24 @@ def test_a_seeds_figure_that_changes_changes_the_promise_table(tmp_path) -> None
 
 def test_a_spread_is_the_median_and_its_range() -> None:
     assert spread([0.5, 0.25, 1.0], ".2f") == "0.50 (0.25-1.00)"
-    assert spread([0.5, 0.25, 1.0], ".2f", EN_DASH) == "0.50 (0.25–1.00)"
-    assert spread([1.0, 1.0004, 0.9996], ".2f", EN_DASH) == "1.00 (1.00–1.00)"
-    assert spread([1.0, 1.0004, 0.9996], ".2f", EN_DASH, single=True) == "1.00"  # a range that shows as one figure
-    assert spread([1.0, 1.01, 0.99], ".2f", EN_DASH, single=True) == "1.00 (0.99–1.01)"
+    assert spread([0.5, 0.25, 1.0], ".2f", EN_DASHED) == "0.50 (0.25–1.00)"
+    assert spread([1.0, 1.0004, 0.9996], ".2f", EN_DASHED) == "1.00 (1.00–1.00)"
+    # a range that shows as one figure
+    assert spread([1.0, 1.0004, 0.9996], ".2f", EN_DASHED, single=True) == "1.00"
+    assert spread([1.0, 1.01, 0.99], ".2f", EN_DASHED, single=True) == "1.00 (0.99–1.01)"
+
+
+def differing_rows(table, folder: Path) -> list[tuple[str, str]]:
+    """The rows of a page's table that differ, as (kept, rendered), rendered from the runs in `folder`."""
+    kept, rendered = table.render(KEPT).splitlines(), table.render(folder).splitlines()
+    assert len(kept) == len(rendered)
+    return [(before, after) for before, after in zip(kept, rendered) if before != after]
 
 
 def changed_rows(tmp_path: Path, table, change) -> list[tuple[str, str]]:
-    """The rows of a docs/freeze.md table that differ, as (kept, rendered), once `change` is made to its run."""
+    """The rows of a page's table that differ once `change` is made to its run."""
     linked_runs(tmp_path, table.file, change)
-    kept, rendered = table.render(KEPT).splitlines(), table.render(tmp_path).splitlines()
-    assert len(kept) == len(rendered)
-    return [(before, after) for before, after in zip(kept, rendered) if before != after]
+    return differing_rows(table, tmp_path)
 
 
 # (table, seed, system, its new p50 ratio, the row before, the row after): minilm-rt's median moves with a seed;
@@ -126,6 +132,32 @@ def test_a_seeds_share_answered_changes_the_freeze_sites_table(tmp_path) -> None
     [(kept, rendered)] = changed_rows(tmp_path, freeze_tables.MINILM_SITES, more_answered)
     assert "| 0.035 (0.030–0.039) |" in kept and "| 0.039 (0.035–0.500) |" in rendered
     assert rendered.startswith("| /layers.0/Mul_output_0 | 66 | 775 (1.44%) | 127 (0.55%) | 0.80 |")
+
+
+def test_a_seeds_error_that_changes_changes_the_selection_policy_and_its_bar(tmp_path) -> None:
+    """One seed's error after the failure moves its policy's row and, through the bench's own bars, turns Exp4's
+    missed bar (after no worse than before) into a met one."""
+
+    def better_after(run: dict) -> None:
+        run["seeds"][2]["forgetting"]["detect+share"]["exp4"]["error_after"] = 0.1072  # 0.0010 under its before
+
+    [(kept, rendered)] = changed_rows(tmp_path, selection_tables.SKLEARN_POLICIES, better_after)
+    assert kept.startswith("| Exp4, **detect+share** (default) |") and "| 0.1107 [0.1102, 0.1110] |" in kept
+    assert "| 0.1105 [0.1072, 0.1109] |" in rendered
+    [(kept, rendered)] = differing_rows(selection_tables.SKLEARN_BARS, tmp_path)  # the same run
+    assert kept.endswith("| **missed by 0.0005**: +0.0005 [-0.0010, +0.0028] |")
+    assert rendered.endswith("| met: -0.0009 [-0.0010, +0.0019] |")
+
+
+def test_a_seed_that_never_regains_shows_as_never(tmp_path) -> None:
+    """A seed in which the failed model never regains its weight counts as the slowest (the bench's rule)."""
+
+    def never_regained(run: dict) -> None:
+        run["seeds"][0]["forgetting"]["detect"]["exp3"]["regained_after"] = None
+
+    [(kept, rendered)] = changed_rows(tmp_path, selection_tables.SKLEARN_POLICIES, never_regained)
+    assert kept.endswith("| 548 [136, 775] |") and rendered.endswith(" [136, never] |")
+    assert selection_tables.summed({"median": None, "min": None, "max": None}, ".0f") == "never"
 
 
 def test_a_page_without_the_markers_is_refused() -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from rampserve.bench.rendering import EN_DASH, read_run, seed_values, spread, table_row
+from rampserve.bench.rendering import EN_DASHED, read_run, seed_values, spread, table_row
 
 MINILM_RUN = "freeze-minilm-rt-seeds3-same-load.json"
 LITE0_RUN = "freeze-lite0-fmnist-seeds3-length30k.json"
@@ -28,6 +28,7 @@ SITES_HEADER = ("| site | lookup µs | cache charged µs (share of model) | ramp
 
 
 def microseconds(ms: float | None) -> str:
+    """Milliseconds as the page's whole microseconds; None (a site without a timed lookup) as NONE."""
     return NONE if ms is None else f"{ms * 1000:.0f}"
 
 
@@ -42,7 +43,7 @@ class SystemsTable:
     def cell(self, seeds: list[dict], system: str, figure: str, spec: str) -> str:
         if seeds[0]["systems"][system].get(figure) is None:
             return NONE
-        return spread(seed_values(seeds, system, figure), spec, EN_DASH, self.single)
+        return spread(seed_values(seeds, system, figure), spec, EN_DASHED, self.single)
 
     def render(self, root: Path) -> str:
         seeds = read_run(root, self.file)["per_seed"]
@@ -66,8 +67,8 @@ class SitesTable:
         return [site["site"], microseconds(site["lookup_ms"]),
                 f"{microseconds(site['charged_ms'])} ({site['charged_share_of_model']:.2%})",
                 f"{microseconds(site['ramp_charged_ms'])} ({site['ramp_charged_ms'] / ramps_model_ms:.2%})",
-                f"{site['skipped_share_of_model']:.2f}", spread(site["cache_answerable"], ".3f", EN_DASH),
-                spread(site["ramp_answerable"], ".3f", EN_DASH), NONE if even is None else f"{even:.3f}"]
+                f"{site['skipped_share_of_model']:.2f}", spread(site["cache_answerable"], ".3f", EN_DASHED),
+                spread(site["ramp_answerable"], ".3f", EN_DASHED), NONE if even is None else f"{even:.3f}"]
 
     def render(self, root: Path) -> str:
         run = read_run(root, self.file)

@@ -1,9 +1,9 @@
 """Tables in the docs rendered from the kept JSON of the runs they quote (`rampserve bench headlines`), so that a
 figure cannot drift from its run: the README's headline results, docs/control.md's table of what each accuracy
-promise costs, and docs/freeze.md's figures (rendered by rampserve/bench/freeze_tables.py). Each figure is read from
-its run's JSON (or computed from several, as said beside it), and a test renders every table and compares it with
-its page. SECTIONS is the registry of them all: a page's table whose rows are long lives in a module of its own, and
-is registered here.
+promise costs, and docs/freeze.md's and docs/selection.md's figures (rendered by rampserve/bench/freeze_tables.py
+and selection_tables.py). Each figure is read from its run's JSON (or computed from several, as said beside it), and
+a test renders every table and compares it with its page. SECTIONS is the registry of them all: a page's tables
+whose rows are long live in a module of their own, registered here.
 
 A headline row names its runs' files (under bench-results/, listed in its JSON column), the page that holds the
 command and its spread, and the commit the page names for the run; its result cell is a template whose `{}` are its
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rampserve.bench import freeze_tables
+from rampserve.bench import freeze_tables, selection_tables
 from rampserve.bench.rendering import read_run, seed_values, spread, table_row
 
 RESULTS = Path("bench-results")  # as the README links it
@@ -410,9 +410,13 @@ class Section:
         return f"{page[:start]}\n{rendered}\n{page[end:]}"
 
 
-FREEZE = Path("docs/freeze.md")
+FREEZE, SELECTION = Path("docs/freeze.md"), Path("docs/selection.md")
 SECTIONS = (Section(Path("README.md"), "headlines", table),
             Section(Path("docs/control.md"), "promises", promise_table),
             Section(FREEZE, "minilm-rt systems", freeze_tables.MINILM_SYSTEMS.render),
             Section(FREEZE, "minilm-rt sites", freeze_tables.MINILM_SITES.render),
-            Section(FREEZE, "lite0-fmnist systems", freeze_tables.LITE0_SYSTEMS.render))
+            Section(FREEZE, "lite0-fmnist systems", freeze_tables.LITE0_SYSTEMS.render),
+            Section(SELECTION, "scikit-learn policies", selection_tables.SKLEARN_POLICIES.render),
+            Section(SELECTION, "scikit-learn bars", selection_tables.SKLEARN_BARS.render),
+            Section(SELECTION, "zoo CNNs policies", selection_tables.CNN_POLICIES_TABLE.render),
+            Section(SELECTION, "zoo CNNs bars", selection_tables.CNN_BARS.render))

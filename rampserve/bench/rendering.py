@@ -10,7 +10,8 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-HYPHEN, EN_DASH = "-", "–"  # the range's two ends are joined by one or the other, as the page typed them
+# How a median and its range's two ends show, as each page typed them
+HYPHENATED, EN_DASHED, BRACKETED = "{} ({}-{})", "{} ({}–{})", "{} [{}, {}]"
 
 
 def read_run(root: Path, file: str) -> Any:
@@ -28,12 +29,16 @@ def seed_values(seeds: list[dict], system: str, figure: str) -> list[float]:
     return [seed["systems"][system][figure] for seed in seeds]
 
 
-def spread(values: list[float], spec: str, dash: str = HYPHEN, single: bool = False) -> str:
-    """The values' median and, in brackets, their lowest and highest, each formatted by `spec`. With `single`, the
-    median alone where the range's two ends show as one figure (a page that drops a range that says nothing)."""
-    low, high = f"{min(values):{spec}}", f"{max(values):{spec}}"
-    median = f"{statistics.median(values):{spec}}"
-    return median if single and low == high else f"{median} ({low}{dash}{high})"
+def ranged(median: str, low: str, high: str, form: str = HYPHENATED, single: bool = False) -> str:
+    """A median and its range's two ends, each shown already, in a page's `form`. With `single`, the median alone
+    where the two ends show as one figure (a page that drops a range that says nothing)."""
+    return median if single and low == high else form.format(median, low, high)
+
+
+def spread(values: list[float], spec: str, form: str = HYPHENATED, single: bool = False) -> str:
+    """The values' median and their lowest and highest, each formatted by `spec`, in a page's `form`."""
+    return ranged(*(f"{value:{spec}}" for value in (statistics.median(values), min(values), max(values))), form,
+                  single)
 
 
 def table_row(cells: list[str]) -> str:
