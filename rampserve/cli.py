@@ -1262,9 +1262,10 @@ def bench_headlines(
     write: Annotated[bool, typer.Option(help="render the tables afresh in place")] = False,
     root: Annotated[Path, typer.Option(help="the checkout whose pages hold the tables")] = Path("."),
 ) -> None:
-    """The docs' tables of results (the README's headlines, docs/control.md's promises), every figure read from the
-    kept JSON of the run it quotes (rampserve/bench/headlines.py names each); without --write, print them and say
-    whether each page holds its table."""
+    """The docs' tables of results (the README's headlines, docs/control.md's promises, docs/freeze.md's and
+    docs/selection.md's figures), every figure read from the kept JSON of the run it quotes
+    (rampserve/bench/headlines.py lists the tables); without --write, print them and say whether each page holds its
+    table."""
     from rampserve.bench.headlines import RESULTS, SECTIONS
 
     for section in SECTIONS:

@@ -397,8 +397,9 @@ class Section:
 
     @property
     def start(self) -> str:
+        rows = self.render.__module__.replace(".", "/") + ".py"  # where its rows are declared
         return (f"<!-- {self.name}: rendered from bench-results/ by `rampserve bench headlines --write`; edit rows "
-                "in rampserve/bench/headlines.py -->")
+                f"in {rows} -->")
 
     @property
     def end(self) -> str:
