@@ -98,9 +98,12 @@ def _comm_of(thread: int) -> str | None:
 
 
 def lower_os_thread_priority(niceness: int) -> None:
-    """Give the calling thread `niceness` (Linux schedules threads apart: the rest of the process keeps its own)."""
+    """Lower the calling thread's priority by `niceness` (Linux schedules threads apart: the rest of the process keeps
+    its own). Relative to what it inherited: in a server started under `nice`, an absolute value would put the thread
+    level with the model's threads, or above them."""
+    thread = threading.get_native_id()
     try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), niceness)
+        os.setpriority(os.PRIO_PROCESS, thread, os.getpriority(os.PRIO_PROCESS, thread) + niceness)
     except OSError:  # not allowed here: the thread runs at the process's priority
         pass
 
@@ -122,7 +125,7 @@ def _scheduled(thread: int, policy: int) -> bool:
 
 
 class OsNamedThread(threading.Thread):
-    """A thread the kernel knows by its Python name, at `niceness` (0: the process's priority). With
+    """A thread the kernel knows by its Python name, `niceness` below the thread that starts it. With
     `below_pools`, where native pools run under SCHED_IDLE (`idle_native_threads`), it does too: a thread of any
     niceness under the normal policy takes a SCHED_IDLE thread's core at once, so at niceness alone its bursts would
     take the cores from the model's pools."""
