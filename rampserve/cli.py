@@ -901,14 +901,16 @@ def bench_live(
                                              "client CPU beside the servers) or aiohttp")] = "lean",
     rounds: Annotated[int, typer.Option(help="replays of each load per system, alternating which goes first "
                                              "(ratios are paired within rounds; the median is judged)")] = 3,
+    seed: Annotated[int, typer.Option(help="the draw of the stream's order and the arrivals: every round replays the "
+                                           "same requests, so a run measures one draw; another seed, another")] = 0,
     sim_json: Annotated[Optional[Path], typer.Option(help="a `bench sim --json` report of this model, workload and "
                                                           "trace at one of the loads: its p50 saving goes beside "
                                                           "the live one")] = None,
     json_out: JsonOut = None,
     plots: Annotated[Optional[Path], typer.Option(help="write plots into this directory (a folder per load, and "
                                                        "latency against load)")] = None,
-    simulated_seeds: Annotated[Optional[int], typer.Option(help="start no server: simulate the replays of seeds 0 "
-                                                                "to N - 1 at --rate, warm-up included, with the "
+    simulated_seeds: Annotated[Optional[int], typer.Option(help="start no server: simulate the replays of N seeds "
+                                                                "from --seed at --rate, warm-up included, with the "
                                                                 "managed server's controller")] = None,
     *,
     controller_flags: dict[str, object],
@@ -945,7 +947,7 @@ def bench_live(
                                 feedback_share=feedback_share, controller=controller_flags, saturation_s=saturation_s,
                                 saturation_rounds=saturation_rounds, warmup_requests=warmup_requests,
                                 server_args=("--ramp-budget", str(ramp_budget), *(server_arg or ())),
-                                transport=transport, client=client, replay_rounds=rounds, data=data,
+                                transport=transport, client=client, replay_rounds=rounds, seed=seed, data=data,
                                 data_options=data_options(**data_flags), prepare=PrepareConfig(bootstrap_items=bootstrap))
         simulator = None if sim_json is None else read_simulator_saving(sim_json, settings)
         if simulated_seeds is not None:

@@ -103,6 +103,7 @@ def said(output: str) -> str:
     (["--rounds", "0"], "a load is replayed at least once, got 0 rounds"),
     (["--client", "curl"], "client is one of ('lean', 'aiohttp'), not 'curl'"),
     (["--simulated-seeds", "3"], "a simulated replay has no server to measure saturation on: give --rate"),
+    (["--seed", "-1"], "a seed is a non-negative integer, got -1"),
 ])
 def test_bad_loads_are_refused_before_anything_runs(given, why):
     result = CliRunner().invoke(app, ["bench", "live", *given])

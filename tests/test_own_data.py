@@ -558,5 +558,6 @@ def test_bench_live_plans_its_replay_on_the_file_and_serves_the_bundle_prepared_
     assert plan.data["replayed_rows"] == len(repeated) - 1000
     assert plan.data["replayed_seen_in_bootstrap"] == 300  # the repeats at the end learnt from, counted
     assert plan.stream.items(plan.first, plan.first + 2) == repeated[1000:1002]
-    report = simulate_replays(settings, 1, tmp_path / "replays.json", progress=False)
+    report = simulate_replays(replace(settings, seed=3), 1, tmp_path / "replays.json", progress=False)
     assert report["workload"] == "data:texts.jsonl" and report["seeds"][0]["rampserve"]["accuracy"] >= 0.9
+    assert [run["seed"] for run in report["seeds"]] == [3]  # the replays start at the seed asked for

@@ -179,6 +179,8 @@ class LiveSettings(OwnDataSettings):
             raise ValueError(f"a load is replayed at least once, got {self.replay_rounds} rounds")
         if self.saturation_rounds < 1:
             raise ValueError(f"saturation takes at least one round, got {self.saturation_rounds}")
+        if self.seed < 0:
+            raise ValueError(f"a seed is a non-negative integer, got {self.seed}")
         if self.transport not in TRANSPORTS:
             raise ValueError(f"transport is one of {TRANSPORTS}, not {self.transport!r}")
         if self.client not in CLIENTS:
@@ -688,14 +690,15 @@ SIMULATED_FIGURES = (("p50 ×vanilla", "p50_ratio", ".3f"), ("p99 ×vanilla", "p
 
 
 def simulate_replays(settings: LiveSettings, seeds: int, json_out: Path | None, progress: bool = True) -> dict:
-    """No server: the replays a run would serve at `settings.rate_rps` for seeds 0 to `seeds` - 1 (each its own stream
-    order and arrivals), warm-up included, through the trace simulator (`simulated_replay`), and each one's p50 and
+    """No server: the replays a run would serve at `settings.rate_rps` for `seeds` seeds from `settings.seed` (each its
+    own stream order and arrivals), warm-up included, through the trace simulator (`simulated_replay`), and each one's p50 and
     p99 as ratios to vanilla's: what the controller saves at the point of a server's life the replay measures, over
     more draws than servers could be run for. A rate is needed where no server measures saturation."""
     if not settings.rate_rps:
         raise ValueError("a simulated replay has no server to measure saturation on: give --rate")
     runs = []
-    for seed in tqdm(range(seeds), desc="simulated replays", unit="seed", disable=not progress):
+    for seed in tqdm(range(settings.seed, settings.seed + seeds), desc="simulated replays", unit="seed",
+                     disable=not progress):
         seeded = replace(settings, seed=seed)
         plan = plan_live(seeded)
         schedule = replay_schedule(seeded, seeded.loads[0], None, plan.stream)
