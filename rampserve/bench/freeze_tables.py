@@ -11,20 +11,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from rampserve.bench.rendering import EN_DASHED, read_run, seed_values, spread, table_row
+from rampserve.bench.rendering import EN_DASHED, header, read_run, seed_values, spread, table_row
 
 MINILM_RUN = "freeze-minilm-rt-seeds3-same-load.json"
 LITE0_RUN = "freeze-lite0-fmnist-seeds3-length30k.json"
 NONE = "-"  # a figure the system does not have (vanilla's and the oracles' active exits), or the site lacks
 
-SYSTEMS_HEADER = ("| system | p50 × vanilla | p99 × vanilla | accuracy | 1k windows below 0.99 | exit share | "
-                  "active exits |\n|---|---|---|---|---|---|---|")
+SYSTEMS_HEADER = header(("system", "p50 × vanilla", "p99 × vanilla", "accuracy", "1k windows below 0.99", "exit share",
+                         "active exits"))
 # per column: the figure each seed's system holds, and how it shows (as `bench freeze` prints it)
 SYSTEM_COLUMNS = (("p50_ratio", ".3f"), ("p99_ratio", ".3f"), ("accuracy", ".4f"), ("windows_below_share", ".3f"),
                   ("exit_share", ".3f"), ("mean_active_ramps", ".1f"))
 
-SITES_HEADER = ("| site | lookup µs | cache charged µs (share of model) | ramp charged µs (share) | skipped share | "
-                "cache answers | ramp answers | break-even share |\n|---|---|---|---|---|---|---|---|")
+SITES_HEADER = header(("site", "lookup µs", "cache charged µs (share of model)", "ramp charged µs (share)",
+                       "skipped share", "cache answers", "ramp answers", "break-even share"))
 
 
 def microseconds(ms: float | None) -> str:

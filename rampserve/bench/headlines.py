@@ -20,11 +20,11 @@ from pathlib import Path
 from typing import Any
 
 from rampserve.bench import freeze_tables, selection_tables
-from rampserve.bench.rendering import read_run, seed_values, spread, table_row
+from rampserve.bench.rendering import header, read_run, seed_values, spread, table_row
 
 RESULTS = Path("bench-results")  # as the README links it
 KEPT = Path(__file__).resolve().parents[2] / RESULTS  # the checkout's
-HEADER = "| what | result | page | code | JSON |\n|---|---|---|---|---|"
+HEADER = header(("what", "result", "page", "code", "JSON"))
 
 Runs = Sequence[Any]  # a row's runs' JSON, in the order of its files
 
@@ -90,12 +90,18 @@ def answerable(runs: Runs, kind: str) -> list[float]:
     return [statistics.median(site[kind]) for run in runs for site in run["sites"][:-1]]
 
 
+def rounds_span(figure: str, file: int = 0) -> tuple[Figure, Figure, Figure]:
+    """A `bench live` run's `figure` (p50_ms, p99_ms) as a ratio to vanilla in the median round, and its lowest and
+    highest round."""
+    ratios = f"loads.0.versus_vanilla.{figure}.ratio_rounds"
+    return (at(f"loads.0.versus_vanilla.{figure}.ratio", "{:.2f}×", file), at(ratios, "{:.2f}", file, then=min),
+            at(ratios, "{:.2f}", file, then=max))
+
+
 def live_ratios(file: int = 0) -> tuple[Figure, ...]:
     """A `bench live` run's p50 ratio to vanilla (the median round's), its range over rounds, its p99 ratio, and the
     accuracy of its worst round."""
-    ratios = "loads.0.versus_vanilla.p50_ms.ratio_rounds"
-    return (at("loads.0.versus_vanilla.p50_ms.ratio", "{:.2f}×", file), at(ratios, "{:.2f}", file, then=min),
-            at(ratios, "{:.2f}", file, then=max), at("loads.0.versus_vanilla.p99_ms.ratio", "{:.2f}×", file),
+    return (*rounds_span("p50_ms", file), at("loads.0.versus_vanilla.p99_ms.ratio", "{:.2f}×", file),
             at("loads.0.versus_vanilla.accuracy", "{:.4f}", file))
 
 
@@ -245,14 +251,9 @@ ROWS = (
         ("live-lite0-fmnist-maf-sampled.json",),
         page="[journal](docs/journal/2026-11-26-ramps-at-1pct.md)", code="93cb759"),
     Row("`bench live` lite0-fmnist, settled (4,500 warm-up requests), 3 rounds, its bundle prepared afresh",
-        "p50 {} ({}–{} by round; bars ≤ 0.8× and ≤ 0.6×: met), p99 {} ({}–{}), accuracy {} in the median round, {} "
-        "to {} by round (bar 0.99: missed; the simulator on the same requests {}); live p50 saving {} of the "
-        "simulator's",
-        (*live_ratios()[:3],
-         at("loads.0.versus_vanilla.p99_ms.ratio", "{:.2f}×"),
-         at("loads.0.versus_vanilla.p99_ms.ratio_rounds", "{:.2f}", then=min),
-         at("loads.0.versus_vanilla.p99_ms.ratio_rounds", "{:.2f}", then=max),
-         at("loads.0.versus_vanilla.accuracy", "{:.4f}"),
+        "p50 {} ({}–{} by round; bars ≤ 0.8× and ≤ 0.6×: met), p99 {} ({}–{}), accuracy {} to {} by round (bar "
+        "0.99: missed; the simulator on the same requests {}); live p50 saving {} of the simulator's",
+        (*rounds_span("p50_ms"), *rounds_span("p99_ms"),
          at("loads.0.rounds.*.rampserve.accuracy", "{:.4f}", then=min),
          at("loads.0.rounds.*.rampserve.accuracy", "{:.4f}", then=max),
          at("loads.0.oracle_sim.rampserve.accuracy", "{:.4f}"),
@@ -358,9 +359,9 @@ def table(root: Path = KEPT) -> str:
     return "\n".join([HEADER, *(row.render(root) for row in ROWS)])
 
 
-PROMISE_HEADER = ("| model | promise | p50 × vanilla, median (seeds) | p99 × | oracle share | accuracy, worst seed | "
-                  "1k windows below 0.99, median (worst) | worst window | budget spent | static hindsight share | "
-                  "seeds below hindsight − 0.1 |\n|---|---|---|---|---|---|---|---|---|---|---|")
+PROMISE_HEADER = header(("model", "promise", "p50 × vanilla, median (seeds)", "p99 ×", "oracle share",
+                         "accuracy, worst seed", "1k windows below 0.99, median (worst)", "worst window", "budget spent",
+                         "static hindsight share", "seeds below hindsight − 0.1"))
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """What every table rendered from kept runs shares (rampserve/bench/headlines.py's and the pages' own modules beside
-it, which it registers): a run's JSON, a system's figure over the seeds of a run, its median with its range, and a
-row of cells. Shared so that "median (min-max)" is read and written one way whichever page shows it; they live apart
+it, which it registers): a run's JSON, a system's figure over the seeds of a run, its median with its range, a
+row of cells and a header. Shared so that "median (min-max)" is read and written one way whichever page shows it; they live apart
 from the registry because the registry imports the pages' modules."""
 
 from __future__ import annotations
@@ -44,3 +44,8 @@ def spread(values: list[float], spec: str, form: str = HYPHENATED, single: bool 
 def table_row(cells: list[str]) -> str:
     """A Markdown table's row of `cells`."""
     return f"| {' | '.join(cells)} |"
+
+
+def header(columns: tuple[str, ...]) -> str:
+    """A Markdown table's header row and rule, from its columns (the page's words)."""
+    return f"{table_row(list(columns))}\n|{'---|' * len(columns)}"

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rampserve.bench import selection
-from rampserve.bench.rendering import BRACKETED, ranged, read_run, table_row
+from rampserve.bench.rendering import BRACKETED, header, ranged, read_run, table_row
 
 SKLEARN_RUN = "selection-forgetting4-sklearn5-seeds5.json"
 CNN_RUN = "selection-forgetting4-cnn3-logreg-seeds5.json"
@@ -30,11 +30,6 @@ def summed(figure: dict, spec: str) -> str:
     if figure["min"] is None:
         return NEVER
     return ranged(*(shown(figure[key], spec) for key in ("median", "min", "max")), BRACKETED)
-
-
-def header(columns: tuple[str, ...]) -> str:
-    """A Markdown table's header row and rule, from its columns (the page's words)."""
-    return f"{table_row(list(columns))}\n|{'---|' * len(columns)}"
 
 
 @dataclass(frozen=True)
