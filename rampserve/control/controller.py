@@ -104,8 +104,8 @@ class Controller:
         self.recent = ExitHistory(every, settings.history)
         self.shadow = ExitHistory(every, max(settings.history, settings.search_span))
         self.delta = 1.0 - settings.confidence
-        self.monitor = DisagreementMonitor(settings.accuracy_constraint, self.delta)
-        self.changes = ChangeDetector(settings.accuracy_constraint, CHANGE_RATIO)
+        self.monitor = DisagreementMonitor(settings.certified_rate, self.delta)
+        self.changes = ChangeDetector(settings.certified_rate, CHANGE_RATIO)
         if self.searches:
             reason = "initial: shadow batches until the first search"
         elif settings.searches and not sites:
@@ -349,9 +349,9 @@ class Controller:
         return ExitData(*(np.concatenate([getattr(older, f), getattr(recent, f)]) for f in fields))
 
     def choose_thresholds(self, data: ExitData, sites: tuple[str, ...], ranking: bool = False) -> np.ndarray:
-        """Thresholds for `sites` from `data`: certified at the configuration's confidence (certified promise), or
-        tuned at the full constraint (average) or at the windowed promise's rate (windowed), or the start thresholds
-        where tuning is off.
+        """Thresholds for `sites` from `data`: certified at the configuration's confidence, at the constraint
+        (certified promise) or at the windowed promise's rate (windowed), or tuned at the full constraint (average),
+        or the start thresholds where tuning is off.
 
         `ranking`: the thresholds a candidate set is ranked at in a search, tuned at the disagreement rolling risk
         control holds answers to. Certifying each candidate instead ranks them by the noise of Learn-then-Test's
@@ -363,11 +363,10 @@ class Controller:
         if not sites or not data.size:
             return np.zeros(len(sites))
         self._work += data.size * len(sites)
-        if ranking or settings.guarantee != "certified":
-            disagreement = settings.accuracy_constraint if settings.guarantee == "average" and not ranking \
-                else settings.risk_target
+        if ranking or settings.guarantee == "average":
+            disagreement = settings.risk_target if ranking else settings.accuracy_constraint
             return tune_greedy(data, 1.0 - disagreement, settings.initial_step, settings.min_step).thresholds
-        return certified_thresholds(data, settings.accuracy_constraint, self.delta, settings.initial_step,
+        return certified_thresholds(data, settings.certified_rate, self.delta, settings.initial_step,
                                     settings.min_step)
 
     def _tuned(self, sites: tuple[str, ...]) -> np.ndarray:
@@ -438,7 +437,7 @@ class Controller:
 
         def certified(chosen: SetEstimate) -> SetEstimate:
             """`chosen` ranked again at the thresholds Learn-then-Test certifies (kept where nothing certifies)."""
-            if not chosen.sites or settings.guarantee != "certified" or not settings.threshold_tuning:
+            if not chosen.sites or settings.guarantee == "average" or not settings.threshold_tuning:
                 return chosen
             data, waited = inputs_of(chosen.sites)
             splits = [data.sequence, *(np.random.default_rng(k).permutation(data.size)
