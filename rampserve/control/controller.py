@@ -363,7 +363,7 @@ class Controller:
         if not sites or not data.size:
             return np.zeros(len(sites))
         self._work += data.size * len(sites)
-        if ranking or settings.guarantee == "average":
+        if ranking or not settings.certifies:
             disagreement = settings.risk_target if ranking else settings.accuracy_constraint
             return tune_greedy(data, 1.0 - disagreement, settings.initial_step, settings.min_step).thresholds
         return certified_thresholds(data, settings.certified_rate, self.delta, settings.initial_step,
@@ -437,7 +437,7 @@ class Controller:
 
         def certified(chosen: SetEstimate) -> SetEstimate:
             """`chosen` ranked again at the thresholds Learn-then-Test certifies (kept where nothing certifies)."""
-            if not chosen.sites or settings.guarantee == "average" or not settings.threshold_tuning:
+            if not chosen.sites or not settings.certifies or not settings.threshold_tuning:
                 return chosen
             data, waited = inputs_of(chosen.sites)
             splits = [data.sequence, *(np.random.default_rng(k).permutation(data.size)

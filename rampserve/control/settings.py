@@ -139,11 +139,17 @@ class ControllerSettings:
         return self.feedback_share if self.stops else 1.0
 
     @property
+    def certifies(self) -> bool:
+        """Whether thresholds are certified (Learn-then-Test at `certified_rate`): under every promise but the
+        average one, whose thresholds are tuned at the constraint."""
+        return self.guarantee != "average"
+
+    @property
     def certified_rate(self) -> float:
         """The disagreement thresholds are certified at, and the monitor and the change detector test answers
         against: the constraint, or under the windowed promise the highest rate at which answers that disagree
         independently break it in at most `windows_below` of windows (`guarantee.windowed_rate`). Under the average
-        promise thresholds are tuned, not certified, and the monitor tests against the constraint."""
+        promise (nothing certified, `certifies`) the monitor tests against the constraint."""
         if self.guarantee == "windowed":
             from rampserve.control.guarantee import windowed_rate  # scipy: not for the command line's parsing
 
