@@ -132,14 +132,13 @@ class Row:
 
 ROWS = (
     Row("The demo on a fresh clone (minilm-rt)",
-        "p50 {}, p99 {}, {} early, agreement {}, {}",
-        (at("loads.0.versus_vanilla.p50_ms.ratio", "{:.2f}×"),
-         at("loads.0.versus_vanilla.p99_ms.ratio", "{:.2f}×"),
+        "p50 {} ({}–{} by round), p99 {} ({}–{}), {} early, agreement {}, {}",
+        (*rounds_span("p50_ms"), *rounds_span("p99_ms"),
          at("loads.0.systems.rampserve.exit_share", "{:.0%}"),
          at("loads.0.versus_vanilla.accuracy", "{:.4f}"),
          at("loads.0.systems.rampserve.shed", counted("shed"))),
-        ("demo-minilm-rt-auto-fresh-clone.json",),
-        page="[demo](docs/demo.md)", code="dd91ee9"),
+        ("demo-minilm-rt-fresh-clone-dc2b4cd.json",),
+        page="[demo](docs/demo.md)", code="dc2b4cd"),
     Row("`bench sim` minilm-rt, 3 seeds (median / worst)",
         "p50 {} / {}, p99 {} / {}, accuracy {} / {}",
         (at("summary.rampserve.p50_ratio.median", "{:.2f}×"),
