@@ -195,6 +195,27 @@ def test_a_phase_that_cannot_move_the_median_does_not_take_the_set_from_the_one_
     assert (set(deployed) == {("s1",)}) == holds, set(deployed)
 
 
+def test_a_set_replaces_the_deployed_one_only_after_winning_as_many_searches_as_asked():
+    """s1 pays on the easy inputs, s6 on the hard ones; one ramp fits the budget and sets are judged on the newest
+    300 shadow inputs (3,000 inputs). A hard stretch of 3,000 inputs lets s6 win one search: asked for one win, the
+    controller takes s6 and goes back to s1 after it; asked for two, it holds s1. Where the stream stays hard, s6
+    replaces s1 either way, one search round later when it must win twice."""
+    def served(wins: int, hard: int, easy_after: int) -> list[tuple[int, tuple[str, ...]]]:
+        rng = np.random.default_rng(hard)
+        controller = Controller(profile(ramp_ms=0.006), ControllerSettings(
+            ramp_budget=0.01, search_span=300, search_every=1024, guarantee="average", challenger_wins=wins))
+        shadowed_drive(controller, two_kinds_of_input(rng, 4096, 0.8, 0.8) + two_kinds_of_input(rng, hard, 0.35, 0.75)
+                       + two_kinds_of_input(rng, easy_after, 0.8, 0.8))
+        return [(d.observed, d.configuration.sites) for d in controller.decisions[1:]]
+
+    assert [sites for _, sites in served(1, 3000, 4096)] == [("s1",), ("s6",), ("s1",)]
+    assert [sites for _, sites in served(2, 3000, 4096)] == [("s1",)]
+    (_, first), (once, taken) = served(1, 8192, 0)
+    (_, first_twice), (twice, taken_twice) = served(2, 8192, 0)
+    assert first == first_twice == ("s1",) and taken == taken_twice == ("s6",)
+    assert twice == once + 1024
+
+
 def test_a_ramp_that_pays_gets_exits_right_after_the_warm_up():
     """The first search runs once `warmup` shadow inputs are in: a ramp that pays from the start is deployed then,
     with certified thresholds, never at threshold 0 to gather outputs first."""
@@ -505,6 +526,8 @@ def test_settings_are_validated():
         ControllerSettings(guarantee="hopeful")
     with pytest.raises(ValueError, match="accuracy_constraint must be < 1"):
         ControllerSettings(accuracy_constraint=1.5)
+    with pytest.raises(ValueError, match="at least one search"):
+        ControllerSettings(challenger_wins=0)
     with pytest.raises(ValueError, match="not sites"):
         Controller(profile(), ControllerSettings(initial=("nope",)))
 

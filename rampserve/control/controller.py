@@ -7,9 +7,9 @@ it. What it does:
 - Search rounds, each time the inputs observed have doubled since the last and then every `search_every` inputs:
   every ramp set within the budget is estimated on the same shadow inputs (a share of batches keeps evaluating
   every ramp), spread over a long span of the stream, for the objective the user asked to cut, each
-  at thresholds tuned to the risk target; the best replaces the deployed set only when it gains more than the
-  hysteresis and was not left recently. The kept or new set's thresholds are then certified on every recent
-  input that saw its ramps (one look per round).
+  at thresholds tuned to the risk target; the best replaces the deployed set only when it has beaten it by more
+  than the hysteresis in `challenger_wins` searches since the set last changed, and was not left recently. The
+  kept or new set's thresholds are then certified on every recent input that saw its ramps (one look per round).
 - Between rounds, rolling risk control scales the certified thresholds (drift), and an anytime-valid monitor of
   the disagreement of the thresholds as tuned finds when they break the constraint: they are certified again at
   once, and where a change detector finds them far above it since some input, the stream is taken to have changed
@@ -123,6 +123,7 @@ class Controller:
         self._since = 0  # inputs numbered below this came before a change of the stream: tuning and search forget them
         self._changes = 0  # changes of the stream the monitor found
         self._left: dict[tuple[str, ...], int] = {}  # sets replaced, and when (inputs observed)
+        self._challengers: dict[tuple[str, ...], int] = {}  # sets that beat the deployed one, and how often
         self._set_changes = 0  # decisions that changed the ramp set (the others moved thresholds alone)
         self._work = 0  # cells read by threshold choices in the decision under way
         self._tighten_only = False
@@ -385,6 +386,7 @@ class Controller:
         self._since = self.changes.start
         self._changes += 1
         self.changes.reset(self._observed)
+        self._challengers = {}  # their wins were judged on the stream before the change
         if self.searches:
             self._warm = False
             self._since_round = 0
@@ -457,7 +459,11 @@ class Controller:
             [e for e in self.last_search if e.sites not in reranked]
         deployed = reranked[current]
         best = self.last_search[0]
-        if best.sites != current and self._gains(best, deployed):
+        gains = best.sites != current and self._gains(best, deployed)
+        if gains:
+            self._challengers[best.sites] = self._challengers.get(best.sites, 0) + 1
+        if gains and (self._challengers[best.sites] >= settings.challenger_wins or not current):
+            self._challengers = {}
             detail = (f"{list(best.sites)} estimated at {settings.objective} {best.objective_ms:.3f} ms "
                       f"({best.exit_share:.0%} exits) against {deployed.objective_ms:.3f} ms for {list(current)}, "
                       f"on {len(rows)} shadow inputs")
