@@ -22,6 +22,7 @@ control (`risk`) bounds the long-run disagreement whatever the stream does.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -42,6 +43,7 @@ def binomial_upper(wrong: np.ndarray, n: int, delta: float) -> np.ndarray:
     return np.where(wrong >= n, 1.0, bound)
 
 
+@functools.cache  # read once per batch by rolling risk control (the windowed promise's risk target)
 def windowed_rate(constraint: float, window: int, windows_below: float) -> float:
     """The highest rate of disagreement at which answers that disagree independently break the constraint in at
     most `windows_below` of windows of `window` answers: more than floor(window * constraint) disagreements in a
