@@ -200,10 +200,13 @@ def test_a_set_replaces_the_deployed_one_only_after_winning_as_many_searches_as_
     300 shadow inputs (3,000 inputs). A hard stretch of 3,000 inputs lets s6 win one search: asked for one win, the
     controller takes s6 and goes back to s1 after it; asked for two, it holds s1. Where the stream stays hard, s6
     replaces s1 either way, one search round later when it must win twice."""
+    search_every = 1024
+
     def served(wins: int, hard: int, easy_after: int) -> list[tuple[int, tuple[str, ...]]]:
         rng = np.random.default_rng(hard)
         controller = Controller(profile(ramp_ms=0.006), ControllerSettings(
-            ramp_budget=0.01, search_span=300, search_every=1024, guarantee="average", challenger_wins=wins))
+            ramp_budget=0.01, search_span=300, search_every=search_every, guarantee="average",
+            challenger_wins=wins))
         shadowed_drive(controller, two_kinds_of_input(rng, 4096, 0.8, 0.8) + two_kinds_of_input(rng, hard, 0.35, 0.75)
                        + two_kinds_of_input(rng, easy_after, 0.8, 0.8))
         return [(d.observed, d.configuration.sites) for d in controller.decisions[1:]]
@@ -213,7 +216,7 @@ def test_a_set_replaces_the_deployed_one_only_after_winning_as_many_searches_as_
     (_, first), (once, taken) = served(1, 8192, 0)
     (_, first_twice), (twice, taken_twice) = served(2, 8192, 0)
     assert first == first_twice == ("s1",) and taken == taken_twice == ("s6",)
-    assert twice == once + 1024
+    assert twice == once + search_every
 
 
 def test_a_ramp_that_pays_gets_exits_right_after_the_warm_up():

@@ -431,16 +431,20 @@ class PromiseRow:
         return table_row(cells)
 
 
+def promise_runs(label: str, others: str, file: str) -> tuple[PromiseRow, ...]:
+    """One row per promise of one set of runs, certified first: it says `label`, the others `others`; `file` names
+    each run with `{promise}`."""
+    return tuple(PromiseRow(label if promise == "certified" else others, promise, file.format(promise=promise))
+                 for promise in ("certified", "windowed", "average"))
+
+
 PROMISE_ROWS = (
-    *(PromiseRow("lite0-fmnist (ea0c9d4, a set must win two searches)" if promise == "certified" else "lite0-fmnist",
-                 promise, f"sim-lite0-fmnist-promise-{promise}-seeds5-wins2-ea0c9d4.json")
-      for promise in ("certified", "windowed", "average")),
-    *(PromiseRow("before: lite0-fmnist (4c27305, one win)" if promise == "certified" else "before", promise,
-                 f"sim-lite0-fmnist-promise-{promise}-seeds5-h8192-4c27305.json")
-      for promise in ("certified", "windowed", "average")),
-    *(PromiseRow("minilm-rt (ea0c9d4, its bundle prepared 2026-11-30)" if promise == "certified" else "minilm-rt",
-                 promise, f"sim-minilm-rt-promise-{promise}-seeds5-ea0c9d4.json")
-      for promise in ("certified", "windowed", "average")),
+    *promise_runs("lite0-fmnist (ea0c9d4, a set must win two searches)", "lite0-fmnist",
+                  "sim-lite0-fmnist-promise-{promise}-seeds5-wins2-ea0c9d4.json"),
+    *promise_runs("before: lite0-fmnist (4c27305, one win)", "before",
+                  "sim-lite0-fmnist-promise-{promise}-seeds5-h8192-4c27305.json"),
+    *promise_runs("minilm-rt (ea0c9d4, its bundle prepared 2026-11-30)", "minilm-rt",
+                  "sim-minilm-rt-promise-{promise}-seeds5-ea0c9d4.json"),
     PromiseRow("minilm-rt, its earlier bundle (cfa1bd6)", "certified",
                "sim-minilm-rt-promise-certified-seeds5-cfa1bd6.json"),
     PromiseRow("earlier bundle (4d5f935, tuned at the rate)", "windowed",
@@ -450,10 +454,8 @@ PROMISE_ROWS = (
                "sim-lite0-fmnist-promise-certified-seeds5-h4096-27b31e2.json"),
     PromiseRow("27b31e2 (tuned at the rate)", "windowed", "sim-lite0-fmnist-promise-windowed-seeds5-h4096-27b31e2.json"),
     PromiseRow("27b31e2", "average", "sim-lite0-fmnist-promise-average-seeds5-h4096-27b31e2.json"),
-    PromiseRow("lite0-fmnist, its earlier bundle (fbbfb9a)", "certified",
-               "sim-lite0-fmnist-promise-certified-seeds5-fbbfb9a.json"),
-    PromiseRow("earlier bundle", "windowed", "sim-lite0-fmnist-promise-windowed-seeds5-fbbfb9a.json"),
-    PromiseRow("earlier bundle", "average", "sim-lite0-fmnist-promise-average-seeds5-fbbfb9a.json"),
+    *promise_runs("lite0-fmnist, its earlier bundle (fbbfb9a)", "earlier bundle",
+                  "sim-lite0-fmnist-promise-{promise}-seeds5-fbbfb9a.json"),
 )
 
 
