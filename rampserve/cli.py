@@ -165,7 +165,7 @@ def prepare(
 ) -> None:
     """Find the model's sites, train a ramp at each (on your own inputs, --data, or a benchmark stream), profile it,
     and write a bundle: whole, or not at all."""
-    from rampserve.ramps.cache import CacheSpec
+    from rampserve.ramps.specs import CacheSpec
     from rampserve.runtime.bundle import save_bundle
     from rampserve.runtime.prepare import PrepareConfig
     from rampserve.runtime.prepare import prepare as run_prepare
@@ -261,7 +261,8 @@ def inspect_bundle(bundle: Path) -> dict:
 
 
 def _ramp_parameters(ramp: dict) -> int:
-    from rampserve.ramps.kinds import RampSpec, make_ramp
+    from rampserve.ramps.kinds import make_ramp
+    from rampserve.ramps.specs import RampSpec
 
     return make_ramp(RampSpec.from_json(ramp)).num_parameters()
 

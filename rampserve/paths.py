@@ -1,9 +1,11 @@
-"""Where rampserve keeps artifacts it builds (trained zoo models, prepared bundles, caches)."""
+"""Where rampserve keeps artifacts it builds (trained zoo models, prepared bundles, caches), and what an artifact built
+for this machine is keyed by (`cpu_flags`)."""
 
 from __future__ import annotations
 
 import fcntl
 import os
+import platform
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -40,3 +42,14 @@ def exclusive(folder: Path, name: str) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def cpu_flags() -> bytes:
+    """The CPU's instruction set, which what is built for this machine depends on: the operators are compiled for it
+    (`-march=native`), ONNX Runtime optimizes a graph for it; a cache shared with another machine must not hand it
+    what was built elsewhere."""
+    try:
+        with open("/proc/cpuinfo", "rb") as info:
+            return next((line for line in info if line.startswith(b"flags")), b"")
+    except OSError:
+        return platform.processor().encode()

@@ -54,7 +54,7 @@ def cache_prepared(small_prepare_config):
     """The small ResNet with a (small) k-means cache ramp at every site."""
     from dataclasses import replace
 
-    from rampserve.ramps.cache import CacheSpec
+    from rampserve.ramps.specs import CacheSpec
     from rampserve.runtime.prepare import prepare
     from rampserve.runtime.sources import ModelSource
 
@@ -86,6 +86,14 @@ def onnx_prepared(small_prepare_config, fmnist_feeds, tmp_path_factory):
                        tmp_path_factory.mktemp("onnx") / "r18.onnx")
     return prepare(ModelSource.parse(str(path)), replace(small_prepare_config, workload="fmnist-drift",
                                                                 engine="onnxruntime"))
+
+
+@pytest.fixture(scope="session")
+def onnx_bundle(onnx_prepared, tmp_path_factory) -> Path:
+    """The small ResNet served on ONNX Runtime: what the zoo's bundles are on a machine where it is the fastest."""
+    from rampserve.runtime.bundle import save_bundle
+
+    return save_bundle(onnx_prepared, tmp_path_factory.mktemp("bundles") / "resnet18-small-onnx")
 
 
 @pytest.fixture(scope="session")

@@ -40,7 +40,7 @@ from rampserve.bench.peers_engine import (
 from rampserve.bench.peers_plots import write_peer_plots
 from rampserve.bench.peers_ray import V2Classifier
 from rampserve.graph.onnx_graph import ONNX_SPIN_US
-from rampserve.runtime.bundle import load_bundle, save_bundle
+from rampserve.runtime.bundle import load_bundle
 from rampserve.workloads.fashion_mnist import to_model_input
 from rampserve.workloads.streams import get_stream
 
@@ -56,12 +56,6 @@ def inputs() -> np.ndarray:
     stream = get_stream("fmnist-drift")
     start = stream.evaluation.start
     return to_model_input(stream.items(start, start + 12))
-
-
-@pytest.fixture(scope="module")
-def onnx_bundle(onnx_prepared, tmp_path_factory) -> Path:
-    """The small ResNet served on ONNX Runtime: what the zoo's bundles are on a machine where it is the fastest."""
-    return save_bundle(onnx_prepared, tmp_path_factory.mktemp("bundles") / "resnet18-small-onnx")
 
 
 def original_labels(bundle, inputs: np.ndarray) -> np.ndarray:

@@ -13,7 +13,6 @@ from hypothesis.extra.numpy import arrays
 
 from rampserve.ramps.cache import (
     CacheRamp,
-    CacheSpec,
     CacheState,
     Index,
     build_cache,
@@ -23,7 +22,7 @@ from rampserve.ramps.cache import (
     static_threshold,
     update_points,
 )
-from rampserve.ramps.kinds import RampSpec
+from rampserve.ramps.specs import CacheSpec, RampSpec
 from rampserve.ramps.oracle import answerable_share
 from rampserve.runtime.prepare import exit_share_at
 

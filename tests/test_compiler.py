@@ -11,16 +11,10 @@ import pytest
 
 from rampserve.control.records import Configuration
 from rampserve.runtime.bundle import load_bundle
-from rampserve.runtime.compiled import (
-    CompiledSet,
-    CorruptEntry,
-    has_compiled,
-    opened_entry,
-    save_compiled,
-    set_key,
-    write_entry,
-)
-from rampserve.serving.executor.compiler import CompileOutcome, CompileService, likely_next_sets
+from rampserve.runtime.compiled import CompiledSet, CorruptEntry, has_compiled, opened_entry, write_entry
+from rampserve.runtime.torchscript_sets import save_compiled, set_key
+from rampserve.serving.executor.compiler import CompileService
+from rampserve.serving.executor.compiling import CompileOutcome, likely_next_sets
 
 WAIT_S = 180.0
 

@@ -31,7 +31,7 @@ from rampserve.bench.loadgen import TRACE_STEPS
 from rampserve.control.records import Configuration
 from rampserve.graph.onnx_graph import ORT_POOL_NAME
 from rampserve.runtime.bundle import save_bundle
-from rampserve.serving.executor.compiler import likely_next_sets
+from rampserve.serving.executor.compiling import likely_next_sets
 from rampserve.serving.executor.core import wait_readable
 from rampserve.serving.executor.loading import load_served, loaded
 from rampserve.serving.executor.loading import served as make_served

@@ -37,7 +37,8 @@ from rampserve.control.scores import ERROR_SCORES, top_label_and_error
 from rampserve.control.thresholds import ExitData, evaluate
 from rampserve.ramps import kernel
 from rampserve.ramps.fused import fused_ramp
-from rampserve.ramps.kinds import Ramp, RampSpec
+from rampserve.ramps.kinds import Ramp
+from rampserve.ramps.specs import RampSpec
 from rampserve.ramps.onnx_fused import ramp_tap
 from rampserve.runtime.compiled import CompiledSet
 from rampserve.serving.executor.batch import BatchState

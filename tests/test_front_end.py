@@ -8,6 +8,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 from test_executor import get_json, infer_body, post
@@ -54,6 +55,37 @@ def test_the_real_server_serves_without_torch_while_its_executor_runs_the_model(
         assert executor["kind"] == "process"
         assert mapped_libraries(process.pid) == []
         assert "torch" in mapped_libraries(executor["pid"])
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == -signal.SIGTERM
+    finally:
+        process.kill()
+
+
+def test_an_onnx_bundles_executor_serves_its_ramps_without_torch(onnx_bundle, fmnist_feeds) -> None:
+    """`rampserve serve` of an ONNX model with linear ramps: its executor loads the bundle (the ramps as arrays), runs
+    every ramp on the controller's shadow batches, answers every request with the model's own label unless it left
+    early, and has ONNX Runtime's native code mapped into it and never torch's."""
+    from rampserve.runtime.bundle import load_bundle
+
+    name, served = onnx_bundle.name, load_served(str(onnx_bundle))
+    model = load_bundle(onnx_bundle)
+    original = model.run({model.backend.input_names[0]: fmnist_feeds}).argmax(axis=1)
+    # A budget the small ResNet's ramps fit in (at the default 2% none does: its controller would have nothing to run)
+    process = subprocess.Popen([sys.executable, "-m", "rampserve.cli", "serve", str(onnx_bundle), "--port", "0",
+                                "--grpc-port", "0", "--ramp-budget", "0.5"], stdout=subprocess.PIPE, text=True)
+    try:
+        url = re.search(r"http://[\d.]+:\d+", process.stdout.readline()).group(0)
+        deadline = time.monotonic() + 120
+        while not get_json(url + "/status")["models"][name]["shadow_batches"]:  # its ramps' set loads in the executor
+            assert time.monotonic() < deadline, "no batch ran the ramps"
+            post(f"{url}/v2/models/{name}/infer", infer_body(served, fmnist_feeds[:1]))
+        for i in range(len(fmnist_feeds)):
+            code, body = post(f"{url}/v2/models/{name}/infer", infer_body(served, fmnist_feeds[i:i + 1]))
+            assert code == 200, body
+            label = next(o for o in body["outputs"] if o["name"] == "label")["data"][0]
+            assert body["parameters"]["early"] or label == original[i]
+        libraries = mapped_libraries(get_json(url + "/status")["models"][name]["executor"]["pid"])
+        assert "onnxruntime" in libraries and "torch" not in libraries
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=60) == -signal.SIGTERM
     finally:

@@ -29,7 +29,7 @@ from transformers import (
 from typer.testing import CliRunner
 
 from rampserve.cli import app
-from rampserve.runtime.backends import TorchBackend
+from rampserve.runtime.torch_backend import TorchBackend, site_activations
 from rampserve.runtime.prepare import model_encoder, prepared_encoder
 from rampserve.runtime.sources import ModelSource
 from rampserve.serving.executor.loading import load_served, loaded
@@ -106,9 +106,9 @@ def test_sites_lie_between_encoder_layers_and_ignore_padding(checkpoints, family
     wider_ids = torch.cat([ids, torch.full((2, 4), int(ids[1, -1]))], dim=1)
     wider_mask = torch.cat([mask, torch.zeros(2, 4, dtype=torch.int64)], dim=1)
     sites = [s.value for s in backend.sites]
-    (narrow, logits), = backend.site_activations([{"input_ids": ids.numpy(), "attention_mask": mask.numpy()}],
+    (narrow, logits), = site_activations(backend, [{"input_ids": ids.numpy(), "attention_mask": mask.numpy()}],
                                                  sites)
-    (wide, wider_logits), = backend.site_activations([{"input_ids": wider_ids.numpy(),
+    (wide, wider_logits), = site_activations(backend, [{"input_ids": wider_ids.numpy(),
                                                        "attention_mask": wider_mask.numpy()}], sites)
     for site in sites:
         assert not np.asarray(wide[site])[:, 5:].any() and not np.asarray(narrow[site])[1, 2:].any()

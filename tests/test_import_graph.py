@@ -97,14 +97,14 @@ FRONT_END_NEVER_REACHES = ("rampserve.serving.executor", "rampserve.runtime", "r
 FRONT_END_NEVER_IMPORTS = {"torch", "onnxruntime"}
 
 
-def reached_from(starts: set[str], modules: dict[str, Path]) -> dict[str, tuple[str, ...]]:
-    """Every module reached from `starts` by imports anywhere in them, and other packages as "pkg:NAME", each with
-    the chain of imports that reaches it."""
+def reached_from(starts: set[str], modules: dict[str, Path], everywhere: bool = True) -> dict[str, tuple[str, ...]]:
+    """Every module reached from `starts` by imports anywhere in them (or only at their top level: what importing them
+    runs), and other packages as "pkg:NAME", each with the chain of imports that reaches it."""
     chains = {name: (name,) for name in starts}
     waiting = sorted(starts)
     while waiting:
         name = waiting.pop()
-        found, others = imports(modules[name], modules, everywhere=True)
+        found, others = imports(modules[name], modules, everywhere=everywhere)
         for other in sorted(found) + [f"pkg:{package}" for package in sorted(others)]:
             if other not in chains:
                 chains[other] = (*chains[name], other)
@@ -133,3 +133,14 @@ def test_the_rule_would_catch_an_import_inside_a_function(tmp_path):
     (tmp_path / "threads.py").write_text("def thing():\n    import torch.nn\n")
     modules = {"rampserve.serving.frontend.plane": tmp_path / "plane.py", "rampserve.threads": tmp_path / "threads.py"}
     assert front_end_violations(modules) == ["rampserve.serving.frontend.plane -> rampserve.threads -> pkg:torch"]
+
+
+def test_an_onnx_models_executor_imports_no_torch_when_it_starts():
+    """What an executor process imports to serve an ONNX model (`serving.executor.core.MODEL_MODULES`) reaches torch
+    by no top-level import: torch loads only where a function that needs it runs (a torch model's bundle, a ramp
+    that runs as a torch module; the real executor is held to it by test_front_end)."""
+    from rampserve.serving.executor.core import MODEL_MODULES
+
+    chains = reached_from({"rampserve.serving.executor.core", *MODEL_MODULES["onnx"]}, module_files(), everywhere=False)
+    assert "rampserve.serving.executor.worker" in chains and "pkg:onnxruntime" in chains  # the graph was followed
+    assert chains.get("pkg:torch") is None, " -> ".join(chains["pkg:torch"])

@@ -25,7 +25,9 @@ from rampserve.graph.onnx_graph import (
 )
 from rampserve.runtime.bundle import load_bundle, save_bundle
 from rampserve.runtime.prepared import PreparedModel
-from rampserve.ramps.kinds import RampSpec, make_ramp
+from rampserve.runtime.torch_backend import site_activations
+from rampserve.ramps.kinds import make_ramp
+from rampserve.ramps.specs import RampSpec
 from rampserve.ramps.onnx_fused import ramp_tap
 from rampserve.ramps.pooling import LINEAR_CNN_GRID, POOLING_REDUCTIONS, SAMPLED_SIDE
 
@@ -88,7 +90,7 @@ def test_the_blocked_values_onnx_runtime_keeps_are_the_sites_activations(onnx_pr
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     found = ort.InferenceSession(probe.SerializeToString(), options, providers=["CPUExecutionProvider"]).run(
         [v.name for v in values.values()], {split.input_names[0]: fmnist_feeds[:3]})
-    activations, _ = next(onnx_prepared.backend.site_activations([{split.input_names[0]: fmnist_feeds[:3]}], sites))
+    activations, _ = next(site_activations(onnx_prepared.backend, [{split.input_names[0]: fmnist_feeds[:3]}], sites))
     for (site, value), seen in zip(values.items(), found):
         expected = activations[site].numpy()
         if value.block:

@@ -11,7 +11,8 @@ from hypothesis.extra.numpy import arrays
 from torch import nn
 
 from rampserve.control.scores import top_label_and_error
-from rampserve.ramps.kinds import Ramp, RampSpec, spec_for
+from rampserve.ramps.kinds import Ramp
+from rampserve.ramps.specs import RampSpec, spec_for
 from rampserve.ramps.oracle import NO_EXIT, earliest_correct_exit
 from rampserve.ramps.train import Features, TrainConfig, train_ramps
 

@@ -15,8 +15,9 @@ from torch import nn
 
 from rampserve.graph.sites import block_of
 from rampserve.graph.torch_graph import TorchSplitModel
-from rampserve.ramps.kinds import make_ramp, spec_for
-from rampserve.runtime.backends import TorchBackend
+from rampserve.ramps.kinds import make_ramp
+from rampserve.ramps.specs import spec_for
+from rampserve.runtime.torch_backend import TorchBackend, site_activations
 from rampserve.runtime.prepared import PreparedModel, SiteInfo
 from rampserve.runtime.profile import PROFILED_LENGTHS
 from rampserve.zoo.registry import get_entry
@@ -384,7 +385,7 @@ def test_onnx_ramps_of_a_text_encoder_fuse_as_they_evaluate(token_reduce: str, s
     feeds = dict(zip(names, entry.encode(stream.items(stream.evaluation.start, stream.evaluation.start + 6)).values()))
     backend = OnnxBackend(export_onnx(module, tuple(torch.from_numpy(feeds[n][:2]) for n in names), names,
                                       tmp_path / "minilm.onnx"))
-    activations, logits = next(backend.site_activations([feeds], [s.value for s in backend.sites]))
+    activations, logits = next(site_activations(backend, [feeds], [s.value for s in backend.sites]))
     torch.manual_seed(0)
     sites, ramps = [], {}
     for candidate in backend.sites:

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from rampserve.control.controller import ControllerSettings
 from rampserve.control.exit_rule import STOP_MARGIN, first_exits
 from rampserve.control.records import NO_EXIT, NO_LABEL, Configuration
-from rampserve.runtime.compiled import set_key
+from rampserve.runtime.torchscript_sets import set_key
 from rampserve.serving.executor.loading import served as make_served
 from rampserve.serving.executor.request_queue import Pending
 from rampserve.serving.executor.worker import ModelWorker

@@ -12,9 +12,10 @@ from onnx import TensorProto, helper
 
 from rampserve.ramps import kernel
 from rampserve.ramps.fused import fused_ramp
-from rampserve.ramps.kinds import Ramp, RampSpec
+from rampserve.ramps.kinds import Ramp
+from rampserve.ramps.specs import RampSpec
 from rampserve.ramps.onnx_fused import ramp_tap
-from rampserve.ramps.pooling import reduce_activation
+from rampserve.ramps.torch_reductions import reduce_activation
 
 HIDDEN = 8
 

@@ -11,7 +11,7 @@ import torch.fx
 from safetensors.torch import load_file
 from torch import nn
 
-from rampserve.ramps.pooling import reduce_activation
+from rampserve.ramps.torch_reductions import reduce_activation
 from rampserve.workloads.fashion_mnist import load_fashion_mnist
 from rampserve.workloads.rotten_tomatoes import load_rotten_tomatoes, rt_movie_split
 from rampserve.zoo import get_entry, load_trained, train_zoo, zoo_names

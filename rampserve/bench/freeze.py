@@ -49,13 +49,15 @@ from rampserve.control.controller import Controller, ControllerSettings
 from rampserve.control.costs import CostModel
 from rampserve.control.exit_rule import first_exits
 from rampserve.control.records import BatchRecord, Configuration
-from rampserve.ramps.cache import CacheRamp, CacheSpec
+from rampserve.ramps.cache import CacheRamp
 from rampserve.ramps.oracle import NO_EXIT, answerable_share
+from rampserve.ramps.specs import CacheSpec
 from rampserve.runtime.bundle import load_bundle
 from rampserve.runtime.prepare import PrepareConfig, default_workload, feeds_for, prepared_encoder
 from rampserve.runtime.prepared import PreparedModel
 from rampserve.runtime.sources import ModelSource
 from rampserve.runtime.timing import interleaved_samples
+from rampserve.runtime.torch_backend import site_activations
 from rampserve.runtime.zoo_bundles import zoo_bundle
 from rampserve.workloads.streams import FMNIST_PHASE_LENGTH, get_stream
 from rampserve.workloads.traces import arrival_times
@@ -360,8 +362,7 @@ def lookup_times(model: PreparedModel, feeds: list[dict[str, np.ndarray]], round
     projection, nearest centroid and its score: what the releasing thread computes for a batch of one), timed
     interleaved over sites and rounds, on `feeds` (batch-1 inputs) in turn."""
     sites = [s for s, ramp in model.ramps.items() if isinstance(ramp, CacheRamp)]
-    activations = [{s: model.backend.to_tensor(a) for s, a in found.items()}
-                   for found, _ in model.backend.site_activations(feeds, sites)]
+    activations = [found for found, _ in site_activations(model.backend, feeds, sites)]
     turn = {s: 0 for s in sites}
 
     def lookup(site: str) -> Callable[[], object]:

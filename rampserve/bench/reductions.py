@@ -18,12 +18,12 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from rampserve.ramps.kinds import spec_for
-from rampserve.ramps.pooling import reduce_activation
+from rampserve.ramps.specs import spec_for
+from rampserve.ramps.torch_reductions import reduce_activation
 from rampserve.ramps.train import Features, TrainConfig, train_ramps
-from rampserve.runtime.backends import TorchBackend
 from rampserve.runtime.prepare import MIXED_AGREEMENT, bootstrap_inputs, exit_share_at, feeds_for
 from rampserve.runtime.sources import ModelSource, load_trained
+from rampserve.runtime.torch_backend import TorchBackend, site_activations
 from rampserve.workloads.streams import get_stream
 
 REDUCTIONS = ("first_token", "token_mean_masked")
@@ -47,7 +47,7 @@ def _reduced(backend: TorchBackend, encoder, texts: list[str], sites: list[str],
     logits = []
     batches = (feeds_for(backend, encoder, [texts[i] for i in order[a:a + BATCH]])
                for a in range(0, len(order), BATCH))
-    for activations, output in tqdm(backend.site_activations(batches, sites), total=-(-len(order) // BATCH),
+    for activations, output in tqdm(site_activations(backend, batches, sites), total=-(-len(order) // BATCH),
                                     desc=desc, unit="batch"):
         for (site, how), chunks in parts.items():
             chunks.append(reduce_activation(activations[site], how).float())

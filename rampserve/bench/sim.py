@@ -36,7 +36,6 @@ from rampserve.control.costs import CostModel
 from rampserve.control.ramps import RampSet, beam_search, fits_budget, initial_sites
 from rampserve.control.records import NO_EXIT, NO_LABEL, BatchRecord, Configuration, validation_record
 from rampserve.control.thresholds import ExitData, TuningResult, evaluate, tune_greedy
-from rampserve.ramps.kinds import Ramp
 from rampserve.ramps.onnx_fused import can_tap
 from rampserve.ramps.oracle import earliest_correct_exit
 from rampserve.runtime.bundle import load_bundle
@@ -415,8 +414,7 @@ def python_ramps(model: PreparedModel) -> dict:
     if model.backend.kind == "onnx":
         return {"python_ramps": frozenset(s for s, ramp in model.ramps.items() if not can_tap(ramp)),
                 "python_sets_stop": False}
-    return {"python_ramps": frozenset(s for s, ramp in model.ramps.items()
-                                      if not (isinstance(ramp, Ramp) and ramp.spec.kind == "linear")),
+    return {"python_ramps": frozenset(s for s, ramp in model.ramps.items() if ramp.spec.kind != "linear"),
             "python_sets_stop": True}
 
 

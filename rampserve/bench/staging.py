@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from rampserve.runtime.backends import Backend, TorchBackend
+from rampserve.runtime.backends import Backend
 from rampserve.runtime.bundle import load_bundle
 from rampserve.runtime.engines import (
     AS_USERS_RUN_IT,
@@ -33,6 +33,7 @@ from rampserve.runtime.prepared import PreparedModel, SiteInfo
 from rampserve.runtime.profile import serving_path
 from rampserve.runtime.sources import ModelSource, load_trained
 from rampserve.runtime.timing import interleaved_medians, interleaved_samples, paired_difference
+from rampserve.runtime.torch_backend import TorchBackend, site_activations
 from rampserve.runtime.zoo_bundles import zoo_bundle
 
 
@@ -135,7 +136,7 @@ def engine_twin(prepared: PreparedModel, backend: Backend, example: dict[str, np
     and each ramp moves to the next site of `backend` whose activation has its site's shape. A graph may have
     sites the other lacks (MiniLM's export has one at its head, its fx graph not): a ramp with no such site is
     left out."""
-    activations, _ = next(backend.site_activations([example], [s.value for s in backend.sites]))
+    activations, _ = next(site_activations(backend, [example], [s.value for s in backend.sites]))
     candidates = list(backend.sites)
     twins, ramps = [], {}
     for info in prepared.sites:

@@ -17,7 +17,7 @@ Everything here except `CacheRamp` is a pure function over NumPy arrays.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import faiss
 import numpy as np
@@ -25,10 +25,10 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from rampserve.ramps.pooling import POOLING_REDUCTIONS, PooledLinear, reduce_activation
+from rampserve.ramps.pooling import POOLING_REDUCTIONS, PooledLinear
+from rampserve.ramps.specs import CacheSpec
+from rampserve.ramps.torch_reductions import as_array, reduce_activation
 
-CACHE_REDUCTIONS = ("learned", "pca")
-CACHE_LOOKUPS = ("kmeans", "knn")
 # Additive smoothing of every stored label distribution: a centroid seen once is not sure of anything.
 LABEL_PRIOR = 1.0
 # An input farther from its nearest centroid than this many times the cache's typical distance re-seeds the
@@ -38,34 +38,6 @@ NOVELTY_DISTANCE = 2.0
 faiss.omp_set_num_threads(1)
 # Usage of each centroid fades by this factor per observed batch, so "least used" means "least used lately".
 USAGE_DECAY = 0.999
-
-
-@dataclass(frozen=True)
-class CacheSpec:
-    reduction: str = "learned"  # "learned" (the paper's one-hidden-layer projection) or "pca"
-    dim: int = 32  # dimensions of the reduced space
-    lookup: str = "kmeans"  # "kmeans" (centroids with majority labels) or "knn" (stored inputs)
-    points: int = 128  # centroids (kmeans) or stored inputs (knn): the memory bound
-    neighbours: int = 1  # looked up per input: 1 for centroids; the paper's k for k-NN
-    memory: float = 256.0  # observations a stored label distribution and centroid position average over
-
-    def __post_init__(self) -> None:
-        if self.reduction not in CACHE_REDUCTIONS:
-            raise ValueError(f"unknown cache reduction {self.reduction!r}; known: {CACHE_REDUCTIONS}")
-        if self.lookup not in CACHE_LOOKUPS:
-            raise ValueError(f"unknown cache lookup {self.lookup!r}; known: {CACHE_LOOKUPS}")
-        if not 1 <= self.neighbours <= self.points:
-            raise ValueError(f"neighbours must lie in [1, points={self.points}], got {self.neighbours}")
-        if self.dim < 1 or self.memory < 1:
-            raise ValueError("dim and memory must be at least 1")
-
-    def to_json(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_json(cls, data: dict) -> CacheSpec:
-        return cls(reduction=str(data["reduction"]), dim=int(data["dim"]), lookup=str(data["lookup"]),
-                   points=int(data["points"]), neighbours=int(data["neighbours"]), memory=float(data["memory"]))
 
 
 @dataclass
@@ -322,19 +294,21 @@ class CacheRamp(nn.Module):
         labels, errors, *_ = self.index().lookup(features, self.spec.cache.neighbours)
         return labels, errors
 
-    def evaluate(self, activation: torch.Tensor, score: str = "max_prob") -> tuple[np.ndarray, np.ndarray]:
+    def evaluate(self, activation: torch.Tensor | np.ndarray, score: str = "max_prob") -> tuple[np.ndarray, np.ndarray]:
         """Top label and error score per input (`score` is the models' softmax score: a cache has its own)."""
         serving = self._serving
         index = serving.index or self.index()
         if self.spec.reduce in POOLING_REDUCTIONS:
-            buffers = self._buffers  # without nn.Module.__getattr__ (~1 us each)
+            projection, bias = self._buffers["projection"], self._buffers["bias"]  # without nn.Module.__getattr__
+            key = (tuple(activation.shape[1:]), projection.data_ptr(), bias.data_ptr())
             serving.pooled = pooled = PooledLinear.current(
-                serving.pooled, activation, self.spec.reduce, {"weight": buffers["projection"], "bias": buffers["bias"]})
-            embedded = pooled(activation)
+                serving.pooled, key, self.spec.reduce, lambda: {"weight": projection.numpy(), "bias": bias.numpy()})
+            embedded = pooled(as_array(activation))
             if index.state.relu:
                 np.maximum(embedded, 0.0, out=embedded)
         else:
-            features = reduce_activation(activation, self.spec.reduce).reshape(len(activation), -1).numpy(force=True)
+            features = as_array(reduce_activation(torch.as_tensor(activation), self.spec.reduce)).reshape(
+                len(activation), -1)
             embedded = embed(features, index.state.weight, index.state.bias, index.state.relu)
         labels, errors, embedded, nearest, distances = index.lookup_embedded(embedded, self.spec.cache.neighbours)
         serving.last = (embedded, nearest, distances)

@@ -12,14 +12,13 @@ import functools
 import hashlib
 import logging
 import os
-import platform
 import sys
 import threading
 from pathlib import Path
 
 import torch
 
-from rampserve.paths import home
+from rampserve.paths import cpu_flags, home
 
 log = logging.getLogger("rampserve.kernel")
 
@@ -33,17 +32,6 @@ DISABLE_ENV = "RAMPSERVE_NO_RAMP_KERNEL"  # set to 1 to serve without the operat
 
 _lock = threading.Lock()
 _state: dict[str, str | bool] = {}
-
-
-def cpu_flags() -> bytes:
-    """The CPU's instruction set, which what is built for this machine depends on: the operators are compiled for it
-    (`-march=native`), ONNX Runtime optimizes a graph for it; a cache shared with another machine must not hand it
-    what was built elsewhere."""
-    try:
-        with open("/proc/cpuinfo", "rb") as info:
-            return next((line for line in info if line.startswith(b"flags")), b"")
-    except OSError:
-        return platform.processor().encode()
 
 
 @functools.cache

@@ -1,4 +1,5 @@
-"""Ramp kinds: a parameter-free reduction of a site's activation followed by a small trainable head.
+"""Ramps as torch modules: a parameter-free reduction of a site's activation followed by a small trainable head
+(what each kind is: `ramps.specs`).
 
 Splitting every ramp into a fixed `reduce` and a trainable `head` lets training run the frozen model once,
 keep only the reduced activations, and fit every head from them (Apparate §3.1, §4).
@@ -6,7 +7,7 @@ keep only the reduced activations, and fit every head from them (Apparate §3.1,
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from collections.abc import Mapping
 
 import numpy as np
 import torch
@@ -14,72 +15,11 @@ from torch import nn
 from torch.nn import functional as F
 
 from rampserve.control.scores import top_label_and_error
-from rampserve.ramps.cache import CacheRamp, CacheSpec
-from rampserve.ramps.pooling import (
-    DEEP_CNN_GRID,
-    LINEAR_CNN_GRID,
-    POOLING_REDUCTIONS,
-    PooledLinear,
-    grid_reduction,
-    reduce_activation,
-)
-
-
-@dataclass(frozen=True)
-class RampSpec:
-    kind: str  # "linear" (Apparate's default), "mlp" (one hidden layer), "deep" or "cache" (Freeze Inference)
-    reduce: str  # "spatial_mean", "grid_mean", "sampled_grid_mean", "spatial_grid", "first_token", "token_mean",
-    # "token_mean_masked", "identity"
-    feature_shape: tuple[int, ...]  # per-sample shape after `reduce`
-    num_classes: int
-    cache: CacheSpec | None = None  # for kind "cache"
-    hidden: int | None = None  # for kind "mlp": the hidden layer's width
-
-    def to_json(self) -> dict:
-        # Left out where unused, so that a bundle of another kind reads as it did before these fields
-        return {key: value for key, value in asdict(self).items() if key not in ("cache", "hidden") or value}
-
-    @classmethod
-    def from_json(cls, data: dict) -> RampSpec:
-        return cls(
-            kind=str(data["kind"]),
-            reduce=str(data["reduce"]),
-            feature_shape=tuple(int(d) for d in data["feature_shape"]),
-            num_classes=int(data["num_classes"]),
-            cache=CacheSpec.from_json(data["cache"]) if data.get("cache") else None,
-            hidden=int(data["hidden"]) if data.get("hidden") else None,
-        )
-
-
-RAMP_KINDS = ("linear", "mlp", "deep", "cache")
-# Kinds whose head is linear maps on the reduced features (an MLP's with a ReLU between): they learn on standardised
-# features, keep the mean as their `center`, and fuse into the serving path's ONNX sessions
-DENSE_KINDS = ("linear", "mlp")
-# Width of an MLP ramp's hidden layer. On lite0-fmnist 64, 128 and 256 let the ramps after blocks 3-11 answer the
-# same share of the stream within noise (0.49-0.68 at 1% disagreement), 0.03-0.07 more than a linear head; the
-# first layer's weights (features x width) are most of what the ramp reads per run, so the narrowest was kept
-MLP_HIDDEN = 64
-
-
-def spec_for(kind: str, activation_shape: tuple[int, ...], num_classes: int, token_reduce: str = "first_token",
-             cache: CacheSpec | None = None, hidden: int = MLP_HIDDEN) -> RampSpec:
-    """The ramp of `kind` for a site whose per-sample activation has `activation_shape`. A cache ramp pools like
-    a linear one and stores what `cache` (default: CacheSpec()) says; an MLP ramp reduces like a linear one and has
-    a hidden layer `hidden` wide."""
-    if kind not in RAMP_KINDS:
-        raise ValueError(f"unknown ramp kind {kind!r}; known: {RAMP_KINDS}")
-    cache = (cache or CacheSpec()) if kind == "cache" else None
-    extra = {"cache": cache, "hidden": hidden if kind == "mlp" else None}
-    rank = len(activation_shape)
-    if rank == 3:  # (C, H, W) feature map
-        channels = activation_shape[0]
-        if kind == "deep":
-            return RampSpec(kind, "spatial_grid", (channels, DEEP_CNN_GRID, DEEP_CNN_GRID), num_classes)
-        return RampSpec(kind, grid_reduction(activation_shape), (channels * LINEAR_CNN_GRID**2,), num_classes,
-                        **extra)
-    if rank == 2:  # (tokens, hidden)
-        return RampSpec(kind, token_reduce, (activation_shape[1],), num_classes, **extra)
-    return RampSpec(kind, "identity", (_numel(activation_shape),), num_classes, **extra)
+from rampserve.ramps.arrays import RampArrays
+from rampserve.ramps.cache import CacheRamp
+from rampserve.ramps.pooling import POOLING_REDUCTIONS, PooledLinear
+from rampserve.ramps.specs import DENSE_KINDS, RampSpec, numel
+from rampserve.ramps.torch_reductions import as_array, reduce_activation
 
 
 def make_ramp(spec: RampSpec) -> Ramp | CacheRamp:
@@ -87,15 +27,25 @@ def make_ramp(spec: RampSpec) -> Ramp | CacheRamp:
     return CacheRamp(spec) if spec.kind == "cache" else Ramp(spec)
 
 
+def ramp_from_state(spec: RampSpec, state: Mapping[str, np.ndarray]) -> Ramp | CacheRamp:
+    """A ramp of `spec` with the arrays a bundle keeps for it (raises ValueError where they do not fit it)."""
+    ramp = make_ramp(spec)
+    try:  # copies: a bundle's arrays may be read-only views of its file
+        ramp.load_state_dict({name: torch.from_numpy(np.array(value)) for name, value in state.items()}, strict=True)
+    except RuntimeError as exc:
+        raise ValueError(str(exc)) from exc
+    return ramp.eval()
+
+
 def build_head(spec: RampSpec) -> nn.Module:
     if spec.kind == "linear":
         # Reductions already give flat (N, features): a bare Linear avoids a container's call overhead,
         # a sizeable share of a ramp's cost at batch 1.
-        return nn.Linear(_numel(spec.feature_shape), spec.num_classes)
+        return nn.Linear(numel(spec.feature_shape), spec.num_classes)
     if spec.kind == "mlp":
         if not spec.hidden:
             raise ValueError("an MLP ramp needs the width of its hidden layer")
-        return nn.Sequential(nn.Linear(_numel(spec.feature_shape), spec.hidden), nn.ReLU(),
+        return nn.Sequential(nn.Linear(numel(spec.feature_shape), spec.hidden), nn.ReLU(),
                              nn.Linear(spec.hidden, spec.num_classes))
     if spec.reduce == "spatial_grid":
         channels = spec.feature_shape[0]
@@ -107,16 +57,9 @@ def build_head(spec: RampSpec) -> nn.Module:
             nn.Linear(channels, spec.num_classes),
         )
     # DeeBERT-style: the BERT pooler (dense + tanh) and a dropout before the classifier.
-    width = _numel(spec.feature_shape)
+    width = numel(spec.feature_shape)
     return nn.Sequential(nn.Flatten(), nn.Linear(width, width), nn.Tanh(), nn.Dropout(0.1),
                          nn.Linear(width, spec.num_classes))
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 class Ramp(nn.Module):
@@ -133,7 +76,7 @@ class Ramp(nn.Module):
         self.spec = spec
         self.head = build_head(spec)
         if spec.kind in DENSE_KINDS:
-            self.register_buffer("center", torch.zeros(_numel(spec.feature_shape)))
+            self.register_buffer("center", torch.zeros(numel(spec.feature_shape)))
         self._pools = spec.kind in DENSE_KINDS and spec.reduce in POOLING_REDUCTIONS
         self._arrays: PooledLinear | None = None
 
@@ -153,9 +96,10 @@ class Ramp(nn.Module):
             return self.head(features - self.center)
         return self.head(features)
 
-    def evaluate(self, activation: torch.Tensor, score: str = "max_prob") -> tuple[np.ndarray, np.ndarray]:
+    def evaluate(self, activation: torch.Tensor | np.ndarray, score: str = "max_prob") -> tuple[np.ndarray, np.ndarray]:
         """Top label and error score per input: what the serving path runs after each active ramp (and what
-        the latency profile times). Scores `forward`'s logits up to float rounding.
+        the latency profile times), on the activation as the backend gives it. Scores `forward`'s logits up to float
+        rounding.
 
         A pooling linear ramp runs in NumPy, pooling as a matmul: called between two of the model's layers,
         where caches are cold, each library call costs several times what it does in a loop, and NumPy's are
@@ -165,9 +109,18 @@ class Ramp(nn.Module):
         (a weight per input position evicts the model's own data from cache).
         """
         if self._pools:
-            self._arrays = arrays = PooledLinear.current(self._arrays, activation, self.spec.reduce, self._params())
-            return top_label_and_error(arrays(activation), score)
-        return top_label_and_error(self.forward(activation).detach().numpy(), score)
+            params = self._params()
+            key = (tuple(activation.shape[1:]), *(params[name].data_ptr() for name in sorted(params)))
+            self._arrays = arrays = PooledLinear.current(
+                self._arrays, key, self.spec.reduce, lambda: {name: t.detach().numpy() for name, t in params.items()})
+            return top_label_and_error(arrays(as_array(activation)), score)
+        return top_label_and_error(self.forward(torch.as_tensor(activation)).detach().numpy(), score)
+
+    def arrays(self) -> RampArrays:
+        """A linear or MLP ramp as arrays: views of its parameters (what `ramps.onnx_fused` builds a tap from)."""
+        return RampArrays(self.spec, self.center.detach().numpy(),
+                          tuple((layer.weight.detach().numpy(), layer.bias.detach().numpy())
+                                for layer in self.dense_layers()))
 
     def from_features(self, features: np.ndarray, score: str = "max_prob") -> tuple[np.ndarray, np.ndarray]:
         """Top label and error score per input from already reduced features (what training keeps)."""

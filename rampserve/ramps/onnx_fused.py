@@ -16,13 +16,14 @@ on ONNX is mostly that extra session call.
 from __future__ import annotations
 
 import hashlib
+from typing import TYPE_CHECKING
 
 import numpy as np
 from onnx import TensorProto, helper, numpy_helper
 
 from rampserve.control.scores import ERROR_SCORES
 from rampserve.graph.onnx_graph import Tap
-from rampserve.ramps.kinds import DENSE_KINDS, Ramp
+from rampserve.ramps.arrays import RampArrays
 from rampserve.ramps.pooling import (
     POOLING_REDUCTIONS,
     TOKEN_REDUCTIONS,
@@ -31,6 +32,10 @@ from rampserve.ramps.pooling import (
     sampling_stride,
     separable_pooling,
 )
+from rampserve.ramps.specs import DENSE_KINDS
+
+if TYPE_CHECKING:
+    from rampserve.ramps.kinds import Ramp
 
 # The reductions a tap computes; a ramp with another (a deep head's grid) is evaluated in Python
 TAPPED_REDUCTIONS = (*POOLING_REDUCTIONS, "identity", *TOKEN_REDUCTIONS)
@@ -43,10 +48,12 @@ JOINT_POOLING_POSITIONS = 14 * 14
 
 
 def can_tap(ramp: object) -> bool:
-    return isinstance(ramp, Ramp) and ramp.spec.kind in DENSE_KINDS and ramp.spec.reduce in TAPPED_REDUCTIONS
+    """Whether `ramp` (a ramp module or `RampArrays`) fuses into ONNX stages: a linear or MLP one reducing as a tap
+    can."""
+    return ramp.spec.kind in DENSE_KINDS and ramp.spec.reduce in TAPPED_REDUCTIONS
 
 
-def ramp_tap(ramp: Ramp, site: str, activation_shape: tuple[int, ...], opset: int, score: str, block: int = 0
+def ramp_tap(ramp: RampArrays | Ramp, site: str, activation_shape: tuple[int, ...], opset: int, score: str, block: int = 0
              ) -> Tap:
     """`ramp` (linear or MLP, see `can_tap`) on the cut value `site` of per-input shape `activation_shape`, as ONNX
     nodes for a model of operator set `opset`. Its outputs: logits = (reduce(activation) - center) @ weight.T + bias
@@ -91,9 +98,9 @@ def ramp_tap(ramp: Ramp, site: str, activation_shape: tuple[int, ...], opset: in
                               constant("axes", np.array(axes, np.int64)),
                               constant("steps", np.full(2, stride, np.int64))])
     activation_shape, reduce = sampled(activation_shape, reduce)
-    layers = ramp.dense_layers()
-    center = ramp.center.detach().numpy().astype(np.float32)
-    weight_t = layers[0].weight.detach().numpy().T.astype(np.float32)
+    arrays = ramp.arrays()
+    layers, center = arrays.layers, arrays.center.astype(np.float32)
+    weight_t = layers[0][0].T.astype(np.float32)
     if block:  # maps pooled in blocks: (n * blocks, cells, block), features by block
         channels, (height, width) = activation_shape[0], activation_shape[1:]
         blocks = -(-channels // block)
@@ -141,13 +148,13 @@ def ramp_tap(ramp: Ramp, site: str, activation_shape: tuple[int, ...], opset: in
     else:
         features = over_axis("ReduceMean", site)
     value = node("Sub", [features, constant("center", center)])
-    for index, layer in enumerate(layers):
+    for index, (weight, bias) in enumerate(layers):
         suffix = str(index) if index else ""  # the first layer's names as a linear ramp's
         if index:
             value = node("Relu", [value])
-        weight = weight_t if index == 0 else layer.weight.detach().numpy().T.astype(np.float32)
-        value = node("Gemm", [value, constant(f"weight_t{suffix}", weight),
-                              constant(f"bias{suffix}", layer.bias.detach().numpy().astype(np.float32))],
+        value = node("Gemm", [value, constant(f"weight_t{suffix}", weight_t if index == 0 else
+                                              weight.T.astype(np.float32)),
+                              constant(f"bias{suffix}", bias.astype(np.float32))],
                      output=f"{prefix}/logits" if index == len(layers) - 1 else "")
     logits = value
     probabilities = node("Softmax", [logits], axis=1)

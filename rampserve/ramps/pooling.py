@@ -1,17 +1,18 @@
-"""Parameter-free reductions of a site's activation, and pooling followed by a linear map evaluated in NumPy.
+"""Parameter-free reductions of a site's activation in NumPy, and pooling followed by a linear map.
 
 Linear and MLP ramps (pooling, then the head) and cache ramps (pooling, then the projection to the cache's space)
 start with a fixed pooling and a linear map; `PooledLinear` runs the two as small matmuls (and an MLP head's ReLU
-and output layer after them).
+and output layer after them). Free of torch: a server of an ONNX model evaluates its ramps here
+(`ramps.arrays`); the same reductions in torch, for training, are `ramps.torch_reductions`'.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from collections.abc import Callable
+
 import numpy as np
-import torch
-from torch.nn import functional as F
 
 # Spatial size the deeper CNN head keeps before its convolutions: enough structure for a 3x3 conv, small
 # enough that the reduced activations of a bootstrap set fit in memory.
@@ -37,27 +38,6 @@ POOLING_REDUCTIONS = ("spatial_mean", "grid_mean", "sampled_grid_mean")
 TOKEN_REDUCTIONS = ("first_token", "token_mean", "token_mean_masked")
 
 
-def reduce_activation(activation: torch.Tensor, how: str) -> torch.Tensor:
-    if how == "spatial_mean":
-        return activation.mean(dim=(2, 3))
-    if how == "spatial_grid":
-        return F.adaptive_avg_pool2d(activation, DEEP_CNN_GRID)
-    if how == "grid_mean":
-        return F.adaptive_avg_pool2d(activation, LINEAR_CNN_GRID).flatten(1)
-    if how == "sampled_grid_mean":
-        stride = sampling_stride(tuple(activation.shape[1:]), how)
-        return F.adaptive_avg_pool2d(activation[:, :, ::stride, ::stride], LINEAR_CNN_GRID).flatten(1)
-    if how == "first_token":
-        return activation[:, 0]
-    if how == "token_mean":
-        return activation.mean(dim=1)
-    if how == "token_mean_masked":
-        return masked_token_mean(activation)
-    if how == "identity":
-        return activation.flatten(1)
-    raise ValueError(f"unknown reduction {how!r}")
-
-
 def grid_reduction(activation_shape: tuple[int, ...]) -> str:
     """How a linear ramp on a (C, H, W) map pools it: one `MIN_SAMPLING_STRIDE` times `SAMPLED_SIDE` a side or more
     is sampled first."""
@@ -80,48 +60,47 @@ def sampled(activation_shape: tuple[int, ...], reduce: str) -> tuple[tuple[int, 
     return (channels, -(-height // stride), -(-width // stride)), pooling
 
 
-def masked_token_mean(activation: torch.Tensor) -> torch.Tensor:
-    """(n, tokens, hidden) -> (n, hidden): the mean over the tokens whose rows are not all zero.
-
-    An encoder whose layers zero the hidden states of padded positions (the zoo's and Hugging Face adapters'
-    layers do) gives every input the same features however much the batch pads it, where `token_mean` divides
-    by the padded length. A real token's row is never exactly zero after a layer norm; an input of padding
-    only gives zeros."""
-    present = activation.ne(0).any(dim=2, keepdim=True)
-    count = present.sum(dim=1).clamp_min(1).to(activation.dtype)
-    return activation.sum(dim=1) / count
-
-
-def pooling_matrix(activation_shape: tuple[int, ...], reduce: str) -> np.ndarray:
-    """(positions, pooled positions) in float64: a pooling reduction of one channel's map as a matrix, exact to
-    float64 (the weights 1/3, 1/5... then round once, to whatever precision their user computes in)."""
-    with torch.inference_mode(False):  # the serving path runs under inference mode, without autograd
-        probe = torch.zeros((1, 1, *activation_shape[1:]), dtype=torch.float64)  # every channel is pooled alike
-        jacobian = torch.autograd.functional.jacobian(lambda x: reduce_activation(x, reduce), probe)
-    return jacobian.reshape(jacobian.shape[1], probe.numel()).numpy().T
-
-
 def separable_pooling(activation_shape: tuple[int, ...], reduce: str) -> tuple[np.ndarray, np.ndarray]:
-    """A pooling reduction of (C, H, W) maps as a pooling of rows then of columns: (H, gh) and (W, gw) matrices
-    with `pooling_matrix`'s cell i * gw + j their columns i and j multiplied, so that pooling a map costs about gh
-    passes over it instead of gh * gw (checked against `pooling_matrix`)."""
+    """A pooling reduction of (C, H, W) maps as a pooling of rows then of columns: (H, gh) and (W, gw) matrices of
+    adaptive average pooling's bins (torch's: bin i of n over length L spans [floor(i L / n), ceil((i + 1) L / n))),
+    so that pooling a map costs about gh passes over it instead of gh * gw."""
     if reduce not in POOLING_REDUCTIONS or len(activation_shape) != 3:
         raise ValueError(f"{reduce} over a {activation_shape} activation is no pooling of maps")
     grid = 1 if reduce == "spatial_mean" else LINEAR_CNN_GRID
     height, width = activation_shape[1:]
 
-    def adaptive(length: int) -> np.ndarray:  # torch's adaptive average pooling bins along one axis
+    def adaptive(length: int) -> np.ndarray:
         matrix = np.zeros((length, grid))
         for i in range(grid):
             start, stop = (i * length) // grid, -((-(i + 1) * length) // grid)
             matrix[start:stop, i] = 1.0 / (stop - start)
         return matrix
 
-    rows, columns = adaptive(height), adaptive(width)
-    product = np.einsum("hi,wj->hwij", rows, columns).reshape(height * width, grid * grid)
-    if not np.allclose(product, pooling_matrix(activation_shape, reduce), rtol=0, atol=1e-12):
-        raise AssertionError(f"{reduce} over {activation_shape} does not pool rows then columns")
-    return rows, columns
+    return adaptive(height), adaptive(width)
+
+
+def pooling_matrix(activation_shape: tuple[int, ...], reduce: str) -> np.ndarray:
+    """(positions, pooled positions) in float64: a pooling reduction of one channel's (H, W) map as a matrix, cell
+    i * gw + j the product of `separable_pooling`'s columns i and j, exact to float64 (the weights 1/3, 1/5... then
+    round once, to whatever precision their user computes in)."""
+    rows, columns = separable_pooling(activation_shape, reduce)
+    height, width = activation_shape[1:]
+    return np.einsum("hi,wj->hwij", rows, columns).reshape(height * width, -1)
+
+
+def reduce_array(activation: np.ndarray, how: str) -> np.ndarray:
+    """(n, features): the reduction `how` of a (tokens, hidden) or flattened activation, in NumPy, as
+    `ramps.torch_reductions.reduce_activation` computes it (to float rounding). A pooling is `PooledLinear`'s."""
+    if how == "first_token":
+        return activation[:, 0]
+    if how == "token_mean":
+        return activation.mean(axis=1)
+    if how == "token_mean_masked":  # see `ramps.torch_reductions.masked_token_mean`
+        count = np.maximum((activation != 0).any(axis=2).sum(axis=1, keepdims=True), 1).astype(activation.dtype)
+        return activation.sum(axis=1) / count
+    if how == "identity":
+        return activation.reshape(len(activation), -1)
+    raise ValueError(f"{how!r} is not a reduction of tokens or the identity")
 
 
 @dataclass(frozen=True, eq=False)  # holds arrays, which do not compare to a bool
@@ -145,28 +124,25 @@ class PooledLinear:
     out_bias: np.ndarray | None = None
 
     @classmethod
-    def build(cls, key: tuple, reduce: str, params: dict[str, torch.Tensor]) -> PooledLinear:
+    def build(cls, key: tuple, reduce: str, params: dict[str, np.ndarray]) -> PooledLinear:
         pool_t = pooling_matrix(*sampled(key[0], reduce)).astype(np.float32)
         center, out_weight = params.get("center"), params.get("out_weight")
-        return cls(key, sampling_stride(key[0], reduce), len(pool_t), pool_t, params["weight"].detach().numpy().T,
-                   params["bias"].detach().numpy(), None if center is None else center.detach().numpy(),
-                   None if out_weight is None else out_weight.detach().numpy().T,
-                   None if out_weight is None else params["out_bias"].detach().numpy())
+        return cls(key, sampling_stride(key[0], reduce), len(pool_t), pool_t, params["weight"].T, params["bias"],
+                   center, None if out_weight is None else out_weight.T, params.get("out_bias"))
 
     @classmethod
-    def current(cls, arrays: PooledLinear | None, activation: torch.Tensor, reduce: str,
-                params: dict[str, torch.Tensor]) -> PooledLinear:
-        """`arrays` if they still fit this activation's shape and these parameters (`weight` (outputs, features)
-        as in nn.Linear, `bias`, an optional `center`, and an MLP head's `out_weight` and `out_bias`), else new
-        ones."""
-        key = (tuple(activation.shape[1:]), *(params[name].data_ptr() for name in sorted(params)))
+    def current(cls, arrays: PooledLinear | None, key: tuple, reduce: str,
+                params: Callable[[], dict[str, np.ndarray]]) -> PooledLinear:
+        """`arrays` if they were built for `key` (the activation's per-input shape first, then whatever identifies
+        the parameters' storage), else new ones from `params()`: `weight` (outputs, features) as in nn.Linear,
+        `bias`, an optional `center`, and an MLP head's `out_weight` and `out_bias`."""
         if arrays is None or arrays.key != key:
-            arrays = cls.build(key, reduce, params)
+            arrays = cls.build(key, reduce, params())
         return arrays
 
-    def __call__(self, activation: torch.Tensor) -> np.ndarray:
+    def __call__(self, activation: np.ndarray) -> np.ndarray:
         """(n, outputs): the linear map of the pooled activation (and an MLP head's output layer after it)."""
-        flat = activation.numpy(force=True)
+        flat = activation
         if self.stride > 1:
             flat = flat[:, :, ::self.stride, ::self.stride]
         pooled = (flat.reshape(-1, self.positions) @ self.pool_t).reshape(len(flat), -1)

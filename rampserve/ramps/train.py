@@ -21,7 +21,9 @@ from torch.nn import functional as F
 from tqdm.auto import tqdm
 
 from rampserve.ramps.cache import CacheRamp, build_cache
-from rampserve.ramps.kinds import DENSE_KINDS, Ramp, RampSpec, reduce_activation
+from rampserve.ramps.kinds import Ramp
+from rampserve.ramps.specs import DENSE_KINDS, RampSpec
+from rampserve.ramps.torch_reductions import reduce_activation
 
 # Standardising divides each feature by its spread, but never by less than this share of the features' mean
 # spread: a feature that barely varies (a ReLU channel that is rarely on) carries no signal to learn, and scaled

@@ -1,18 +1,19 @@
-"""The two ways a model's stages run: torch modules (fx stages) or ONNX Runtime sessions (sub-graphs).
+"""The two ways a model's stages run: torch modules (fx stages, `runtime.torch_backend`) or ONNX Runtime sessions
+(sub-graphs, here: serving an ONNX model imports no torch).
 
-Both split models expose the same surface (`sites`, `input_names`, `full`, `build`); this module only adds
-what differs: how arrays cross into and out of each backend.
+Both split models expose the same surface (`sites`, `input_names`, `full`, `build`); a backend adds what differs:
+how arrays cross into and out of it, and the context its runs take.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Protocol
 
 import numpy as np
-import torch
-from torch import nn
 
 from rampserve.graph.sites import SiteCandidate, SitePolicy
 
@@ -41,8 +42,23 @@ class Backend:
     def native(self, array: np.ndarray) -> object:
         raise NotImplementedError
 
-    def to_tensor(self, value: object) -> torch.Tensor:
+    def to_numpy(self, value: object) -> np.ndarray:
+        """A value the backend computed (an activation, the output) as an array."""
         raise NotImplementedError
+
+    def inference_mode(self) -> AbstractContextManager:
+        """The context runs of the model take (torch's inference mode: its operators skip autograd)."""
+        return contextlib.nullcontext()
+
+    def serving(self, threads: int) -> AbstractContextManager:
+        """The context an executor thread runs batches in for its life, at most `threads` intra-op threads where the
+        backend takes them from the thread (0: the backend's default)."""
+        return self.inference_mode()
+
+    def ramps_signal(self) -> bool:
+        """Whether a compiled set's ramps can signal possible exits while the model runs (a torch set needs the ramp
+        operators built and loaded)."""
+        return True
 
     def native_feeds(self, feeds: dict[str, np.ndarray]) -> dict[str, object]:
         try:
@@ -103,41 +119,6 @@ class Backend:
             hook(cut, activation)
         raise AssertionError("the last stage always yields the output")
 
-    def site_activations(self, feed_batches: Iterable[dict[str, np.ndarray]], cuts: Sequence[str]
-                         ) -> Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]:
-        """(activation at each cut, final output) per batch, for training ramps and building caches."""
-        with torch.inference_mode():
-            for feeds in feed_batches:
-                found = {cut: self.to_tensor(act) for cut, act in self.stage_outputs(feeds, cuts)}
-                output = found.pop(None)
-                yield found, output
-
-
-class TorchBackend(Backend):
-    kind = "torch"
-
-    def __init__(self, module: nn.Module, policy: SitePolicy | None = None) -> None:
-        from rampserve.graph.torch_graph import TorchSplitModel
-
-        self.module = module.eval()
-        super().__init__(TorchSplitModel(self.module, policy))
-
-    def native(self, array: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(array))
-
-    def run_hooked(self, feeds: dict[str, np.ndarray], cuts: Sequence[str],
-                   hook: Callable[[str, object], None]) -> object:
-        key = self.ordered_cuts(cuts)
-        native = self.native_feeds(feeds)
-        inputs = [native[name] for name in self.input_names]
-        if not key:
-            return self.module(*inputs)
-        return self.split.hooked(key)(*inputs, hook)
-
-    def to_tensor(self, value: object) -> torch.Tensor:
-        assert isinstance(value, torch.Tensor)
-        return value
-
 
 class OnnxBackend(Backend):
     kind = "onnx"
@@ -153,5 +134,5 @@ class OnnxBackend(Backend):
     def native(self, array: np.ndarray) -> np.ndarray:
         return np.ascontiguousarray(array)
 
-    def to_tensor(self, value: object) -> torch.Tensor:
-        return torch.from_numpy(np.asarray(value))
+    def to_numpy(self, value: object) -> np.ndarray:
+        return np.asarray(value)

@@ -2,8 +2,9 @@
 (safetensors) or graph (ONNX), the ramps' weights, two example inputs (safetensors), a text model's tokenizer as it
 made the token inputs, the ramps' and the model's answers on the inputs the ramps were validated on, and what
 rebuilds the architecture without the model's source (a Hugging Face checkpoint's config.json and tokenizer.json).
-Loading never unpickles anything, and checks every file's digest. Reading a bundle's manifest and signature alone,
-without torch, is `bundle_format.manifest`'s."""
+Loading never unpickles anything, and checks every file's digest. Reading a bundle's manifest and signature alone
+is `bundle_format.manifest`'s; loading an ONNX model whose ramps are linear or MLP ones imports no torch (its ramps
+load as arrays, `ramps.arrays`)."""
 
 from __future__ import annotations
 
@@ -14,8 +15,6 @@ from pathlib import Path
 
 import numpy as np
 import safetensors.numpy
-import safetensors.torch
-from torch import nn
 
 from rampserve import __version__
 from rampserve.bundle_format.latency import LatencyProfile
@@ -37,8 +36,9 @@ from rampserve.bundle_format.manifest import (
     read_validation,
 )
 from rampserve.bundle_format.signature import ModelSignature
-from rampserve.ramps.kinds import make_ramp
-from rampserve.runtime.backends import OnnxBackend, TorchBackend
+from rampserve.ramps.arrays import RampArrays
+from rampserve.ramps.specs import DENSE_KINDS, RampSpec
+from rampserve.runtime.backends import OnnxBackend
 from rampserve.runtime.compiled import write_atomically
 from rampserve.runtime.engines import engine_of
 from rampserve.runtime.prepared import PreparedModel, SiteInfo
@@ -55,17 +55,15 @@ def save_bundle(model: PreparedModel, out_dir: Path) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=".bundle-", dir=out_dir.parent))
     try:
         backend = model.backend
-        if isinstance(backend, TorchBackend):
-            state = {k: v.contiguous() for k, v in backend.module.state_dict().items()}
-            safetensors.torch.save_file(state, tmp / TORCH_WEIGHTS)
-            model_file = TORCH_WEIGHTS
-        else:
-            assert isinstance(backend, OnnxBackend)
+        if isinstance(backend, OnnxBackend):
             shutil.copyfile(backend.path, tmp / ONNX_FILE)
             model_file = ONNX_FILE
-        ramp_state = {f"{site}/{k}": v.contiguous() for site, ramp in model.ramps.items()
+        else:
+            backend.save_weights(tmp / TORCH_WEIGHTS)
+            model_file = TORCH_WEIGHTS
+        ramp_state = {f"{site}/{k}": _array(v) for site, ramp in model.ramps.items()
                       for k, v in ramp.state_dict().items()}
-        safetensors.torch.save_file(ramp_state, tmp / RAMPS_FILE)
+        safetensors.numpy.save_file(ramp_state, tmp / RAMPS_FILE)
         signature_files = _signature_files(model.signature)
         if model.validation is not None:
             signature_files[VALIDATION_FILE] = _validation_bytes(model.validation)
@@ -144,12 +142,20 @@ def _rewrite_manifest(bundle_dir: Path, manifest: dict) -> None:
     write_atomically(Path(bundle_dir) / MANIFEST, json.dumps(manifest, indent=2).encode())
 
 
-def _load_state(module: nn.Module, path: Path, what: str) -> None:
-    state = safetensors.torch.load_file(path)
-    try:
-        module.load_state_dict(state, strict=True)
-    except RuntimeError as exc:
-        raise BundleError(f"{path} does not fit {what}: {exc}") from exc
+def _array(value: object) -> np.ndarray:
+    """A ramp's weight as an array: a torch module's tensor viewed as one (`RampArrays` hold arrays already)."""
+    return np.ascontiguousarray(value.detach().numpy() if hasattr(value, "detach") else value)
+
+
+def _load_ramp(spec: RampSpec, state: dict[str, np.ndarray], as_arrays: bool) -> object:
+    """A ramp from its arrays in a bundle: as arrays where `as_arrays` and it is linear maps, else as a torch module
+    (a torch model's ramps, which its compiled sets fuse; a deep head; a cache). Raises ValueError where they do not
+    fit the spec."""
+    if as_arrays and spec.kind in DENSE_KINDS:
+        return RampArrays.from_state(spec, state)
+    from rampserve.ramps.kinds import ramp_from_state  # torch: a ramp that runs as a torch module
+
+    return ramp_from_state(spec, state)
 
 
 def load_bundle(bundle_dir: Path) -> PreparedModel:
@@ -165,9 +171,10 @@ def load_bundle(bundle_dir: Path) -> PreparedModel:
     names = {s.name for s in sites}
     policy = lambda graph, candidates: [c for c in candidates if c.value in names]  # noqa: E731
     if backend_kind == "torch":
-        module = build_architecture(source, bundle_dir)
-        _load_state(module, bundle_dir / TORCH_WEIGHTS, f"the architecture of {source.ref}")
-        backend = TorchBackend(module, policy)
+        from rampserve.runtime.torch_backend import TorchBackend  # torch: a torch model's bundle
+
+        backend = TorchBackend.from_weights(build_architecture(source, bundle_dir), bundle_dir / TORCH_WEIGHTS,
+                                            f"the architecture of {source.ref}", policy)
     elif backend_kind == "onnx":
         engine = engine_of(manifest["meta"], "onnx")
         backend = OnnxBackend(bundle_dir / ONNX_FILE, policy, engine.intra_op_threads, engine.spin_after_run)
@@ -179,16 +186,14 @@ def load_bundle(bundle_dir: Path) -> PreparedModel:
         raise BundleError(f"{bundle_dir}: sites {missing} are not sites of the model it holds; "
                           "was it prepared with a different model or rampserve version?")
     ramps: dict = {}
-    ramp_state = safetensors.torch.load_file(bundle_dir / RAMPS_FILE)
+    ramp_state = safetensors.numpy.load_file(bundle_dir / RAMPS_FILE)
     for site in sites:
-        ramp = make_ramp(site.ramp)
         prefix = f"{site.name}/"
         state = {k[len(prefix):]: v for k, v in ramp_state.items() if k.startswith(prefix)}
         try:
-            ramp.load_state_dict(state, strict=True)
-        except RuntimeError as exc:
+            ramps[site.name] = _load_ramp(site.ramp, state, backend_kind == "onnx")
+        except ValueError as exc:
             raise BundleError(f"{bundle_dir}: the ramp at {site.name} does not match its spec: {exc}") from exc
-        ramps[site.name] = ramp.eval()
     profile = LatencyProfile.from_json(manifest["profile"]) if manifest.get("profile") else None
     return PreparedModel(backend=backend, sites=sites, ramps=ramps, profile=profile, meta=manifest["meta"],
                          error_score=manifest.get("error_score", "max_prob"),

@@ -1,20 +1,7 @@
-"""Compiled serving paths: one active-ramp set as a single TorchScript module that runs its stages, with each
-ramp fused into the stage that ends at its site, straight through from the input to the output.
-
-Every Python step between two compiled stages costs several times what it costs in a loop, because the stage
-before it has evicted the interpreter's working set: on resnet18-fmnist at batch 1 a stage call, two `.numpy()`
-calls and the executor's threshold comparison came to about 0.1 ms per ramp (8% of the model). And a runner that
-returns to Python where an input might exit needs control flow around every stage, which cost more than the
-ramps themselves (10 us at batch 1 and 45-60 us at batch 16 on resnet18-fmnist, with ramps that did nothing).
-So a `SetRunner` never stops: each fused ramp (one `rampserve::ramp_exit` call, see `ramps.fused`) writes its
-logits into the batch's ramp buffer and, where some row's confidence clears the exit floor it was given, writes
-its column to a pipe; a releasing thread reads it, scores the column and releases those rows while the model
-runs on (`serving.executor.batch`). A ramp that runs in Python is stashed (its activation copied) for that thread.
-
-In the "stop" exit mode a set's runner is a `StopSetRunner` instead: the rows a fused ramp exits leave the batch
-there (`rampserve::ramp_stop`), the others run on, and it returns the final output of the rows that ran to the
-end with their batch rows. Rows the executor keeps (its feedback sample, requests that want the logits) never
-stop. It is compiled and kept apart from the release-mode set of the same ramps (the mode is part of its key).
+"""Compiled serving paths: one active-ramp set run straight through from the input to the output, each ramp fused
+into the model's run. What is common to the two backends' sets lives here (the set and its buffers, the on-disk
+store of sets, and an ONNX model's set cut into stages), free of torch; a torch model's TorchScript sets are
+`runtime.torchscript_sets`'.
 
 An ONNX model's set is an `OnnxSetRunner` with the same signature: its stages' sessions, each linear ramp inside
 the session of the stage that ends at its site, built in the serving process; or, where every ramp of the set
@@ -22,17 +9,14 @@ fuses, the whole model in one session whose ramps signal (`runtime.onnx_signals`
 machine, is kept on disk beside the torch sets once built (0.1-1.7 s on the zoo's models, the check against the
 model included) and loaded with ONNX Runtime's optimizations off.
 
-A compiled set is made once (in a compile worker process, see `serving.executor.compiler`) and loaded by every server
-that serves the same bundle with the same torch and ramp operator: an entry is keyed by the bundle's digest, the
-set, the error score, the torch version and the operator's build, and its sha256 is checked before it is
-loaded. A corrupt entry is never loaded.
+Sets are kept on disk beside their bundle: an entry is its data and an index naming the data's sha256, checked
+before it is loaded. A corrupt entry is never loaded.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
-import io
 import json
 import os
 import tempfile
@@ -40,107 +24,28 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import Any, Optional
 
 import numpy as np
-import torch
-from torch import nn
 
-from rampserve.control.exit_rule import EXIT_MARGIN, EXIT_MODES, NEVER_STOP, STOP_MARGIN, exit_floor
-from rampserve.graph.torch_graph import torchscript_quietly
+from rampserve.control.exit_rule import EXIT_MARGIN, NEVER_STOP, STOP_MARGIN, exit_floor
 from rampserve.paths import home
-from rampserve.ramps import kernel
-
-if TYPE_CHECKING:
-    from rampserve.runtime.onnx_signals import OnnxSignalledRunner
 
 FORMAT = 5
 
 
-class RunnerStage(nn.Module):
-    """A traced stage, with the ramp at the site it ends at fused in (a `FusedRamp` or `StashedRamp`; None for the
-    last stage), in the one signature a `SetRunner` calls: (activation, side input, ramp buffer, exit floor,
-    notify pipe, stashes) -> activation. `side` is the model's side input (an attention mask) or an empty tensor
-    for models without one, passed on only to a stage that reads it (a constant of the frozen graph)."""
+@dataclass(frozen=True)
+class RunnerArrays:
+    """How a set's runner takes arrays and gives them back: NumPy's own (an ONNX set), or torch tensors over the
+    same memory (a TorchScript set, `runtime.torchscript_sets.TENSORS`)."""
 
-    __constants__ = ["reads_side"]  # the stage is called one way only: the other is never compiled
-
-    def __init__(self, stage: nn.Module, reads_side: bool, ramp: nn.Module | None) -> None:
-        super().__init__()
-        self.stage, self.reads_side, self.ramp = stage, reads_side, ramp
-
-    def forward(self, activation: torch.Tensor, side: torch.Tensor, out: torch.Tensor, floor: float, notify: int,
-                stashes: list[torch.Tensor]) -> torch.Tensor:
-        if self.reads_side:
-            activation = self.stage(activation, side)
-        else:
-            activation = self.stage(activation)
-        if self.ramp is not None:
-            self.ramp(activation, out, floor, notify, stashes)
-        return activation
-
-    def stop(self, activation: torch.Tensor, side: torch.Tensor, rows: torch.Tensor, out: torch.Tensor,
-             floor: float, stop_floor: float, keep: torch.Tensor, left: torch.Tensor, notify: int,
-             stashes: list[torch.Tensor], side_rows: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The stage for a `StopSetRunner`: the stage, then its ramp, which may take rows out of the batch; returns
-        the activation, side input and batch rows of the rows that go on (the side input is selected with them
-        where it has a row per input, `side_rows`)."""
-        if self.reads_side:
-            activation = self.stage(activation, side)
-        else:
-            activation = self.stage(activation)
-        if self.ramp is not None:
-            going = self.ramp.stop(activation, out, rows, keep, left, floor, stop_floor, notify, stashes)
-            if going is not None and going.size(0) < activation.size(0):
-                activation = activation.index_select(0, going)
-                rows = rows.index_select(0, going)
-                if side_rows:
-                    side = side.index_select(0, going)
-        return activation, side, rows
+    wrap: Callable[[np.ndarray], Any]  # an array as the runner takes it, sharing its memory
+    unwrap: Callable[[Any], np.ndarray]  # what the runner gives back, as an array
+    stash: Callable[[], Any]  # where a ramp that runs in Python is handed its activation (the runner fills it)
+    no_side: Any  # the side input of a model without one
 
 
-class SetRunner(nn.Module):
-    """Runs `RunnerStage`s in order, stage i's ramp with exit floor `floors[i]` (one more floor than sites, for the
-    last stage); returns the model's output. The ramps wrote their logits into `out` (or stashed their
-    activations into `stashes`) and their columns to `notify` where some input may exit (< 0: nobody listens)."""
-
-    def __init__(self, stages: Sequence[nn.Module]) -> None:
-        super().__init__()
-        self.stages = nn.ModuleList(stages)
-
-    def forward(self, activation: torch.Tensor, side: torch.Tensor, out: torch.Tensor, floors: list[float],
-                notify: int, stashes: list[torch.Tensor]) -> torch.Tensor:
-        i = 0
-        for stage in self.stages:
-            activation = stage(activation, side, out, floors[i], notify, stashes)
-            i += 1
-        return activation
-
-
-class StopSetRunner(nn.Module):
-    """Runs `RunnerStage`s in order as a `SetRunner` does, but the rows a fused ramp exits leave the batch there:
-    stage i's ramp takes out the rows whose confidence exceeds `stop_floors[i]` and that `keep` (bool, per batch
-    row) does not hold, recording the ramp's column for them in `left` (int64, per batch row, -1 for a row that
-    does not leave); later stages run on the others only, and none runs once no row is left. Returns the last
-    stage's output for the rows that ran to the end and their batch rows (int64, increasing). A stashed ramp
-    never stops a row (its stash holds the rows running there)."""
-
-    def __init__(self, stages: Sequence[nn.Module]) -> None:
-        super().__init__()
-        self.stages = nn.ModuleList(stages)
-
-    def forward(self, activation: torch.Tensor, side: torch.Tensor, out: torch.Tensor, floors: list[float],
-                stop_floors: list[float], keep: torch.Tensor, left: torch.Tensor, notify: int,
-                stashes: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        rows = torch.arange(activation.size(0))
-        side_rows = side.dim() > 0 and side.size(0) == activation.size(0)
-        i = 0
-        for stage in self.stages:
-            if rows.size(0) > 0:
-                activation, side, rows = stage.stop(activation, side, rows, out, floors[i], stop_floors[i], keep,
-                                                    left, notify, stashes, side_rows)
-            i += 1
-        return activation, rows
+ARRAYS = RunnerArrays(wrap=lambda array: array, unwrap=lambda array: array, stash=lambda: None, no_side=None)
 
 
 class OnnxSetRunner:
@@ -155,11 +60,10 @@ class OnnxSetRunner:
         self.stages, self.side_name = list(stages), side_name
         self.tapped = tuple(bool(stage.tap_outputs) for stage in self.stages[:-1])  # per site: its ramp is fused
 
-    def forward(self, activation: torch.Tensor, side: torch.Tensor, out: torch.Tensor, floors: list[float],
-                notify: int, stashes: list[torch.Tensor]) -> torch.Tensor:
-        value = activation.numpy()
-        sides = {} if self.side_name is None else {self.side_name: side.numpy()}
-        logits = out.numpy()
+    def forward(self, activation: np.ndarray, side: np.ndarray | None, logits: np.ndarray, floors: list[float],
+                notify: int, stashes: list[np.ndarray | None]) -> np.ndarray:
+        value = activation
+        sides = {} if self.side_name is None else {self.side_name: side}
         for column, (stage, tapped) in enumerate(zip(self.stages, self.tapped)):
             if tapped:
                 value, logits[:, column], confidence = stage.tapped(value, sides)
@@ -167,24 +71,24 @@ class OnnxSetRunner:
                     os.write(notify, bytes((column,)))
             else:
                 value = stage(value, sides)
-                stashes[column] = torch.from_numpy(value)  # a fresh array of the session's: nothing overwrites it
+                stashes[column] = value  # a fresh array of the session's: nothing overwrites it
                 if notify >= 0:
                     os.write(notify, bytes((column,)))
-        return torch.from_numpy(self.stages[-1](value, sides))
+        return self.stages[-1](value, sides)
 
 
 @dataclass(frozen=True, eq=False)
 class RampBuffers:
-    """Where a compiled run's ramps leave their outputs: the ramps' logits, (rows, sites, classes), as a tensor
-    and an array over the same memory, and per site the stash a ramp in Python gets its activation in (a tensor
-    the stash resizes; empty for a fused ramp's site)."""
+    """Where a compiled run's ramps leave their outputs: the ramps' logits, (rows, sites, classes), as the runner
+    takes them and as an array over the same memory, and per site the stash a ramp in Python gets its activation in
+    (`RunnerArrays.stash`; unused for a fused ramp's site)."""
 
-    logits_tensor: torch.Tensor
+    runner_logits: Any
     logits: np.ndarray
-    stashes: list[torch.Tensor]
-    # Stop mode: per batch row, the column of the ramp it left the batch at, or -1 (a tensor and an array over the
-    # same memory; the runner writes it, the releasing thread reads it)
-    left_tensor: Optional[torch.Tensor] = None
+    stashes: list
+    # Stop mode: per batch row, the column of the ramp it left the batch at, or -1 (as the runner takes it and an
+    # array over the same memory; the runner writes it, the releasing thread reads it)
+    runner_left: Any = None
     left: Optional[np.ndarray] = None
 
     def reached(self, column: int) -> np.ndarray:
@@ -196,9 +100,9 @@ class RampBuffers:
 
 @dataclass(frozen=True, eq=False)
 class CompiledSet:
-    """The serving path for one set of active sites (in model order): a scripted `SetRunner` (or an
-    `OnnxSetRunner`), per site whether its ramp is fused into the runner (else it is stashed for Python to
-    evaluate), and the width of the ramps' logits.
+    """The serving path for one set of active sites (in model order): a scripted `SetRunner` (or an ONNX runner),
+    per site whether its ramp is fused into the runner (else it is stashed for Python to evaluate), the width of the
+    ramps' logits, and how the runner takes arrays.
 
     It also keeps what a batch would otherwise build again on the serving path: the runner's script method
     (called directly, it skips `nn.Module.__call__`, and with it fx's patch of that while a model is traced),
@@ -206,12 +110,13 @@ class CompiledSet:
     batch to batch (a fresh buffer made each batch 10 us slower at batch 1: measured)."""
 
     sites: tuple[str, ...]
-    runner: torch.jit.ScriptModule | OnnxSetRunner | OnnxSignalledRunner
+    runner: Any  # a scripted `SetRunner` or `StopSetRunner`, an `OnnxSetRunner` or a signalled ONNX runner
     fused: tuple[bool, ...]
     classes: int
     exit_margin: float = EXIT_MARGIN  # how far below 1 - threshold a ramp's confidence still signals
-    mode: str = "release"  # "stop": a `StopSetRunner`, whose exited rows leave the batch
+    mode: str = "release"  # "stop": its runner's exited rows leave the batch
     from_disk: bool = False  # loaded from the on-disk cache (made before, by a compile worker or an earlier build)
+    arrays: RunnerArrays = ARRAYS
     run: Callable = field(init=False, repr=False)
     _floors: list = field(default_factory=lambda: [(None, [])], init=False, repr=False)  # [(key, floors)]
     _stop_floors: list = field(default_factory=lambda: [(None, [])], init=False, repr=False)
@@ -240,7 +145,7 @@ class CompiledSet:
 
     @property
     def stops(self) -> bool:
-        """Whether the runner takes exited rows out of the batch (a `StopSetRunner`)."""
+        """Whether the runner takes exited rows out of the batch (a `StopSetRunner`, an ONNX stopping runner)."""
         return self.mode == "stop"
 
     def stop_floors(self, thresholds: tuple[float, ...] | None) -> list[float]:
@@ -255,23 +160,17 @@ class CompiledSet:
         key = (threading.get_ident(), rows)
         found = self._buffers.get(key)
         if found is None:
-            logits = torch.empty((rows, len(self.sites), self.classes)) if self.sites else torch.zeros(0)
-            left = torch.full((rows,), -1, dtype=torch.int64) if self.stops else None
-            found = self._buffers[key] = RampBuffers(logits, logits.numpy(), [torch.zeros(0) for _ in self.sites],
-                                                     left, None if left is None else left.numpy())
+            wrap = self.arrays.wrap
+            logits = np.empty((rows, len(self.sites), self.classes), np.float32) if self.sites else \
+                np.zeros(0, np.float32)
+            left = np.full(rows, -1, np.int64) if self.stops else None
+            found = self._buffers[key] = RampBuffers(wrap(logits), logits, [self.arrays.stash() for _ in self.sites],
+                                                     None if left is None else wrap(left), left)
         return found
 
 
 class CorruptEntry(Exception):
     """An on-disk compiled set that does not match its recorded digest: recompile it, never load it."""
-
-
-def set_key(bundle_digest: str, sites: Sequence[str], score: str, mode: str = "release") -> str:
-    """The on-disk name of a compiled set: what it was compiled from (its exit mode too), and the torch that
-    compiled it."""
-    what = {"format": FORMAT, "bundle": bundle_digest, "sites": list(sites), "score": score, "exit_mode": mode,
-            "torch": torch.__version__, "ramp_operator": kernel.build_id() if kernel.available() else None}
-    return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:32]
 
 
 def compiled_dir(bundle_dir: Path, digest: str) -> Path:
@@ -296,21 +195,6 @@ def write_atomically(path: Path, data: bytes) -> None:
     with os.fdopen(fd, "wb") as out:
         out.write(data)
     os.replace(tmp, path)
-
-
-def save_compiled(directory: Path, key: str, compiled: CompiledSet | None, refusal: str = "") -> None:
-    """`<key>.pt` (the TorchScript archive) and `<key>.json` (its index: sites, fused flags; or why the set does not
-    compile)."""
-    if compiled is None:
-        write_atomically(directory / f"{key}.json", json.dumps({"format": FORMAT, "refused": refusal or "refused"})
-                         .encode())
-        return
-    buffer = io.BytesIO()
-    with torchscript_quietly():
-        torch.jit.save(compiled.runner, buffer)
-    write_entry(directory, key, ".pt", buffer.getvalue(), {
-        "sites": list(compiled.sites), "fused": list(compiled.fused), "classes": compiled.classes,
-        "exit_mode": compiled.mode})
 
 
 def write_entry(directory: Path, key: str, suffix: str, data: bytes, index: dict) -> None:
@@ -375,28 +259,6 @@ def opened_entry(directory: Path, key: str, suffix: str) -> Iterator[tuple[dict,
 
 def has_compiled(directory: Path, key: str) -> bool:
     return (directory / f"{key}.json").exists()
-
-
-def load_compiled(directory: Path, key: str) -> CompiledSet | str:
-    """The compiled set stored as `key`, or why it was refused. Raises FileNotFoundError where there is none and
-    CorruptEntry where the archive does not match its index (`read_entry`). TorchScript archives are read by torch's
-    own loader, which builds TorchScript modules and tensors only, never Python objects."""
-    index, data = read_entry(directory, key, ".pt")
-    if data is None:
-        return str(index["refused"])
-    try:
-        kernel.available()  # a fused ramp calls the ramp operator: it must be registered before the archive loads
-        with torchscript_quietly():
-            runner = torch.jit.load(io.BytesIO(data))
-        mode = str(index.get("exit_mode", "release"))
-        if mode not in EXIT_MODES:
-            raise CorruptEntry(f"{directory}/{key}.json: unknown exit mode {mode!r}")
-        return CompiledSet(tuple(index["sites"]), runner, tuple(bool(f) for f in index["fused"]),
-                           int(index["classes"]), mode=mode, from_disk=True)
-    except CorruptEntry:
-        raise
-    except (ValueError, KeyError, TypeError, RuntimeError) as exc:
-        raise CorruptEntry(f"{directory}/{key}: {exc}") from exc
 
 
 def remove_compiled(directory: Path, key: str) -> None:

@@ -8,6 +8,7 @@ ONNX Runtime ran resnet18-fmnist 4-8x faster than TorchScript at batch 1 and min
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
@@ -15,13 +16,16 @@ import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from rampserve.graph.sites import SitePolicy
-from rampserve.runtime.backends import Backend, OnnxBackend, TorchBackend
+from rampserve.runtime.backends import Backend, OnnxBackend
 from rampserve.runtime.timing import interleaved_samples
+
+if TYPE_CHECKING:
+    from rampserve.runtime.torch_backend import TorchBackend
 
 AUTO = "auto"
 CHOSEN_BY_TIMING = "timing"
@@ -165,7 +169,9 @@ def time_engines(backends: dict[str, Backend], feeds_of: Callable[[int], dict[st
     about `budget_s` per batch size: medians and quartiles in ms."""
     example = feeds_of(2)
     timings = []
-    with torch.inference_mode():
+    with contextlib.ExitStack() as modes:
+        for backend in backends.values():
+            modes.enter_context(backend.inference_mode())
         for batch_size in batch_sizes:
             feeds = feeds_of(batch_size)
             paths = {name: _vanilla_path(backend, feeds, example) for name, backend in backends.items()}
@@ -195,7 +201,7 @@ def _onnx_export(backend: TorchBackend, example: dict[str, np.ndarray]) -> Path:
 
     directory = Path(tempfile.mkdtemp(prefix="rampserve-export-"))
     try:
-        return export_onnx(backend.module, tuple(torch.from_numpy(example[n]) for n in backend.input_names),
+        return export_onnx(backend.module, tuple(backend.native(example[n]) for n in backend.input_names),
                            backend.input_names, directory / "model.onnx")
     except BaseException:
         shutil.rmtree(directory, ignore_errors=True)

@@ -35,12 +35,11 @@ from pathlib import Path
 
 import numpy as np
 import onnxruntime
-import torch
 
 from rampserve.control.exit_rule import NEVER_STOP
 from rampserve.control.scores import top_label_and_error
 from rampserve.graph.onnx_graph import SignalledRunner
-from rampserve.ramps.kernel import cpu_flags
+from rampserve.paths import cpu_flags
 from rampserve.runtime.column_handlers import column_handler
 from rampserve.runtime.compiled import FORMAT
 
@@ -142,20 +141,19 @@ class OnnxSignalledRunner:
         self._silent = float32_floors([NEVER_STOP] * len(sites))  # no pipe to signal to: no Python in the run
         self._floors: tuple[list[float] | None, np.ndarray] = (None, self._silent)  # the last floors, converted
 
-    def forward(self, activation: torch.Tensor, side: torch.Tensor, out: torch.Tensor, floors: list[float],
-                notify: int, stashes: list[torch.Tensor]) -> torch.Tensor:
-        return torch.from_numpy(self._run(activation, side, out.numpy(), self._silent if notify < 0 else
-                                          self._converted(floors), notify))
+    def forward(self, activation: np.ndarray, side: np.ndarray | None, logits: np.ndarray, floors: list[float],
+                notify: int, stashes: list) -> np.ndarray:
+        return self._run(activation, side, logits, self._silent if notify < 0 else self._converted(floors), notify)
 
-    def _run(self, activation: torch.Tensor, side: torch.Tensor, logits: np.ndarray, floors: np.ndarray,
+    def _run(self, activation: np.ndarray, side: np.ndarray | None, logits: np.ndarray, floors: np.ndarray,
              notify: int, stopping: _Stopping | None = None,
              options: onnxruntime.RunOptions | None = None) -> np.ndarray:
         """One session call with this batch's buffers on this thread (for `_signal`); the model's output, every
         ramp's logits copied into `logits` after it."""
-        sides = {} if self.side_name is None else {self.side_name: side.numpy()}
+        sides = {} if self.side_name is None else {self.side_name: side}
         _batch.run = (logits, notify, column_handler(notify), stopping)
         try:
-            output, ramps = self.runner(activation.numpy(), sides, floors, options)
+            output, ramps = self.runner(activation, sides, floors, options)
         finally:
             _batch.run = None
         sites = len(self.tapped)
@@ -188,21 +186,20 @@ class OnnxStoppingRunner(OnnxSignalledRunner):
         super().__init__(runner, sites, side_name)
         self.score = score
 
-    def forward(self, activation: torch.Tensor, side: torch.Tensor, out: torch.Tensor, floors: list[float],
-                stop_floors: list[float], keep: torch.Tensor, left: torch.Tensor, notify: int,
-                stashes: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        logits, rows_left = out.numpy(), left.numpy()
+    def forward(self, activation: np.ndarray, side: np.ndarray | None, logits: np.ndarray, floors: list[float],
+                stop_floors: list[float], keep: np.ndarray, rows_left: np.ndarray, notify: int,
+                stashes: list) -> tuple[np.ndarray, np.ndarray]:
         logits.fill(np.nan)
         options = onnxruntime.RunOptions()
-        stopping = _Stopping(rows_left, keep.numpy(), np.asarray(stop_floors[:len(self.tapped)]), options, self.score)
+        stopping = _Stopping(rows_left, keep, np.asarray(stop_floors[:len(self.tapped)]), options, self.score)
         try:
             output = self._run(activation, side, logits, self._converted(floors), notify, stopping, options)
         except onnxruntime.capi.onnxruntime_pybind11_state.Fail:
             if not options.terminate:
                 raise
-            return torch.zeros((0, out.shape[-1])), torch.zeros(0, dtype=torch.int64)
+            return np.zeros((0, logits.shape[-1]), np.float32), np.zeros(0, dtype=np.int64)
         ran = np.flatnonzero(rows_left < 0)
-        return torch.from_numpy(output[ran]), torch.from_numpy(ran)
+        return output[ran], ran
 
 
 def signalled_key(bundle_digest: str, sites: Sequence[str], score: str, threads: int) -> str:

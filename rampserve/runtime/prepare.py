@@ -17,9 +17,9 @@ from rampserve.bundle_format.manifest import BundleError
 from rampserve.bundle_format.signature import ModelSignature
 from rampserve.bundle_format.text import TextEncoder
 from rampserve.graph.sites import SitePolicy
-from rampserve.ramps.cache import CacheSpec, static_threshold
-from rampserve.ramps.kinds import DENSE_KINDS, MLP_HIDDEN, spec_for
+from rampserve.ramps.cache import static_threshold
 from rampserve.ramps.oracle import NO_EXIT, earliest_correct_exit, exit_latency
+from rampserve.ramps.specs import DENSE_KINDS, MLP_HIDDEN, CacheSpec, spec_for
 from rampserve.ramps.train import (
     Features,
     TrainConfig,
@@ -29,11 +29,12 @@ from rampserve.ramps.train import (
     split_indices,
     train_ramps,
 )
-from rampserve.runtime.backends import Backend, TorchBackend
+from rampserve.runtime.backends import Backend
 from rampserve.runtime.engines import AUTO, ENGINE_BUDGET_S, EngineChoice, check_engine, serving_backend
 from rampserve.runtime.prepared import PreparedModel, SiteInfo
 from rampserve.runtime.profile import DEFAULT_BATCH_SIZES, PROFILE_BUDGET_S, measure_profile
 from rampserve.runtime.sources import ModelSource, load_trained, zoo_entry
+from rampserve.runtime.torch_backend import TorchBackend, site_activations
 from rampserve.runtime.user_data import (
     TENSORS,
     DataError,
@@ -533,7 +534,7 @@ def prepare(source: ModelSource, config: PrepareConfig = PrepareConfig(),
 
     token_reduce, kind = token_reduction(source), ramp_kind(source, config)
     site_names = [s.value for s in backend.sites]
-    probe_acts, probe_logits = next(backend.site_activations([sample], site_names))
+    probe_acts, probe_logits = next(site_activations(backend, [sample], site_names))
     num_classes = int(probe_logits.shape[1])
 
     def specs_of(kind: str) -> dict:
@@ -542,8 +543,8 @@ def prepare(source: ModelSource, config: PrepareConfig = PrepareConfig(),
 
     # Every kind reduces a site's activation the same way except the deep CNN head, which keeps a grid.
     features = collect_features(
-        tqdm(backend.site_activations(
-            (feeds_for(backend, encoder, chunk) for chunk in _batches(items, config.batch_size)), site_names),
+        tqdm(site_activations(
+            backend, (feeds_for(backend, encoder, chunk) for chunk in _batches(items, config.batch_size)), site_names),
             total=-(-len(items) // config.batch_size), desc="running the model for ramp features", unit="batch",
             disable=not config.progress),
         specs_of("deep" if kind == "deep" else "linear"),

@@ -11,27 +11,20 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from rampserve.bundle_format.latency import LatencyProfile
 from rampserve.bundle_format.manifest import bundle_digest
 from rampserve.bundle_format.signature import ModelSignature
 from rampserve.control.exit_rule import EXIT_MODES, ONNX_EXIT_MARGIN
 from rampserve.control.scores import top_label_and_error
-from rampserve.graph.torch_graph import TRACE_GUARD, torchscript_quietly
-from rampserve.ramps import kernel
-from rampserve.ramps.cache import CacheRamp
-from rampserve.ramps.fused import FusedRamp, fused_ramp
-from rampserve.ramps.kinds import Ramp, RampSpec
+from rampserve.ramps.pooling import POOLING_REDUCTIONS
+from rampserve.ramps.specs import RampSpec
 from rampserve.runtime.backends import Backend
 from rampserve.runtime.compiled import (
     CompiledSet,
     CorruptEntry,
     OnnxSetRunner,
     RampBuffers,
-    RunnerStage,
-    SetRunner,
-    StopSetRunner,
     compiled_dir,
     opened_entry,
     remove_compiled,
@@ -39,6 +32,9 @@ from rampserve.runtime.compiled import (
 )
 
 if TYPE_CHECKING:
+    from rampserve.ramps.arrays import RampArrays
+    from rampserve.ramps.cache import CacheRamp
+    from rampserve.ramps.kinds import Ramp
     from rampserve.runtime.onnx_signals import OnnxSignalledRunner
 
 log = logging.getLogger("rampserve.runtime")
@@ -51,7 +47,6 @@ COMPILED_SETS_KEPT = 16
 # How far a fused ramp's error scores may be from the eager ramp's: the two sum the same products in another
 # order in float32 (the pooling folded into the head), a few units of float32 rounding on logits of size ~10
 FUSED_SCORE_TOLERANCE = 1e-5
-NO_TENSOR = torch.zeros(0)  # the side input a runner takes for a model without one
 # A stop-mode run's label for a row at a ramp it never reached (it left the batch before), and its final label
 # where it did not run to the end (the controller's NO_LABEL)
 UNREACHED = -1
@@ -127,7 +122,9 @@ class RampOutputs:
 class PreparedModel:
     backend: Backend
     sites: list[SiteInfo]
-    ramps: dict[str, Ramp | CacheRamp]
+    # A torch module per site (`ramps.kinds`), or for an ONNX model's linear and MLP ramps loaded from a bundle their
+    # arrays (`ramps.arrays`): serving those imports no torch
+    ramps: dict[str, Ramp | CacheRamp | RampArrays]
     profile: LatencyProfile | None = None
     meta: dict = field(default_factory=dict)  # source, encoder, training report, oracle statistics
     error_score: str = "max_prob"
@@ -151,7 +148,7 @@ class PreparedModel:
     def evaluate_ramp(self, site: str, activation: object) -> tuple[np.ndarray, np.ndarray]:
         """Every input's top label and error score from the ramp at `site`, given the site's activation as the
         backend computes it: the eager path's ramp (the reference the fused ramps are tested against)."""
-        return self.ramps[site].evaluate(self.backend.to_tensor(activation), self.error_score)
+        return self.ramps[site].evaluate(activation, self.error_score)
 
     def run(self, feeds: dict[str, np.ndarray], active: Sequence[str] = (),
             on_ramp: RampCallback | None = None, compiled: bool | CompiledSet = False) -> np.ndarray:
@@ -164,7 +161,7 @@ class PreparedModel:
         if not isinstance(compiled, CompiledSet):
             return self.run_eager(feeds, active, on_ramp)
         outputs = self.ramp_outputs(compiled, len(next(iter(feeds.values()))))
-        with torch.inference_mode():
+        with self.backend.inference_mode():
             if compiled.stops:  # no thresholds: no row stops, every row runs to the end
                 output, _ = self.run_stopping(compiled, feeds, outputs)
             else:
@@ -194,14 +191,14 @@ class PreparedModel:
                   ) -> np.ndarray:
         """The reference path: the model's stages as the backend runs them, each active ramp evaluated in Python
         as its site is computed and reported to `on_ramp` at once (model order)."""
-        with TRACE_GUARD.running(), torch.inference_mode():
+        with self.backend.inference_mode():
 
             def report(site: str, activation: object) -> None:
                 labels, errors = self.evaluate_ramp(site, activation)
                 if on_ramp is not None:
                     on_ramp(site, labels, errors)
 
-            return self.backend.to_tensor(self.backend.run_hooked(feeds, active, report)).numpy()
+            return self.backend.to_numpy(self.backend.run_hooked(feeds, active, report))
 
     @functools.cached_property
     def onnx_taps(self) -> dict:
@@ -216,7 +213,6 @@ class PreparedModel:
         """The ONNX model whole in one session whose ramps at `sites` signal (`runtime.onnx_signals`) and that
         session's graph, or None where ONNX Runtime refuses that graph (an operator that needs a weight the signal's
         zero was added to, say): the set is then cut into stages."""
-        from rampserve.ramps.pooling import POOLING_REDUCTIONS
         from rampserve.runtime.onnx_signals import SIGNAL_OP, OnnxSignalledRunner, library
 
         unpooled = [s for s in sites if self.ramps[s].spec.reduce not in POOLING_REDUCTIONS]
@@ -299,14 +295,13 @@ class PreparedModel:
         confidence clears 1 - threshold, less a margin for rounding); a ramp in Python writes its column always.
         Each Python step between compiled stages costs several times its cost in a loop (the stage before
         evicted the interpreter's working set), so nothing is done here that can be done once per set or per
-        configuration. Run it under `torch.inference_mode()`, as the executor does: the runner's operators then
-        skip autograd's dispatch."""
-        primary, side_name = self._runner_names
-        activation = torch.from_numpy(np.ascontiguousarray(feeds[primary]))
-        side = NO_TENSOR if side_name is None else torch.from_numpy(np.ascontiguousarray(feeds[side_name]))
+        configuration. Run it under the backend's `inference_mode()`, as the executor does: a TorchScript runner's
+        operators then skip autograd's dispatch."""
+        arrays = compiled.arrays
+        activation, side = self._runner_feeds(compiled, feeds)
         floors = compiled.floors(None if thresholds is None else tuple(thresholds))
         buffers = outputs.buffers
-        return compiled.run(activation, side, buffers.logits_tensor, floors, notify, buffers.stashes).numpy()
+        return arrays.unwrap(compiled.run(activation, side, buffers.runner_logits, floors, notify, buffers.stashes))
 
     def run_stopping(self, compiled: CompiledSet, feeds: dict[str, np.ndarray], outputs: RampOutputs,
                      thresholds: Sequence[float] | None = None, notify: int = -1, keep: np.ndarray | None = None
@@ -315,21 +310,27 @@ class PreparedModel:
         fused ramp clears 1 - threshold by `STOP_MARGIN` leaves the batch there, unless `keep` (bool per row)
         holds it; `outputs.buffers.left` then says at which column (-1: it did not leave). Returns the model's
         output for the rows that ran to the end and those rows (increasing)."""
-        primary, side_name = self._runner_names
-        activation = torch.from_numpy(np.ascontiguousarray(feeds[primary]))
-        side = NO_TENSOR if side_name is None else torch.from_numpy(np.ascontiguousarray(feeds[side_name]))
+        arrays = compiled.arrays
+        activation, side = self._runner_feeds(compiled, feeds)
         key = None if thresholds is None else tuple(thresholds)
         buffers = outputs.buffers
         buffers.left.fill(-1)  # through the array: the tensor may be an inference-mode one, this not in that mode
-        keeps = torch.zeros(len(buffers.left), dtype=torch.bool) if keep is None else \
-            torch.from_numpy(np.ascontiguousarray(keep, dtype=bool))
-        output, rows = compiled.run(activation, side, buffers.logits_tensor, compiled.floors(key),
-                                    compiled.stop_floors(key), keeps, buffers.left_tensor, notify, buffers.stashes)
-        return output.numpy(), rows.numpy()
+        keeps = arrays.wrap(np.zeros(len(buffers.left), dtype=bool) if keep is None else
+                            np.ascontiguousarray(keep, dtype=bool))
+        output, rows = compiled.run(activation, side, buffers.runner_logits, compiled.floors(key),
+                                    compiled.stop_floors(key), keeps, buffers.runner_left, notify, buffers.stashes)
+        return arrays.unwrap(output), arrays.unwrap(rows)
+
+    def _runner_feeds(self, compiled: CompiledSet, feeds: dict[str, np.ndarray]) -> tuple[object, object]:
+        """The primary input and the one side input a set's runner takes, as it takes them."""
+        primary, side_name = self._runner_names
+        arrays = compiled.arrays
+        side = arrays.no_side if side_name is None else arrays.wrap(np.ascontiguousarray(feeds[side_name]))
+        return arrays.wrap(np.ascontiguousarray(feeds[primary])), side
 
     @functools.cached_property
     def _runner_names(self) -> tuple[str, str | None]:
-        """The model's primary input and the one side input a `SetRunner` takes (None for a model without one)."""
+        """The model's primary input and the one side input a set's runner takes (None for a model without one)."""
         primary, *side = self.backend.input_names
         return primary, side[0] if side else None
 
@@ -382,25 +383,10 @@ class PreparedModel:
                     stopping = self._stopping(compiled, side)
                     return stopping if self._faithful(stopping, example) else compiled
             return compiled
-        if active and not kernel.available():
-            return None
-        shapes = {s.name: s.activation_shape for s in self.sites}
-        native = self.backend.native_feeds(example)
-        with TRACE_GUARD.running():  # torch.jit.trace runs the model; fx's tracer must not patch it meanwhile
-            traced = self.backend.split.traced(self.backend.split.build(sites), native)
-            if traced is None:
-                return None
-            ramps = [fused_ramp(self.ramps[site], self.error_score, shapes[site], j) for j, site in enumerate(sites)]
-            stages = [RunnerStage(stage.module, bool(stage.side_names), ramp)
-                      for stage, ramp in zip(traced, [*ramps, None])]
-            with torchscript_quietly():
-                runner = torch.jit.script(StopSetRunner(stages) if mode == "stop" else SetRunner(stages))
-                # Frozen, the runner is one graph with its weights as constants: it loads in half the time, and
-                # without the numeric optimizations it computes what its stages do (checked below)
-                runner = torch.jit.freeze(runner.eval(), optimize_numerics=False)
-        compiled = CompiledSet(sites, runner, tuple(isinstance(ramp, FusedRamp) for ramp in ramps), classes,
-                               mode=mode)
-        return compiled if self._faithful(compiled, example) else None
+        from rampserve.runtime.torchscript_sets import build_torchscript_set  # torch: a torch model's sets only
+
+        compiled = build_torchscript_set(self, sites, example, mode, classes)
+        return compiled if compiled is not None and self._faithful(compiled, example) else None
 
     def _faithful(self, compiled: CompiledSet, example: dict[str, np.ndarray]) -> bool:
         """Whether `compiled` gives the eager model's output bit for bit on `example` (the eager stages give the
@@ -413,9 +399,9 @@ class PreparedModel:
         output = self.run(example, compiled.sites, lambda site, *seen: fused.setdefault(site, seen), compiled)
         if getattr(compiled.runner, "runs_whole", False):
             reference = self.run(example, ())
-            with torch.inference_mode():
+            with self.backend.inference_mode():
                 for site, value in self.backend.split.whole_values(example, compiled.sites).items():
-                    eager[site] = self.evaluate_ramp(site, self.backend.to_tensor(value))
+                    eager[site] = self.evaluate_ramp(site, value)
         else:
             reference = self.run(example, compiled.sites, lambda site, *seen: eager.setdefault(site, seen))
         if not np.array_equal(output, reference):
@@ -432,7 +418,7 @@ class PreparedModel:
             # runs on alone, as the stages run any batch size, to the model's output (to float rounding)
             keep = np.zeros(len(reference), dtype=bool)
             keep[0] = True
-            with torch.inference_mode():
+            with self.backend.inference_mode():
                 alone, ran = self.run_stopping(compiled, example, self.ramp_outputs(compiled, len(reference)),
                                                [1.0] * len(compiled.sites), -1, keep)
             if not (np.array_equal(ran, [0]) and np.allclose(alone, reference[:1], rtol=1e-4, atol=1e-5)):
@@ -481,7 +467,7 @@ class PreparedModel:
         its end has a negative final label (`UNREACHED`): it teaches nothing. Returns the sites updated."""
         updated = []
         for site, ramp in self.ramps.items():
-            if not isinstance(ramp, CacheRamp):
+            if ramp.spec.kind != "cache":
                 continue
             labels = final_labels
             if reached is not None and site in reached:
@@ -494,4 +480,4 @@ class PreparedModel:
 
     def memory_bytes(self) -> dict[str, int]:
         """What each cache ramp holds in memory (bounded: online updates never grow it)."""
-        return {site: ramp.memory_bytes() for site, ramp in self.ramps.items() if isinstance(ramp, CacheRamp)}
+        return {site: ramp.memory_bytes() for site, ramp in self.ramps.items() if ramp.spec.kind == "cache"}

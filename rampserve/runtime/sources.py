@@ -8,9 +8,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from torch import nn
-
 if TYPE_CHECKING:
+    from torch import nn
+
     from rampserve.zoo.registry import ZooEntry
 
 
@@ -99,6 +99,8 @@ def load_trained(source: ModelSource) -> nn.Module:
 
         return from_pretrained_dir(Path(source.ref))
     if source.kind == "factory":
+        from torch import nn  # a torch source's: reading where an ONNX model comes from needs no torch
+
         module = import_object(source.ref)()
         if not isinstance(module, nn.Module):
             raise ValueError(f"{source.ref} returned {type(module).__name__}, not a torch.nn.Module")

@@ -21,7 +21,6 @@ import time
 from collections.abc import Callable
 
 import numpy as np
-import torch
 
 from rampserve.control.records import NO_LABEL, BatchRecord, Configuration
 from rampserve.runtime.compiled import CompiledSet
@@ -67,13 +66,7 @@ class BatchRunner:
 
     def serve(self, queue: RequestQueue, inbox: Inbox) -> None:
         """Run batches until `queue` is stopped and drained (the executor thread's life)."""
-        # The executor is the only thread that runs the model; the event loop and the controller need a core too,
-        # and torch's intra-op threads contending with them made a batch of one 1.5-3x slower on two cores.
-        if self.settings.torch_threads:  # 0: torch's own default
-            torch.set_num_threads(self.settings.torch_threads)
-        # Inference mode for the thread's life rather than per batch: the runner's operators skip autograd, and
-        # the batch's path takes one step fewer
-        with torch.inference_mode():
+        with self.model.backend.serving(self.settings.torch_threads):
             while (batch := self._next_batch(queue, inbox)) is not None:
                 try:
                     self.run(batch)

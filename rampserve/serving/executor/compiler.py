@@ -18,51 +18,21 @@ import os
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from rampserve.bundle_format.manifest import bundle_digest
-from rampserve.runtime.compiled import (
-    CompiledSet,
-    CorruptEntry,
-    compiled_dir,
-    has_compiled,
-    load_compiled,
-    remove_compiled,
-    save_compiled,
-    set_key,
-)
+from rampserve.runtime.compiled import CompiledSet, CorruptEntry, compiled_dir, has_compiled, remove_compiled
 from rampserve.runtime.prepared import PreparedModel
+from rampserve.runtime.torchscript_sets import load_compiled, save_compiled, set_key
+from rampserve.serving.executor.compiling import CompileOutcome
 from rampserve.threads import OsNamedThread
 
 log = logging.getLogger("rampserve.serving")
 
 WORKER_NICENESS = 10  # compiling is background work: the serving process's threads come first for the CPU
 URGENT, AHEAD = 0, 1  # a configuration waiting to be adopted, then sets compiled ahead of need
-
-
-@dataclass(frozen=True)
-class CompileOutcome:
-    sites: tuple[str, ...]
-    outcome: str  # "compiled", "refused" or "failed"
-    seconds: float  # from the request to the outcome
-    reason: str = ""
-
-
-def likely_next_sets(active: Sequence[str], sites: Sequence[str], limit: int = 32) -> list[tuple[str, ...]]:
-    """Sets the controller's next decisions may ask for, most likely first: the set with no ramp, each active ramp
-    dropped (a ramp that stopped paying), each inactive site added, then each active ramp moved to another site
-    (Apparate's adjustment moves one ramp at a time)."""
-    current = set(active)
-    inactive = [s for s in sites if s not in current]
-    candidates = [()] + [tuple(current - {a}) for a in active] + [tuple(current | {s}) for s in inactive]
-    candidates += [tuple((current - {a}) | {s}) for a in active for s in inactive]
-    order = {s: i for i, s in enumerate(sites)}
-    unique = dict.fromkeys(tuple(sorted(c, key=order.__getitem__)) for c in candidates)
-    unique.pop(tuple(sorted(current, key=order.__getitem__)), None)
-    return list(unique)[:limit]
 
 
 class CompileService:

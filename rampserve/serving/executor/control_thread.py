@@ -18,7 +18,7 @@ import numpy as np
 from rampserve.control.records import NO_LABEL, BatchRecord, Configuration, RecordJoiner
 from rampserve.control.scores import top_label_and_error
 from rampserve.serving.executor.batch import Answered
-from rampserve.serving.executor.compiler import CompileOutcome
+from rampserve.serving.executor.compiling import CompileOutcome
 from rampserve.serving.shared.contract import ControlLink
 from rampserve.serving.shared.metrics import ServerMetrics
 from rampserve.threads import OsNamedThread

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from rampserve.control.records import Configuration
 from rampserve.runtime.compiled import CompiledSet
 from rampserve.runtime.prepared import COMPILED_SETS_KEPT
-from rampserve.serving.executor.compiler import CompileOutcome, CompileService, likely_next_sets
+from rampserve.serving.executor.compiling import CompileOutcome, likely_next_sets
 from rampserve.serving.shared.metrics import ServerMetrics
 from rampserve.serving.shared.models import ServedModel
 from rampserve.serving.shared.settings import ModelSettings
@@ -46,8 +46,11 @@ class ServingSets:
         # configuration's thresholds, so one load serves every later configuration
         self.shadow_set: tuple[tuple[str, ...], CompiledSet | None] | None = None
         model = self.model
-        self.compiler = CompileService(model, served.example, self._compile_finished, mode) if (
-            settings.torchscript and model.compiles_to_torchscript and model.bundle_dir is not None) else None
+        self.compiler = None
+        if settings.torchscript and model.compiles_to_torchscript and model.bundle_dir is not None:
+            from rampserve.serving.executor.compiler import CompileService  # torch: a TorchScript model's sets
+
+            self.compiler = CompileService(model, served.example, self._compile_finished, mode)
         self._published_sites: tuple[str, ...] = ()
 
     @property

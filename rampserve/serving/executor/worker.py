@@ -21,12 +21,11 @@ import numpy as np
 from rampserve.control.controller import Controller
 from rampserve.control.records import NO_EXIT, BatchRecord, Configuration, validation_record
 from rampserve.control.settings import STOP_MODE_BATCH_LIMIT
-from rampserve.ramps import kernel
 from rampserve.serving.executor.batch import Answered, RampSignals
 from rampserve.serving.executor.batch_runner import BatchRunner
 from rampserve.serving.executor.batching import AdaptiveBatchSize, BatchTimeEstimate
 from rampserve.serving.executor.books import Books
-from rampserve.serving.executor.compiler import CompileOutcome
+from rampserve.serving.executor.compiling import CompileOutcome
 from rampserve.serving.executor.control_thread import ControlThread
 from rampserve.serving.executor.exit_modes import StopStrategy
 from rampserve.serving.executor.loading import loaded
@@ -120,8 +119,7 @@ class ModelWorker:
         # Compiled runs with ramps report where inputs may exit through a pipe, read by a releasing thread; the
         # ramp operators are loaded now, before serving, not with the first set that needs them
         signals = RampSignals(served.name) if (
-            settings.torchscript and control is not None
-            and (kernel.available() or not model.compiles_to_torchscript)) else None
+            settings.torchscript and control is not None and model.backend.ramps_signal()) else None
         self.runner = BatchRunner(served, settings, metrics, self.sets, self.books, self.batch_size, batch_time,
                                   StopStrategy(self.feedback_share), signals,
                                   self._record if self._feeds_controller else None)
