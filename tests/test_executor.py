@@ -143,7 +143,7 @@ def test_an_answer_survives_the_wire(rows: int, with_logits: bool) -> None:
     sites = tuple(None if i % 2 else f"layer{i}" for i in range(rows))
     answer = Answer(rng.integers(0, 10, rows), sites, tuple(None if s is None else 0.25 for s in sites),
                     rng.random(rows), rng.random((rows, 10)).astype(np.float32) if with_logits else None, 3, 7,
-                    Stamps(1.5, 1.75, 2.0, 2.25))
+                    Stamps(1.5, 1.75, 1.875, 2.0, 2.25))
     [(kind, header, body)] = list(wire.FrameReader().feed(wire.answer_frame(wire.ANSWER, 11, answer)))
     read_before = time.monotonic()
     back = wire.read_answer(header, body)

@@ -63,7 +63,7 @@ NUMBER = re.compile(r"\d+(\.\d+)?")  # error messages are counted with their fig
 CLIENT_KEEPALIVE_S = 3.0
 LEAN_CONNECTIONS = 512  # the lean client waits with select(), which takes descriptors below 1024
 # The steps of a traced answer (rampserve's `plane.traced`), in the order a request passes them
-TRACE_STEPS = ("in", "submitted", "admitted", "started", "signalled", "released", "received", "resumed", "answered")
+TRACE_STEPS = ("in", "submitted", "admitted", "started", "ran", "signalled", "released", "received", "resumed", "answered")
 GRPC_SCHEME = "grpc://"
 GRPC_INFER = "/inference.GRPCInferenceService/ModelInfer"
 # gRPC refusals as the HTTP statuses the results count: RESOURCE_EXHAUSTED is shed, as 429 is; UNAVAILABLE is the

@@ -32,6 +32,7 @@ class BatchState:
     def __init__(self, config: Configuration, batch: list[Pending], batch_id: int, answer_time: object) -> None:
         self.config, self.batch, self.batch_id, self.answer_time = config, batch, batch_id, answer_time
         self.started = time.monotonic()
+        self.ran = self.started  # when the model's run began (`run_begins`)
         self.signalled = self.started  # when the latest ramp column (or the run's end) reached the batch
         self.starts = np.cumsum([0] + [p.rows for p in batch])[:-1]
         self.n = int(self.starts[-1] + batch[-1].rows)
@@ -91,6 +92,10 @@ class BatchState:
         """Inputs of requests not answered yet (a request answered with the final layer's labels keeps them)."""
         return np.repeat([not p.settled for p in self.batch], [p.rows for p in self.batch])
 
+    def run_begins(self) -> None:
+        """The model's run begins now: what came before was the batch's own setting up."""
+        self.ran = time.monotonic()
+
     def run_ended(self) -> None:
         """The model's run is over: what is released from here on was signalled now."""
         self.signalled = time.monotonic()
@@ -130,7 +135,7 @@ class BatchState:
             confidences=1.0 - released_errors,
             logits=None if logits is None or not pending.request.needs_final else logits[rows],
             config_version=config.version, batch_id=self.batch_id,
-            stamps=Stamps(pending.admitted, self.started, self.signalled, now)))
+            stamps=Stamps(pending.admitted, self.started, self.ran, self.signalled, now)))
         self.answer_time.observe(now - pending.arrival)
 
 

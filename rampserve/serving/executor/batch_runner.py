@@ -109,6 +109,7 @@ class BatchRunner:
                     self._told_eager = True
                     log.info("model %s: a set served eagerly (it does not compile) runs every input to the end, "
                              "as in release mode", self.served.name)
+                state.run_begins()
                 finals = Finals.of(model.run_eager(feeds, config.sites, state.site_ramp if config.sites else None))
             else:
                 finals, outputs = strategy.execute(model, compiled, state, feeds, self.signals, shadow is not None)
@@ -156,7 +157,8 @@ class BatchRunner:
                 continue
             pending.on_final(Answer(finals.labels[rows], (None,) * pending.rows, (None,) * pending.rows,
                                     1.0 - finals.errors[rows], finals.logits[rows], state.config.version,
-                                    state.batch_id, Stamps(pending.admitted, state.started, state.signalled, now)))
+                                    state.batch_id, Stamps(pending.admitted, state.started, state.ran, state.signalled,
+                                                           now)))
 
     def _shadow_batch(self, config: Configuration) -> tuple[Configuration, CompiledSet | None] | None:
         """Count the batch about to run under `config`; where it is a shadow batch whose set is loaded, what it runs

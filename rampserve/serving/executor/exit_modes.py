@@ -98,6 +98,7 @@ class ReleaseStrategy(ExitStrategy):
     def _run(self, model: PreparedModel, compiled: CompiledSet, state: BatchState, columns: list[int],
              feeds: dict[str, np.ndarray], outputs: RampOutputs, thresholds: tuple[float, ...], notify: int,
              shadow: bool) -> Finals:
+        state.run_begins()
         return Finals.of(model.run_compiled(compiled, feeds, outputs, thresholds, notify))
 
     def _after_run(self, state: BatchState, outputs: RampOutputs, columns: list[int],
@@ -125,6 +126,7 @@ class StopStrategy(ExitStrategy):
         state.sample = np.ones(n, dtype=bool) if shadow else self.feedback.random(n) < self.share
         state.wants_final = np.repeat([p.request.needs_final for p in state.batch], [p.rows for p in state.batch])
         state.unstoppable = [columns[j] for j, fused in enumerate(compiled.fused) if not fused]
+        state.run_begins()
         output, ran = model.run_stopping(compiled, feeds, outputs, thresholds, notify,
                                          state.sample | state.wants_final)
         # The rows that did not run to the end have no final answer: NO_LABEL, NaN and NaN

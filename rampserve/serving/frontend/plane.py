@@ -107,7 +107,7 @@ def request_options(parameters: dict) -> tuple[float | None, int, bool]:
 def traced(arrived: float, submitted: float | None, prediction: Prediction | None, resumed: float | None) -> dict:
     """When a request passed each step of the server, `time.monotonic()` seconds (the clock a client on the same
     machine reads as `time.perf_counter`): in (the route's handler began), submitted (decoded, handed to the model),
-    the executor's steps (`contract.Stamps`: admitted, started, signalled, released, received), resumed (the
+    the executor's steps (`contract.Stamps`: admitted, started, ran, signalled, released, received), resumed (the
     request's coroutine had the answer) and answered (the response's encoding began). A cached answer has in and
     answered alone; a model without an executor has no executor steps."""
     steps = {"in": arrived}

@@ -169,7 +169,8 @@ def answer_frame(kind: int, request: int, answer: Answer) -> bytes:
     logits = None if answer.logits is None else np.ascontiguousarray(answer.logits, dtype=np.float32)
     stamps = answer.stamps  # the executor's own: the front end adds when it received the answer
     header = {"i": request, "s": answer.exit_sites, "e": answer.error_scores, "v": answer.config_version,
-              "b": answer.batch_id, "t": [stamps.admitted, stamps.started, stamps.signalled, stamps.released],
+              "b": answer.batch_id, "t": [stamps.admitted, stamps.started, stamps.ran, stamps.signalled,
+                                                 stamps.released],
               "c": None if logits is None else logits.shape[1]}
     buffers = [np.ascontiguousarray(answer.labels, dtype=np.int64).tobytes(),
                np.ascontiguousarray(answer.confidences, dtype=np.float64).tobytes()]
