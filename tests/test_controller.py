@@ -202,16 +202,21 @@ def test_a_set_replaces_the_deployed_one_only_after_winning_as_many_searches_as_
     replaces s1 either way, one search round later when it must win twice."""
     search_every = 1024
 
-    def served(wins: int, hard: int, easy_after: int) -> list[tuple[int, tuple[str, ...]]]:
+    def driven(wins: int, hard: int, easy_after: int) -> Controller:
         rng = np.random.default_rng(hard)
         controller = Controller(profile(ramp_ms=0.006), ControllerSettings(
             ramp_budget=0.01, search_span=300, search_every=search_every, guarantee="average",
             challenger_wins=wins))
         shadowed_drive(controller, two_kinds_of_input(rng, 4096, 0.8, 0.8) + two_kinds_of_input(rng, hard, 0.35, 0.75)
                        + two_kinds_of_input(rng, easy_after, 0.8, 0.8))
-        return [(d.observed, d.configuration.sites) for d in controller.decisions[1:]]
+        return controller
+
+    def served(wins: int, hard: int, easy_after: int) -> list[tuple[int, tuple[str, ...]]]:
+        return [(d.observed, d.configuration.sites) for d in driven(wins, hard, easy_after).decisions[1:]]
 
     assert [sites for _, sites in served(1, 3000, 4096)] == [("s1",), ("s6",), ("s1",)]
+    # Asked for two wins, s6 won the search right after the hard stretch and no other since: the status says so
+    assert driven(2, 3000, 4096).status()["challengers"] == {"wins_needed": 2, "sets": [{"sites": ["s6"], "wins": 1}]}
     assert [sites for _, sites in served(2, 3000, 4096)] == [("s1",)]
     (_, first), (once, taken) = served(1, 8192, 0)
     (_, first_twice), (twice, taken_twice) = served(2, 8192, 0)

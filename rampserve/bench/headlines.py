@@ -135,12 +135,13 @@ class Row:
         return f"| {self.what} | {result} | {self.page} | {self.code} | {links} |"
 
 
-def settled_live_runs(files: tuple[str, ...], code: str) -> Row:
-    """Settled `bench live` runs of minilm-rt, one per stream seed, against issue 51's bars: each run's p50 and p99
+def settled_live_runs(runs: tuple[tuple[str, int, str], ...]) -> Row:
+    """Settled `bench live` runs of minilm-rt (file, stream seed, code) against issue 51's bars: each run's p50 and p99
     ratios, accuracy and live saving, and the bars judged over the runs (the median run's p50 at most 0.75×, every
     run's at most 0.85×, every p99 at most 1.0×, every live saving at least 0.8 of the simulator's)."""
     p50, p99 = "loads.0.versus_vanilla.p50_ms.ratio", "loads.0.versus_vanilla.p99_ms.ratio"
     saving = "loads.0.versus_vanilla.p50_saving_ms_same_requests.ratio"
+    files = tuple(file for file, _, _ in runs)
 
     def each(path: str, shown: str) -> tuple[Figure, ...]:
         return tuple(at(path, shown, file) for file in range(len(files)))
@@ -148,16 +149,18 @@ def settled_live_runs(files: tuple[str, ...], code: str) -> Row:
     def over(path: str, reduce: Callable[[list], float], bar: float, at_most: bool) -> Figure:
         return Figure(lambda runs: reduce([get(run, path) for run in runs]), verdict(bar, at_most))
 
-    runs = ", ".join(["{}"] * len(files))
+    each_run = ", ".join(["{}"] * len(files))
     return Row(f"`bench live` minilm-rt, 3 rounds after 4,500 warm-up requests, its bundle prepared afresh, {len(files)} "
-               "runs (stream seeds 0, 1, 2)",
-               f"p50 {runs} (median run ≤ 0.75×: {{}}; every run ≤ 0.85×: {{}}), p99 {runs} (≤ 1.0×: {{}}), "
-               f"accuracy {runs}; live p50 saving {runs} of the simulator's on the same requests (≥ 0.8: {{}})",
+               f"runs (stream seeds {', '.join(str(seed) for _, seed, _ in runs)})",
+               f"p50 {each_run} (median run ≤ 0.75×: {{}}; every run ≤ 0.85×: {{}}), p99 {each_run} (≤ 1.0×: {{}}), "
+               f"accuracy {each_run}; live p50 saving {each_run} of the simulator's on the same requests "
+               "(≥ 0.8: {})",
                (*each(p50, "{:.2f}×"), over(p50, statistics.median, 0.75, True), over(p50, max, 0.85, True),
                 *each(p99, "{:.2f}×"), over(p99, max, 1.0, True),
                 *each("loads.0.versus_vanilla.accuracy", "{:.4f}"),
                 *each(saving, "{:.2f}"), over(saving, min, 0.8, False)),
-               files, page="[journal](docs/journal/2026-11-30-onnx-without-torch.md)", code=code)
+               files, page="[journal](docs/journal/2026-11-30-onnx-without-torch.md)",
+               code=", ".join(code for _, _, code in runs))
 
 
 ROWS = (
@@ -184,8 +187,10 @@ ROWS = (
         live_ratios(),
         ("live-minilm-rt-zoo-rt-drift-rounds3-warmup4500-primed.json",),
         page="[own data](docs/own-data.md#beside-the-zoo-bundle-in-one-session)", code="5282781"),
-    settled_live_runs(("live-minilm-rt-load0.2-settled-f2534ae-run1.json", "live-minilm-rt-load0.2-settled-65903d5-seed1.json",
-                       "live-minilm-rt-load0.2-settled-f2a132d-seed2.json"), "f2534ae, 65903d5, f2a132d"),
+    settled_live_runs((("live-minilm-rt-load0.2-settled-f2534ae-run1.json", 0, "f2534ae"),
+                       ("live-minilm-rt-load0.2-settled-65903d5-seed1.json", 1, "65903d5"),
+                       ("live-minilm-rt-load0.2-settled-f2a132d-seed2.json", 2, "f2a132d"),
+                       ("live-minilm-rt-load0.2-settled-181ba35-seed0-traced.json", 0, "181ba35"))),
     Row("`bench live` minilm-rt traced, 3 rounds after 4,500 warm-up requests",
         "p50 {} ({}–{}; bar ≤ 0.75×: missed), p99 {}, accuracy {}; on the same requests an exited answer {} faster "
         "end to end ({} in the model), a final one {} slower; every stage outside the model within {} of vanilla's",

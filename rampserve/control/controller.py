@@ -180,6 +180,11 @@ class Controller:
                 "shadow": {"every": self.configuration().shadow_every, "inputs": self.shadow.size},
                 "stream_changes": self._changes, "forgotten_before": self._since,
                 "search": [e.to_json() for e in self.last_search[:5]],
+                # Sets that beat the deployed one since it was deployed, each replacing it once it has won as often
+                # as `challenger_wins` asks
+                "challengers": {"wins_needed": settings.challenger_wins,
+                                "sets": [{"sites": list(sites), "wins": wins}
+                                         for sites, wins in sorted(self._challengers.items(), key=lambda s: -s[1])]},
                 # False once the latest search judged no set but "no ramp" (none fits at the budget's batch size, below)
                 "ramps_fit": bool(self.searches) and len(self.last_search) != 1, "budget_batch": self.budget_batch(),
                 "decisions_made": len(self.decisions), "set_changes": self._set_changes,

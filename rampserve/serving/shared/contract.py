@@ -134,9 +134,9 @@ class ExecutorLost(Exception):
 class Stamps:
     """When a request's answer passed each step in the executor, as `time.monotonic()`, one clock for every process
     of the machine (the front end's and a client's `time.perf_counter` read it too): its request admitted to the
-    queue, its batch started, the model's run began (the batch's inputs stacked, the run's buffers and exit floors
-    set), its exit signalled (the column of the ramp it left at reached the batch, or the run ended), the answer
-    released, and the answer read back by the front end (NaN for an executor in its process)."""
+    queue, its batch started, the model's run began (the run's buffers, exit floors and feedback sample set), its
+    exit signalled (the column of the ramp it left at reached the batch, or the run ended), the answer released, and
+    the answer read back by the front end (NaN for an executor in its process)."""
 
     admitted: float
     started: float
