@@ -17,7 +17,7 @@ from torch.nn import functional as F
 from rampserve.control.scores import top_label_and_error
 from rampserve.ramps.arrays import RampArrays
 from rampserve.ramps.cache import CacheRamp
-from rampserve.ramps.pooling import POOLING_REDUCTIONS, PooledLinear
+from rampserve.ramps.pooling import POOLING_REDUCTIONS
 from rampserve.ramps.specs import DENSE_KINDS, RampSpec, numel
 from rampserve.ramps.torch_reductions import as_array, reduce_activation
 
@@ -34,7 +34,9 @@ def ramp_from_state(spec: RampSpec, state: Mapping[str, np.ndarray]) -> Ramp | C
         ramp.load_state_dict({name: torch.from_numpy(np.array(value)) for name, value in state.items()}, strict=True)
     except RuntimeError as exc:
         raise ValueError(str(exc)) from exc
-    return ramp.eval()
+    # Served, never trained: no autograd graph however its caller runs it (an ONNX model's executor thread is not
+    # in torch's inference mode, which a deep head's torch operators would otherwise record for)
+    return ramp.eval().requires_grad_(False)
 
 
 def build_head(spec: RampSpec) -> nn.Module:
@@ -78,7 +80,7 @@ class Ramp(nn.Module):
         if spec.kind in DENSE_KINDS:
             self.register_buffer("center", torch.zeros(numel(spec.feature_shape)))
         self._pools = spec.kind in DENSE_KINDS and spec.reduce in POOLING_REDUCTIONS
-        self._arrays: PooledLinear | None = None
+        self._arrays: tuple[tuple[int, ...], RampArrays] | None = None  # (its parameters' storage, the arrays)
 
     def dense_layers(self) -> list[nn.Linear]:
         """The linear maps of a linear or MLP head, in order (a ReLU between consecutive ones)."""
@@ -109,11 +111,7 @@ class Ramp(nn.Module):
         (a weight per input position evicts the model's own data from cache).
         """
         if self._pools:
-            params = self._params()
-            key = (tuple(activation.shape[1:]), *(params[name].data_ptr() for name in sorted(params)))
-            self._arrays = arrays = PooledLinear.current(
-                self._arrays, key, self.spec.reduce, lambda: {name: t.detach().numpy() for name, t in params.items()})
-            return top_label_and_error(arrays(as_array(activation)), score)
+            return self._current_arrays().evaluate(as_array(activation), score)
         return top_label_and_error(self.forward(torch.as_tensor(activation)).detach().numpy(), score)
 
     def arrays(self) -> RampArrays:
@@ -128,17 +126,18 @@ class Ramp(nn.Module):
             logits = self.head_logits(torch.as_tensor(features, dtype=torch.float32))
         return top_label_and_error(logits.numpy(), score)
 
-    def _params(self) -> dict[str, torch.Tensor]:
-        """`PooledLinear`'s parameters: the (first) layer's, the center, and an MLP's output layer's."""
-        head = self._modules["head"]
-        if isinstance(head, nn.Linear):  # without nn.Module.__getattr__ calls (~1 us each): a linear ramp at batch 1
-            first, out = head._parameters, None
-        else:
-            first, out = (layer._parameters for layer in self.dense_layers())
-        params = {"weight": first["weight"], "bias": first["bias"], "center": self._buffers["center"]}
-        if out is not None:
-            params |= {"out_weight": out["weight"], "out_bias": out["bias"]}
-        return params
+    def _current_arrays(self) -> RampArrays:
+        """`arrays()`, made again only when a parameter has moved to new storage: the arrays are views, through which
+        in-place updates (optimiser steps, load_state_dict) show, and a view keeps its storage alive, so an address
+        cannot come back."""
+        head = self._modules["head"]  # without nn.Module.__getattr__ calls (~1 us each): a linear ramp at batch 1
+        layers = (head,) if isinstance(head, nn.Linear) else (head._modules["0"], head._modules["2"])
+        key = (self._buffers["center"].data_ptr(),
+               *(p.data_ptr() for layer in layers for p in layer._parameters.values()))
+        found = self._arrays
+        if found is None or found[0] != key:
+            self._arrays = found = (key, self.arrays())
+        return found[1]
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
