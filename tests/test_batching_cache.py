@@ -8,7 +8,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from rampserve.serving.executor.batching import AdaptiveBatchSize, expected_wait_ms
-from rampserve.serving.frontend.cache import CachedAnswer, PredictionCache, cache_key
+from rampserve.serving.shared.contract import Answer
+from rampserve.serving.frontend.cache import PredictionCache, cache_key, entry_bytes
 
 
 @given(st.integers(1, 64), st.lists(st.tuples(st.integers(1, 64), st.floats(0.0, 20.0)), max_size=60))
@@ -36,8 +37,8 @@ def test_expected_wait_counts_the_running_batch_and_those_queued_ahead() -> None
     assert expected_wait_ms(5, 4, 2.0, running=True) == 8.0
 
 
-def _answer(label: int, floats: int = 0) -> CachedAnswer:
-    return CachedAnswer({"label": np.array([label]), "logits": np.zeros(floats, dtype=np.float32)}, {})
+def _answer(label: int, floats: int = 0) -> Answer:
+    return Answer(np.array([label]), np.ones(1), np.zeros((1, floats), dtype=np.float32))
 
 
 def test_cache_key_covers_model_version_names_dtypes_shapes_and_bytes() -> None:
@@ -56,7 +57,7 @@ def test_cache_key_covers_model_version_names_dtypes_shapes_and_bytes() -> None:
 
 
 def test_cache_evicts_least_recently_used_and_stays_within_its_bytes() -> None:
-    entry = _answer(0).nbytes
+    entry = entry_bytes(_answer(0))
     cache = PredictionCache(3 * entry)
     for key in (b"a", b"b", b"c"):
         cache.put(key, _answer(0))
@@ -74,7 +75,7 @@ def test_cache_bytes_never_exceed_the_capacity(puts) -> None:
     cache = PredictionCache(4096)
     for key, floats in puts:
         cache.put(key, _answer(1, floats))
-        assert cache.size_bytes == sum(a.nbytes for a in cache._entries.values()) <= 4096
+        assert cache.size_bytes == sum(entry_bytes(a) for a in cache._entries.values()) <= 4096
 
 
 def test_cache_refuses_a_capacity_of_zero() -> None:

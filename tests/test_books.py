@@ -128,11 +128,11 @@ def test_the_executor_releases_every_row_once_consistently_and_records_the_paths
         final = model.run({name: fmnist_feeds[:starts[-1]]}).argmax(axis=1)
         taken = []
         for answer, (a, (rows, wants)) in zip(answers, zip(starts, requests)):
-            assert len(answer.labels) == rows == len(answer.exit_sites)
+            assert len(answer.labels) == rows == len(answer.exits.sites)
             if wants:
                 assert np.array_equal(answer.labels, answer.logits.argmax(axis=1))
-                assert np.array_equal(answer.labels, final[a:a + rows]) and not any(answer.exit_sites)
-            taken += [NO_EXIT if site is None else sites.index(site) for site in answer.exit_sites]
+                assert np.array_equal(answer.labels, final[a:a + rows]) and not any(answer.exits.sites)
+            taken += [NO_EXIT if site is None else sites.index(site) for site in answer.exits.sites]
         assert np.array_equal(record.exits, taken)
         assert np.array_equal(np.concatenate([a.labels for a in answers]), record.released())
 

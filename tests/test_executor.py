@@ -38,7 +38,7 @@ from rampserve.serving.executor.loading import served as make_served
 from rampserve.serving.executor.worker import ModelWorker
 from rampserve.serving.server import ServerSettings, build_state, running_server
 from rampserve.serving.shared import wire
-from rampserve.serving.shared.contract import Answer, ModelRequest, Stamps
+from rampserve.serving.shared.contract import Answer, Exits, ModelRequest, Stamps
 from rampserve.serving.shared.metrics import ServerMetrics
 from rampserve.serving.shared.models import ServedModel
 from rampserve.serving.shared.settings import ModelSettings
@@ -122,16 +122,18 @@ def test_a_request_survives_the_wire(rows: int, needs_final: bool, deadline_ms: 
                                      keeps_final: bool) -> None:
     """In the frame's body (no arena slot): the executor reads back the request the front end sent, field for field."""
     inputs = {"x": np.arange(rows * 3, dtype=np.float32).reshape(rows, 3), "mask": np.ones((rows, 2), np.int64)}
-    request = ModelRequest(inputs, needs_final, deadline_ms, priority)
+    request = ModelRequest(inputs, needs_final, deadline_ms, priority, parameters={"uid": "stays"},
+                           on_final=(lambda final: None) if keeps_final else None)
     layout, size = wire.layout_of(inputs)
     body = bytearray(size)
     wire.pack_into(memoryview(body), inputs, layout)
-    [(kind, header, frame_body)] = list(wire.FrameReader().feed(
-        wire.request_frame(5, request, layout, None, body, keeps_final)))
-    back = wire.read_request(header, wire.unpack(frame_body, header["layout"]))
+    [(kind, header, frame_body)] = list(wire.FrameReader().feed(wire.request_frame(5, request, layout, None, body)))
+    sent_back: list[Answer] = []
+    back = wire.read_request(header, wire.unpack(frame_body, header["layout"]), sent_back.append)
     assert kind == wire.REQUEST and header["i"] == 5 and header["slot"] is None and header["keep"] == keeps_final
-    assert (back.needs_final, back.deadline_ms, back.priority, back.arrival, back.rows) == \
-        (needs_final, deadline_ms, priority, request.arrival, rows)
+    assert (back.needs_final, back.deadline_ms, back.priority, back.arrival, back.rows, back.parameters) == \
+        (needs_final, deadline_ms, priority, request.arrival, rows, {})
+    assert (back.on_final == sent_back.append) if keeps_final else back.on_final is None
     for name, array in inputs.items():
         np.testing.assert_array_equal(back.inputs[name], array)
         assert back.inputs[name].dtype == array.dtype
@@ -141,8 +143,9 @@ def test_a_request_survives_the_wire(rows: int, needs_final: bool, deadline_ms: 
 def test_an_answer_survives_the_wire(rows: int, with_logits: bool) -> None:
     rng = np.random.default_rng(rows)
     sites = tuple(None if i % 2 else f"layer{i}" for i in range(rows))
-    answer = Answer(rng.integers(0, 10, rows), sites, tuple(None if s is None else 0.25 for s in sites),
-                    rng.random(rows), rng.random((rows, 10)).astype(np.float32) if with_logits else None, 3, 7,
+    answer = Answer(rng.integers(0, 10, rows), rng.random(rows),
+                    rng.random((rows, 10)).astype(np.float32) if with_logits else None,
+                    Exits(sites, tuple(None if s is None else 0.25 for s in sites), 3, 7),
                     Stamps(1.5, 1.75, 1.875, 2.0, 2.25))
     [(kind, header, body)] = list(wire.FrameReader().feed(wire.answer_frame(wire.ANSWER, 11, answer)))
     read_before = time.monotonic()
@@ -150,8 +153,7 @@ def test_an_answer_survives_the_wire(rows: int, with_logits: bool) -> None:
     assert kind == wire.ANSWER and header["i"] == 11
     np.testing.assert_array_equal(back.labels, answer.labels)
     np.testing.assert_array_equal(back.confidences, answer.confidences)
-    assert (back.exit_sites, back.error_scores, back.config_version, back.batch_id) == \
-        (answer.exit_sites, answer.error_scores, 3, 7)
+    assert back.exits == answer.exits and back.exits.config_version == 3 and back.exits.batch_id == 7
     assert back.stamps.to_json() | {"received": 0} == answer.stamps.to_json() | {"received": 0}
     assert read_before <= back.stamps.received <= time.monotonic()  # the front end's own reading
     if with_logits:

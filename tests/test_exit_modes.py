@@ -147,11 +147,11 @@ def test_release_and_stop_release_what_the_exit_rule_says(batch: tuple, share: f
             expected = [(int(labels[r, first[r]]), f"s{first[r]}") for r in rows]
         else:
             expected = [(int(final_labels[r]), None) for r in rows]
-        assert list(zip(release.labels.tolist(), release.exit_sites)) == expected
+        assert list(zip(release.labels.tolist(), release.exits.sites)) == expected
         # Stop mode: the same, but an input that left the batch keeps the answer it left with
         if not at_ramps:
             expected = [(int(labels[r, first[r]]), f"s{first[r]}") if left[r] != NO_EXIT else expected[k]
                         for k, r in enumerate(rows)]
-        assert list(zip(stop.labels.tolist(), stop.exit_sites)) == expected
+        assert list(zip(stop.labels.tolist(), stop.exits.sites)) == expected
         if not np.any(left[rows] != NO_EXIT):  # nothing of it left: both modes give it the same answer
-            assert release.labels.tolist() == stop.labels.tolist() and release.exit_sites == stop.exit_sites
+            assert release.labels.tolist() == stop.labels.tolist() and release.exits.sites == stop.exits.sites

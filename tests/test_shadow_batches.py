@@ -145,12 +145,12 @@ def test_shadow_batches_report_every_sites_ramp_and_release_the_configurations_a
     served = metrics.registry.get_sample_value("rampserve_shadow_batches_total", {"model": "m", "outcome": "served"})
     assert served == n // 2
     for answer, plain in zip(answers, plain_answers, strict=True):
-        assert np.array_equal(answer.labels, plain.labels) and answer.exit_sites == plain.exit_sites
+        assert np.array_equal(answer.labels, plain.labels) and answer.exits.sites == plain.exits.sites
     assert any(a.early for a in answers) and not all(a.early for a in answers)  # the thresholds mix exits
     for i, record in enumerate(records):
         # where each answer came from, in the record's own sites
         exits = [None if j == NO_EXIT else record.sites[j] for j in record.exits]
-        assert exits == list(answers[i].exit_sites) and np.array_equal(record.released(), answers[i].labels)
+        assert exits == list(answers[i].exits.sites) and np.array_equal(record.released(), answers[i].labels)
         if i % 2:
             assert record.feedback_share == (SHARE if mode == "stop" else 1.0)
             continue

@@ -139,15 +139,15 @@ def test_stop_mode_releases_every_input_once_as_release_mode_and_never_recompute
         assert np.all(record_before.errors[gone, left[gone]] < np.array(thresholds)[left[gone]])
         # the released labels
         released = np.concatenate([a.labels for a in answers])
-        sites_at = np.concatenate([[sites.index(s) if s is not None else NO_EXIT for s in a.exit_sites]
+        sites_at = np.concatenate([[sites.index(s) if s is not None else NO_EXIT for s in a.exits.sites]
                                    for a in answers])
         ramp_labels = record_before.labels[np.arange(n), np.maximum(sites_at, 0)]
         assert np.array_equal(released, np.where(sites_at == NO_EXIT, final[:n], ramp_labels))
         assert np.all((sites_at == exits) | (sites_at == NO_EXIT))  # an input answered early exits there
         assert np.all(sites_at[gone] != NO_EXIT)  # one that left has no final answer: it got its ramp's
         for (rows, _), a, b in zip(requests, before, answers):
-            if rows == 1 or all(s is not None for s in a.exit_sites):  # release mode answered it as it stands
-                assert np.array_equal(a.labels, b.labels) and a.exit_sites == b.exit_sites
+            if rows == 1 or all(s is not None for s in a.exits.sites):  # release mode answered it as it stands
+                assert np.array_equal(a.labels, b.labels) and a.exits.sites == b.exits.sites
         # the record: one that left has no final label and nothing after its ramp; the others are complete
         assert np.array_equal(record.final == NO_LABEL, gone) and np.array_equal(record.final[~gone], final[:n][~gone])
         assert np.array_equal(record.exits, sites_at) and record.feedback_share == 0.25
@@ -259,11 +259,11 @@ def test_an_onnx_set_stops_its_run_once_every_input_of_the_batch_has_left(onnx_p
         batch, answers, record, state = _serve(stop, config, "stop", name, fmnist_feeds, requests)
         assert all(p.answers == 1 for p in batch) and all(len(a.labels) == p.rows for a, p in zip(answers, batch))
         for (rows, _), a, b in zip(requests, before, answers):
-            if rows == 1 or all(s is not None for s in a.exit_sites):  # release mode answered it as it stands
-                assert np.array_equal(a.labels, b.labels) and a.exit_sites == b.exit_sites
+            if rows == 1 or all(s is not None for s in a.exits.sites):  # release mode answered it as it stands
+                assert np.array_equal(a.labels, b.labels) and a.exits.sites == b.exits.sites
         # an input with several in its request that left keeps its ramp's answer: it has no final one
         released = np.concatenate([a.labels for a in answers])
-        sites_at = np.concatenate([[sites.index(s) if s is not None else NO_EXIT for s in a.exit_sites]
+        sites_at = np.concatenate([[sites.index(s) if s is not None else NO_EXIT for s in a.exits.sites]
                                    for a in answers])
         ramp_labels = record_before.labels[np.arange(n), np.maximum(sites_at, 0)]
         assert np.array_equal(released, np.where(sites_at == NO_EXIT, final[:n], ramp_labels))
@@ -403,9 +403,9 @@ def test_a_final_answer_is_kept_before_the_response_that_carries_it(resnet_prepa
         worker.sets.in_force = (config, model.compiled_set(sites, mode))
         events: list[tuple[str, int, object]] = []
         starts = np.cumsum([0] + [rows for rows, _ in requests])
-        batch = [Pending(ModelRequest({name: fmnist_feeds[a:a + rows]}, wants), 0.0, float("inf"),
-                          lambda answer, i=i: events.append(("reply", i, answer)),
-                          lambda answer, i=i: events.append(("final", i, answer)))
+        batch = [Pending(ModelRequest({name: fmnist_feeds[a:a + rows]}, wants,
+                                      on_final=lambda answer, i=i: events.append(("final", i, answer))),
+                         0.0, float("inf"), lambda answer, i=i: events.append(("reply", i, answer)))
                  for i, (a, (rows, wants)) in enumerate(zip(starts, requests))]
         worker.runner.run(batch)
         state = worker.control_thread.queued.get_nowait().state
@@ -417,7 +417,7 @@ def test_a_final_answer_is_kept_before_the_response_that_carries_it(resnet_prepa
             if not finals:
                 continue
             (at_final, final), = finals
-            if any(site is None for site in reply.exit_sites):  # answered with the final layer's labels
+            if any(site is None for site in reply.exits.sites):  # answered with the final layer's labels
                 assert at_final < at_reply, "the final answer was kept after the reply that carried it"
                 assert np.array_equal(final.labels, reply.labels)
                 seen["final first"] += 1

@@ -56,13 +56,9 @@ from rampserve.control.relearning import ExitShareWatch, RelearnRule
 from rampserve.paths import home
 from rampserve.serving.executor.loading import read_served
 from rampserve.serving.executor.process_worker import make_worker
-from rampserve.serving.frontend.repository.predictors import (
-    Prediction,
-    Predictor,
-    PredictRequest,
-    WorkerPredictor,
-)
+from rampserve.serving.frontend.repository.predictors import Predictor, WorkerPredictor
 from rampserve.serving.plain_models import onnx_predictor
+from rampserve.serving.shared.contract import Answer, ModelRequest
 from rampserve.serving.shared.metrics import ServerMetrics
 from rampserve.serving.shared.protocol import TensorSpec
 from rampserve.serving.shared.settings import DEFAULT_RECORD, ModelSettings
@@ -282,18 +278,18 @@ class RecordingPredictor(Predictor):
     async def start(self) -> None:
         await self.model.start()
 
-    async def predict(self, inputs: Mapping[str, np.ndarray], deadline_ms: float | None = None) -> Prediction:
+    async def predict(self, inputs: Mapping[str, np.ndarray], deadline_ms: float | None = None) -> Answer:
         return await self.model.predict(inputs, deadline_ms)
 
     def problem_with(self, inputs: Mapping[str, np.ndarray], rows: int) -> str | None:
         return self.model.problem_with(inputs, rows)
 
-    async def infer(self, request: PredictRequest) -> Prediction:
-        prediction = await self.model.infer(request)
+    async def infer(self, request: ModelRequest) -> Answer:
+        answer = await self.model.infer(request)
         recorder = self.recorder
         if recorder is not None:
             recorder.record(request.inputs)
-        return prediction
+        return answer
 
     def count_cached(self, labels: np.ndarray) -> None:
         self.model.count_cached(labels)

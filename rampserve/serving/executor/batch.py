@@ -18,7 +18,7 @@ from rampserve.control import exit_rule
 from rampserve.control.records import NO_EXIT, NO_LABEL, Configuration
 from rampserve.runtime.column_handlers import hand_columns_to
 from rampserve.serving.executor.request_queue import Pending
-from rampserve.serving.shared.contract import Answer, Stamps
+from rampserve.serving.shared.contract import Answer, Exits, Stamps
 from rampserve.threads import OsNamedThread
 
 log = logging.getLogger("rampserve.serving")
@@ -129,12 +129,11 @@ class BatchState:
             self.exits[rows] = at
         now = time.monotonic()
         pending.settle(Answer(
-            labels=released,
-            exit_sites=tuple(None if j == NO_EXIT else config.sites[j] for j in at),
-            error_scores=tuple(None if j == NO_EXIT else float(self.errors[i, j]) for i, j in zip(rows, at)),
-            confidences=1.0 - released_errors,
+            labels=released, confidences=1.0 - released_errors,
             logits=None if logits is None or not pending.request.needs_final else logits[rows],
-            config_version=config.version, batch_id=self.batch_id,
+            exits=Exits(tuple(None if j == NO_EXIT else config.sites[j] for j in at),
+                        tuple(None if j == NO_EXIT else float(self.errors[i, j]) for i, j in zip(rows, at)),
+                        config.version, self.batch_id),
             stamps=Stamps(pending.admitted, self.started, self.ran, self.signalled, now)))
         self.answer_time.observe(now - pending.arrival)
 

@@ -30,7 +30,7 @@ from rampserve.serving.executor.books import Books
 from rampserve.serving.executor.exit_modes import RELEASE, Finals, StopStrategy
 from rampserve.serving.executor.request_queue import Inbox, Pending, RequestQueue
 from rampserve.serving.executor.serving_sets import ServingSets
-from rampserve.serving.shared.contract import Answer, ExecutionFailed, Stamps
+from rampserve.serving.shared.contract import Answer, ExecutionFailed, Exits, Stamps
 from rampserve.serving.shared.metrics import ServerMetrics
 from rampserve.serving.shared.models import ServedModel
 from rampserve.serving.shared.settings import ModelSettings
@@ -150,15 +150,15 @@ class BatchRunner:
         (a request one of whose rows left the batch, in stop mode, has none: it is skipped)."""
         now = time.monotonic()
         for index, pending in enumerate(state.batch):
-            if not which[index] or pending.on_final is None:
+            on_final = pending.request.on_final
+            if not which[index] or on_final is None:
                 continue
             rows = slice(int(state.starts[index]), int(state.starts[index]) + pending.rows)
             if np.any(finals.labels[rows] == NO_LABEL):
                 continue
-            pending.on_final(Answer(finals.labels[rows], (None,) * pending.rows, (None,) * pending.rows,
-                                    1.0 - finals.errors[rows], finals.logits[rows], state.config.version,
-                                    state.batch_id, Stamps(pending.admitted, state.started, state.ran, state.signalled,
-                                                           now)))
+            on_final(Answer(finals.labels[rows], 1.0 - finals.errors[rows], finals.logits[rows],
+                            Exits((None,) * pending.rows, (None,) * pending.rows, state.config.version, state.batch_id),
+                            Stamps(pending.admitted, state.started, state.ran, state.signalled, now)))
 
     def _shadow_batch(self, config: Configuration) -> tuple[Configuration, CompiledSet | None] | None:
         """Count the batch about to run under `config`; where it is a shadow batch whose set is loaded, what it runs

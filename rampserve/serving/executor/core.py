@@ -247,8 +247,8 @@ class Executor:
         inputs = (wire.unpack(body, header["layout"]) if slot is None
                   else wire.unpack(self.arena.view, header["layout"], self.arena.offset(slot)))
         try:
-            self.worker.queue.admit(wire.read_request(header, inputs), partial(self._reply, request_id),
-                                    partial(self._final, request_id) if header["keep"] else None)
+            self.worker.queue.admit(wire.read_request(header, inputs, partial(self._final, request_id)),
+                                    partial(self._reply, request_id))
         except Shed as exc:
             self.send(wire.refused_frame(request_id, exc))
 

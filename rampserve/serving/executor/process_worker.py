@@ -175,7 +175,7 @@ class ProcessWorker:
 
     # ---- requests (event loop) ---------------------------------------------------------------------------------
 
-    def submit(self, request: ModelRequest, on_final: Callable[[Answer], None] | None = None) -> asyncio.Future:
+    def submit(self, request: ModelRequest) -> asyncio.Future:
         channel = self._channel
         if channel is None:
             reason = "shutdown" if self._stopping else "restarting"
@@ -193,8 +193,8 @@ class ProcessWorker:
             wire.pack_into(memoryview(body), request.inputs, layout)
         request_id = next(self._ids)
         future = asyncio.get_running_loop().create_future()
-        self._in_flight[request_id] = _InFlight(future, slot, on_final)
-        channel.transport.write(wire.request_frame(request_id, request, layout, slot, body, on_final is not None))
+        self._in_flight[request_id] = _InFlight(future, slot, request.on_final)
+        channel.transport.write(wire.request_frame(request_id, request, layout, slot, body))
         return future
 
     def yield_to(self, processes: tuple[int, ...]) -> None:

@@ -29,12 +29,11 @@ class Pending:
     arrival: float  # the request's, or when the queue took it if that is earlier (two processes' clocks)
     deadline: float  # time.monotonic() past which it is shed unanswered
     # Called once, on the executor's or the releasing thread, with the request's answer or what failed it:
-    # resolves an event loop's future (`future_reply`), or writes to the front end's channel (`executor`)
+    # resolves an event loop's future (`future_reply`), or writes to the front end's channel (`executor`). The
+    # request's `on_final` is called on the executor thread with its final answer (every row's final label and
+    # the logits) once its batch has run to the end, however early its response left; when the response carries
+    # the final answer, before `reply` gets it
     reply: Callable[[Answer | BaseException], None]
-    # Called on the executor thread with the request's final answer (every row's final label and the logits)
-    # once its batch has run to the end, however early its response left: what a prediction cache may keep.
-    # When the response carries the final answer, this is called before `reply` gets it
-    on_final: Callable[[Answer], None] | None = None
     settled: bool = False
     admitted: float = field(default_factory=time.monotonic)  # when the queue took it (`contract.Stamps`)
     rows: int = field(init=False)  # the request's, read at every batch's forming and answering
@@ -69,9 +68,8 @@ class RequestQueue:
     def rows_queued(self) -> int:
         return self._rows_queued
 
-    def admit(self, request: ModelRequest, reply: Callable[[Answer | BaseException], None],
-              on_final: Callable[[Answer], None] | None = None) -> None:
-        """Queue a request from any thread; `reply` gets its answer once (`on_final` its final answer, see
+    def admit(self, request: ModelRequest, reply: Callable[[Answer | BaseException], None]) -> None:
+        """Queue a request from any thread; `reply` gets its answer once (its `on_final` its final answer, see
         `Pending`). Raises `Shed` if refused."""
         now = time.monotonic()
         arrival, rows = min(request.arrival, now), request.rows
@@ -97,7 +95,7 @@ class RequestQueue:
                            f"after the request's deadline of {budget_ms:.1f} ms",
                            max(1, math.ceil(wait_ms / 1000.0)))
             deadline = math.inf if budget_ms is None else arrival + budget_ms / 1000.0
-            pending = Pending(request, arrival, deadline, reply, on_final)
+            pending = Pending(request, arrival, deadline, reply)
             heapq.heappush(self._heap, (-request.priority, next(self._order), pending))
             self._rows_queued += rows
             self._queued.set(self._rows_queued)

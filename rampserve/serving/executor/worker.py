@@ -31,7 +31,7 @@ from rampserve.serving.executor.exit_modes import StopStrategy
 from rampserve.serving.executor.loading import loaded
 from rampserve.serving.executor.request_queue import Inbox, LocalInbox, RequestQueue
 from rampserve.serving.executor.serving_sets import ServingSets
-from rampserve.serving.shared.contract import Answer, ControlLink, ModelRequest, future_reply
+from rampserve.serving.shared.contract import ControlLink, ModelRequest, future_reply
 from rampserve.serving.shared.metrics import ServerMetrics
 from rampserve.serving.shared.models import ServedModel
 from rampserve.serving.shared.settings import ModelSettings
@@ -161,11 +161,11 @@ class ModelWorker:
         """Wait until the executor has answered everything and ended (after `queue.request_stop`)."""
         self._executor.join()
 
-    def submit(self, request: ModelRequest, on_final: Callable[[Answer], None] | None = None) -> asyncio.Future:
+    def submit(self, request: ModelRequest) -> asyncio.Future:
         """Queue a request from the event loop; the future resolves with its answer. Raises `Shed` if refused."""
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-        self.queue.admit(request, future_reply(loop, future), on_final)
+        self.queue.admit(request, future_reply(loop, future))
         return future
 
     def yield_to(self, processes: tuple[int, ...]) -> None:

@@ -1,5 +1,5 @@
 """Clipper's prediction cache: exact match on model, version and input bytes; least recently used entries go
-first once the cache holds more than its byte budget."""
+first once the cache holds more than its byte budget. An entry is a request's final answer (`contract.Answer`)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,10 @@ import hashlib
 import threading
 from collections import OrderedDict
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 import numpy as np
+
+from rampserve.serving.shared.contract import Answer
 
 # What an entry costs beyond its arrays: the key, the dict slot, the record itself (measured roughly).
 ENTRY_OVERHEAD_BYTES = 200
@@ -25,14 +26,10 @@ def cache_key(model: str, version: str, inputs: Mapping[str, np.ndarray]) -> byt
     return digest.digest()
 
 
-@dataclass(frozen=True)
-class CachedAnswer:
-    outputs: dict[str, np.ndarray]
-    parameters: dict
-
-    @property
-    def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.outputs.values()) + ENTRY_OVERHEAD_BYTES
+def entry_bytes(answer: Answer) -> int:
+    """What an answer costs the cache: its arrays and the entry's overhead."""
+    arrays = (answer.labels, answer.confidences, answer.logits)
+    return sum(array.nbytes for array in arrays if array is not None) + ENTRY_OVERHEAD_BYTES
 
 
 class PredictionCache:
@@ -45,13 +42,13 @@ class PredictionCache:
         self.size_bytes = 0
         self.hits = 0
         self.misses = 0
-        self._entries: OrderedDict[bytes, CachedAnswer] = OrderedDict()
+        self._entries: OrderedDict[bytes, Answer] = OrderedDict()
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def get(self, key: bytes) -> CachedAnswer | None:
+    def get(self, key: bytes) -> Answer | None:
         with self._lock:
             answer = self._entries.get(key)
             if answer is None:
@@ -61,15 +58,15 @@ class PredictionCache:
             self.hits += 1
             return answer
 
-    def put(self, key: bytes, answer: CachedAnswer) -> None:
-        if answer.nbytes > self.capacity_bytes:
+    def put(self, key: bytes, answer: Answer) -> None:
+        if entry_bytes(answer) > self.capacity_bytes:
             return  # would evict everything and still not fit
         with self._lock:
             old = self._entries.pop(key, None)
             if old is not None:
-                self.size_bytes -= old.nbytes
+                self.size_bytes -= entry_bytes(old)
             self._entries[key] = answer
-            self.size_bytes += answer.nbytes
+            self.size_bytes += entry_bytes(answer)
             while self.size_bytes > self.capacity_bytes:
                 _, evicted = self._entries.popitem(last=False)
-                self.size_bytes -= evicted.nbytes
+                self.size_bytes -= entry_bytes(evicted)

@@ -16,12 +16,12 @@ import orjson
 
 from rampserve.serving.frontend.apps.applications import ApplicationPredictor
 from rampserve.serving.frontend.apps.state_store import StoreError
-from rampserve.serving.frontend.cache import CachedAnswer, PredictionCache, cache_key
+from rampserve.serving.frontend.cache import PredictionCache, cache_key
 from rampserve.serving.frontend.repository.catalogue import Catalogue
-from rampserve.serving.frontend.repository.predictors import ModelUnavailable, Prediction, Predictor, PredictRequest
-from rampserve.serving.shared.contract import ExecutionFailed, ExecutorLost, Shed
+from rampserve.serving.frontend.repository.predictors import ModelUnavailable, Predictor
+from rampserve.serving.shared.contract import Answer, ExecutionFailed, ExecutorLost, ModelRequest, Shed
 from rampserve.serving.shared.metrics import ServerMetrics
-from rampserve.serving.shared.models import LABEL_OUTPUT
+from rampserve.serving.shared.models import LABEL_OUTPUT, LOGITS_OUTPUT
 from rampserve.serving.shared.protocol import (
     InferRequest,
     ProtocolError,
@@ -104,7 +104,34 @@ def request_options(parameters: dict) -> tuple[float | None, int, bool]:
     return (None if deadline is None else float(deadline)), priority, trace
 
 
-def traced(arrived: float, submitted: float | None, prediction: Prediction | None, resumed: float | None) -> dict:
+def per_input(values: Sequence) -> object:
+    """A response parameter with one value per input: the value itself for a one-input request, else a list."""
+    return values[0] if len(values) == 1 else list(values)
+
+
+def response_parameters(answer: Answer) -> dict:
+    """How an answer was reached, as its response's parameters: an application's decision; else the confidence
+    per input, and for a bundle where each input was answered (the ramp, or None: the final layer, and its error
+    score) by which configuration and batch."""
+    if answer.decision is not None:
+        return dict(answer.decision)
+    confidence = per_input(answer.confidences.tolist())
+    exits = answer.exits
+    if exits is None:
+        return {"confidence": confidence}
+    return {"early": exits.early, "exit_site": per_input(exits.sites), "error_score": per_input(exits.error_scores),
+            "confidence": confidence, "config_version": exits.config_version, "batch_id": exits.batch_id}
+
+
+def answer_tensors(answer: Answer) -> dict[str, np.ndarray]:
+    """An answer's v2 output tensors by name: the label, and a bundle's logits when they were asked for."""
+    tensors = {LABEL_OUTPUT: answer.labels}
+    if answer.logits is not None:
+        tensors[LOGITS_OUTPUT] = answer.logits.astype(np.float32, copy=False)
+    return tensors
+
+
+def traced(arrived: float, submitted: float | None, answer: Answer | None, resumed: float | None) -> dict:
     """When a request passed each step of the server, `time.monotonic()` seconds (the clock a client on the same
     machine reads as `time.perf_counter`): in (the route's handler began), submitted (decoded, handed to the model),
     the executor's steps (`contract.Stamps`: admitted, started, ran, signalled, released, received), resumed (the
@@ -113,8 +140,8 @@ def traced(arrived: float, submitted: float | None, prediction: Prediction | Non
     steps = {"in": arrived}
     if submitted is not None:
         steps["submitted"] = submitted
-        if prediction is not None and prediction.stamps is not None:
-            steps |= prediction.stamps.to_json()
+        if answer is not None and answer.stamps is not None:
+            steps |= answer.stamps.to_json()
         steps["resumed"] = resumed
     return steps | {"answered": time.monotonic()}
 
@@ -221,26 +248,26 @@ class DataPlane:
         if parsed.outputs is None:  # no outputs named: the label only, which a bundle can release early
             wanted = [output for output in wanted if output.name == LABEL_OUTPUT]
         deadline_ms, priority, trace = request_options(parsed.parameters)
-        request = PredictRequest(parsed.inputs, deadline_ms, priority, tuple(output.name for output in wanted),
-                                 parsed.parameters)
+        needs_final = any(output.name == LOGITS_OUTPUT for output in wanted)
+        request = ModelRequest(parsed.inputs, needs_final, deadline_ms, priority, parameters=parsed.parameters)
         cache = self.cache(predictor.name) if predictor.cacheable else None
         key = cache_key(predictor.name, predictor.version, parsed.inputs) if cache is not None else None
         cached = cache.get(key) if cache is not None else None
         if cache is not None:
             self.metrics.cache.labels(model=predictor.name, result="hit" if cached else "miss").inc()
-        submitted = prediction = resumed = None
-        if cached is not None and all(name in cached.outputs for name in request.outputs):
-            predictor.count_cached(cached.outputs[LABEL_OUTPUT])
-            tensors, parameters, outcome = cached.outputs, {**cached.parameters, "cached": True}, "cached"
+        submitted = answer = resumed = None
+        if cached is not None and (cached.logits is not None or not needs_final):
+            predictor.count_cached(cached.labels)
+            tensors, parameters, outcome = answer_tensors(cached), response_parameters(cached) | {"cached": True}, "cached"
         else:
             if cache is not None:
                 request = replace(request, on_final=final_answer_keeper(cache, key))
             submitted = time.monotonic()
-            prediction = await predictor.infer(request)
+            answer = await predictor.infer(request)
             resumed = time.monotonic()
-            tensors, parameters, outcome = prediction.outputs, prediction.parameters, prediction.outcome
+            tensors, parameters, outcome = answer_tensors(answer), response_parameters(answer), answer.outcome
         if trace:
-            parameters = {**parameters, "trace": traced(arrived, submitted, prediction, resumed)}
+            parameters = {**parameters, "trace": traced(arrived, submitted, answer, resumed)}
         datatypes = {spec.name: spec.datatype for spec in predictor.outputs}
         return InferResponse(predictor.name, predictor.version, parsed.id,
                              [(output, datatypes[output.name], tensors[output.name]) for output in wanted], parameters,
@@ -270,8 +297,8 @@ def checked_version(predictor: Predictor, version: str | None) -> Predictor:
     return predictor
 
 
-def final_answer_keeper(cache: PredictionCache, key: bytes) -> Callable[[Prediction], None]:
+def final_answer_keeper(cache: PredictionCache, key: bytes) -> Callable[[Answer], None]:
     """Where a request's final answer goes to be cached (from any thread: the cache is thread-safe). The final
     answer, known once a bundle's batch has run to the end, never a ramp's label: thresholds move, and a cached
     early answer would be replayed unchecked."""
-    return lambda final: cache.put(key, CachedAnswer(final.outputs, final.parameters))
+    return lambda final: cache.put(key, final)

@@ -3,7 +3,8 @@ the executor's modules, so that a server whose models run in executor processes 
 
 `Worker` is the executor as the front end sees it (`worker.ModelWorker` in this process, `process_worker.ProcessWorker`
 for one in a process of its own), `ControlLink` where its records go, `ModelRequest` what it is asked (the one type a
-request has from the front end's hand-off to the batch it joins), `Answer` what a request gets, `Shed`,
+request has from the data plane's decoding to the batch it joins, whatever the model), `Answer` what it gets (the one
+type an answer has, whatever the model; `Exits` where a bundle answered it), `Shed`,
 `ExecutionFailed` and `ExecutorLost` what it may get instead (`settings.ModelSettings` is how a model is served). Both
 processes set the interpreter up alike (`GIL_SWITCH_INTERVAL_S`, `freeze_startup_objects`).
 """
@@ -76,9 +77,9 @@ class Worker(Protocol):
     async def launch(self) -> None:
         """Start serving (once the event loop runs)."""
 
-    def submit(self, request: ModelRequest, on_final: Callable[[Answer], None] | None = None) -> asyncio.Future:
-        """Queue a request; the future resolves with its `Answer`. Raises `Shed` if refused. `on_final` gets the
-        request's final answer once its batch has run to the end, however early the answer left."""
+    def submit(self, request: ModelRequest) -> asyncio.Future:
+        """Queue a request; the future resolves with its `Answer`. Raises `Shed` if refused. The request's `on_final`
+        gets its final answer once its batch has run to the end, however early the answer left."""
 
     def count_cached(self, labels: np.ndarray) -> None:
         """Answers the prediction cache gave, for the controller's books."""
@@ -99,15 +100,19 @@ class Worker(Protocol):
 
 @dataclass(frozen=True)
 class ModelRequest:
-    """A request as a served bundle's executor takes it, unchanged from the front end's hand-off to the batch it joins
-    (`wire.request_frame` carries it to an executor process): its decoded inputs, a row per input, and how to serve
-    it."""
+    """A request as every model is asked it, whatever stands behind its name, and the one type a request has from
+    the data plane's decoding to the batch it joins (`wire.request_frame` carries what an executor process needs of
+    it): its decoded inputs, a row per input, and how to serve it."""
 
     inputs: Mapping[str, np.ndarray]
     needs_final: bool = False  # asked for the logits: answered at the end of its batch, never early
     deadline_ms: float | None = None  # from arrival; None: the model's own
     priority: int = 0  # higher is served first
     arrival: float = field(default_factory=time.monotonic)  # when it reached the server: one clock in every process
+    parameters: Mapping[str, object] = field(default_factory=dict)  # the request's, as sent (an application's uid)
+    # Called once with the request's final answer, on any thread: before its answer is given, or after a bundle
+    # released a ramp's label (the batch runs on after it): what a prediction cache may keep
+    on_final: Callable[[Answer], None] | None = None
 
     @property
     def rows(self) -> int:
@@ -150,20 +155,48 @@ class Stamps:
 
 
 @dataclass(frozen=True)
-class Answer:
-    labels: np.ndarray  # (rows,) released label per input
-    exit_sites: tuple[str | None, ...]  # per input: the ramp that answered, None for the final layer
+class Exits:
+    """Where a bundle answered each input of a request: the ramp (None: the final layer) and its error score, and
+    the configuration and batch that answered."""
+
+    sites: tuple[str | None, ...]
     error_scores: tuple[float | None, ...]
-    # per input: 1 - error score of the ramp that answered, or the final layer's top softmax probability
-    confidences: np.ndarray
-    logits: np.ndarray | None  # the original model's, when the request asked for them
     config_version: int
     batch_id: int
-    stamps: Stamps
 
     @property
     def early(self) -> bool:
-        return all(site is not None for site in self.exit_sites)
+        return all(site is not None for site in self.sites)
+
+
+@dataclass(frozen=True)
+class Answer:
+    """A model's answer to a request, the one type every model gives whatever stands behind its name (a bundle's
+    executor, in this process or its own, a callable, a remote model, an application), from the model to the
+    transport's encoder and the prediction cache: a label and a confidence per input, and how it was reached."""
+
+    labels: np.ndarray  # (rows,) int64
+    # (rows,) in [0, 1]: 1 - error score of the ramp that answered, the final layer's top softmax probability, or
+    # what the model said of its label
+    confidences: np.ndarray
+    logits: np.ndarray | None = None  # a bundle's, when the request asked for them
+    exits: Exits | None = None  # a bundle's
+    stamps: Stamps | None = None  # a bundle's: when its answer passed each step in the executor
+    # An application's: its decision as its response reports it (whether its default answered, the models whose
+    # answers made it, ...); None for a model
+    decision: Mapping[str, object] | None = None
+
+    @property
+    def early(self) -> bool:
+        return self.exits is not None and self.exits.early
+
+    @property
+    def outcome(self) -> str:
+        """As rampserve_requests_total counts it: early or final for a model, answered or default for an
+        application."""
+        if self.decision is not None:
+            return "default" if self.decision.get("default") else "answered"
+        return "early" if self.early else "final"
 
 
 def future_reply(loop: asyncio.AbstractEventLoop, future: asyncio.Future) -> Callable[[Answer | BaseException], None]:

@@ -14,13 +14,13 @@ import mmap
 import os
 import struct
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import numpy as np
 import orjson
 
 from rampserve.control.records import BatchRecord
-from rampserve.serving.shared.contract import Answer, ExecutionFailed, ModelRequest, Shed, Stamps
+from rampserve.serving.shared.contract import Answer, ExecutionFailed, Exits, ModelRequest, Shed, Stamps
 
 FRAME = struct.Struct("<IB")  # bytes after this prefix, kind
 HEADER = struct.Struct("<I")  # bytes of the JSON header
@@ -149,17 +149,21 @@ class SlotArena:
 # ---- requests --------------------------------------------------------------------------------------------------
 
 
-def request_frame(request_id: int, request: ModelRequest, layout: Layout, slot: int | None, body: bytes | bytearray,
-                  keeps_final: bool) -> bytes:
-    """`request`, its inputs packed by `layout` into arena slot `slot` (or, with no slot, in `body`); `keeps_final`:
-    the front end wants its final answer after an early one (a FINAL frame)."""
+def request_frame(request_id: int, request: ModelRequest, layout: Layout, slot: int | None,
+                  body: bytes | bytearray) -> bytes:
+    """`request`, its inputs packed by `layout` into arena slot `slot` (or, with no slot, in `body`). Its parameters
+    stay in the front end (an application's, which a bundle does not read); its `on_final` is a flag ("keep"): the
+    front end wants its final answer after an early one (a FINAL frame)."""
     return frame(REQUEST, {"i": request_id, "final": request.needs_final, "deadline": request.deadline_ms,
-                           "priority": request.priority, "arrival": request.arrival, "keep": keeps_final,
-                           "slot": slot, "layout": layout}, body)
+                           "priority": request.priority, "arrival": request.arrival,
+                           "keep": request.on_final is not None, "slot": slot, "layout": layout}, body)
 
 
-def read_request(header: dict, inputs: dict[str, np.ndarray]) -> ModelRequest:
-    return ModelRequest(inputs, header["final"], header["deadline"], header["priority"], header["arrival"])
+def read_request(header: dict, inputs: dict[str, np.ndarray],
+                 on_final: Callable[[Answer], None] | None = None) -> ModelRequest:
+    """The request a REQUEST frame carries; `on_final` sends its final answer back where the frame keeps it."""
+    return ModelRequest(inputs, header["final"], header["deadline"], header["priority"], header["arrival"],
+                        on_final=on_final if header["keep"] else None)
 
 
 # ---- answers ---------------------------------------------------------------------------------------------------
@@ -167,10 +171,9 @@ def read_request(header: dict, inputs: dict[str, np.ndarray]) -> ModelRequest:
 
 def answer_frame(kind: int, request: int, answer: Answer) -> bytes:
     logits = None if answer.logits is None else np.ascontiguousarray(answer.logits, dtype=np.float32)
-    stamps = answer.stamps  # the executor's own: the front end adds when it received the answer
-    header = {"i": request, "s": answer.exit_sites, "e": answer.error_scores, "v": answer.config_version,
-              "b": answer.batch_id, "t": [stamps.admitted, stamps.started, stamps.ran, stamps.signalled,
-                                                 stamps.released],
+    stamps, exits = answer.stamps, answer.exits  # the executor's own: the front end adds when it received the answer
+    header = {"i": request, "s": exits.sites, "e": exits.error_scores, "v": exits.config_version,
+              "b": exits.batch_id, "t": [stamps.admitted, stamps.started, stamps.ran, stamps.signalled, stamps.released],
               "c": None if logits is None else logits.shape[1]}
     buffers = [np.ascontiguousarray(answer.labels, dtype=np.int64).tobytes(),
                np.ascontiguousarray(answer.confidences, dtype=np.float64).tobytes()]
@@ -186,7 +189,7 @@ def read_answer(header: dict, body: memoryview) -> Answer:
     classes = header["c"]
     logits = None if classes is None else np.frombuffer(body, np.float32, rows * classes, rows * 16).reshape(
         rows, classes)
-    return Answer(labels, tuple(header["s"]), tuple(header["e"]), confidences, logits, header["v"], header["b"],
+    return Answer(labels, confidences, logits, Exits(tuple(header["s"]), tuple(header["e"]), header["v"], header["b"]),
                   Stamps(*header["t"], received=time.monotonic()))
 
 

@@ -33,7 +33,8 @@ from rampserve.control.deciders import Candidate, Decision, Trust, first, learn,
 from rampserve.control.selection import SelectionState, exp3_choose, exp3_update, exp4_update, exp4_votes
 from rampserve.serving.frontend.apps.state_store import StateStore
 from rampserve.serving.frontend.cache import cache_key
-from rampserve.serving.frontend.repository.predictors import Prediction, Predictor, PredictRequest
+from rampserve.serving.frontend.repository.predictors import Predictor
+from rampserve.serving.shared.contract import Answer, ModelRequest
 from rampserve.serving.shared.metrics import ServerMetrics
 from rampserve.serving.shared.protocol import DATATYPES, ProtocolError, TensorSpec
 
@@ -369,7 +370,7 @@ class Application:
         stats.asked += 1
         started = time.perf_counter()
         try:
-            prediction = await self._model(name).predict(inputs, max(deadline - started, 1e-3) * 1000.0)
+            answer = await self._model(name).predict(inputs, max(deadline - started, 1e-3) * 1000.0)
         except KeyError:
             outcome, stats.last_error = "failed", f"model {name} is not loaded"
         except Exception as exc:  # any model's failure is that model's missing answer, never the query's
@@ -378,15 +379,15 @@ class Application:
             latency_ms = (time.perf_counter() - started) * 1000.0
             stats.observe(latency_ms)
             self.metrics.app_model_latency.labels(app=self.name, model=name).observe(latency_ms / 1000.0)
-            label = int(prediction.labels[0])
+            label = int(answer.labels[0])
             query.labels[name] = label
-            query.confidences[name] = float(prediction.confidences[0])
+            query.confidences[name] = float(answer.confidences[0])
             late = query.decided
             stats.late += late
             stats.answered += not late
             self.metrics.app_model_answers.labels(app=self.name, model=name,
                                                   outcome="late" if late else "answered").inc()
-            return None if late else Candidate(name, label, float(prediction.confidences[0]), latency_ms)
+            return None if late else Candidate(name, label, float(answer.confidences[0]), latency_ms)
         stats.failed += 1
         self.metrics.app_model_answers.labels(app=self.name, model=name, outcome=outcome).inc()
         return None
@@ -524,15 +525,15 @@ class ApplicationPredictor(Predictor):
     def problem_with(self, inputs: Mapping[str, np.ndarray], rows: int) -> str | None:
         return None if rows == 1 else f"application '{self.name}' answers one query per request, got {rows}"
 
-    async def infer(self, request: PredictRequest) -> Prediction:
-        answer = await self.app.predict(request.inputs, context_of(request.parameters.get("uid")))
-        output = answer.output
+    async def infer(self, request: ModelRequest) -> Answer:
+        decided = await self.app.predict(request.inputs, context_of(request.parameters.get("uid")))
+        output = decided.output
         label = output if isinstance(output, int) and not isinstance(output, bool) else -1
-        parameters = {k: v for k, v in answer.to_json().items() if k != "output"}
-        if answer.default:
-            parameters["default_output"] = output
-        return Prediction(np.array([label]), np.array([np.nan if answer.confidence is None else answer.confidence]),
-                          parameters, "default" if answer.default else "answered")
+        decision = {k: v for k, v in decided.to_json().items() if k != "output"}
+        if decided.default:
+            decision["default_output"] = output
+        return Answer(np.array([label]), np.array([np.nan if decided.confidence is None else decided.confidence]),
+                      decision=decision)
 
 
 def check_compatible(name: str, signatures: Mapping[str, tuple[TensorSpec, ...] | None]) -> None:

@@ -18,15 +18,14 @@ import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 
 import aiohttp
 import numpy as np
 import orjson
 
 from rampserve.control.scores import top_label_and_error
-from rampserve.serving.shared.contract import Answer, ModelRequest, Stamps, Worker
-from rampserve.serving.shared.models import LABEL_OUTPUT, LOGITS_OUTPUT, V2_DATATYPES, ServedModel, TextInput
+from rampserve.serving.shared.contract import Answer, ModelRequest, Worker
+from rampserve.serving.shared.models import LABEL_OUTPUT, V2_DATATYPES, ServedModel, TextInput
 from rampserve.serving.shared.protocol import TensorSpec
 
 # Remote answers are retried only when the remote did not run the request (it refused it or was unreachable),
@@ -40,68 +39,21 @@ class ModelUnavailable(Exception):
     """The model gave no answer: overloaded, unreachable, timed out or failed."""
 
 
-def per_input(values: Sequence) -> object:
-    """A response parameter with one value per input: the value itself for a one-input request, else a list."""
-    return values[0] if len(values) == 1 else list(values)
-
-
-@dataclass(frozen=True)
-class Prediction:
-    labels: np.ndarray  # (rows,) int64
-    confidences: np.ndarray  # (rows,) in [0, 1]
-    parameters: dict  # the response's parameters: how the answer was reached (confidence, exit sites, ...)
-    outcome: str = "final"  # how requests are counted (rampserve_requests_total): early, final, answered, default
-    logits: np.ndarray | None = None  # a bundle's, when the request asked for them
-    stamps: Stamps | None = None  # a bundle's: when its answer passed each step in the executor
-
-    @classmethod
-    def of_labels(cls, labels: np.ndarray, confidences: np.ndarray) -> Prediction:
-        """The answer of a model that gives labels and confidences alone (every kind but a bundle)."""
-        return cls(labels, confidences, {"confidence": per_input(confidences.tolist())})
-
-    @property
-    def outputs(self) -> dict[str, np.ndarray]:
-        """The v2 output tensors by name."""
-        tensors = {LABEL_OUTPUT: self.labels}
-        if self.logits is not None:
-            tensors[LOGITS_OUTPUT] = self.logits
-        return tensors
-
-
-def prediction_from_scores(scores: np.ndarray) -> Prediction:
+def answer_from_scores(scores: np.ndarray) -> Answer:
     """Labels and confidences from what a model returns: labels (confidence 1, the model gave no other),
     probabilities (rows of non-negative numbers summing to 1) or logits (softmax)."""
     scores = np.asarray(scores)
     if scores.ndim == 1:
         if not np.issubdtype(scores.dtype, np.integer):
             raise ValueError(f"a model returning one value per input must return integer labels, got {scores.dtype}")
-        return Prediction.of_labels(scores.astype(np.int64), np.ones(len(scores)))
+        return Answer(scores.astype(np.int64), np.ones(len(scores)))
     if scores.ndim != 2:
         raise ValueError(f"a model must return labels (rows,) or scores (rows, classes), got shape {scores.shape}")
     scores = scores.astype(np.float64)
     if np.all(scores >= 0) and np.allclose(scores.sum(axis=1), 1.0, atol=1e-4):
-        return Prediction.of_labels(scores.argmax(axis=1).astype(np.int64), scores.max(axis=1))
+        return Answer(scores.argmax(axis=1).astype(np.int64), scores.max(axis=1))
     labels, errors = top_label_and_error(scores)
-    return Prediction.of_labels(labels, 1.0 - errors)
-
-
-@dataclass(frozen=True)
-class PredictRequest:
-    """One v2 request as every model is asked it (`Predictor.infer`), whatever stands behind the name."""
-
-    inputs: Mapping[str, np.ndarray]
-    deadline_ms: float | None = None  # from arrival; None: the model's own
-    priority: int = 0  # higher is served first
-    outputs: tuple[str, ...] = (LABEL_OUTPUT,)  # the tensors the response carries
-    parameters: Mapping[str, object] = field(default_factory=dict)  # the request's, as sent (an application's uid)
-    # Called once with the request's final answer, on any thread: before `infer` returns it, or after `infer`
-    # returned a ramp's label (a bundle's batch runs on after it released the label early): what a prediction
-    # cache may keep
-    on_final: Callable[[Prediction], None] | None = None
-
-    @property
-    def rows(self) -> int:
-        return next(iter(self.inputs.values())).shape[0]
+    return Answer(labels, 1.0 - errors)
 
 
 class Predictor:
@@ -132,7 +84,7 @@ class Predictor:
     async def start(self) -> None:
         """Called once the event loop runs, before the first prediction."""
 
-    async def predict(self, inputs: Mapping[str, np.ndarray], deadline_ms: float | None = None) -> Prediction:
+    async def predict(self, inputs: Mapping[str, np.ndarray], deadline_ms: float | None = None) -> Answer:
         """Labels and confidences per input row: what an application asks of each of its models."""
         raise NotImplementedError
 
@@ -140,13 +92,13 @@ class Predictor:
         """What is wrong with inputs the protocol accepted but the model cannot take, or None."""
         return None
 
-    async def infer(self, request: PredictRequest) -> Prediction:
+    async def infer(self, request: ModelRequest) -> Answer:
         """The answer to a v2 request. A model's answer here is final as soon as it is given, so it goes to
         `on_final` too."""
-        prediction = await self.predict(request.inputs, request.deadline_ms)
+        answer = await self.predict(request.inputs, request.deadline_ms)
         if request.on_final is not None:
-            request.on_final(prediction)
-        return prediction
+            request.on_final(answer)
+        return answer
 
     def count_cached(self, labels: np.ndarray) -> None:
         """Answers the prediction cache gave for the model, for books the model keeps (a bundle's controller)."""
@@ -162,18 +114,6 @@ class Predictor:
         """What `/status` shows of the model now: what it is, or for a bundle its executor's counts, latencies
         and the controller's latest decisions (None: all of them)."""
         return self.describe()
-
-
-def bundle_prediction(answer: Answer) -> Prediction:
-    """A bundle's answer with where each input was answered: the ramp (or None: the final layer), its error score
-    and confidence, the configuration and batch that answered."""
-    return Prediction(
-        answer.labels, answer.confidences,
-        {"early": answer.early, "exit_site": per_input(answer.exit_sites), "error_score": per_input(answer.error_scores),
-         "confidence": per_input(answer.confidences.tolist()), "config_version": answer.config_version,
-         "batch_id": answer.batch_id},
-        "early" if answer.early else "final",
-        None if answer.logits is None else answer.logits.astype(np.float32), answer.stamps)
 
 
 class WorkerPredictor(Predictor):
@@ -205,21 +145,17 @@ class WorkerPredictor(Predictor):
     async def start(self) -> None:
         await self.worker.launch()
 
-    async def predict(self, inputs: Mapping[str, np.ndarray], deadline_ms: float | None = None) -> Prediction:
-        return await self.infer(PredictRequest(inputs, deadline_ms))
+    async def predict(self, inputs: Mapping[str, np.ndarray], deadline_ms: float | None = None) -> Answer:
+        return await self.infer(ModelRequest(inputs, deadline_ms=deadline_ms))
 
     def problem_with(self, inputs: Mapping[str, np.ndarray], rows: int) -> str | None:
         return self.served.check_limits(inputs)
 
-    async def infer(self, request: PredictRequest) -> Prediction:
+    async def infer(self, request: ModelRequest) -> Answer:
         """The label as soon as a ramp or the final layer gives it; asking for the logits waits for the final
         layer. The final answer reaches `on_final` once the batch has run to the end, however early the
         response left; before this returns when the answer returned is the final one."""
-        on_final = request.on_final
-        answer = await self.worker.submit(
-            ModelRequest(request.inputs, LOGITS_OUTPUT in request.outputs, request.deadline_ms, request.priority),
-            None if on_final is None else lambda final: on_final(bundle_prediction(final)))
-        return bundle_prediction(answer)
+        return await self.worker.submit(request)
 
     def count_cached(self, labels: np.ndarray) -> None:
         self.worker.count_cached(labels)
@@ -244,7 +180,7 @@ class FunctionPredictor(Predictor):
         self._waiting = 0
         self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"model-{name}")
 
-    async def predict(self, inputs: Mapping[str, np.ndarray], deadline_ms: float | None = None) -> Prediction:
+    async def predict(self, inputs: Mapping[str, np.ndarray], deadline_ms: float | None = None) -> Answer:
         if self._waiting >= self.max_waiting:
             raise ModelUnavailable(f"model {self.name}: {self._waiting} calls waiting, at most {self.max_waiting}")
         self._waiting += 1
@@ -254,8 +190,8 @@ class FunctionPredictor(Predictor):
         finally:
             self._waiting -= 1
 
-    def _call(self, inputs: dict[str, np.ndarray]) -> Prediction:
-        return prediction_from_scores(self.function(inputs))
+    def _call(self, inputs: dict[str, np.ndarray]) -> Answer:
+        return answer_from_scores(self.function(inputs))
 
     async def close(self) -> None:
         await asyncio.to_thread(self._pool.shutdown, wait=True)
@@ -338,7 +274,7 @@ class RemotePredictor(Predictor):
             request["parameters"] = {"deadline_ms": deadline_ms}
         return orjson.dumps(request)
 
-    def read_answer(self, body: dict) -> Prediction:
+    def read_answer(self, body: dict) -> Answer:
         outputs = {o.get("name"): o for o in body.get("outputs", [])}
         if self.label_output not in outputs:
             raise ModelUnavailable(f"remote model {self.endpoint} answered without output '{self.label_output}'")
@@ -348,12 +284,12 @@ class RemotePredictor(Predictor):
             confidences = np.atleast_1d(np.asarray(parameters["confidence"], dtype=np.float64))
         elif self.scores_output in outputs:
             scores = outputs[self.scores_output]
-            confidences = prediction_from_scores(np.reshape(scores["data"], scores["shape"])).confidences
+            confidences = answer_from_scores(np.reshape(scores["data"], scores["shape"])).confidences
         else:
             confidences = np.ones(len(labels))
-        return Prediction.of_labels(labels, confidences)
+        return Answer(labels, confidences)
 
-    async def predict(self, inputs: Mapping[str, np.ndarray], deadline_ms: float | None = None) -> Prediction:
+    async def predict(self, inputs: Mapping[str, np.ndarray], deadline_ms: float | None = None) -> Answer:
         self._in_flight += 1
         self._idle.clear()
         try:
@@ -363,7 +299,7 @@ class RemotePredictor(Predictor):
             if not self._in_flight:
                 self._idle.set()
 
-    async def _predict(self, inputs: Mapping[str, np.ndarray], deadline_ms: float | None) -> Prediction:
+    async def _predict(self, inputs: Mapping[str, np.ndarray], deadline_ms: float | None) -> Answer:
         request_id = f"{self.name}-{uuid.uuid4().hex[:12]}-{next(self._ids)}"
         give_up = None if deadline_ms is None else time.perf_counter() + deadline_ms / 1000.0
         problem = "no attempt was made"
