@@ -164,7 +164,7 @@ def settled_live_runs(runs: tuple[tuple[str, int, str], ...]) -> Row:
                 *each(p99, "{:.2f}×"), over(p99, max, 1.0, True),
                 *each("loads.0.versus_vanilla.accuracy", "{:.4f}"),
                 *each(saving, "{:.2f}"), over(saving, min, 0.8, False)),
-               files, page="[journal](docs/journal/2026-11-30-onnx-without-torch.md)",
+               files, page="[journal](docs/journal/2026-11-30-one-answer-type.md)",
                code=", ".join(code for _, _, code in runs))
 
 
@@ -208,7 +208,8 @@ ROWS = (
     settled_live_runs((("live-minilm-rt-load0.2-settled-f2534ae-run1.json", 0, "f2534ae"),
                        ("live-minilm-rt-load0.2-settled-65903d5-seed1.json", 1, "65903d5"),
                        ("live-minilm-rt-load0.2-settled-f2a132d-seed2.json", 2, "f2a132d"),
-                       ("live-minilm-rt-load0.2-settled-181ba35-seed0-traced.json", 0, "181ba35"))),
+                       ("live-minilm-rt-load0.2-settled-181ba35-seed0-traced.json", 0, "181ba35"),
+                       ("live-minilm-rt-load0.2-settled-fafd9bf-seed3.json", 3, "fafd9bf"))),
     Row("`bench live` minilm-rt traced, 3 rounds after 4,500 warm-up requests",
         "p50 {} ({}–{}; bar ≤ 0.75×: missed), p99 {}, accuracy {}; on the same requests an exited answer {} faster "
         "end to end ({} in the model), a final one {} slower; every stage outside the model within {} of vanilla's",
