@@ -77,9 +77,14 @@ def verdict(bar: float, at_most: bool = False) -> Callable[[float], str]:
     return lambda value: "met" if (value <= bar if at_most else value >= bar) else "missed"
 
 
-def worst_of_runs(path: str, bar: float) -> Figure:
-    """The largest value at `path` over the row's runs, judged against an at-most `bar`."""
-    return Figure(lambda runs: max(get(run, path) for run in runs), verdict(bar, at_most=True))
+def each_run(path: str, shown: str, runs: int) -> tuple[Figure, ...]:
+    """The value at `path` of each of the row's first `runs` runs."""
+    return tuple(at(path, shown, file) for file in range(runs))
+
+
+def over_runs(path: str, reduce: Callable[[list], float], bar: float, at_most: bool = False) -> Figure:
+    """The values at `path` over the row's runs, reduced (median, the worst) and judged against `bar`."""
+    return Figure(lambda runs: reduce([get(run, path) for run in runs]), verdict(bar, at_most))
 
 
 def budget_spent(run: dict) -> float:
@@ -147,23 +152,18 @@ def settled_live_runs(runs: tuple[tuple[str, int, str], ...]) -> Row:
     p50, p99 = "loads.0.versus_vanilla.p50_ms.ratio", "loads.0.versus_vanilla.p99_ms.ratio"
     saving = "loads.0.versus_vanilla.p50_saving_ms_same_requests.ratio"
     files = tuple(file for file, _, _ in runs)
-
-    def each(path: str, shown: str) -> tuple[Figure, ...]:
-        return tuple(at(path, shown, file) for file in range(len(files)))
-
-    def over(path: str, reduce: Callable[[list], float], bar: float, at_most: bool) -> Figure:
-        return Figure(lambda runs: reduce([get(run, path) for run in runs]), verdict(bar, at_most))
-
-    each_run = ", ".join(["{}"] * len(files))
-    return Row(f"`bench live` minilm-rt, 3 rounds after 4,500 warm-up requests, its bundle prepared afresh, {len(files)} "
+    n = len(files)
+    listed = ", ".join(["{}"] * n)
+    return Row(f"`bench live` minilm-rt, 3 rounds after 4,500 warm-up requests, its bundle prepared afresh, {n} "
                f"runs (stream seeds {', '.join(str(seed) for _, seed, _ in runs)})",
-               f"p50 {each_run} (median run ≤ 0.75×: {{}}; every run ≤ 0.85×: {{}}), p99 {each_run} (≤ 1.0×: {{}}), "
-               f"accuracy {each_run}; live p50 saving {each_run} of the simulator's on the same requests "
+               f"p50 {listed} (median run ≤ 0.75×: {{}}; every run ≤ 0.85×: {{}}), p99 {listed} (≤ 1.0×: {{}}), "
+               f"accuracy {listed}; live p50 saving {listed} of the simulator's on the same requests "
                "(≥ 0.8: {})",
-               (*each(p50, "{:.2f}×"), over(p50, statistics.median, 0.75, True), over(p50, max, 0.85, True),
-                *each(p99, "{:.2f}×"), over(p99, max, 1.0, True),
-                *each("loads.0.versus_vanilla.accuracy", "{:.4f}"),
-                *each(saving, "{:.2f}"), over(saving, min, 0.8, False)),
+               (*each_run(p50, "{:.2f}×", n), over_runs(p50, statistics.median, 0.75, True),
+                over_runs(p50, max, 0.85, True),
+                *each_run(p99, "{:.2f}×", n), over_runs(p99, max, 1.0, True),
+                *each_run("loads.0.versus_vanilla.accuracy", "{:.4f}", n),
+                *each_run(saving, "{:.2f}", n), over_runs(saving, min, 0.8)),
                files, page="[journal](docs/journal/2026-11-30-one-answer-type.md)",
                code=", ".join(code for _, _, code in runs))
 
@@ -173,16 +173,18 @@ def fresh_clone_demos(runs: tuple[tuple[str, str], ...]) -> Row:
     ratios to vanilla over its rounds (the median round's, and the rounds' range), its early share and agreement, and
     the bar judged over the draws (p50 at most 0.85×, p99 at most 1.05×, in every draw)."""
     p50, p99 = "loads.0.versus_vanilla.p50_ms.ratio", "loads.0.versus_vanilla.p99_ms.ratio"
-    draws = range(len(runs))
-
-    each_draw = ", ".join(["{} ({}–{})"] * len(runs))
-    return Row(f"The demo on a fresh clone (minilm-rt), {len(runs)} draws",
-               f"p50 {each_draw} by round (≤ 0.85× in each draw: {{}}), p99 {each_draw} (≤ 1.05×: {{}}); "
-               f"{', '.join(['{}'] * len(runs))} early at agreement {', '.join(['{}'] * len(runs))}",
-               (*(figure for draw in draws for figure in rounds_span("p50_ms", draw)), worst_of_runs(p50, 0.85),
-                *(figure for draw in draws for figure in rounds_span("p99_ms", draw)), worst_of_runs(p99, 1.05),
-                *(at("loads.0.systems.rampserve.exit_share", "{:.0%}", draw) for draw in draws),
-                *(at("loads.0.versus_vanilla.accuracy", "{:.4f}", draw) for draw in draws)),
+    n = len(runs)
+    spans = ", ".join(["{} ({}–{})"] * n)
+    listed = ", ".join(["{}"] * n)
+    return Row(f"The demo on a fresh clone (minilm-rt), {n} draws",
+               f"p50 {spans} by round (≤ 0.85× in each draw: {{}}), p99 {spans} (≤ 1.05×: {{}}); "
+               f"{listed} early at agreement {listed}",
+               (*(figure for draw in range(n) for figure in rounds_span("p50_ms", draw)),
+                over_runs(p50, max, 0.85, True),
+                *(figure for draw in range(n) for figure in rounds_span("p99_ms", draw)),
+                over_runs(p99, max, 1.05, True),
+                *each_run("loads.0.systems.rampserve.exit_share", "{:.0%}", n),
+                *each_run("loads.0.versus_vanilla.accuracy", "{:.4f}", n)),
                tuple(file for file, _ in runs), page="[demo](docs/demo.md)",
                code=", ".join(code for _, code in runs))
 
@@ -388,12 +390,12 @@ ROWS = (
         "aiohttp {} and {}; gRPC {} ({}–{}) and {} ({}–{}) (≤ 5× in each: {})",
         (*with_span("over_uvicorn_echo.process.overhead_lean_ms", "{:.2f}×"),
          *with_span("over_uvicorn_echo.process.overhead_lean_ms", "{:.2f}×", file=1),
-         worst_of_runs("over_uvicorn_echo.process.overhead_lean_ms.median", 3.0),
+         over_runs("over_uvicorn_echo.process.overhead_lean_ms.median", max, 3.0, True),
          at("over_uvicorn_echo.process.overhead_binary_ms.median", "{:.2f}×"),
          at("over_uvicorn_echo.process.overhead_binary_ms.median", "{:.2f}×", file=1),
          *with_span("over_uvicorn_echo.process.overhead_grpc_ms", "{:.2f}×"),
          *with_span("over_uvicorn_echo.process.overhead_grpc_ms", "{:.2f}×", file=1),
-         worst_of_runs("over_uvicorn_echo.process.overhead_grpc_ms.median", 5.0)),
+         over_runs("over_uvicorn_echo.process.overhead_grpc_ms.median", max, 5.0, True)),
         ("executor-resnet18-fmnist-df084f4.json", "executor-resnet18-fmnist-a1f568b.json"),
         page="[journal](docs/journal/2026-11-30-one-answer-type.md)", code="df084f4, a1f568b"),
     Row("Executor killed (SIGKILL), 3 rounds",

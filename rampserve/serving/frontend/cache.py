@@ -59,14 +59,15 @@ class PredictionCache:
             return answer
 
     def put(self, key: bytes, answer: Answer) -> None:
-        if entry_bytes(answer) > self.capacity_bytes:
+        size = entry_bytes(answer)
+        if size > self.capacity_bytes:
             return  # would evict everything and still not fit
         with self._lock:
             old = self._entries.pop(key, None)
             if old is not None:
                 self.size_bytes -= entry_bytes(old)
             self._entries[key] = answer
-            self.size_bytes += entry_bytes(answer)
+            self.size_bytes += size
             while self.size_bytes > self.capacity_bytes:
                 _, evicted = self._entries.popitem(last=False)
                 self.size_bytes -= entry_bytes(evicted)
