@@ -37,3 +37,25 @@ fi
 
 # The ramp operator (C++, built with g++ and the pinned ninja against the pinned torch)
 .venv/bin/python -m rampserve.ramps.kernel
+
+# ONNX Runtime's C++ headers, for its ramp operator (rampserve/ramps/onnx_kernel.py): neither its Python package nor
+# bookworm has them; Debian trixie's libonnxruntime-dev does. Downloaded through an apt configuration of its own and
+# unpacked into the environment, never installed (the package depends on trixie's runtime library). The operator does
+# not link ONNX Runtime, so these headers serve the newer runtime of the pinned Python package.
+ORT_HEADERS=.venv/include/onnxruntime
+if [ ! -f "$ORT_HEADERS/onnxruntime_cxx_api.h" ]; then
+  scratch=$(mktemp -d)
+  mkdir -p "$scratch/lists/partial" "$scratch/archives/partial" "$scratch/unpacked"
+  echo "deb [signed-by=/usr/share/keyrings/debian-archive-keyring.gpg] http://deb.debian.org/debian trixie main" \
+    > "$scratch/sources.list"
+  apt_private=(-o Dir::Etc::SourceList="$scratch/sources.list" -o Dir::Etc::SourceParts=/dev/null
+               -o Dir::State::Lists="$scratch/lists" -o Dir::Cache::Archives="$scratch/archives" -o Debug::NoLocking=1)
+  [ "$(id -u)" -ne 0 ] || apt_private+=(-o APT::Sandbox::User=root)
+  apt-get "${apt_private[@]}" update -qq
+  (cd "$scratch" && apt-get "${apt_private[@]}" download -qq libonnxruntime-dev)
+  dpkg-deb -x "$scratch"/libonnxruntime-dev_*.deb "$scratch/unpacked"
+  mkdir -p .venv/include
+  cp -r "$scratch/unpacked/usr/include/onnxruntime" .venv/include/
+  rm -rf "$scratch"
+fi
+.venv/bin/python -m rampserve.ramps.onnx_kernel

@@ -19,7 +19,6 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
-from onnx import TensorProto, helper
 
 import rampserve.control
 from rampserve.control.exit_rule import (
@@ -44,6 +43,7 @@ from rampserve.runtime.compiled import CompiledSet
 from rampserve.serving.executor.batch import BatchState
 from rampserve.serving.executor.request_queue import Pending
 from rampserve.serving.shared.contract import ModelRequest
+from taps import tap_session
 
 REPO = Path(__file__).resolve().parent.parent
 # Where a threshold is put relative to an observed error score: at it, a rounding away, around the margins
@@ -211,12 +211,8 @@ def test_the_ramp_operators_signal_and_stop_by_the_rule(batch: tuple[np.ndarray,
 
 
 @functools.cache
-def tap_session(classes: int, score: str) -> ort.InferenceSession:
-    tap = ramp_tap(identity_ramp(classes), "x", (classes,), 17, score)
-    graph = helper.make_graph(list(tap.nodes), "tap", [helper.make_tensor_value_info(
-        "x", TensorProto.FLOAT, ["batch", classes])], list(tap.outputs), list(tap.initializers))
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+def identity_tap_session(classes: int, score: str) -> ort.InferenceSession:
+    return tap_session(ramp_tap(identity_ramp(classes), "x", (classes,), 17, score), "x", ["batch", classes], 17)
 
 
 @settings(max_examples=150, deadline=None)
@@ -225,7 +221,7 @@ def test_an_onnx_tap_signals_every_input_the_rule_releases(batch: tuple[np.ndarr
     logits, score, thresholds = batch
     rows, ramps, classes = logits.shape
     floors = compiled_set(ramps, classes, ONNX_EXIT_MARGIN).floors(thresholds)
-    session = tap_session(classes, score)
+    session = identity_tap_session(classes, score)
     for j in range(ramps):
         for i in range(rows):
             row_logits, confidence = session.run(None, {"x": logits[i:i + 1, j]})

@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import numpy as np
-import onnxruntime as ort
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from onnx import TensorProto, helper
 
 from rampserve.ramps import kernel
 from rampserve.ramps.fused import fused_ramp
@@ -16,6 +14,7 @@ from rampserve.ramps.kinds import Ramp
 from rampserve.ramps.specs import RampSpec
 from rampserve.ramps.onnx_fused import ramp_tap
 from rampserve.ramps.torch_reductions import reduce_activation
+from taps import tap_session
 
 HIDDEN = 8
 
@@ -81,11 +80,9 @@ def test_an_onnx_tap_pools_as_the_eager_ramp() -> None:
     ramp = linear_ramp()
     hidden, _ = padded_batch([3, 7, 1, 5], 9, seed=3)
     for opset in (17, 18):  # axes as attributes, then as inputs
-        tap = ramp_tap(ramp, "hidden", (9, HIDDEN), opset, "max_prob")
-        graph = helper.make_graph(list(tap.nodes), "tap", [helper.make_tensor_value_info(
-            "hidden", TensorProto.FLOAT, ["batch", "tokens", HIDDEN])], list(tap.outputs), list(tap.initializers))
-        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
-        session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-        logits, _ = session.run(None, {"hidden": hidden.numpy()})
-        with torch.no_grad():
-            np.testing.assert_allclose(logits, ramp(hidden).numpy(), rtol=1e-5, atol=1e-5)
+        for use_operator in (False, True):  # ONNX's operators, then rampserve's
+            tap = ramp_tap(ramp, "hidden", (9, HIDDEN), opset, "max_prob", use_operator=use_operator)
+            session = tap_session(tap, "hidden", ["batch", "tokens", HIDDEN], opset)
+            logits, _ = session.run(None, {"hidden": hidden.numpy()})
+            with torch.no_grad():
+                np.testing.assert_allclose(logits, ramp(hidden).numpy(), rtol=1e-5, atol=1e-5)

@@ -15,7 +15,7 @@ import functools
 import re
 import tempfile
 import threading
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -164,16 +164,35 @@ def onnx_dataflow(model: onnx.ModelProto) -> Dataflow:
     return Dataflow(inputs=tuple(_real_inputs(graph)), ops=tuple(ops), outputs=tuple(v.name for v in graph.output))
 
 
+@dataclass(frozen=True)
+class OperatorLibrary:
+    """A library of custom ONNX Runtime operators: the domain of its nodes, which a graph holding them imports, and
+    the path from which a session running them registers them."""
+
+    domain: str
+    path: str
+
+
 @dataclass(frozen=True, eq=False)  # holds protobufs, which do not hash
 class Tap:
     """Extra work on a cut value inside the stage that ends at it: ONNX nodes that read the cut value by its name,
-    the initializers they read, and the values they produce (typed), which the stage returns beside its output.
-    `key` names what the nodes compute: stages are kept per segment and tap key."""
+    the initializers they read, and the values they produce (typed), which the stage returns beside its output;
+    `libraries`, those of the custom operators among its nodes. `key` names what the nodes compute: stages are kept
+    per segment and tap key."""
 
     key: str
     nodes: tuple[onnx.NodeProto, ...]
     initializers: tuple[onnx.TensorProto, ...]
     outputs: tuple[onnx.ValueInfoProto, ...]
+    libraries: tuple[OperatorLibrary, ...] = ()
+
+
+def _importing(model: onnx.ModelProto, domains: Iterable[str]) -> None:
+    """Make `model` import operator set `domains` (version 1), where it does not already."""
+    imported = {o.domain for o in model.opset_import}
+    for domain in dict.fromkeys(domains):
+        if domain not in imported:
+            model.opset_import.append(onnx.helper.make_opsetid(domain, 1))
 
 
 def _feeds(input_name: str, side_names: Sequence[str], x: np.ndarray, side: Mapping[str, np.ndarray]
@@ -321,30 +340,32 @@ class OnnxSplitModel:
         """`tap` in a session of its own, from the cut value it reads to its outputs (to time it)."""
         if cut not in self._types:
             raise ValueError(f"shape inference found no type for {cut!r}")
-        session = self._session(self._as_model(onnx.helper.make_graph(
-            list(tap.nodes), f"tap[{cut}]", [self._types[cut]], list(tap.outputs), initializer=list(tap.initializers))))
+        model = self._as_model(onnx.helper.make_graph(
+            list(tap.nodes), f"tap[{cut}]", [self._types[cut]], list(tap.outputs), initializer=list(tap.initializers)))
+        _importing(model, (library.domain for library in tap.libraries))
+        session = self._session(model, tap.libraries)
         return lambda activation: session.run([v.name for v in tap.outputs], {cut: activation})
 
-    def signalled(self, cuts: Sequence[str], tap_for: Callable[[str, SiteValue], Tap], op_type: str, library: str,
-                  keep_layout: Collection[str] = ()) -> tuple[SignalledRunner, bytes]:
+    def signalled(self, cuts: Sequence[str], tap_for: Callable[[str, SiteValue], Tap], op_type: str,
+                  libraries: Sequence[str], keep_layout: Collection[str] = ()) -> tuple[SignalledRunner, bytes]:
         """One session running the whole model as ONNX Runtime optimized it for this machine, in which the value of
         each of `cuts` (in model order) feeds its tap `tap_for(site, value)`, whose outputs go to a node of Python
         operator `op_type` as soon as they exist where they clear the floor fed for the site (`with_signals`);
-        `library` is the path of the library that runs Python operators. A cut in `keep_layout` is read in the
+        `libraries` are the paths of the library that runs Python operators and of any other the taps' nodes need. A cut in `keep_layout` is read in the
         model's own layout. With it, the session's graph as bytes, from which `signalled_session` makes the same
         session without optimizing it again."""
         block = nchwc_block_size()
         optimized, values = optimize_for_machine(self._model, self._threads[0], cuts, block, keep_layout)
         taps = {cut: tap_for(cut, value) for cut, value in values.items()}
         graph = with_signals(optimized, values, taps, op_type, SIGNAL_FLOORS).SerializeToString()
-        return self.signalled_session(graph, library), graph
+        needed = [*libraries, *(library.path for tap in taps.values() for library in tap.libraries)]
+        return self.signalled_session(graph, needed), graph
 
-    def signalled_session(self, graph: bytes | str, library: str) -> SignalledRunner:
+    def signalled_session(self, graph: bytes | str, libraries: Sequence[str]) -> SignalledRunner:
         """A `signalled` session from its graph (optimized already: ONNX Runtime's optimizations are off), as bytes
-        or a file's path."""
-        options = session_options(*self._threads)
+        or a file's path, with the custom operators of `libraries` (paths)."""
+        options = self._options_with(libraries)
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-        options.register_custom_ops_library(library)
         with native_threads_named(ORT_POOL_NAME):
             session = ort.InferenceSession(graph, options, providers=["CPUExecutionProvider"])
         return SignalledRunner(session, self.input_names[0], tuple(self.input_names[1:]), self.output_name)
@@ -354,9 +375,17 @@ class OnnxSplitModel:
         return onnx.helper.make_model(graph, ir_version=self._model.ir_version,
                                       opset_imports=self._model.opset_import, functions=self._model.functions)
 
-    def _session(self, model: onnx.ModelProto) -> ort.InferenceSession:
+    def _session(self, model: onnx.ModelProto, libraries: Sequence[OperatorLibrary] = ()) -> ort.InferenceSession:
+        options = self._options_with([library.path for library in libraries]) if libraries else self._options
         with native_threads_named(ORT_POOL_NAME):
-            return ort.InferenceSession(model.SerializeToString(), self._options, providers=["CPUExecutionProvider"])
+            return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+    def _options_with(self, libraries: Iterable[str]) -> ort.SessionOptions:
+        """This model's session options, in a copy that registers the custom operators of `libraries` (paths)."""
+        options = session_options(*self._threads)
+        for library in dict.fromkeys(libraries):
+            options.register_custom_ops_library(library)
+        return options
 
     def _runner(self, start: str, stop: str, tap: Tap | None = None) -> _Runner:
         # Keyed by segment rather than by cut tuple: a segment's session is the same whatever the other cuts
@@ -375,7 +404,7 @@ class OnnxSplitModel:
             model, side = self._segment(start, stop)
         if tap is not None:
             model = _with_tap(model, tap)
-        return _Runner(self._session(model), start, tuple(side), stop, () if tap is None else tuple(v.name for v in tap.outputs))
+        return _Runner(self._session(model, () if tap is None else tap.libraries), start, tuple(side), stop, () if tap is None else tuple(v.name for v in tap.outputs))
 
     def _segment(self, start: str, stop: str) -> tuple[onnx.ModelProto, list[str]]:
         """The sub-graph computing `stop` from `start` and side inputs, and which side inputs it reads.
@@ -537,13 +566,17 @@ def with_signals(model: onnx.ModelProto, values: Mapping[str, SiteValue], taps: 
                     f"{prefix}/else", [], [onnx.helper.make_tensor_value_info(f"{prefix}/quiet",
                                                                               onnx.TensorProto.FLOAT, [])])),
         ])
-        for index, reader in enumerate(readers):
-            _wait_for(f"{prefix}/zero", reader, value.name, weights, graph, f"{prefix}/wait{index}")
+        gated = f"{prefix}/gated"  # the value once the signal is in, for readers with no cheaper input to wait on
+        waiting = [reader for index, reader in enumerate(readers)
+                   if not _wait_for(f"{prefix}/zero", reader, weights, graph, f"{prefix}/wait{index}")]
+        if waiting:
+            graph.node.append(onnx.helper.make_node("Add", [value.name, f"{prefix}/zero"], [gated], name=gated))
+        for reader in waiting:
+            reader.input[:] = [gated if v == value.name else v for v in reader.input]
     graph.node.append(onnx.helper.make_node("Concat", [taps[site].outputs[0].name for site in values], [RAMP_LOGITS],
                                             name=RAMP_LOGITS, axis=1))
     graph.output.append(onnx.helper.make_tensor_value_info(RAMP_LOGITS, onnx.TensorProto.FLOAT, None))
-    if not any(o.domain == PYTHON_OP_DOMAIN for o in signalled.opset_import):
-        signalled.opset_import.append(onnx.helper.make_opsetid(PYTHON_OP_DOMAIN, 1))
+    _importing(signalled, [PYTHON_OP_DOMAIN, *(library.domain for tap in taps.values() for library in tap.libraries)])
     return _sorted_model(signalled)
 
 
@@ -552,11 +585,13 @@ SMALL_WEIGHT = 4096
 _CONVOLUTIONS = frozenset({"Conv", "FusedConv"})
 
 
-def _wait_for(zero: str, reader: onnx.NodeProto, value: str, weights: Mapping[str, onnx.TensorProto],
-              graph: onnx.GraphProto, name: str) -> None:
+def _wait_for(zero: str, reader: onnx.NodeProto, weights: Mapping[str, onnx.TensorProto], graph: onnx.GraphProto,
+              name: str) -> bool:
     """Make `reader` wait for the float `zero`, added (node `name`) to an input it reads at little cost: a
-    convolution's bias (a zero bias given to one without), else its smallest float weight if small (a norm's scale),
-    else `value`, the activation it reads. Never a convolution's filter, which ONNX Runtime may hold reordered."""
+    convolution's bias (a zero bias given to one without), else its smallest float weight if small (a norm's scale).
+    Never a convolution's filter, which ONNX Runtime may hold reordered. False where it has no such input: it is
+    then to read the site's value once the signal is in (one copy of the value, whatever the number of such
+    readers: a transformer's site feeds three projections and a residual)."""
     inputs = list(reader.input)
     if reader.op_type in _CONVOLUTIONS and len(inputs) >= 2 and inputs[1] in weights:
         if len(inputs) < 3 or not inputs[2]:  # no bias: a zero one, third after the filter (before a Sum input)
@@ -569,9 +604,12 @@ def _wait_for(zero: str, reader: onnx.NodeProto, value: str, weights: Mapping[st
         position = 2
     else:
         held = [i for i, v in enumerate(inputs) if v in weights and int(np.prod(weights[v].dims)) <= SMALL_WEIGHT]
-        position = min(held, key=lambda i: int(np.prod(weights[inputs[i]].dims)), default=inputs.index(value))
+        if not held:
+            return False
+        position = min(held, key=lambda i: int(np.prod(weights[inputs[i]].dims)))
     graph.node.append(onnx.helper.make_node("Add", [reader.input[position], zero], [name], name=name))
     reader.input[position] = name
+    return True
 
 
 def _with_tap(model: onnx.ModelProto, tap: Tap) -> onnx.ModelProto:
@@ -581,6 +619,7 @@ def _with_tap(model: onnx.ModelProto, tap: Tap) -> onnx.ModelProto:
     tapped.graph.node.extend(tap.nodes)
     tapped.graph.initializer.extend(tap.initializers)
     tapped.graph.output.extend(tap.outputs)
+    _importing(tapped, (library.domain for library in tap.libraries))
     return tapped
 
 

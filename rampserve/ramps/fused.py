@@ -19,15 +19,14 @@ from __future__ import annotations
 
 from typing import Optional
 
-import numpy as np
 import torch
 from torch import nn
 
 from rampserve.control.scores import ERROR_SCORES
-from rampserve.ramps import kernel
 from rampserve.ramps.cache import CacheRamp
 from rampserve.ramps.kinds import Ramp
-from rampserve.ramps.pooling import POOLING_REDUCTIONS, pooling_matrix, sampled, sampling_stride
+from rampserve.ramps.kernel_args import SCORE_CODES, KernelArgs
+from rampserve.ramps.pooling import sampling_stride
 
 
 class FusedRamp(nn.Module):
@@ -40,16 +39,11 @@ class FusedRamp(nn.Module):
 
     def __init__(self, ramp: Ramp, activation_shape: tuple[int, ...], column: int, score: int) -> None:
         super().__init__()
-        pools = ramp.spec.reduce in POOLING_REDUCTIONS
         self.stride = sampling_stride(activation_shape, ramp.spec.reduce)  # the operator pools the sampled map
-        pool = pooling_matrix(*sampled(activation_shape, ramp.spec.reduce)) if pools else np.zeros((0, 0))
-        lanes = kernel.LANES * -(-pool.shape[1] // kernel.LANES)  # cells, rounded up to whole vectors
-        padded = np.zeros((pool.shape[0], lanes), dtype=np.float32)
-        padded[:, :pool.shape[1]] = pool
-        self.register_buffer("pool", torch.from_numpy(padded))
-        for name, tensor in (("weight", ramp.head.weight), ("bias", ramp.head.bias), ("center", ramp.center)):
-            self.register_buffer(name, tensor.detach().contiguous().clone())
-        self.reduce = kernel.POOLED if pools else kernel.REDUCE_CODES[ramp.spec.reduce]
+        args = KernelArgs.of(ramp.arrays(), activation_shape)
+        for name in ("pool", "weight", "bias", "center"):
+            self.register_buffer(name, torch.from_numpy(getattr(args, name).copy()))
+        self.reduce = args.reduce
         self.column, self.score = column, score
 
     def forward(self, activation: torch.Tensor, out: torch.Tensor, floor: float, notify: int,
@@ -104,5 +98,5 @@ def fused_ramp(ramp: Ramp | CacheRamp, score: str, activation_shape: tuple[int, 
     if score not in ERROR_SCORES:
         raise ValueError(f"unknown error score {score!r}; known: {ERROR_SCORES}")
     if isinstance(ramp, Ramp) and ramp.spec.kind == "linear":
-        return FusedRamp(ramp, activation_shape, column, kernel.SCORE_CODES[score])
+        return FusedRamp(ramp, activation_shape, column, SCORE_CODES[score])
     return StashedRamp(column)

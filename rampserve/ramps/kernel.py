@@ -19,16 +19,12 @@ from pathlib import Path
 import torch
 
 from rampserve.paths import cpu_flags, home
+from rampserve.ramps.kernel_args import DISABLE_ENV
 
 log = logging.getLogger("rampserve.kernel")
 
-SOURCE = Path(__file__).with_name("kernels") / "ramp_exit.cpp"
-# The reductions and error scores as the operators number them
-REDUCE_CODES = {"identity": 0, "first_token": 1, "token_mean": 2, "token_mean_masked": 4}
-POOLED = 3  # a pooling reduction, given to the operator as a matrix
-LANES = 16  # the operator's vector width: a pooling matrix's cells are padded to a multiple of it
-SCORE_CODES = {"max_prob": 0, "entropy": 1}
-DISABLE_ENV = "RAMPSERVE_NO_RAMP_KERNEL"  # set to 1 to serve without the operators (ramps stay in Python)
+KERNELS = Path(__file__).with_name("kernels")
+SOURCES = (KERNELS / "ramp_exit.cpp", KERNELS / "ramp_math.h")
 
 _lock = threading.Lock()
 _state: dict[str, str | bool] = {}
@@ -38,7 +34,7 @@ _state: dict[str, str | bool] = {}
 def build_id() -> str:
     """What a build depends on: the source, the torch it links against and the CPU it is tuned for (part of a
     compiled set's key)."""
-    digest = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + cpu_flags()).hexdigest()[:16]
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + torch.__version__.encode() + cpu_flags()).hexdigest()[:16]
     return f"ramp_exit-{digest}"
 
 
@@ -70,7 +66,7 @@ def _load() -> bool:
         from torch.utils import cpp_extension
 
         # The build directory is locked by torch while one process builds; others wait and load its library
-        cpp_extension.load(name=name, sources=[str(SOURCE)], build_directory=str(directory), is_python_module=False,
+        cpp_extension.load(name=name, sources=[str(SOURCES[0])], build_directory=str(directory), is_python_module=False,
                            extra_cflags=["-O3", "-march=native", "-Wno-psabi"], verbose=False)
     except Exception as exc:  # a missing compiler or headers: serve with ramps in Python
         _state["error"] = f"{type(exc).__name__}: {exc}"

@@ -7,10 +7,12 @@ each step of its pooling and head through the interpreter, then scores every row
 17 us a ramp for the scoring alone: NumPy called between two sessions, with cold caches). Fused, it is a few ONNX
 Runtime kernels in the call that computes its site, and Python compares one number with the exit floor; the
 logits are scored, as the eager ramp's are, by the releasing thread where some input may exit and after the
-answers where none can (as for the torch ramp operator, see `runtime.compiled`). ONNX Runtime has no way to hand
-a value out in the middle of a session call (that would take a custom operator, built against ONNX Runtime's C
-headers, which its Python package does not ship), so a stage still ends at every active site: what a ramp costs
-on ONNX is mostly that extra session call.
+answers where none can (as for the torch ramp operator, see `runtime.compiled`).
+
+A linear ramp reading its site in the model's layout is one node of rampserve's own operator (`onnx_kernel`,
+the torch operator's arithmetic): as ONNX's operators a masked token mean and its head are fifteen nodes, each
+dispatched and, at two intra-op threads, split across ONNX Runtime's pool. MLP ramps and those reading a blocked
+layout stay ONNX's operators.
 """
 
 from __future__ import annotations
@@ -22,8 +24,10 @@ import numpy as np
 from onnx import TensorProto, helper, numpy_helper
 
 from rampserve.control.scores import ERROR_SCORES
-from rampserve.graph.onnx_graph import Tap
+from rampserve.graph.onnx_graph import OperatorLibrary, Tap
+from rampserve.ramps import onnx_kernel
 from rampserve.ramps.arrays import RampArrays
+from rampserve.ramps.kernel_args import POOLED, SCORE_CODES, KernelArgs, takes
 from rampserve.ramps.pooling import (
     POOLING_REDUCTIONS,
     TOKEN_REDUCTIONS,
@@ -53,15 +57,17 @@ def can_tap(ramp: object) -> bool:
     return ramp.spec.kind in DENSE_KINDS and ramp.spec.reduce in TAPPED_REDUCTIONS
 
 
-def ramp_tap(ramp: RampArrays | Ramp, site: str, activation_shape: tuple[int, ...], opset: int, score: str, block: int = 0
-             ) -> Tap:
+def ramp_tap(ramp: RampArrays | Ramp, site: str, activation_shape: tuple[int, ...], opset: int, score: str, block: int = 0,
+             use_operator: bool = True) -> Tap:
     """`ramp` (linear or MLP, see `can_tap`) on the cut value `site` of per-input shape `activation_shape`, as ONNX
     nodes for a model of operator set `opset`. Its outputs: logits = (reduce(activation) - center) @ weight.T + bias
     (an MLP's hidden layer so, then its ReLU and output layer), reducing as the eager ramp does (a pooling as a
     matmul by its pooling matrix, as `PooledLinear` computes it), and the highest confidence (1 - error `score`) of
     any row, in float32: to tell whether any input may exit.
     With `block` > 0 the value is in ONNX Runtime's blocked layout (see `graph.onnx_graph.SiteValue`); a pooling
-    ramp reads it as it is, its center and weight reordered to match."""
+    ramp reads it as it is, its center and weight reordered to match.
+    A linear ramp on a value in the model's layout is one node of rampserve's ONNX Runtime operator
+    (`onnx_kernel`), where it is built and `use_operator`; else, and for any other, ONNX's own operators."""
     if not can_tap(ramp):
         raise ValueError(f"a {ramp.spec.kind} ramp reducing by {ramp.spec.reduce} is not fused into ONNX stages")
     if block and ramp.spec.reduce not in POOLING_REDUCTIONS:
@@ -97,8 +103,20 @@ def ramp_tap(ramp: RampArrays | Ramp, site: str, activation_shape: tuple[int, ..
                               constant("ends", np.array([height, width], np.int64)),
                               constant("axes", np.array(axes, np.int64)),
                               constant("steps", np.full(2, stride, np.int64))])
-    activation_shape, reduce = sampled(activation_shape, reduce)
     arrays = ramp.arrays()
+    operator = onnx_kernel.library() if use_operator and block == 0 and takes(arrays) else None
+    if operator is not None:  # the whole ramp as one node of rampserve's operator
+        if score not in SCORE_CODES:
+            raise ValueError(f"unknown error score {score!r}; known: {ERROR_SCORES}")
+        args = KernelArgs.of(arrays, activation_shape)
+        inputs = [site, *(constant(name, getattr(args, name)) for name in ("weight", "bias", "center")),
+                  *([constant("pool", args.pool)] if args.reduce == POOLED else [])]
+        nodes.append(helper.make_node(onnx_kernel.OP_TYPE, inputs, [f"{prefix}/logits", f"{prefix}/confidence"],
+                                      name=f"{prefix}/{onnx_kernel.OP_TYPE}", domain=onnx_kernel.DOMAIN,
+                                      reduce=args.reduce, score=SCORE_CODES[score]))
+        return _tap(f"{prefix}:{score}:{onnx_kernel.OP_TYPE}", nodes, weights, f"{prefix}/logits",
+                    f"{prefix}/confidence", ramp.spec.num_classes, (OperatorLibrary(onnx_kernel.DOMAIN, operator),))
+    activation_shape, reduce = sampled(activation_shape, reduce)
     layers, center = arrays.layers, arrays.center.astype(np.float32)
     weight_t = layers[0][0].T.astype(np.float32)
     if block:  # maps pooled in blocks: (n * blocks, cells, block), features by block
@@ -169,9 +187,16 @@ def ramp_tap(ramp: RampArrays | Ramp, site: str, activation_shape: tuple[int, ..
                           output=f"{prefix}/confidence")
     else:
         raise ValueError(f"unknown error score {score!r}; known: {ERROR_SCORES}")
-    outputs = (helper.make_tensor_value_info(logits, TensorProto.FLOAT, ["batch", ramp.spec.num_classes]),
+    return _tap(f"{prefix}:{score}", nodes, weights, logits, confidence, ramp.spec.num_classes)
+
+
+def _tap(what: str, nodes: list, weights: dict[str, np.ndarray], logits: str, confidence: str, classes: int,
+         libraries: tuple[OperatorLibrary, ...] = ()) -> Tap:
+    """The tap of `nodes` reading `weights`, whose outputs are `logits` (rows, classes) and `confidence`, keyed by
+    `what` it computes and a digest of its weights."""
+    outputs = (helper.make_tensor_value_info(logits, TensorProto.FLOAT, ["batch", classes]),
                helper.make_tensor_value_info(confidence, TensorProto.FLOAT, []))
     # np.array, not np.ascontiguousarray, which makes a scalar (the first token's index) a vector
     initializers = tuple(numpy_helper.from_array(np.array(v, order="C"), name) for name, v in weights.items())
     digest = hashlib.sha256(b"".join(t.SerializeToString() for t in initializers)).hexdigest()[:16]
-    return Tap(f"{prefix}:{score}@{digest}", tuple(nodes), initializers, outputs)
+    return Tap(f"{what}@{digest}", tuple(nodes), initializers, outputs, libraries)

@@ -40,6 +40,7 @@ from rampserve.control.exit_rule import NEVER_STOP
 from rampserve.control.scores import top_label_and_error
 from rampserve.graph.onnx_graph import SignalledRunner
 from rampserve.paths import cpu_flags
+from rampserve.ramps import onnx_kernel
 from rampserve.runtime.column_handlers import column_handler
 from rampserve.runtime.compiled import FORMAT
 
@@ -124,9 +125,11 @@ def float32_floors(floors: Sequence[float]) -> np.ndarray:
     return np.where(rounded > wanted, np.nextafter(rounded, np.float32(-np.inf)), rounded).astype(np.float32)
 
 
-def library() -> str:
-    """The path of the library through which ONNX Runtime calls Python operators."""
-    return _extensions.get_library_path()
+def libraries() -> tuple[str, ...]:
+    """The paths of the libraries a signalled session registers: the one through which ONNX Runtime calls Python
+    operators and, where it is built, rampserve's ramp operator (`ramps.onnx_kernel`)."""
+    ramp_operator = onnx_kernel.library()
+    return (_extensions.get_library_path(), *([ramp_operator] if ramp_operator else []))
 
 
 class OnnxSignalledRunner:
@@ -205,10 +208,12 @@ class OnnxStoppingRunner(OnnxSignalledRunner):
 def signalled_key(bundle_digest: str, sites: Sequence[str], score: str, threads: int) -> str:
     """The on-disk name of a signalled set's graph: what it was built from (the bundle, the set, the error score) and
     what wrote it for this machine at `threads` intra-op threads (ONNX Runtime's version and the CPU's instruction set,
-    whose vector width its layout follows, and rampserve's code that writes it): an optimized graph is not portable."""
+    whose vector width its layout follows, rampserve's code that writes it and the ramp operator its linear ramps are,
+    if any): an optimized graph is not portable."""
     what = {"format": FORMAT, "runner": "onnx-signalled", "bundle": bundle_digest, "sites": list(sites),
             "score": score, "intra_op_threads": threads, "onnxruntime": onnxruntime.__version__,
-            "cpu": hashlib.sha256(cpu_flags()).hexdigest(), "writers": _writers_digest()}
+            "cpu": hashlib.sha256(cpu_flags()).hexdigest(), "writers": _writers_digest(),
+            "ramp_operator": onnx_kernel.build_id() if onnx_kernel.library() else None}
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:32]
 
 

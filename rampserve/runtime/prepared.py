@@ -213,11 +213,11 @@ class PreparedModel:
         """The ONNX model whole in one session whose ramps at `sites` signal (`runtime.onnx_signals`) and that
         session's graph, or None where ONNX Runtime refuses that graph (an operator that needs a weight the signal's
         zero was added to, say): the set is then cut into stages."""
-        from rampserve.runtime.onnx_signals import SIGNAL_OP, OnnxSignalledRunner, library
+        from rampserve.runtime.onnx_signals import SIGNAL_OP, OnnxSignalledRunner, libraries
 
         unpooled = [s for s in sites if self.ramps[s].spec.reduce not in POOLING_REDUCTIONS]
         try:
-            session, graph = self.backend.split.signalled(sites, self._signalled_tap, SIGNAL_OP, library(),
+            session, graph = self.backend.split.signalled(sites, self._signalled_tap, SIGNAL_OP, libraries(),
                                                           keep_layout=unpooled)
         except Exception as exc:  # noqa: BLE001 - ONNX Runtime raises its own types for a graph it refuses
             log.warning("ONNX Runtime refused %s as one signalled session (%s); serving it in stages", sites, exc)
@@ -245,14 +245,14 @@ class PreparedModel:
     def _stored_signalled(self, sites: tuple[str, ...], side: str | None) -> CompiledSet | None:
         """The signalled set of `sites` as kept on disk when it was built and checked (it is not checked again), or
         None where there is none. One that does not match its index is removed, to be built again."""
-        from rampserve.runtime.onnx_signals import OnnxSignalledRunner, library
+        from rampserve.runtime.onnx_signals import OnnxSignalledRunner, libraries
 
         where = self._signalled_key(sites)
         if where is None:
             return None
         try:
             with opened_entry(*where, ".onnx") as (index, graph):
-                session = self.backend.split.signalled_session(graph, library())
+                session = self.backend.split.signalled_session(graph, libraries())
         except FileNotFoundError:
             return None
         except CorruptEntry as exc:
