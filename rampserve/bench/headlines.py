@@ -145,16 +145,17 @@ class Row:
         return f"| {self.what} | {result} | {self.page} | {self.code} | {links} |"
 
 
-def settled_live_runs(runs: tuple[tuple[str, int, str], ...]) -> Row:
-    """Settled `bench live` runs of minilm-rt (file, stream seed, code) against issue 51's bars: each run's p50 and p99
-    ratios, accuracy and live saving, and the bars judged over the runs (the median run's p50 at most 0.75×, every
-    run's at most 0.85×, every p99 at most 1.0×, every live saving at least 0.8 of the simulator's)."""
+def settled_live_runs(runs: tuple[tuple[str, int, str], ...], which: str, page: str) -> Row:
+    """Settled `bench live` runs of minilm-rt (file, stream seed, code), `which` saying what they share, against issue
+    51's bars: each run's p50 and p99 ratios, accuracy and live saving, and the bars judged over the runs (the median
+    run's p50 at most 0.75×, every run's at most 0.85×, every p99 at most 1.0×, every live saving at least 0.8 of the
+    simulator's)."""
     p50, p99 = "loads.0.versus_vanilla.p50_ms.ratio", "loads.0.versus_vanilla.p99_ms.ratio"
     saving = "loads.0.versus_vanilla.p50_saving_ms_same_requests.ratio"
     files = tuple(file for file, _, _ in runs)
     n = len(files)
     listed = ", ".join(["{}"] * n)
-    return Row(f"`bench live` minilm-rt, 3 rounds after 4,500 warm-up requests, its bundle prepared afresh, {n} "
+    return Row(f"`bench live` minilm-rt, 3 rounds after 4,500 warm-up requests, {which}, {n} "
                f"runs (stream seeds {', '.join(str(seed) for _, seed, _ in runs)})",
                f"p50 {listed} (median run ≤ 0.75×: {{}}; every run ≤ 0.85×: {{}}), p99 {listed} (≤ 1.0×: {{}}), "
                f"accuracy {listed}; live p50 saving {listed} of the simulator's on the same requests "
@@ -164,8 +165,7 @@ def settled_live_runs(runs: tuple[tuple[str, int, str], ...]) -> Row:
                 *each_run(p99, "{:.2f}×", n), over_runs(p99, max, 1.0, True),
                 *each_run("loads.0.versus_vanilla.accuracy", "{:.4f}", n),
                 *each_run(saving, "{:.2f}", n), over_runs(saving, min, 0.8)),
-               files, page="[journal](docs/journal/2026-11-30-one-answer-type.md)",
-               code=", ".join(code for _, _, code in runs))
+               files, page=page, code=", ".join(dict.fromkeys(code for _, _, code in runs)))
 
 
 def fresh_clone_demos(runs: tuple[tuple[str, str], ...]) -> Row:
@@ -191,7 +191,8 @@ def fresh_clone_demos(runs: tuple[tuple[str, str], ...]) -> Row:
 
 ROWS = (
     fresh_clone_demos((("demo-minilm-rt-fresh-clone-dc2b4cd.json", "dc2b4cd"),
-                       ("demo-minilm-rt-fresh-clone-a1f568b.json", "a1f568b"))),
+                       ("demo-minilm-rt-fresh-clone-a1f568b.json", "a1f568b"),
+                       ("demo-minilm-rt-fresh-clone-3d074c1.json", "3d074c1"))),
     Row("`bench sim` minilm-rt, 3 seeds (median / worst)",
         "p50 {} / {}, p99 {} / {}, accuracy {} / {}",
         (at("summary.rampserve.p50_ratio.median", "{:.2f}×"),
@@ -211,7 +212,12 @@ ROWS = (
                        ("live-minilm-rt-load0.2-settled-65903d5-seed1.json", 1, "65903d5"),
                        ("live-minilm-rt-load0.2-settled-f2a132d-seed2.json", 2, "f2a132d"),
                        ("live-minilm-rt-load0.2-settled-181ba35-seed0-traced.json", 0, "181ba35"),
-                       ("live-minilm-rt-load0.2-settled-fafd9bf-seed3.json", 3, "fafd9bf"))),
+                       ("live-minilm-rt-load0.2-settled-fafd9bf-seed3.json", 3, "fafd9bf")),
+                      "its bundle prepared afresh", "[journal](docs/journal/2026-11-30-one-answer-type.md)"),
+    settled_live_runs((("live-minilm-rt-load0.2-settled-3d074c1-seed0.json", 0, "3d074c1"),
+                       ("live-minilm-rt-load0.2-settled-3d074c1-seed1.json", 1, "3d074c1"),
+                       ("live-minilm-rt-load0.2-settled-3d074c1-seed2.json", 2, "3d074c1")),
+                      "its ramps one ONNX Runtime operator each", "[journal](docs/journal/2026-11-30-ramp-operator.md)"),
     Row("`bench live` minilm-rt traced, 3 rounds after 4,500 warm-up requests",
         "p50 {} ({}–{}; bar ≤ 0.75×: missed), p99 {}, accuracy {}; on the same requests an exited answer {} faster "
         "end to end ({} in the model), a final one {} slower; every stage outside the model within {} of vanilla's",
@@ -342,8 +348,9 @@ ROWS = (
         ("live-lite0-fmnist-load0.2-settled-c1015a6.json",),
         page="[journal](docs/journal/2026-11-29-executor-parts.md)", code="c1015a6"),
     Row("A ramp's cost on the serving path, batch 1",
-        "minilm-rt {} of the model per ramp ({} active; the model {}), {} on 5d2fd3d ({}–{}; the model {}); "
-        "lite0-fmnist {} ({} active; bar ≤ 0.01: missed)",
+        "minilm-rt {} of the model per ramp ({} active; the model {}), {} on 5d2fd3d ({}–{}; the model {}), {} on "
+        "3d074c1 with its ramps as one operator each ({}–{}; the model {}); lite0-fmnist {} ({} active; bar ≤ 0.01: "
+        "missed)",
         (at("ramp_cases.2.marginal_share", "{:.4f}"),
          at("ramp_cases.2.active", "{}"),
          at("ramp_cases.2.none_ms", "{:.1f} ms"),
@@ -351,6 +358,10 @@ ROWS = (
          at("ramp_cases.2.marginal_share_ci95.0", "{:.4f}", 6),
          at("ramp_cases.2.marginal_share_ci95.1", "{:.4f}", 6),
          at("ramp_cases.2.none_ms", "{:.1f} ms", 6),
+         at("ramp_cases.2.marginal_share", "{:.4f}", 7),
+         at("ramp_cases.2.marginal_share_ci95.0", "{:.4f}", 7),
+         at("ramp_cases.2.marginal_share_ci95.1", "{:.4f}", 7),
+         at("ramp_cases.2.none_ms", "{:.1f} ms", 7),
          Figure(lambda runs: statistics.median(run["ramp_cases"][2]["marginal_share"] for run in runs[1:6]),
                 "{:.4f}"),
          at("ramp_cases.2.active", "{}", 1)),
@@ -360,8 +371,9 @@ ROWS = (
          "staging-lite0-fmnist-b1-one-output-c.json",
          "staging-lite0-fmnist-b1-one-output-d.json",
          "staging-lite0-fmnist-b1-one-output-e.json",
-         "staging-minilm-rt-b1-5d2fd3d.json"),
-        page="[journal](docs/journal/2026-11-26-ramps-at-1pct.md)", code="93cb759, 5d2fd3d"),
+         "staging-minilm-rt-b1-5d2fd3d.json",
+         "staging-minilm-rt-b1-3d074c1.json"),
+        page="[journal](docs/journal/2026-11-26-ramps-at-1pct.md)", code="93cb759, 5d2fd3d, 3d074c1"),
     Row("Against peers, resnet18-fmnist, 5 rounds",
         "rampserve vanilla p50 {} (KServe {}, Triton {}), saturation {} (Triton {})",
         (at("systems.rampserve_vanilla.p50_ms", "{:.2f} ms"),
