@@ -340,10 +340,9 @@ class OnnxSplitModel:
         """`tap` in a session of its own, from the cut value it reads to its outputs (to time it)."""
         if cut not in self._types:
             raise ValueError(f"shape inference found no type for {cut!r}")
-        model = self._as_model(onnx.helper.make_graph(
-            list(tap.nodes), f"tap[{cut}]", [self._types[cut]], list(tap.outputs), initializer=list(tap.initializers)))
-        _importing(model, (library.domain for library in tap.libraries))
-        session = self._session(model, tap.libraries)
+        session = self._session(self._as_model(onnx.helper.make_graph(
+            list(tap.nodes), f"tap[{cut}]", [self._types[cut]], list(tap.outputs), initializer=list(tap.initializers))),
+            tap.libraries)
         return lambda activation: session.run([v.name for v in tap.outputs], {cut: activation})
 
     def signalled(self, cuts: Sequence[str], tap_for: Callable[[str, SiteValue], Tap], op_type: str,
@@ -351,9 +350,9 @@ class OnnxSplitModel:
         """One session running the whole model as ONNX Runtime optimized it for this machine, in which the value of
         each of `cuts` (in model order) feeds its tap `tap_for(site, value)`, whose outputs go to a node of Python
         operator `op_type` as soon as they exist where they clear the floor fed for the site (`with_signals`);
-        `libraries` are the paths of the library that runs Python operators and of any other the taps' nodes need. A cut in `keep_layout` is read in the
-        model's own layout. With it, the session's graph as bytes, from which `signalled_session` makes the same
-        session without optimizing it again."""
+        `libraries` are the paths of the library that runs Python operators and of any other the taps' nodes need. A
+        cut in `keep_layout` is read in the model's own layout. With it, the session's graph as bytes, from which
+        `signalled_session` makes the same session without optimizing it again."""
         block = nchwc_block_size()
         optimized, values = optimize_for_machine(self._model, self._threads[0], cuts, block, keep_layout)
         taps = {cut: tap_for(cut, value) for cut, value in values.items()}
@@ -376,6 +375,9 @@ class OnnxSplitModel:
                                       opset_imports=self._model.opset_import, functions=self._model.functions)
 
     def _session(self, model: onnx.ModelProto, libraries: Sequence[OperatorLibrary] = ()) -> ort.InferenceSession:
+        """A session of `model` with the custom operators of `libraries`, whose domains are added to the model's
+        imports (with libraries, `model` is the session's own copy)."""
+        _importing(model, (library.domain for library in libraries))
         options = self._options_with([library.path for library in libraries]) if libraries else self._options
         with native_threads_named(ORT_POOL_NAME):
             return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
@@ -404,7 +406,10 @@ class OnnxSplitModel:
             model, side = self._segment(start, stop)
         if tap is not None:
             model = _with_tap(model, tap)
-        return _Runner(self._session(model, () if tap is None else tap.libraries), start, tuple(side), stop, () if tap is None else tuple(v.name for v in tap.outputs))
+        if tap is None:
+            return _Runner(self._session(model), start, tuple(side), stop)
+        outputs = tuple(v.name for v in tap.outputs)
+        return _Runner(self._session(model, tap.libraries), start, tuple(side), stop, outputs)
 
     def _segment(self, start: str, stop: str) -> tuple[onnx.ModelProto, list[str]]:
         """The sub-graph computing `stop` from `start` and side inputs, and which side inputs it reads.
@@ -619,7 +624,6 @@ def _with_tap(model: onnx.ModelProto, tap: Tap) -> onnx.ModelProto:
     tapped.graph.node.extend(tap.nodes)
     tapped.graph.initializer.extend(tap.initializers)
     tapped.graph.output.extend(tap.outputs)
-    _importing(tapped, (library.domain for library in tap.libraries))
     return tapped
 
 

@@ -19,12 +19,11 @@ from pathlib import Path
 import torch
 
 from rampserve.paths import cpu_flags, home
-from rampserve.ramps.kernel_args import DISABLE_ENV
+from rampserve.ramps.kernel_args import ARITHMETIC, DISABLE_ENV, KERNELS
 
 log = logging.getLogger("rampserve.kernel")
 
-KERNELS = Path(__file__).with_name("kernels")
-SOURCES = (KERNELS / "ramp_exit.cpp", KERNELS / "ramp_math.h")
+SOURCES = (KERNELS / "ramp_exit.cpp", ARITHMETIC)
 
 _lock = threading.Lock()
 _state: dict[str, str | bool] = {}
@@ -34,7 +33,8 @@ _state: dict[str, str | bool] = {}
 def build_id() -> str:
     """What a build depends on: the source, the torch it links against and the CPU it is tuned for (part of a
     compiled set's key)."""
-    digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + torch.__version__.encode() + cpu_flags()).hexdigest()[:16]
+    sources = b"".join(path.read_bytes() for path in SOURCES)
+    digest = hashlib.sha256(sources + torch.__version__.encode() + cpu_flags()).hexdigest()[:16]
     return f"ramp_exit-{digest}"
 
 

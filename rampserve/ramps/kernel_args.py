@@ -5,12 +5,15 @@ the same arithmetic, so both are handed the same arrays, made here."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
 from rampserve.ramps.arrays import RampArrays
 from rampserve.ramps.pooling import POOLING_REDUCTIONS, pooling_matrix, sampled
 
+KERNELS = Path(__file__).with_name("kernels")
+ARITHMETIC = KERNELS / "ramp_math.h"  # included by both operators' sources: part of what each build depends on
 # The reductions and error scores as the operators number them
 REDUCE_CODES = {"identity": 0, "first_token": 1, "token_mean": 2, "token_mean_masked": 4}
 POOLED = 3  # a pooling reduction, given to the operator as a matrix

@@ -57,8 +57,8 @@ def can_tap(ramp: object) -> bool:
     return ramp.spec.kind in DENSE_KINDS and ramp.spec.reduce in TAPPED_REDUCTIONS
 
 
-def ramp_tap(ramp: RampArrays | Ramp, site: str, activation_shape: tuple[int, ...], opset: int, score: str, block: int = 0,
-             use_operator: bool = True) -> Tap:
+def ramp_tap(ramp: RampArrays | Ramp, site: str, activation_shape: tuple[int, ...], opset: int, score: str,
+             block: int = 0, use_operator: bool = True) -> Tap:
     """`ramp` (linear or MLP, see `can_tap`) on the cut value `site` of per-input shape `activation_shape`, as ONNX
     nodes for a model of operator set `opset`. Its outputs: logits = (reduce(activation) - center) @ weight.T + bias
     (an MLP's hidden layer so, then its ReLU and output layer), reducing as the eager ramp does (a pooling as a
@@ -72,6 +72,8 @@ def ramp_tap(ramp: RampArrays | Ramp, site: str, activation_shape: tuple[int, ..
         raise ValueError(f"a {ramp.spec.kind} ramp reducing by {ramp.spec.reduce} is not fused into ONNX stages")
     if block and ramp.spec.reduce not in POOLING_REDUCTIONS:
         raise ValueError(f"a ramp reducing by {ramp.spec.reduce} does not read a blocked layout")
+    if score not in ERROR_SCORES:
+        raise ValueError(f"unknown error score {score!r}; known: {ERROR_SCORES}")
     prefix = f"ramp[{site}]"
     weights: dict[str, np.ndarray] = {}
 
@@ -106,8 +108,6 @@ def ramp_tap(ramp: RampArrays | Ramp, site: str, activation_shape: tuple[int, ..
     arrays = ramp.arrays()
     operator = onnx_kernel.library() if use_operator and block == 0 and takes(arrays) else None
     if operator is not None:  # the whole ramp as one node of rampserve's operator
-        if score not in SCORE_CODES:
-            raise ValueError(f"unknown error score {score!r}; known: {ERROR_SCORES}")
         args = KernelArgs.of(arrays, activation_shape)
         inputs = [site, *(constant(name, getattr(args, name)) for name in ("weight", "bias", "center")),
                   *([constant("pool", args.pool)] if args.reduce == POOLED else [])]
@@ -178,15 +178,13 @@ def ramp_tap(ramp: RampArrays | Ramp, site: str, activation_shape: tuple[int, ..
     probabilities = node("Softmax", [logits], axis=1)
     if score == "max_prob":
         confidence = node("ReduceMax", [probabilities], output=f"{prefix}/confidence", keepdims=0)
-    elif score == "entropy":  # confidence = 1 - entropy / log(classes), entropy = -sum p log p
+    else:  # entropy: confidence = 1 - entropy / log(classes), entropy = -sum p log p
         plogp = node("Mul", [probabilities, node("LogSoftmax", [logits], axis=1)])
         scaled = node("Mul", [node("ReduceMax", [over_axis("ReduceSum", plogp)], keepdims=0),
                               constant("inverse_log_classes", np.array(1.0 / np.log(ramp.spec.num_classes),
                                                                        dtype=np.float32))])
         confidence = node("Add", [scaled, constant("one", np.array(1.0, dtype=np.float32))],
                           output=f"{prefix}/confidence")
-    else:
-        raise ValueError(f"unknown error score {score!r}; known: {ERROR_SCORES}")
     return _tap(f"{prefix}:{score}", nodes, weights, logits, confidence, ramp.spec.num_classes)
 
 

@@ -21,14 +21,13 @@ import tempfile
 from pathlib import Path
 
 from rampserve.paths import cpu_flags, home
-from rampserve.ramps.kernel_args import DISABLE_ENV
+from rampserve.ramps.kernel_args import ARITHMETIC, DISABLE_ENV, KERNELS
 
 log = logging.getLogger("rampserve.kernel")
 
 DOMAIN = "rampserve"
 OP_TYPE = "RampHead"
-KERNELS = Path(__file__).with_name("kernels")
-SOURCES = (KERNELS / "ramp_head_onnx.cpp", KERNELS / "ramp_math.h")
+SOURCES = (KERNELS / "ramp_head_onnx.cpp", ARITHMETIC)
 HEADERS_ENV = "RAMPSERVE_ONNXRUNTIME_HEADERS"  # a folder holding onnxruntime_cxx_api.h, where not the default
 
 
