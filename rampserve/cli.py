@@ -902,6 +902,9 @@ def bench_live(
                                              "client CPU beside the servers) or aiohttp")] = "lean",
     rounds: Annotated[int, typer.Option(help="replays of each load per system, alternating which goes first "
                                              "(ratios are paired within rounds; the median is judged)")] = 3,
+    slices: Annotated[int, typer.Option(help="slices a round's measured requests go in, the systems taking turns "
+                                             "after both warm-ups (1: each system's replay whole, one after the "
+                                             "other)")] = 4,
     seed: Annotated[int, typer.Option(help="the draw of the stream's order and the arrivals: every round replays the "
                                            "same requests, so a run measures one draw; another seed, another")] = 0,
     sim_json: Annotated[Optional[Path], typer.Option(help="a `bench sim --json` report of this model, workload and "
@@ -948,8 +951,8 @@ def bench_live(
                                 feedback_share=feedback_share, controller=controller_flags, saturation_s=saturation_s,
                                 saturation_rounds=saturation_rounds, warmup_requests=warmup_requests,
                                 server_args=("--ramp-budget", str(ramp_budget), *(server_arg or ())),
-                                transport=transport, client=client, replay_rounds=rounds, seed=seed, data=data,
-                                data_options=data_options(**data_flags), prepare=PrepareConfig(bootstrap_items=bootstrap))
+                                transport=transport, client=client, replay_rounds=rounds, replay_slices=slices,
+                                seed=seed, data=data, data_options=data_options(**data_flags), prepare=PrepareConfig(bootstrap_items=bootstrap))
         simulator = None if sim_json is None else read_simulator_saving(sim_json, settings)
         if simulated_seeds is not None:
             console.print(simulated_replays_table(simulate_replays(settings, simulated_seeds, json_out)))

@@ -7,7 +7,8 @@ import subprocess
 import sys
 import time
 
-from rampserve.bench.dashboard import ARMS, COMPARED, DashboardBenchSettings, dashboard_table, parse_stat, tree_cpu_s
+from rampserve.bench.cpu import parse_stat, tree_cpu_s
+from rampserve.bench.dashboard import ARMS, COMPARED, DashboardBenchSettings, dashboard_table
 from rampserve.bench.harness import round_ratios
 from rampserve.bench.peers import over_rounds
 

@@ -285,6 +285,13 @@ def test_a_traced_answer_says_when_it_passed_each_step(served, fmnist_feeds) -> 
         assert code == 400 and "parameter trace must be true or false" in body["error"]
 
 
+def frames_found(url: str) -> dict[str, float]:
+    """How the executor found the front end's frames so far, by way (`Executor.collect`)."""
+    return {sample.labels["how"]: sample.value
+            for family in text_string_to_metric_families(get_text(url + "/metrics"))
+            for sample in family.samples if sample.name == "rampserve_executor_frames_found_total"}
+
+
 @pytest.mark.parametrize("idle_poll_ms", [0.0, 60_000.0])
 def test_the_executor_polls_for_requests_only_within_its_window(served, fmnist_feeds, idle_poll_ms) -> None:
     state = build_state([served], ModelSettings(idle_poll_ms=idle_poll_ms), ServerSettings(port=0, grpc=False))
@@ -293,13 +300,31 @@ def test_the_executor_polls_for_requests_only_within_its_window(served, fmnist_f
         for i in range(5):
             code, body = post(f"{url}/v2/models/{MODEL}/infer", infer_body(served, fmnist_feeds[i:i + 1]))
             assert code == 200, body
-        found = {sample.labels["how"]: sample.value
-                 for family in text_string_to_metric_families(get_text(url + "/metrics"))
-                 for sample in family.samples if sample.name == "rampserve_executor_frames_found_total"}
-    # each request's frame was found one way (already there if it came while the last batch ended; within the
-    # window, while polling or while the poll rested for the control thread); a window of a minute holds the whole test
-    within, after = found["polled"] + found["rested"], found["slept"]
-    assert found["ready"] + within + after >= 5 and (after if idle_poll_ms else within) == 0
+            if i == 0:
+                before = frames_found(url)
+        after = frames_found(url)
+    # each frame after the first request was found one way (already there if it came while the last batch ended;
+    # within the window, while polling or while the poll rested for the control thread): a window of a minute holds
+    # them all, none without one
+    found = {how: after[how] - before.get(how, 0.0) for how in after}
+    within, slept = found["polled"] + found["rested"], found["slept"]
+    assert found["ready"] + within + slept >= 5 and (slept if idle_poll_ms else within) == 0
+
+
+def test_frames_other_than_requests_open_no_poll_window(served, fmnist_feeds) -> None:
+    """The dashboard's sampler asks an idle server for metrics and status every second: were each of its frames to
+    open the poll window, an idle executor would spend a core's 5% polling."""
+    state = build_state([served], ModelSettings(idle_poll_ms=60_000.0), ServerSettings(port=0, grpc=False))
+    with running_server(state) as url:
+        for _ in range(4):
+            get_json(url + "/status")
+        before = frames_found(url)
+        code, body = post(f"{url}/v2/models/{MODEL}/infer", infer_body(served, fmnist_feeds[:1]))
+        assert code == 200, body
+        after = frames_found(url)
+    # status and metrics frames before any request: none polled for (a minute's window would hold them all)
+    assert before.get("polled", 0) + before.get("rested", 0) == 0 and before["ready"] + before["slept"] >= 5
+    assert sum(after.values()) > sum(before.values())
 
 
 @pytest.mark.parametrize("policy", ["normal", "idle-pools", "idle"])

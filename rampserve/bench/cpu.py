@@ -10,6 +10,7 @@ difference is only meaningful over seconds of work."""
 from __future__ import annotations
 
 import os
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -100,3 +101,46 @@ def cpu_used(before: dict, after: dict) -> dict:
     by_role = Counter({role: seconds for role, seconds in by_role.items() if seconds > 0})
     return {"total_s": sum(by_role.values()), "by_role_s": dict(by_role),
             "by_thread_s": {name: seconds for name, seconds in by_thread.most_common() if seconds > 0}}
+
+
+def parse_stat(text: str) -> tuple[int, int]:
+    """(parent pid, user + system CPU in clock ticks) from a /proc/PID/stat line (the command name, in parentheses,
+    may hold spaces and parentheses itself: fields are counted from the last ')')."""
+    fields = _stat_fields(text)
+    return int(fields[1]), int(fields[11]) + int(fields[12])
+
+
+def tree_cpu_s(root: int) -> float:
+    """CPU seconds used so far by a process and all its living descendants."""
+    stats: dict[int, tuple[int, int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    stats[int(entry)] = parse_stat(f.read())
+            except (OSError, ValueError):  # gone meanwhile
+                continue
+    children: dict[int, list[int]] = {}
+    for pid, (parent, _) in stats.items():
+        children.setdefault(parent, []).append(pid)
+    ticks, todo = 0, [root]
+    while todo:
+        pid = todo.pop()
+        ticks += stats.get(pid, (0, 0))[1]
+        todo += children.get(pid, [])
+    return ticks / TICKS_PER_S
+
+
+def wait_until_quiet(root: int, window_s: float = 1.0, quiet_cores: float = 0.05, limit_s: float = 60.0) -> float:
+    """Wait until the process tree under `root` has used less than `quiet_cores` of a core over `window_s` (a
+    server finishing work it started while it was measured: a controller's search, a set compiling), at most
+    `limit_s`; how long it took."""
+    start = time.monotonic()
+    used = tree_cpu_s(root)
+    while time.monotonic() - start < limit_s:
+        time.sleep(window_s)
+        now = tree_cpu_s(root)
+        if now - used < quiet_cores * window_s:
+            break
+        used = now
+    return time.monotonic() - start

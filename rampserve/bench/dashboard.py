@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import tempfile
 import threading
 import time
@@ -23,6 +22,7 @@ import numpy as np
 from rich.table import Table
 from tqdm.auto import tqdm
 
+from rampserve.bench.cpu import tree_cpu_s
 from rampserve.bench.harness import (
     ServerProcess,
     add_paired_rows,
@@ -68,36 +68,6 @@ class DashboardBenchSettings:
             raise ValueError("at least one round, one client and one model, and a positive polling interval")
         if self.closed_s <= self.closed_settle_s:
             raise ValueError(f"the closed loop ({self.closed_s} s) must outlast its settling ({self.closed_settle_s} s)")
-
-
-# ---- CPU of a process tree (/proc) -----------------------------------------------------------------------------------
-
-def parse_stat(text: str) -> tuple[int, int]:
-    """(parent pid, user + system CPU in clock ticks) from a /proc/PID/stat line (the command name, in parentheses,
-    may hold spaces and parentheses itself: fields are counted from the last ')')."""
-    fields = text[text.rindex(")") + 2:].split()
-    return int(fields[1]), int(fields[11]) + int(fields[12])
-
-
-def tree_cpu_s(root: int) -> float:
-    """CPU seconds used so far by a process and all its living descendants."""
-    stats: dict[int, tuple[int, int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    stats[int(entry)] = parse_stat(f.read())
-            except (OSError, ValueError):  # gone meanwhile
-                continue
-    children: dict[int, list[int]] = {}
-    for pid, (parent, _) in stats.items():
-        children.setdefault(parent, []).append(pid)
-    ticks, todo = 0, [root]
-    while todo:
-        pid = todo.pop()
-        ticks += stats.get(pid, (0, 0))[1]
-        todo += children.get(pid, [])
-    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 # ---- the viewer ---------------------------------------------------------------------------------------------------------

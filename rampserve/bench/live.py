@@ -2,10 +2,10 @@
 
 One run: start the vanilla server; measure its saturation throughput (closed loop) and its latency with one
 request at a time (against the model's own batch-1 time in this process: the server's overhead). Then, at each
-stated load (`LiveSettings.loads`, rising), each system in turn starts afresh and replays the stream open loop at
-that load's rate from a separate client process (`rampserve.bench.loadgen`, its lean client by default): vanilla
-and rampserve on the same requests at the same times, one after the other, for `replay_rounds` rounds that
-alternate which goes first. Released labels are scored against the original model's, computed here from the
+stated load (`LiveSettings.loads`, rising), both systems start afresh, take their warm-ups, and replay the stream
+open loop at that load's rate from separate client processes (`rampserve.bench.loadgen`, its lean client by
+default): vanilla and rampserve on the same requests at the same times, the measured requests in slices that the
+two take in turns (`replay_round`), for `replay_rounds` rounds that alternate which goes first. Released labels are scored against the original model's, computed here from the
 bundle; the trace simulator's oracle on the same stream and arrivals gives the savings an exit policy could reach.
 
 A load is what `bench sim` calls one (`rate_at_load`): the replay's mean rate as a share of what vanilla sustains
@@ -36,10 +36,13 @@ and p99 at every load.
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import itertools
 import json
 import math
 import tempfile
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -48,7 +51,7 @@ import torch
 from rich.table import Table
 from tqdm.auto import tqdm
 
-from rampserve.bench.cpu import cpu_used
+from rampserve.bench.cpu import cpu_used, wait_until_quiet
 from rampserve.bench.figures import ACCURACY_WINDOW, configuration_changes, exit_mode_figures, windows_below_share
 from rampserve.bench.harness import (
     QUANTILES,
@@ -158,6 +161,11 @@ class LiveSettings(OwnDataSettings):
     # Replays of each load per system, alternating which goes first: ratios are paired within a round, and the
     # median over rounds is what the goals judge
     replay_rounds: int = 3
+    # A round's measured requests go in this many slices, the systems taking turns (ABBA; the warm-ups of both come
+    # first), so that both meet the machine as it is within seconds of each other: replayed whole, one after the
+    # other, the two systems' measured minutes lay ~4 min apart (the warm-up between), and this shared VM ran
+    # minilm-rt's batch 1 at 8.0 ms in one minute and 12.4 in the next (interleaved draws, 150 runs each)
+    replay_slices: int = 4
     # The replays ask both servers for each answer's trace (`loadgen.Job.trace`): where each request's time went
     # (`stages`), in both systems alike
     traced: bool = True
@@ -177,6 +185,8 @@ class LiveSettings(OwnDataSettings):
             raise ValueError(f"a rate replaces one load's rate, not each of {len(self.loads)} loads'")
         if self.replay_rounds < 1:
             raise ValueError(f"a load is replayed at least once, got {self.replay_rounds} rounds")
+        if self.replay_slices < 1:
+            raise ValueError(f"a replay goes in at least one slice, got {self.replay_slices}")
         if self.saturation_rounds < 1:
             raise ValueError(f"saturation takes at least one round, got {self.saturation_rounds}")
         if self.seed < 0:
@@ -819,6 +829,72 @@ def replay_schedule(settings: LiveSettings, load: float, saturation_rps: float |
     return ReplaySchedule(load, rate, arrivals, arrival_times("poisson", warmup, rate, seed=settings.seed))
 
 
+CONNECTION_WARMUP = 3  # requests a slice's client sends first, unmeasured: its connection open before it times one
+
+
+def slice_turns(round_index: int, slices: int) -> list[tuple[int, bool]]:
+    """(slice, whether vanilla replays it) in a round's order: each slice by both systems, the one going first
+    alternating from slice to slice (ABBA: a drift of the machine lands on both alike), the round's first system
+    alternating from round to round."""
+    return [(k, vanilla) for k in range(slices) for vanilla in
+            ((True, False) if (k + round_index) % 2 == 0 else (False, True))]
+
+
+def slice_bounds(requests: int, slices: int) -> list[tuple[int, int]]:
+    """Consecutive [start, end) ranges of the measured requests, as even as they divide (none empty)."""
+    edges = np.linspace(0, requests, min(slices, requests) + 1).round().astype(int)
+    return list(itertools.pairwise(edges.tolist()))
+
+
+def replay_round(settings: LiveSettings, schedule: ReplaySchedule, requests: list[dict[str, np.ndarray]],
+                 round_index: int, tag: str, progress: bool, start: Callable[[bool], ServerProcess],
+                 run: Callable[..., LoadResult], probe: Callable[[ServerProcess, str], dict] | None
+                 ) -> tuple[dict[str, LoadResult], dict[str, dict], dict[str, dict]]:
+    """One round at one load: both systems start afresh (the managed controller learns from the stream, so each
+    round meets the server a run at that load alone would), take their warm-ups, then replay the measured requests
+    slice by slice in turns (`slice_turns`), each slice once the other server has gone quiet (`wait_until_quiet`:
+    work a server started while it was measured, a controller's search or a set compiling, never lands on the
+    other's slice). `start` starts a system's server, `run` runs a load generator job on one (server, requests,
+    label, expected seconds, arrivals, warm-up arrivals), `probe` (the last round: each system's saturation, back
+    to back) measures a server once it has replayed. Returns each system's replay (its slices joined), how each
+    server ended, and the probes."""
+    note = tqdm.write if progress else (lambda _message: None)
+    names = {True: "vanilla", False: "rampserve"}
+    first = (True, False) if round_index % 2 == 0 else (False, True)
+    warm = schedule.warmup_requests
+    bounds = slice_bounds(schedule.requests, settings.replay_slices)
+    parts: dict[bool, list[LoadResult]] = {True: [], False: []}
+    probed: dict[str, dict] = {}
+    with contextlib.ExitStack() as stack:
+        servers = {is_vanilla: stack.enter_context(start(is_vanilla)) for is_vanilla in first}
+        for is_vanilla in first:
+            if warm:  # its last warm-up request stands as the job's one measured request, discarded
+                run(servers[is_vanilla], requests[:warm], f"{names[is_vanilla]} warm-up at {tag}",
+                    float(schedule.warmup_arrivals_ms[-1]) / 1000.0, np.zeros(1), schedule.warmup_arrivals_ms[:-1])
+        for k, is_vanilla in slice_turns(round_index, len(bounds)):
+            lo, hi = bounds[k]
+            waited = wait_until_quiet(servers[not is_vanilla].pid)
+            if waited > 5.0:
+                note(f"{tag}: {waited:.0f} s for the {names[not is_vanilla]} server to go quiet")
+            ahead = min(CONNECTION_WARMUP, warm + lo)
+            arrivals = schedule.arrivals_ms[lo:hi] - schedule.arrivals_ms[lo]
+            spacing = np.arange(ahead) * 1000.0 / schedule.rate_rps
+            parts[is_vanilla].append(run(
+                servers[is_vanilla], requests[warm + lo - ahead:warm + hi],
+                f"{names[is_vanilla]} at {tag} slice {k + 1}",
+                float(arrivals[-1] + spacing.max(initial=0.0)) / 1000.0, arrivals, spacing))
+        if probe is not None:
+            for is_vanilla in first:
+                try:
+                    probed[names[is_vanilla]] = probe(servers[is_vanilla], names[is_vanilla])
+                except RuntimeError as exc:  # the replays' figures stand without it
+                    note(f"{names[is_vanilla]} saturation: {exc}")
+                    probed[names[is_vanilla]] = {"throughput_rps": None, "rounds_rps": [], "error": str(exc)[-2000:]}
+    offsets = [float(schedule.arrivals_ms[lo]) for lo, _ in bounds]
+    return ({names[v]: LoadResult.joined(parts[v], offsets) for v in (True, False)},
+            {names[v]: servers[v].outcome() for v in (True, False)}, probed)
+
+
 def run_live(settings: LiveSettings, json_out: Path | None, plots_dir: Path | None, progress: bool = True,
              simulator: SimulatorSaving | None = None) -> dict:
     """The whole run (module docstring); `simulator` (`read_simulator_saving`) goes beside the live figures at its
@@ -900,30 +976,15 @@ def run_live(settings: LiveSettings, json_out: Path | None, plots_dir: Path | No
             servers.append([])
             for round_index in range(settings.replay_rounds):
                 tag = f"load {fmt(schedule.load, 'g')} round {round_index + 1}"
-                runs: dict[str, LoadResult] = {}
-                outcomes: dict[str, dict] = {}
-                # Each system starts afresh for each replay: the managed controller learns from the stream, so each
-                # replay meets the server a run at that load alone would; vanilla too, so that both meet a fresh
-                # start. Rounds alternate which system goes first, so that a drift of the machine lands on both.
-                for is_vanilla in (True, False) if round_index % 2 == 0 else (False, True):
-                    name = "vanilla" if is_vanilla else "rampserve"
-                    with server(is_vanilla, workdir, tag) as srv:
-                        runs[name] = run_loadgen(job(srv, trace=settings.traced),
-                                                 requests[:schedule.warmup_requests + schedule.requests],
-                                                 workdir, f"{name} at {tag}", schedule.expected_s, progress,
-                                                 schedule.arrivals_ms, schedule.warmup_arrivals_ms)
-                        # after the last replay: the replays meet the servers as they always did, the probe a
-                        # controller that has learnt; both systems' probes back to back, so that a drift of the
-                        # machine over the run does not land on one of them only
-                        if index == len(schedules) - 1 and round_index == settings.replay_rounds - 1:
-                            try:
-                                saturations[name] = saturation_of(srv, name)
-                            except RuntimeError as exc:  # the replays' figures stand without it
-                                note(f"{name} saturation: {exc}")
-                                saturations[name] = {"throughput_rps": None, "rounds_rps": [],
-                                                     "error": str(exc)[-2000:]}
-                    outcomes[name] = srv.outcome()
-                results[-1].append({name: runs[name] for name in ("vanilla", "rampserve")})
+                last = index == len(schedules) - 1 and round_index == settings.replay_rounds - 1
+                runs, outcomes, probed = replay_round(
+                    settings, schedule, requests, round_index, tag, progress,
+                    start=functools.partial(server, workdir=workdir, tag=tag),
+                    run=lambda srv, part, label, expected_s, arrivals, warmup: run_loadgen(
+                        job(srv, trace=settings.traced), part, workdir, label, expected_s, progress, arrivals, warmup),
+                    probe=saturation_of if last else None)
+                saturations |= probed
+                results[-1].append(runs)
                 servers[-1].append(outcomes)
 
     note("scoring the answers against the original model's")

@@ -36,7 +36,7 @@ import threading
 import time
 import urllib.request
 from collections import Counter, deque
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -147,6 +147,33 @@ class LoadResult:
     @property
     def latency_ms(self) -> np.ndarray:
         return self.done_ms - self.scheduled_ms
+
+    @classmethod
+    def joined(cls, parts: Sequence[LoadResult], offsets_ms: Sequence[float]) -> LoadResult:
+        """One replay from consecutive slices of it, each run from its own time 0 (`offsets_ms`: where each began in
+        the replay's schedule), on the schedule's clock. Statuses and CPU readings are the first slice's before and
+        the last one's after: they span whatever ran between the slices too. No wall origin: the slices' own
+        clocks are not one clock."""
+        if not parts or len(parts) != len(offsets_ms):
+            raise ValueError(f"{len(parts)} slices with {len(offsets_ms)} offsets")
+        if len({part.sites for part in parts}) != 1:
+            raise ValueError("the slices of a replay come from one server, with one set of sites")
+        timed = ("scheduled_ms", "sent_ms", "done_ms")
+
+        def column(name: str) -> np.ndarray:
+            return np.concatenate([getattr(part, name) + (offset if name in timed else 0)
+                                   for part, offset in zip(parts, offsets_ms, strict=True)])
+
+        traces = [part.trace_ms for part in parts]
+        errors: Counter[str] = Counter()
+        for part in parts:
+            errors.update(part.errors)
+        first, last = parts[0], parts[-1]
+        return cls(**{name: column(name) for name in (*timed, "status", "label", "early", "exit_site")},
+                   sites=first.sites, errors=dict(errors), status_before=first.status_before,
+                   status_after=last.status_after, cpu_before=first.cpu_before, cpu_after=last.cpu_after,
+                   trace_ms=None if any(t is None for t in traces) else
+                   np.concatenate([t + offset for t, offset in zip(traces, offsets_ms, strict=True)]))
 
     def save(self, path: Path) -> None:
         arrays = {k: v for k, v in vars(self).items() if isinstance(v, np.ndarray)}

@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib
 import itertools
 import logging
+import math
 import os
 import select
 import signal
@@ -138,7 +139,7 @@ class Executor:
         from rampserve.serving.executor.worker import ModelWorker  # imported by `main`, which times the imports
 
         self._sock, self._reader, self._sending = sock, reader, threading.Lock()
-        self._last_frame = time.monotonic()
+        self._last_request = -math.inf  # no request yet: no poll window open
         self._calls: dict[int, Future] = {}  # the front end's answers awaited, by call
         self._call_ids = itertools.count()
         self._calls_lock = threading.Lock()
@@ -199,18 +200,23 @@ class Executor:
 
     def collect(self, timeout: float | None) -> None:
         """Whatever the front end sent, waiting at most `timeout` seconds for it (on the executor thread), polling
-        for it within `idle_poll_ms` of the last frame (`ModelSettings.idle_poll_ms` says why)."""
-        how = wait_readable(self._sock, timeout, self._last_frame + self._poll_s, self._idle_work.any_runnable)
+        for it within `idle_poll_ms` of the last request (`ModelSettings.idle_poll_ms` says why). Only requests
+        (and answers from the prediction cache) open that window: the dashboard's sampler asks for metrics and
+        status once a second, and each of its frames opened 50 ms of polling, 5% of a core for an idle server."""
+        how = wait_readable(self._sock, timeout, self._last_request + self._poll_s, self._idle_work.any_runnable)
         if how is None:
             return
         self._found[how].inc()
-        self._last_frame = time.monotonic()
         data = self._sock.recv(1 << 20)
         if not data:  # the front end is gone: answer what was accepted, then end
             self._quit()
             return
+        traffic = False
         for kind, header, body in self._reader.feed(data):
+            traffic = traffic or kind in (wire.REQUEST, wire.CACHED)
             self._handle(kind, header, body)
+        if traffic:
+            self._last_request = time.monotonic()
 
     def _handle(self, kind: int, header: dict, body: memoryview) -> None:
         if kind == wire.REQUEST:
