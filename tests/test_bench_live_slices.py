@@ -42,20 +42,35 @@ def test_slices_cover_the_measured_requests_in_order_none_empty(requests, slices
     assert min(sizes) >= 1 and max(sizes) - min(sizes) <= 1
 
 
-def _part(rows: int, start_label: int, sites: tuple[str, ...] = ("a",), errors: dict | None = None) -> LoadResult:
+SITES = ("layer 1", "layer 2", "layer 3")
+
+
+def _part(rows: int, start_label: int, sites: tuple[str, ...] = (), errors: dict | None = None) -> LoadResult:
+    """A slice's result whose row i exited at `sites[i % (len(sites) + 1)]`, the last turn at the final layer."""
     times = np.arange(rows, dtype=np.float64)
+    exits = np.arange(rows) % (len(sites) + 1)
+    exit_site = np.where(exits < len(sites), exits, -1)
     return LoadResult(scheduled_ms=times, sent_ms=times + 0.1, done_ms=times + 2.0, status=np.full(rows, 200),
-                      label=np.arange(start_label, start_label + rows), early=np.zeros(rows, bool),
-                      exit_site=np.full(rows, -1), sites=sites, errors=errors or {}, status_before={"at": start_label},
+                      label=np.arange(start_label, start_label + rows), early=exit_site >= 0,
+                      exit_site=exit_site, sites=sites, errors=errors or {}, status_before={"at": start_label},
                       status_after={"at": start_label + rows}, trace_ms=np.stack([times, times + 1.0], axis=1))
 
 
-@given(st.lists(st.integers(1, 6), min_size=1, max_size=5))
-def test_a_replay_joined_from_its_slices_keeps_every_row_on_the_schedules_clock(sizes):
+@given(st.lists(st.tuples(st.integers(1, 6), st.permutations(SITES), st.integers(0, 3)), min_size=1, max_size=5))
+def test_a_replay_joined_from_its_slices_keeps_every_row_on_the_schedules_clock(slices):
+    """Each slice names the exit sites its answers met, in the order it met them: joined, every row keeps its
+    site."""
+    sizes = [n for n, _, _ in slices]
     starts = np.cumsum([0, *sizes[:-1]])
     offsets = [100.0 * k for k in range(len(sizes))]
-    parts = [_part(n, int(s), errors={"timed out": 1}) for n, s in zip(sizes, starts)]
+    parts = [_part(n, int(s), tuple(order[:met]), errors={"timed out": 1})
+             for (n, order, met), s in zip(slices, starts)]
     joined = LoadResult.joined(parts, offsets)
+    named = [part.sites[e] if e >= 0 else None for part in parts for e in part.exit_site]
+    assert [joined.sites[e] if e >= 0 else None for e in joined.exit_site] == named
+    assert len(set(joined.sites)) == len(joined.sites)
+    for name in ("status", "label", "early", "exit_site"):  # each column keeps its kind (`early` masks rows)
+        assert getattr(joined, name).dtype == getattr(parts[0], name).dtype
     assert np.array_equal(joined.label, np.arange(sum(sizes)))  # every row, in slice order
     expected = np.concatenate([np.arange(n) + offset for n, offset in zip(sizes, offsets)])
     assert np.array_equal(joined.scheduled_ms, expected) and np.allclose(joined.latency_ms, 2.0)
@@ -65,9 +80,7 @@ def test_a_replay_joined_from_its_slices_keeps_every_row_on_the_schedules_clock(
     assert joined.wall_origin_s is None
 
 
-def test_slices_of_two_servers_or_unmatched_offsets_are_refused():
-    with pytest.raises(ValueError, match="one set of sites"):
-        LoadResult.joined([_part(2, 0), _part(2, 2, sites=("b",))], [0.0, 10.0])
+def test_slices_with_unmatched_offsets_are_refused():
     with pytest.raises(ValueError, match="2 slices with 1 offsets"):
         LoadResult.joined([_part(2, 0), _part(2, 2)], [0.0])
 

@@ -152,16 +152,21 @@ class LoadResult:
     def joined(cls, parts: Sequence[LoadResult], offsets_ms: Sequence[float]) -> LoadResult:
         """One replay from consecutive slices of it, each run from its own time 0 (`offsets_ms`: where each began in
         the replay's schedule), on the schedule's clock. Statuses and CPU readings are the first slice's before and
-        the last one's after: they span whatever ran between the slices too. No wall origin: the slices' own
+        the last one's after: they span whatever ran between the slices too. Exit sites are numbered over all slices. No
+        wall origin: the slices' own
         clocks are not one clock."""
         if not parts or len(parts) != len(offsets_ms):
             raise ValueError(f"{len(parts)} slices with {len(offsets_ms)} offsets")
-        if len({part.sites for part in parts}) != 1:
-            raise ValueError("the slices of a replay come from one server, with one set of sites")
         timed = ("scheduled_ms", "sent_ms", "done_ms")
+        # each slice numbers the exit sites in the order its answers named them
+        sites = tuple(dict.fromkeys(site for part in parts for site in part.sites))
+        position = {site: k for k, site in enumerate(sites)}
+        # -1 (no exit) indexes the lookup's last entry, -1
+        exit_site = np.concatenate([np.array([*(position[site] for site in part.sites), -1])[part.exit_site]
+                                    for part in parts])
 
-        def column(name: str) -> np.ndarray:
-            return np.concatenate([getattr(part, name) + (offset if name in timed else 0)
+        def column(name: str) -> np.ndarray:  # adding 0 to the others would make `early` an integer array
+            return np.concatenate([getattr(part, name) + offset if name in timed else getattr(part, name)
                                    for part, offset in zip(parts, offsets_ms, strict=True)])
 
         traces = [part.trace_ms for part in parts]
@@ -169,8 +174,8 @@ class LoadResult:
         for part in parts:
             errors.update(part.errors)
         first, last = parts[0], parts[-1]
-        return cls(**{name: column(name) for name in (*timed, "status", "label", "early", "exit_site")},
-                   sites=first.sites, errors=dict(errors), status_before=first.status_before,
+        return cls(**{name: column(name) for name in (*timed, "status", "label", "early")}, exit_site=exit_site,
+                   sites=sites, errors=dict(errors), status_before=first.status_before,
                    status_after=last.status_after, cpu_before=first.cpu_before, cpu_after=last.cpu_after,
                    trace_ms=None if any(t is None for t in traces) else
                    np.concatenate([t + offset for t, offset in zip(traces, offsets_ms, strict=True)]))
