@@ -212,12 +212,16 @@ ROWS = (
                        ("live-minilm-rt-load0.2-settled-65903d5-seed1.json", 1, "65903d5"),
                        ("live-minilm-rt-load0.2-settled-f2a132d-seed2.json", 2, "f2a132d"),
                        ("live-minilm-rt-load0.2-settled-181ba35-seed0-traced.json", 0, "181ba35"),
-                       ("live-minilm-rt-load0.2-settled-fafd9bf-seed3.json", 3, "fafd9bf")),
-                      "its bundle prepared afresh", "[journal](docs/journal/2026-11-30-one-answer-type.md)"),
-    settled_live_runs((("live-minilm-rt-load0.2-settled-3d074c1-seed0.json", 0, "3d074c1"),
+                       ("live-minilm-rt-load0.2-settled-fafd9bf-seed3.json", 3, "fafd9bf"),
+                       ("live-minilm-rt-load0.2-settled-3d074c1-seed0.json", 0, "3d074c1"),
                        ("live-minilm-rt-load0.2-settled-3d074c1-seed1.json", 1, "3d074c1"),
                        ("live-minilm-rt-load0.2-settled-3d074c1-seed2.json", 2, "3d074c1")),
-                      "its ramps one ONNX Runtime operator each", "[journal](docs/journal/2026-11-30-ramp-operator.md)"),
+                      "its bundle prepared afresh, each system replaying whole after its warm-up (from 3d074c1 its "
+                      "ramps one ONNX Runtime operator each)", "[journal](docs/journal/2026-11-30-ramp-operator.md)"),
+    settled_live_runs(tuple((f"live-minilm-rt-load0.2-settled-sliced-34cdd9a-seed{seed}.json", seed, "34cdd9a")
+                            for seed in (0, 1, 2)),
+                      "the two systems taking each round's 4 slices in turns after both warm-ups",
+                      "[journal](docs/journal/2026-11-30-paired-slices.md)"),
     Row("`bench live` minilm-rt traced, 3 rounds after 4,500 warm-up requests",
         "p50 {} ({}–{}; bar ≤ 0.75×: missed), p99 {}, accuracy {}; on the same requests an exited answer {} faster "
         "end to end ({} in the model), a final one {} slower; every stage outside the model within {} of vanilla's",
