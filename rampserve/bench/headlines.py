@@ -192,7 +192,8 @@ def fresh_clone_demos(runs: tuple[tuple[str, str], ...]) -> Row:
 ROWS = (
     fresh_clone_demos((("demo-minilm-rt-fresh-clone-dc2b4cd.json", "dc2b4cd"),
                        ("demo-minilm-rt-fresh-clone-a1f568b.json", "a1f568b"),
-                       ("demo-minilm-rt-fresh-clone-3d074c1.json", "3d074c1"))),
+                       ("demo-minilm-rt-fresh-clone-3d074c1.json", "3d074c1"),
+                       ("demo-minilm-rt-fresh-clone-392f365.json", "392f365"))),
     Row("`bench sim` minilm-rt, 3 seeds (median / worst)",
         "p50 {} / {}, p99 {} / {}, accuracy {} / {}",
         (at("summary.rampserve.p50_ratio.median", "{:.2f}×"),
