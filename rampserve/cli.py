@@ -952,7 +952,8 @@ def bench_live(
                                 saturation_rounds=saturation_rounds, warmup_requests=warmup_requests,
                                 server_args=("--ramp-budget", str(ramp_budget), *(server_arg or ())),
                                 transport=transport, client=client, replay_rounds=rounds, replay_slices=slices,
-                                seed=seed, data=data, data_options=data_options(**data_flags), prepare=PrepareConfig(bootstrap_items=bootstrap))
+                                seed=seed, data=data, data_options=data_options(**data_flags),
+                                prepare=PrepareConfig(bootstrap_items=bootstrap))
         simulator = None if sim_json is None else read_simulator_saving(sim_json, settings)
         if simulated_seeds is not None:
             console.print(simulated_replays_table(simulate_replays(settings, simulated_seeds, json_out)))

@@ -39,18 +39,25 @@ def _read(path: Path) -> str | None:
         return None
 
 
-def _parents() -> dict[int, int]:
-    parents = {}
+def parse_stat(text: str) -> tuple[int, int]:
+    """(parent pid, own user + system CPU in clock ticks) from a /proc/PID/stat line."""
+    fields = _stat_fields(text)
+    return int(fields[1]), int(fields[11]) + int(fields[12])
+
+
+def _stats() -> dict[int, tuple[int, int]]:
+    """Every live process's `parse_stat`, by pid."""
+    stats = {}
     for entry in PROC.iterdir():
         if entry.name.isdigit() and (stat := _read(entry / "stat")) is not None:
-            parents[int(entry.name)] = int(_stat_fields(stat)[1])
-    return parents
+            stats[int(entry.name)] = parse_stat(stat)
+    return stats
 
 
-def descendants(root: int) -> list[int]:
-    """`root` and every process below it, root first."""
+def descendants(root: int, stats: dict[int, tuple[int, int]] | None = None) -> list[int]:
+    """`root` and every process below it, root first (`stats`: a reading of `_stats` to use)."""
     children: dict[int, list[int]] = {}
-    for pid, parent in _parents().items():
+    for pid, (parent, _) in (_stats() if stats is None else stats).items():
         children.setdefault(parent, []).append(pid)
     tree, frontier = [root], [root]
     while frontier:
@@ -103,32 +110,10 @@ def cpu_used(before: dict, after: dict) -> dict:
             "by_thread_s": {name: seconds for name, seconds in by_thread.most_common() if seconds > 0}}
 
 
-def parse_stat(text: str) -> tuple[int, int]:
-    """(parent pid, user + system CPU in clock ticks) from a /proc/PID/stat line (the command name, in parentheses,
-    may hold spaces and parentheses itself: fields are counted from the last ')')."""
-    fields = _stat_fields(text)
-    return int(fields[1]), int(fields[11]) + int(fields[12])
-
-
 def tree_cpu_s(root: int) -> float:
     """CPU seconds used so far by a process and all its living descendants."""
-    stats: dict[int, tuple[int, int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    stats[int(entry)] = parse_stat(f.read())
-            except (OSError, ValueError):  # gone meanwhile
-                continue
-    children: dict[int, list[int]] = {}
-    for pid, (parent, _) in stats.items():
-        children.setdefault(parent, []).append(pid)
-    ticks, todo = 0, [root]
-    while todo:
-        pid = todo.pop()
-        ticks += stats.get(pid, (0, 0))[1]
-        todo += children.get(pid, [])
-    return ticks / TICKS_PER_S
+    stats = _stats()
+    return sum(stats[pid][1] for pid in descendants(root, stats) if pid in stats) / TICKS_PER_S
 
 
 def wait_until_quiet(root: int, window_s: float = 1.0, quiet_cores: float = 0.05, limit_s: float = 60.0) -> float:

@@ -5,8 +5,9 @@ request at a time (against the model's own batch-1 time in this process: the ser
 stated load (`LiveSettings.loads`, rising), both systems start afresh, take their warm-ups, and replay the stream
 open loop at that load's rate from separate client processes (`rampserve.bench.loadgen`, its lean client by
 default): vanilla and rampserve on the same requests at the same times, the measured requests in slices that the
-two take in turns (`replay_round`), for `replay_rounds` rounds that alternate which goes first. Released labels are scored against the original model's, computed here from the
-bundle; the trace simulator's oracle on the same stream and arrivals gives the savings an exit policy could reach.
+two take in turns (`replay_round`), for `replay_rounds` rounds that alternate which goes first. Released labels
+are scored against the original model's, computed here from the bundle; the trace simulator's oracle on the same
+stream and arrivals gives the savings an exit policy could reach.
 
 A load is what `bench sim` calls one (`rate_at_load`): the replay's mean rate as a share of what vanilla sustains
 back to back, here vanilla's measured closed-loop saturation (the simulator, with no server to measure, takes the

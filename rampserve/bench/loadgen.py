@@ -152,9 +152,8 @@ class LoadResult:
     def joined(cls, parts: Sequence[LoadResult], offsets_ms: Sequence[float]) -> LoadResult:
         """One replay from consecutive slices of it, each run from its own time 0 (`offsets_ms`: where each began in
         the replay's schedule), on the schedule's clock. Statuses and CPU readings are the first slice's before and
-        the last one's after: they span whatever ran between the slices too. Exit sites are numbered over all slices. No
-        wall origin: the slices' own
-        clocks are not one clock."""
+        the last one's after: they span whatever ran between the slices too. Exit sites are numbered over all
+        slices. No wall origin: the slices' own clocks are not one clock."""
         if not parts or len(parts) != len(offsets_ms):
             raise ValueError(f"{len(parts)} slices with {len(offsets_ms)} offsets")
         timed = ("scheduled_ms", "sent_ms", "done_ms")
