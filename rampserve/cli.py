@@ -932,8 +932,9 @@ def bench_live(
         simulate_replays,
         simulated_replays_table,
         versus_table,
+        worst_tail_round,
     )
-    from rampserve.bench.stages import stages_table
+    from rampserve.bench.stages import stages_table, tail_table
     from rampserve.runtime.prepare import PrepareConfig
 
     if from_cold:
@@ -970,6 +971,10 @@ def bench_live(
         if any(summary.get("stages") for summary in entry["systems"].values()):
             console.print(stages_table(entry["systems"], f"where a request's time went at load {entry['load']:g}, "
                                                          f"round {entry['median_round'] + 1}: median (mean) ms"))
+            worst = worst_tail_round(entry)
+            console.print(tail_table(entry["rounds"][worst], f"where the slowest 1% went at load {entry['load']:g}, "
+                                                             f"round {worst + 1} (rampserve's worst p99 against "
+                                                             "vanilla's): mean ms"))
     console.print(load_table(report))
 
 

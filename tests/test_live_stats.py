@@ -25,11 +25,14 @@ from rampserve.bench.live import (
     versus_table,
     versus_vanilla,
     with_oracle_share,
+    worst_tail_round,
 )
 from rampserve.bench.loadgen import (
     CLIENT_ERROR, TIMED_OUT, TRACE_STEPS, Job, LoadResult, encode_request, load_job, save_job,
 )
-from rampserve.bench.stages import PATHS, STAGES, paired_stage_costs, stage_costs
+from rampserve.bench.stages import (
+    PATHS, STAGES, paired_stage_costs, stage_costs, tail_stage_costs, tail_table,
+)
 from rampserve.control.controller import ControllerSettings
 from rampserve.workloads.traces import arrival_times
 
@@ -360,6 +363,59 @@ def test_stage_costs_cut_each_traced_answer_s_latency_into_stages_that_add_up(se
         assert sum(s["mean"] for s in cost["stages_ms"].values()) == pytest.approx(whole.mean())
         assert list(cost["stages_ms"]) == [stage for stage, _, _ in STAGES]
         assert all(s["median"] > 0 for s in cost["stages_ms"].values())
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.integers(0, 10_000), st.integers(1, 300), st.floats(0.001, 0.5))
+def test_the_tail_is_the_slowest_traced_answers_and_its_stages_add_up(seed, n, share):
+    """The tail holds the slowest `share` of the answers traced in full (at least one), every one of them at least
+    as slow as any other traced answer; each side's stage means add up to its mean latency; refused and untraced
+    requests are in neither side."""
+    rng = np.random.default_rng(seed)
+    steps = np.cumsum(rng.exponential(1.0, (n, len(TRACE_STEPS) + 3)), axis=1)
+    status = np.where(rng.random(n) < 0.8, 200, 503)
+    early = rng.random(n) < 0.5
+    trace = steps[:, 2:-1].copy()
+    untraced = rng.random(n) < 0.2
+    trace[untraced] = np.nan
+    result = load_result(steps[:, 0], steps[:, -1], status, np.zeros(n, int), early=early, sent=steps[:, 1])
+    result.trace_ms = trace
+    tail = tail_stage_costs(result, share)
+    counted = np.flatnonzero((status == 200) & ~untraced)
+    if not len(counted):
+        assert tail is None
+        return
+    whole = steps[:, -1] - steps[:, 0]
+    count = max(1, round(share * len(counted)))
+    slowest = counted[np.argsort(whole[counted], kind="stable")[-count:]]
+    others = np.setdiff1d(counted, slowest)
+    assert tail["requests"] == count and tail["early"] == early[slowest].sum()
+    assert tail["from_ms"] == pytest.approx(whole[slowest].min())
+    assert len(others) == 0 or whole[others].max() <= tail["from_ms"] + 1e-9
+    assert tail["scheduled_s"] == sorted(round(float(t) / 1000.0, 2) for t in steps[slowest, 0])
+    for side, rows in (("tail", slowest), ("rest", others)):
+        if not len(rows):
+            assert tail["latency_ms"][side] is None
+            continue
+        assert tail["latency_ms"][side] == pytest.approx(whole[rows].mean())
+        assert sum(s[side] for s in tail["stages_ms"].values()) == pytest.approx(whole[rows].mean())
+
+
+def test_the_tail_table_names_each_system_s_slowest_and_the_worst_round_is_the_worst_p99_ratio():
+    steps = np.cumsum(np.ones((200, len(TRACE_STEPS) + 3)), axis=1)
+    steps[-2:, -1] += 100.0  # two stalled answers
+    result = load_result(steps[:, 0], steps[:, -1], np.full(200, 200), np.zeros(200, int), sent=steps[:, 1])
+    result.trace_ms = steps[:, 2:-1].copy()
+    tail = tail_stage_costs(result)
+    assert tail["requests"] == 2 and tail["stages_ms"]["encoded, to the client"]["tail"] == pytest.approx(101.0)
+    out = io.StringIO()
+    Console(file=out, width=200).print(tail_table({"vanilla": {"tail_stages": None}, "rampserve": {"tail_stages": tail}},
+                                                  "tails"))
+    text = out.getvalue()
+    assert "rampserve: slowest 2" in text and "vanilla" not in text and "101.000" in text
+    rounds = [{"vanilla": {"p99_ms": 10.0}, "rampserve": {"p99_ms": p99}} for p99 in (9.0, 30.0, None, 12.0)]
+    assert worst_tail_round({"rounds": rounds}) == 1
+    assert worst_tail_round({"rounds": [{"vanilla": {"p99_ms": None}, "rampserve": {"p99_ms": 5.0}}]}) == 0
 
 
 @settings(max_examples=30, deadline=None)

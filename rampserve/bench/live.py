@@ -87,7 +87,7 @@ from rampserve.bench.sim import (
     summarize,
     with_savings,
 )
-from rampserve.bench.stages import paired_stage_costs, stage_costs
+from rampserve.bench.stages import paired_stage_costs, stage_costs, tail_stage_costs
 from rampserve.bundle_format.latency import serving_limits
 from rampserve.control.controller import Controller, ControllerSettings
 from rampserve.control.costs import CostModel
@@ -340,6 +340,7 @@ def summarize_live(result: LoadResult, reference: np.ndarray, worst_window: int,
         **percentiles(result.sent_ms - result.scheduled_ms, prefix="client_lateness_"),
         "errors": most_frequent(result.errors),
         "stages": None if result.trace_ms is None else stage_costs(result),
+        "tail_stages": None if result.trace_ms is None else tail_stage_costs(result),
     }
 
 
@@ -1052,6 +1053,16 @@ def median_round(ratios: list[float | None]) -> int:
     order = sorted(range(len(ratios)), key=lambda i: (ratios[i] is None, ratios[i] or 0.0))
     known = sum(r is not None for r in ratios)
     return order[(known - 1) // 2] if known else 0
+
+
+def worst_tail_round(entry: dict) -> int:
+    """The round of a load's `entry` where rampserve's p99 was highest against vanilla's (rounds missing either
+    last): where a tail is to be looked for."""
+    def ratio(systems: dict) -> float:
+        managed, vanilla = systems["rampserve"].get("p99_ms"), systems["vanilla"].get("p99_ms")
+        return managed / vanilla if managed is not None and vanilla else -math.inf
+
+    return max(range(len(entry["rounds"])), key=lambda i: ratio(entry["rounds"][i]))
 
 
 def managed_exit_mode(settings: LiveSettings, batch_limit: int, status: dict | str | None,

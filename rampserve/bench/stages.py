@@ -27,6 +27,7 @@ STAGES = (
 )
 PATHS = ("early", "final")  # answers released at a ramp, and those the last layer gave
 WHOLE = "whole latency"  # beside the stages: from the scheduled send to the answer read
+TAIL_SHARE = 0.01  # `tail_stage_costs`: the slowest 1%, the requests past p99
 
 
 def step_times(result: LoadResult) -> dict[str, np.ndarray]:
@@ -66,6 +67,30 @@ def stage_costs(result: LoadResult) -> dict[str, dict | None]:
                        "stages_ms": {stage: {"median": float(np.median(d[rows])), "mean": float(d[rows].mean())}
                                      for stage, d in durations.items()}}
     return costs
+
+
+def tail_stage_costs(result: LoadResult, share: float = TAIL_SHARE) -> dict | None:
+    """Where the tail's time went: the slowest `share` of the answered requests whose trace has every step (at least
+    one), both paths together: how many there are, how many were released early, the latency they start at, when
+    each was scheduled (s on the replay's clock: one stall holds many requests scheduled within it, scattered ones
+    are spread over the replay), and per stage their mean ms beside the mean of the other traced answers, so that a
+    tail reads as the stage it grew in. None where no answer was traced in full."""
+    durations = stage_durations(result)
+    whole = durations.pop(WHOLE)
+    complete = np.flatnonzero(result.ok & traced_in_full(durations))
+    if not len(complete):
+        return None
+    count = max(1, int(round(share * len(complete))))
+    by_latency = complete[np.argsort(whole[complete], kind="stable")]
+    tail, rest = by_latency[-count:], by_latency[:-count]
+
+    def mean(values: np.ndarray, rows: np.ndarray) -> float | None:
+        return float(values[rows].mean()) if len(rows) else None
+
+    return {"requests": count, "early": int(result.early[tail].sum()), "from_ms": float(whole[tail].min()),
+            "scheduled_s": sorted(round(float(result.scheduled_ms[i]) / 1000.0, 2) for i in tail),
+            "latency_ms": {"tail": mean(whole, tail), "rest": mean(whole, rest)},
+            "stages_ms": {stage: {"tail": mean(d, tail), "rest": mean(d, rest)} for stage, d in durations.items()}}
 
 
 def paired_stage_costs(managed: LoadResult, vanilla: LoadResult) -> dict[str, dict | None]:
@@ -113,6 +138,33 @@ def stages_table(systems: dict[str, dict], title: str) -> Table:
     table.add_row(WHOLE, *(_cell(cost["latency_ms"]) for _, _, cost in columns),
                   *(f"{cost['difference_ms'][WHOLE]:+.3f}" for _, cost in paired))
     return table
+
+
+def tail_table(systems: dict[str, dict], title: str) -> Table:
+    """Per stage, the mean ms of each system's slowest answers beside its other answers' (`tail_stages`), and
+    when the slowest were scheduled."""
+    tails = [(name, summary["tail_stages"]) for name, summary in systems.items() if summary.get("tail_stages")]
+    table = Table(title=title)
+    table.add_column("stage")
+    for name, tail in tails:
+        table.add_column(f"{name}: slowest {tail['requests']} (from {tail['from_ms']:.1f} ms)", justify="right")
+        table.add_column(f"{name}: the others", justify="right")
+    for stage, _, _ in STAGES:
+        table.add_row(stage, *(_mean(tail["stages_ms"][stage][side]) for _, tail in tails for side in ("tail", "rest")))
+    table.add_row(WHOLE, *(_mean(tail["latency_ms"][side]) for _, tail in tails for side in ("tail", "rest")))
+    table.add_row("scheduled at (s)", *(cell for _, tail in tails
+                                        for cell in (_times(tail["scheduled_s"]), "")))
+    return table
+
+
+def _mean(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+def _times(seconds: list[float], shown: int = 6) -> str:
+    """A tail's scheduled times, the first `shown` of them."""
+    more = f" (+{len(seconds) - shown})" if len(seconds) > shown else ""
+    return " ".join(f"{t:.1f}" for t in seconds[:shown]) + more
 
 
 def _cell(figure: dict) -> str:
