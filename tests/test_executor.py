@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import re
 import signal
 import socket
@@ -32,7 +33,7 @@ from rampserve.control.records import Configuration
 from rampserve.graph.onnx_graph import ORT_POOL_NAME
 from rampserve.runtime.bundle import save_bundle
 from rampserve.serving.executor.compiling import likely_next_sets
-from rampserve.serving.executor.core import wait_readable
+from rampserve.serving.executor.core import StatusReplies, wait_readable
 from rampserve.serving.executor.loading import load_served, loaded
 from rampserve.serving.executor.loading import served as make_served
 from rampserve.serving.executor.worker import ModelWorker
@@ -309,6 +310,37 @@ def test_the_executor_polls_for_requests_only_within_its_window(served, fmnist_f
     found = {how: after[how] - before.get(how, 0.0) for how in after}
     within, slept = found["polled"] + found["rested"], found["slept"]
     assert found["ready"] + within + slept >= 5 and (slept if idle_poll_ms else within) == 0
+
+
+def test_a_status_question_waits_for_the_controller_off_the_executor_thread(served, fmnist_feeds) -> None:
+    """The control thread holds the controller while it learns from a record (a search: 0.3 s of a core or more).
+    A status question asked meanwhile takes the serving part at once, on the thread that asks (the executor thread,
+    which has batches to run), and its reply waits for the controller on the status thread; requests are answered
+    meanwhile."""
+    worker = ModelWorker(served, ModelSettings(), ServerMetrics())
+    replies: queue.SimpleQueue[bytes] = queue.SimpleQueue()
+    statuses = StatusReplies(worker, replies.put)
+    name = served.inputs[0].name
+    answered = threading.Semaphore(0)
+    worker.start()
+    try:
+        with worker.control._lock:  # as the control thread holds it while it learns
+            asking = threading.Thread(target=statuses.ask, args=(7, 1))
+            asking.start()
+            asking.join(60)
+            assert not asking.is_alive(), "the status question waited for the controller"
+            worker.queue.admit(ModelRequest({name: fmnist_feeds[:1]}), lambda _: answered.release())
+            assert answered.acquire(timeout=60), "a request waited for the controller"
+            assert replies.empty()  # the reply waits for the controller's part
+        reply = replies.get(timeout=60)
+    finally:
+        statuses.close()
+        worker.stop()
+    [(kind, header, _)] = list(wire.FrameReader().feed(reply))
+    status = header["r"]
+    assert kind == wire.REPLY and header["i"] == 7
+    assert sum(status["answers"].values()) == 0  # the serving part, as it was when asked: before the request
+    assert status["vanilla"] is False and len(status["decisions"]) == 1 and "window_accuracy" in status
 
 
 def test_frames_other_than_requests_open_no_poll_window(served, fmnist_feeds) -> None:
