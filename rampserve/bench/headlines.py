@@ -189,11 +189,34 @@ def fresh_clone_demos(runs: tuple[tuple[str, str], ...]) -> Row:
                code=", ".join(code for _, code in runs))
 
 
+def executor_overheads(runs: tuple[tuple[str, str], ...]) -> Row:
+    """`bench executor` runs (file, code) against issue 51's bars: the executor process's overhead one request at a
+    time over the bare uvicorn echo of the same round, binary tensors from the lean client (and from aiohttp) and
+    gRPC, each run's median over its rounds with their range, and the bars judged over the runs (at most 3× and 5×
+    in every run)."""
+    n = len(runs)
+    spans = ", ".join(["{} ({}–{})"] * n)
+    listed = ", ".join(["{}"] * n)
+    lean, binary, grpc = (f"over_uvicorn_echo.process.overhead_{kind}_ms" for kind in ("lean", "binary", "grpc"))
+    return Row(f"The executor process's overhead over a bare uvicorn echo, one request at a time, 5 rounds, {n} runs",
+               f"binary tensors from the lean client (the echo's) {spans} (bar ≤ 3× in each run: {{}}), from "
+               f"aiohttp {listed}; gRPC {spans} (≤ 5× in each: {{}}); the echo {listed}",
+               (*(figure for run in range(n) for figure in with_span(lean, "{:.2f}×", file=run)),
+                over_runs(f"{lean}.median", max, 3.0, True),
+                *each_run(f"{binary}.median", "{:.2f}×", n),
+                *(figure for run in range(n) for figure in with_span(grpc, "{:.2f}×", file=run)),
+                over_runs(f"{grpc}.median", max, 5.0, True),
+                *each_run("http_cores.median_ms.uvicorn", "{:.2f} ms", n)),
+               tuple(file for file, _ in runs), page="[journal](docs/journal/2026-11-30-fresh-machine.md)",
+               code=", ".join(code for _, code in runs))
+
+
 ROWS = (
     fresh_clone_demos((("demo-minilm-rt-fresh-clone-dc2b4cd.json", "dc2b4cd"),
                        ("demo-minilm-rt-fresh-clone-a1f568b.json", "a1f568b"),
                        ("demo-minilm-rt-fresh-clone-3d074c1.json", "3d074c1"),
-                       ("demo-minilm-rt-fresh-clone-392f365.json", "392f365"))),
+                       ("demo-minilm-rt-fresh-clone-392f365.json", "392f365"),
+                       ("demo-minilm-rt-fresh-machine-762b502.json", "762b502"))),
     Row("`bench sim` minilm-rt, 3 seeds (median / worst)",
         "p50 {} / {}, p99 {} / {}, accuracy {} / {}",
         (at("summary.rampserve.p50_ratio.median", "{:.2f}×"),
@@ -402,19 +425,9 @@ ROWS = (
         ("startup-resnet18-minilm-executor-without-torch-2596d40-run1.json",
          "startup-resnet18-minilm-executor-with-torch-1ceb5c3-run1.json"),
         page="[serving](docs/serving.md)", code="2596d40"),
-    Row("The executor process's overhead over a bare uvicorn echo, one request at a time, 5 rounds, 2 runs",
-        "binary tensors from the lean client (the echo's) {} ({}–{}) and {} ({}–{}) (bar ≤ 3× in each run: {}), from "
-        "aiohttp {} and {}; gRPC {} ({}–{}) and {} ({}–{}) (≤ 5× in each: {})",
-        (*with_span("over_uvicorn_echo.process.overhead_lean_ms", "{:.2f}×"),
-         *with_span("over_uvicorn_echo.process.overhead_lean_ms", "{:.2f}×", file=1),
-         over_runs("over_uvicorn_echo.process.overhead_lean_ms.median", max, 3.0, True),
-         at("over_uvicorn_echo.process.overhead_binary_ms.median", "{:.2f}×"),
-         at("over_uvicorn_echo.process.overhead_binary_ms.median", "{:.2f}×", file=1),
-         *with_span("over_uvicorn_echo.process.overhead_grpc_ms", "{:.2f}×"),
-         *with_span("over_uvicorn_echo.process.overhead_grpc_ms", "{:.2f}×", file=1),
-         over_runs("over_uvicorn_echo.process.overhead_grpc_ms.median", max, 5.0, True)),
-        ("executor-resnet18-fmnist-df084f4.json", "executor-resnet18-fmnist-a1f568b.json"),
-        page="[journal](docs/journal/2026-11-30-one-answer-type.md)", code="df084f4, a1f568b"),
+    executor_overheads((("executor-resnet18-fmnist-df084f4.json", "df084f4"),
+                        ("executor-resnet18-fmnist-a1f568b.json", "a1f568b"),
+                        ("executor-resnet18-fmnist-fresh-machine-80dd4cf.json", "80dd4cf"))),
     Row("Executor killed (SIGKILL), 3 rounds",
         "ready again in {} idle, {} under {} clients",
         (at("models.resnet18-fmnist.restart_serving_s", "{:.2f} s"),
