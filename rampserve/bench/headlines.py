@@ -12,7 +12,6 @@ run of several seeds; its columns are the same figures for every run."""
 
 from __future__ import annotations
 
-import operator
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -91,12 +90,6 @@ def budget_spent(run: dict) -> float:
     """The share of the accuracy constraint the median seed spends."""
     constraint = run["seeds"][0]["controller"]["accuracy_constraint"]
     return (1 - run["summary"]["rampserve"]["accuracy"]["median"]) / constraint
-
-
-def largest_outside_the_model(paired: dict) -> float:
-    """The largest difference from vanilla, on the same requests, of any stage but the model's."""
-    return max(abs(difference) for path in ("early", "final") for stage, difference in
-               paired[path]["difference_ms"].items() if stage not in ("model to the exit", "whole latency"))
 
 
 def answerable(runs: Runs, kind: str) -> list[float]:
@@ -246,18 +239,10 @@ ROWS = (
                             for seed in (0, 1, 2)),
                       "the two systems taking each round's 4 slices in turns after both warm-ups",
                       "[journal](docs/journal/2026-11-30-paired-slices.md)"),
-    Row("`bench live` minilm-rt traced, 3 rounds after 4,500 warm-up requests",
-        "p50 {} ({}–{}; bar ≤ 0.75×: missed), p99 {}, accuracy {}; on the same requests an exited answer {} faster "
-        "end to end ({} in the model), a final one {} slower; every stage outside the model within {} of vanilla's",
-        (*live_ratios(),
-         at("loads.0.systems.rampserve.stages_paired.early.difference_ms.whole latency", "{:.1f} ms",
-            then=operator.neg),
-         at("loads.0.systems.rampserve.stages_paired.early.difference_ms.model to the exit", "{:.1f}",
-            then=operator.neg),
-         at("loads.0.systems.rampserve.stages_paired.final.difference_ms.whole latency", "{:.2f} ms"),
-         at("loads.0.systems.rampserve.stages_paired", "±{:.2f} ms", then=largest_outside_the_model)),
-        ("live-minilm-rt-rt-drift-load0.2-traced-4d5f935.json",),
-        page="[journal](docs/journal/2026-11-29-request-trace.md)", code="4d5f935"),
+    settled_live_runs(tuple((f"live-minilm-rt-load0.2-settled-fresh-bundle-aff2185-seed{seed}.json", seed, "aff2185")
+                            for seed in (0, 1, 2)),
+                      "in slices, on a machine that prepared the bundle afresh, a status question no longer waiting "
+                      "for the controller on the executor thread", "[journal](docs/journal/2026-11-30-fresh-machine.md)"),
     Row("The same on the user's path (an HF folder, a texts file)",
         "p50 {} ({}–{}; bar ≤ 0.9×: missed), p99 {}, accuracy {}",
         live_ratios(),
