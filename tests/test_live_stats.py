@@ -409,8 +409,8 @@ def test_the_tail_table_names_each_system_s_slowest_and_the_worst_round_is_the_w
     tail = tail_stage_costs(result)
     assert tail["requests"] == 2 and tail["stages_ms"]["encoded, to the client"]["tail"] == pytest.approx(101.0)
     out = io.StringIO()
-    Console(file=out, width=200).print(tail_table({"vanilla": {"tail_stages": None}, "rampserve": {"tail_stages": tail}},
-                                                  "tails"))
+    systems = {"vanilla": {"tail_stages": None}, "rampserve": {"tail_stages": tail}}
+    Console(file=out, width=200).print(tail_table(systems, "tails"))
     text = out.getvalue()
     assert "rampserve: slowest 2" in text and "vanilla" not in text and "101.000" in text
     rounds = [{"vanilla": {"p99_ms": 10.0}, "rampserve": {"p99_ms": p99}} for p99 in (9.0, 30.0, None, 12.0)]

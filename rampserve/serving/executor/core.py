@@ -50,6 +50,9 @@ from rampserve.threads import (
     thread_ids,
 )
 
+if TYPE_CHECKING:
+    from rampserve.serving.executor.worker import ModelWorker
+
 log = logging.getLogger("rampserve.serving")
 
 # Longest an executor's control thread waits for a controller the front end holds; past it, the record is lost to
@@ -58,8 +61,6 @@ CONTROL_CALL_TIMEOUT_S = 30.0
 # How long a poll rests in select at a time while a SCHED_IDLE thread waits for a core (`wait_readable`): a frame
 # wakes it sooner
 POLL_REST_S = 0.001
-if TYPE_CHECKING:
-    from rampserve.serving.executor.worker import ModelWorker
 
 # What serving a bundle imports, by its backend (torch, ONNX Runtime and its Python operators, the controller):
 # imported by `main` after the interpreter's start and before the bundle loads, so that the start's log tells the
@@ -158,7 +159,8 @@ class StatusReplies:
     def _answer(self) -> None:
         while (asked := self._asked.get()) is not None:
             call, serving, latest_decisions = asked
-            self._send(wire.frame(wire.REPLY, {"i": call, "r": serving | self._worker.controller_status(latest_decisions)}))
+            status = serving | self._worker.controller_status(latest_decisions)
+            self._send(wire.frame(wire.REPLY, {"i": call, "r": status}))
 
 
 class Executor:
